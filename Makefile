@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates or updates .venv itself.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DEMO_DIR ?= demo-output
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
+
+.PHONY: venv test lint format demo bench clean
+
+# Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: venv lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(BIN)/python -m dinov3_core.demo --output $(DEMO_DIR)
+
+bench: venv
+	$(BIN)/python benchmarks/run_all.py --output bench-output
+
+clean:
+	rm -rf $(DEMO_DIR) bench-output .pytest_cache .ruff_cache

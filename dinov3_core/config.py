@@ -1,0 +1,222 @@
+"""Typed stage configuration: dataclass schema ← named or given YAML ← `key=value` overrides.
+
+Every stage takes one dataclass. Unknown keys fail with the closest valid key, wrong types fail with the key and
+the expected type, and the resolved config is saved beside each stage output so a run can be reproduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+def config_dir() -> Path:
+    """The `configs/` directory: `$WSIDINO_CONFIG_DIR`, else the one beside the installed source tree."""
+    env = os.environ.get(CONFIG_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "configs"
+
+
+def resolve_config_path(stage: str, name_or_path: str | os.PathLike[str] | None) -> Path | None:
+    """A config given as a file path, or as a name under `configs/<stage>/<name>.yaml`."""
+    if name_or_path is None or str(name_or_path) == "":
+        return None
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"} or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        return path
+    named = config_dir() / stage / f"{name_or_path}.yaml"
+    if named.is_file():
+        return named
+    available = sorted(p.stem for p in (config_dir() / stage).glob("*.yaml"))
+    raise ConfigError(
+        f"no config named {str(name_or_path)!r} for stage {stage!r}; "
+        f"available: {', '.join(available) or 'none'} (or pass a path to a .yaml file)"
+    )
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys of a nested mapping (lists and scalars are leaves)."""
+    if isinstance(node, Mapping) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _schema_keys(schema: DictConfig) -> list[str]:
+    keys: list[str] = []
+    for key in schema.keys():
+        value = schema._get_node(key)
+        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
+            keys.extend(f"{key}.{sub}" for sub in _schema_keys(value))
+            keys.append(str(key))
+        else:
+            keys.append(str(key))
+    return keys
+
+
+def _check_key(schema: DictConfig, key: str, source: str) -> None:
+    node: Any = schema
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            valid = _schema_keys(schema)
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            parent = ".".join(parts[:depth]) or "<root>"
+            raise ConfigError(f"unknown config key {key!r} in {source} (no {part!r} under {parent}){hint}")
+        node = node._get_node(part)
+        if isinstance(node, DictConfig) and (node._is_none() or node._is_missing()):
+            return  # an optional sub-config that is unset accepts its own keys on merge
+
+
+def _type_name(node: Any) -> str:
+    try:
+        ref = node._metadata.ref_type
+        name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
+        return f"{name} or null" if node._metadata.optional and name != "Any" else name
+    except AttributeError:
+        return "a valid value"
+
+
+def _merge_checked(base: DictConfig, update: Mapping[str, Any], source: str) -> DictConfig:
+    for key, value in _flatten(update).items():
+        _check_key(base, key, source)
+        try:
+            OmegaConf.update(base, key, value, merge=True)
+        except ValidationError as err:
+            node = OmegaConf.select(base, key, throw_on_missing=False)
+            expected = _type_name(base._get_node(key.split(".")[0]) if node is None else _node_of(base, key))
+            raise ConfigError(
+                f"invalid value for config key {key!r} in {source}: {value!r} is not {expected} "
+                f"({err.msg.splitlines()[0]})"
+            ) from None
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"invalid config key {key!r} in {source}: {err.msg}") from None
+    return base
+
+
+def _node_of(cfg: DictConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node._get_node(part)
+    return node
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """`key=value` strings → nested dict; values are parsed as YAML (numbers, booleans, null, lists)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        out[key] = value
+    return out
+
+
+def load_config(
+    schema: type[T],
+    config: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    *,
+    stage: str | None = None,
+) -> T:
+    """Build a typed config: schema defaults ← YAML (a path or a name under `configs/<stage>/`) ← overrides."""
+    base = OmegaConf.structured(schema)
+    path = resolve_config_path(stage or "", config) if config is not None else None
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
+        _merge_checked(base, loaded, f"config file {path}")
+    if isinstance(overrides, Mapping):
+        update = {k: v for k, v in overrides.items()}
+        _merge_checked(base, update, "overrides")
+    else:
+        _merge_checked(base, parse_overrides(overrides), "overrides")
+    missing = sorted(OmegaConf.missing_keys(base))
+    if missing:
+        raise ConfigError(f"required config key(s) not set: {', '.join(missing)} (set them as key=value)")
+    try:
+        return OmegaConf.to_object(base)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid config: {err}") from None
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(container, dict)
+    return container
+
+
+def flat_params(cfg: Any) -> dict[str, Any]:
+    """Dotted key → value, for logging as MLflow params."""
+    return _flatten(to_dict(cfg))
+
+
+def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved config atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def config_hash(cfg: Any, exclude: Iterable[str] = ()) -> str:
+    """Stable hash of the config's values (minus `exclude`d dotted keys): used to decide whether a rerun may skip."""
+    import hashlib
+    import json
+
+    flat = {k: v for k, v in flat_params(cfg).items() if k not in set(exclude)}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+__all__ = [
+    "ConfigError",
+    "DictConfig",
+    "ListConfig",
+    "config_dir",
+    "config_hash",
+    "flat_params",
+    "load_config",
+    "parse_overrides",
+    "resolve_config_path",
+    "save_config",
+    "to_dict",
+    "to_yaml",
+]

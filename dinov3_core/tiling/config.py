@@ -1,0 +1,62 @@
+"""Typed configuration of the tile stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omegaconf import MISSING
+
+from dinov3_core.tracking import TrackingConfig
+
+
+@dataclass
+class TissueConfig:
+    """Tissue mask from a low-resolution thumbnail."""
+
+    thumbnail_mpp: float = 8.0  # µm/px of the thumbnail the mask is computed on
+    saturation_threshold: float | None = None  # HSV saturation in [0, 255]; null → Otsu on the slide itself
+    min_saturation: float = 15.0  # floor under Otsu: a blank slide must not become "tissue"
+    max_brightness: float = 245.0  # brighter pixels (glass) are never tissue
+    fill_holes: bool = True
+    max_hole_area_um2: float = 50_000.0  # holes larger than this stay background (lumina, fat)
+    min_region_area_um2: float = 20_000.0  # smaller specks are dropped (dust, debris)
+    min_tissue_fraction: float = 0.5  # keep a tile when at least this share of it is tissue
+
+
+@dataclass
+class FilterConfig:
+    """Optional per-tile QC filters; scores are stored whether or not the filter drops tiles."""
+
+    pen_filter: bool = False
+    pen_max_fraction: float = 0.1  # drop a tile when more than this share of it is pen ink
+    blur_filter: bool = False
+    blur_min_score: float = 15.0  # drop a tile whose Laplacian variance (at blur_mpp) is lower
+    blur_mpp: float = 2.0
+
+
+@dataclass
+class TileConfig:
+    """The tile stage: whole-slide images → zarr tile store."""
+
+    input: str = MISSING  # a directory, a glob, or a single slide file
+    output: str = MISSING  # the tile store directory (…/tiles.zarr)
+    mpp: float = 0.5  # target µm/px of every tile
+    mpp_tolerance: float = 0.05  # relative: a pyramid level within ±5 % of the target is read without resizing
+    mpp_overrides: str | None = None  # CSV with columns slide,mpp (slide = file name or stem)
+    default_mpp: float | None = None  # used for slides whose files carry no µm/px at all
+    tile_size: int = 224  # px at the target µm/px
+    stride: int | None = None  # px at the target µm/px; null → tile_size (no overlap)
+    tissue: TissueConfig = field(default_factory=TissueConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    compressor: Literal["zstd", "jpeg", "none"] = "zstd"  # zstd is lossless
+    compression_level: int = 3  # zstd level
+    jpeg_quality: int = 90
+    tiles_per_shard: int = 256  # one writer per shard; also the unit of parallel work inside a slide
+    workers: int = 1  # processes; slides and shard ranges of large slides are spread over them
+    extensions: list[str] = field(
+        default_factory=lambda: [".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".bif", ".dcm"]
+    )
+    qc_thumbnail_px: int = 1024  # longest side of the QC picture
+    progress: bool = True
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)

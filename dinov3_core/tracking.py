@@ -1,0 +1,86 @@
+"""MLflow glue shared by every stage (plain MLflow; Prefect-specific tagging lives in `tasks/`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None  # null → $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
+    experiment: str = "wsidino"
+
+
+def tracking_uri(cfg: TrackingConfig) -> str:
+    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+@contextlib.contextmanager
+def stage_run(
+    cfg: TrackingConfig,
+    run_name: str,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[Any]:
+    """An MLflow run for one stage execution, or `None` when tracking is off.
+
+    Joins `$MLFLOW_RUN_ID` when a pipeline task pre-created the run; nests under `$WSIDINO_MLFLOW_PARENT_RUN_ID`
+    otherwise. A failure inside marks the run FAILED and re-raises.
+    """
+    if not cfg.enabled:
+        yield None
+        return
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    if not os.environ.get("MLFLOW_RUN_ID"):
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+    parent = os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
+    run = mlflow.start_run(
+        run_id=os.environ.get("MLFLOW_RUN_ID") or None,
+        run_name=None if os.environ.get("MLFLOW_RUN_ID") else run_name,
+        parent_run_id=parent or None,
+        tags=dict(tags or {}),
+    )
+    try:
+        if params:
+            log_params(params)
+        yield run
+    except BaseException:
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")
+
+
+def log_params(params: Mapping[str, Any]) -> None:
+    """Log params, skipping keys that already hold a value (params are write-once in MLflow)."""
+    import mlflow
+
+    run = mlflow.active_run()
+    existing = run.data.params if run is not None else {}
+    fresh = {k: ("null" if v is None else str(v))[:6000] for k, v in params.items() if k not in existing}
+    if fresh:
+        mlflow.log_params(fresh)
+
+
+def log_artifact(path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None and Path(path).exists():
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+
+def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
