@@ -16,7 +16,9 @@ class TissueConfig:
 
     thumbnail_mpp: float = 8.0  # µm/px of the thumbnail the mask is computed on
     saturation_threshold: float | None = None  # HSV saturation in [0, 255]; null → Otsu on the slide itself
-    min_saturation: float = 15.0  # floor under Otsu: a blank slide must not become "tissue"
+    brightness_threshold: float | None = None  # grey level in [0, 255] below which is tissue; null → from glass
+    glass_margin: float = 18.0  # tissue is at least this much darker than the glass (grey levels)
+    min_saturation: float = 15.0  # floor under the saturation threshold: glass must not become "tissue"
     max_brightness: float = 245.0  # brighter pixels (glass) are never tissue
     fill_holes: bool = True
     max_hole_area_um2: float = 50_000.0  # holes larger than this stay background (lumina, fat)

@@ -1,0 +1,62 @@
+"""QC pictures: what a pathologist looks at to trust the tiling of a slide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+from scipy import ndimage
+
+TISSUE_CONTOUR = (0, 200, 0)
+TILE_OUTLINE = (30, 90, 255)
+DROPPED_OUTLINE = (255, 140, 0)
+PEN_TINT = (255, 0, 255)
+
+
+def _fit(image: np.ndarray, max_side: int) -> tuple[Image.Image, float]:
+    img = Image.fromarray(image)
+    factor = min(1.0, max_side / max(img.size))
+    if factor < 1.0:
+        img = img.resize((max(1, round(img.width * factor)), max(1, round(img.height * factor))), Image.Resampling.BOX)
+    return img, factor
+
+
+def save_qc_pictures(
+    out_dir: Path,
+    image: np.ndarray,
+    image_scale: float,
+    tissue: np.ndarray,
+    pen: np.ndarray,
+    kept_coords: np.ndarray,
+    dropped_coords: np.ndarray,
+    tile_level0: int,
+    max_side: int = 1024,
+    title: str = "",
+) -> dict[str, str]:
+    """`image` (any resolution, `image_scale` level-0 px per px) with tissue contour (green), pen ink (magenta), kept tiles (blue) and QC-dropped tiles (orange)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    img, factor = _fit(image, max_side)
+    overlay = np.asarray(img).copy()
+    nearest = Image.Resampling.NEAREST
+    small_tissue = np.asarray(Image.fromarray(tissue.astype(np.uint8) * 255).resize(img.size, nearest)) > 127
+    small_pen = np.asarray(Image.fromarray(pen.astype(np.uint8) * 255).resize(img.size, nearest)) > 127
+    overlay[small_pen] = (0.5 * overlay[small_pen] + 0.5 * np.array(PEN_TINT)).astype(np.uint8)
+    contour = small_tissue & ~ndimage.binary_erosion(small_tissue, iterations=2)
+    overlay[contour] = TISSUE_CONTOUR
+    picture = Image.fromarray(overlay)
+    draw = ImageDraw.Draw(picture)
+    px = factor / image_scale  # picture px per level-0 px
+    side = max(1.0, tile_level0 * px)
+    for coords, colour in ((kept_coords, TILE_OUTLINE), (dropped_coords, DROPPED_OUTLINE)):
+        for x, y in coords:
+            x0, y0 = x * px, y * px
+            draw.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), outline=colour)
+    if title:
+        draw.rectangle((0, 0, min(picture.width, 8 * len(title) + 8), 14), fill=(255, 255, 255))
+        draw.text((4, 1), title, fill=(0, 0, 0))
+    thumb_path = out_dir / "qc_thumbnail.png"
+    mask_path = out_dir / "qc_mask.png"
+    picture.save(thumb_path, optimize=False)
+    Image.fromarray(tissue.astype(np.uint8) * 255).save(mask_path)
+    return {"thumbnail": thumb_path.name, "mask": mask_path.name}

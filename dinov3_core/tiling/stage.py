@@ -1,0 +1,389 @@
+"""The tile stage: whole-slide images → zarr tile store.
+
+`run_tile(cfg)` is the stage function (CLI, demo, benchmarks). It spreads slide planning and shard-range writes
+over a process pool, so one large slide also uses every worker, commits each slide atomically when all of its
+shards are written, and records every slide's outcome in the manifest. `tile_one_slide` does the same for a single
+slide in the calling process (one Prefect task per slide).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import multiprocessing as mp
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.config import ConfigError, save_config
+from dinov3_core.tiling import store as ts
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.plan import SlidePlan, SlideTask, plan_slide, slide_attrs, slide_params_hash, tiling_params
+from dinov3_core.tiling.qc import save_qc_pictures
+from dinov3_core.tiling.slide import SlideError, file_fingerprint, load_mpp_overrides
+from dinov3_core.tiling.writer import WriteUnit, close_cached_slides, write_unit
+
+log = logging.getLogger("wsidino.tile")
+
+SHARDS_PER_UNIT = 1
+MAX_UNIT_ATTEMPTS = 2  # a unit whose worker died is retried once before its slide is marked failed
+
+
+@dataclass
+class SlideOutcome:
+    slide_id: str
+    source_path: str
+    status: str  # ok | failed | skipped
+    error: str | None = None
+    tile_count: int = 0
+    seconds: float = 0.0
+    bytes_per_tile: float | None = None
+    mpp_effective: float | None = None
+    qc: dict[str, str] = field(default_factory=dict)
+
+    def as_manifest_entry(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TileResult:
+    store: Path
+    outcomes: list[SlideOutcome]
+    seconds: float
+    tiles_written: int
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out = {"ok": 0, "failed": 0, "skipped": 0}
+        for o in self.outcomes:
+            out[o.status] += 1
+        return out
+
+    @property
+    def total_tiles(self) -> int:
+        return sum(o.tile_count for o in self.outcomes if o.status in ("ok", "skipped"))
+
+
+# ---------------------------------------------------------------------------------------------------- discovery
+
+
+def discover_slides(spec: str, extensions: Iterable[str]) -> list[Path]:
+    """Slides named by a directory (recursive), a glob, a single file, or a .txt/.csv list of paths.
+
+    Paths listed in a list file are returned even when missing, so that they fail individually and visibly.
+    """
+    exts = {e.lower() for e in extensions}
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+    elif path.is_file() and path.suffix.lower() in {".txt", ".csv"}:
+        found = _read_slide_list(path)
+    elif path.is_file():
+        found = [path]
+    elif any(ch in spec for ch in "*?["):
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    else:
+        raise ConfigError(f"input {spec!r} does not exist; give a directory, a glob, a slide file or a list file")
+    if not found:
+        raise ConfigError(f"no slides found for input {spec!r} (extensions: {', '.join(sorted(exts))})")
+    return found
+
+
+def _read_slide_list(path: Path) -> list[Path]:
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    if path.suffix.lower() == ".csv" and lines and lines[0].split(",")[0].strip().lower() in {"path", "slide"}:
+        lines = [ln.split(",")[0].strip() for ln in lines[1:]]
+    return [(path.parent / p if not Path(p).is_absolute() else Path(p)) for p in lines]
+
+
+def assign_slide_ids(paths: Iterable[Path]) -> list[SlideTask]:
+    """The file stem, made unique with a short hash of the path when two inputs share a stem."""
+    paths = list(paths)
+    stems: dict[str, int] = {}
+    for p in paths:
+        stems[p.stem] = stems.get(p.stem, 0) + 1
+    tasks = []
+    for p in paths:
+        slide_id = p.stem
+        if stems[p.stem] > 1:
+            slide_id = f"{p.stem}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
+        tasks.append(SlideTask(slide_id=slide_id, path=p))
+    return tasks
+
+
+def is_up_to_date(root: Path, task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> bool:
+    """True when the store holds this slide complete, from the same file content and tiling parameters."""
+    if task.slide_id not in ts.complete_slide_ids(root) or not task.path.is_file():
+        return False
+    attrs = ts.read_slide_attrs(root, task.slide_id)
+    if not attrs.get("complete"):
+        return False
+    size, fingerprint = file_fingerprint(task.path)
+    override = overrides.get(task.path.name, overrides.get(task.path.stem, overrides.get(str(task.path))))
+    return (
+        attrs.get("source_fingerprint") == fingerprint
+        and attrs.get("source_size") == size
+        and attrs.get("params_hash") == slide_params_hash(cfg, override)
+    )
+
+
+def skipped_outcome(root: Path, task: SlideTask) -> SlideOutcome:
+    attrs = ts.read_slide_attrs(root, task.slide_id)
+    return SlideOutcome(
+        slide_id=task.slide_id,
+        source_path=str(task.path),
+        status="skipped",
+        tile_count=int(attrs.get("tile_count", 0)),
+        bytes_per_tile=attrs.get("bytes_per_tile"),
+        mpp_effective=attrs.get("mpp_effective"),
+        qc=_qc_paths(task.slide_id, {"thumbnail": "qc_thumbnail.png", "mask": "qc_mask.png"}),
+    )
+
+
+def _qc_paths(slide_id: str, names: dict[str, str]) -> dict[str, str]:
+    return {k: f"{ts.SLIDES}/{slide_id}/{v}" for k, v in names.items()}
+
+
+def _error_text(err: BaseException) -> str:
+    if isinstance(err, SlideError | ConfigError | ts.TileStoreError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+# ------------------------------------------------------------------------------------------- one slide, in-process
+
+
+def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:
+    incoming = ts.begin_slide(
+        root,
+        plan.task.slide_id,
+        n_tiles=plan.n_tiles,
+        tile_size=cfg.tile_size,
+        tiles_per_shard=cfg.tiles_per_shard,
+        compressor=cfg.compressor,
+        compression_level=cfg.compression_level,
+        jpeg_quality=cfg.jpeg_quality,
+        columns=plan.columns(),
+    )
+    units = [
+        WriteUnit(incoming=incoming, source=plan.task.path, read=plan.read, start=a, coords=plan.coords[a:b])
+        for a, b in incoming.shard_ranges(SHARDS_PER_UNIT)
+    ]
+    return incoming, units
+
+
+def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
+    qc = save_qc_pictures(
+        incoming.path,
+        plan.qc_image,
+        plan.qc_scale,
+        plan.tissue_mask,
+        plan.pen_mask,
+        plan.coords,
+        plan.dropped_coords,
+        plan.read.tile_size_level0,
+        max_side=cfg.qc_thumbnail_px,
+        title=f"{plan.task.slide_id}: {plan.n_tiles} tiles @ {plan.read.mpp_effective:.3f} um/px",
+    )
+    final = ts.commit_slide(incoming, slide_attrs(plan, cfg))
+    attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)
+    return SlideOutcome(
+        slide_id=plan.task.slide_id,
+        source_path=str(plan.task.path),
+        status="ok",
+        tile_count=plan.n_tiles,
+        seconds=round(seconds, 3),
+        bytes_per_tile=attrs.get("bytes_per_tile"),
+        mpp_effective=plan.read.mpp_effective,
+        qc=_qc_paths(plan.task.slide_id, qc),
+    )
+
+
+def tile_one_slide(task: SlideTask, root: Path, cfg: TileConfig, overrides: dict[str, float]) -> SlideOutcome:
+    """Plan, write and commit one slide in this process. Never raises for a bad slide: returns `failed`."""
+    start = time.perf_counter()
+    incoming = None
+    try:
+        if is_up_to_date(root, task, cfg, overrides):
+            return skipped_outcome(root, task)
+        plan = plan_slide(task, cfg, overrides)
+        incoming, units = begin_plan(root, plan, cfg)
+        for unit in units:
+            write_unit(unit)
+        return finish_plan(incoming, plan, cfg, time.perf_counter() - start)
+    except Exception as err:
+        if incoming is not None:
+            ts.abandon_slide(incoming)
+        log.debug("slide %s failed:\n%s", task.path, traceback.format_exc())
+        return SlideOutcome(task.slide_id, str(task.path), "failed", error=_error_text(err))
+    finally:
+        close_cached_slides()
+
+
+# -------------------------------------------------------------------------------------------------- whole stage
+
+
+def prepare_store(cfg: TileConfig) -> tuple[Path, list[SlideTask], dict[str, float]]:
+    """Validate the output, save the resolved config, list the slides and load µm/px overrides."""
+    if cfg.tile_size < 16 or cfg.tiles_per_shard < 1 or cfg.workers < 1:
+        raise ConfigError("tile_size must be ≥ 16 and tiles_per_shard, workers ≥ 1")
+    if not 0.0 <= cfg.tissue.min_tissue_fraction <= 1.0:
+        raise ConfigError(f"tissue.min_tissue_fraction must be in [0, 1], got {cfg.tissue.min_tissue_fraction}")
+    if cfg.mpp <= 0:
+        raise ConfigError(f"mpp must be positive, got {cfg.mpp}")
+    root = ts.init_store(cfg.output)
+    tasks = assign_slide_ids(discover_slides(cfg.input, cfg.extensions))
+    overrides = load_mpp_overrides(cfg.mpp_overrides)
+    return root, tasks, overrides
+
+
+def store_extras(cfg: TileConfig) -> dict[str, Any]:
+    return {"tiling": tiling_params(cfg)}
+
+
+ProgressFn = Callable[[int, int], None]  # (tiles done, tiles planned so far)
+
+
+def run_tile(cfg: TileConfig, progress: ProgressFn | None = None) -> TileResult:
+    """Tile every input slide into the store at `cfg.output`; a bad slide is recorded, never fatal."""
+    start = time.perf_counter()
+    root, tasks, overrides = prepare_store(cfg)
+    with ts.store_lock(root):
+        ts.clear_incoming(root)
+        save_config(cfg, root / "config.yaml")
+        outcomes: dict[str, SlideOutcome] = {}
+        todo: list[SlideTask] = []
+        for task in tasks:
+            try:
+                if is_up_to_date(root, task, cfg, overrides):
+                    outcomes[task.slide_id] = skipped_outcome(root, task)
+                    continue
+            except Exception as err:  # an unreadable file: let planning report it
+                log.debug("up-to-date check failed for %s: %s", task.path, err)
+            todo.append(task)
+        if outcomes:
+            ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
+        written = _run_pool(root, todo, cfg, overrides, outcomes, progress)
+        ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
+    ordered = [outcomes[t.slide_id] for t in tasks]
+    return TileResult(store=root, outcomes=ordered, seconds=time.perf_counter() - start, tiles_written=written)
+
+
+@dataclass
+class _SlideState:
+    plan: SlidePlan
+    incoming: ts.IncomingSlide
+    remaining: int
+    started: float
+
+
+def _run_pool(
+    root: Path,
+    todo: list[SlideTask],
+    cfg: TileConfig,
+    overrides: dict[str, float],
+    outcomes: dict[str, SlideOutcome],
+    progress: ProgressFn | None,
+) -> int:
+    """Plan jobs first, then shard-range write jobs; survives worker crashes by rebuilding the pool."""
+    if not todo:
+        return 0
+    ctx = mp.get_context("spawn")  # the parent runs zarr's event-loop thread: never fork it
+    pool = ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx)
+    pending: dict[Future[Any], tuple[str, Any, int]] = {}
+    states: dict[str, _SlideState] = {}
+    done_tiles = planned_tiles = 0
+    started = {t.slide_id: time.perf_counter() for t in todo}
+
+    def submit(kind: str, payload: Any, attempt: int = 1) -> None:
+        fn = plan_slide if kind == "plan" else write_unit
+        args = (payload, cfg, overrides) if kind == "plan" else (payload,)
+        pending[pool.submit(fn, *args)] = (kind, payload, attempt)
+
+    def fail(task_or_id: SlideTask | str, path: str, message: str) -> None:
+        slide_id = task_or_id if isinstance(task_or_id, str) else task_or_id.slide_id
+        state = states.pop(slide_id, None)
+        if state is not None:
+            ts.abandon_slide(state.incoming)
+        outcomes[slide_id] = SlideOutcome(slide_id, path, "failed", error=message)
+        ts.write_manifest(root, [outcomes[slide_id].as_manifest_entry()], store_extras(cfg))
+        log.warning("slide failed: %s", message)
+
+    for task in todo:
+        submit("plan", task)
+    try:
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            crashed: list[tuple[str, Any, int]] = []
+            for fut in done:
+                kind, payload, attempt = pending.pop(fut)
+                slide_id = payload.slide_id if kind == "plan" else payload.incoming.slide_id
+                path = str(payload.path if kind == "plan" else payload.source)
+                if kind == "write" and slide_id not in states:
+                    continue  # its slide already failed
+                try:
+                    result = fut.result()
+                except BrokenProcessPool:
+                    crashed.append((kind, payload, attempt))
+                    continue
+                except Exception as err:
+                    fail(slide_id, path, _error_text(err))
+                    continue
+                if kind == "plan":
+                    plan: SlidePlan = result
+                    try:
+                        incoming, units = begin_plan(root, plan, cfg)
+                    except Exception as err:
+                        fail(slide_id, path, _error_text(err))
+                        continue
+                    states[slide_id] = _SlideState(plan, incoming, len(units), started[slide_id])
+                    planned_tiles += plan.n_tiles
+                    for unit in units:
+                        submit("write", unit)
+                    if not units:
+                        _commit(root, states.pop(slide_id), cfg, outcomes)
+                else:
+                    state = states[slide_id]
+                    state.remaining -= 1
+                    done_tiles += result[1]
+                    if state.remaining == 0:
+                        try:
+                            _commit(root, states.pop(slide_id), cfg, outcomes)
+                        except Exception as err:
+                            fail(slide_id, path, _error_text(err))
+                if progress:
+                    progress(done_tiles, planned_tiles)
+            if crashed:
+                # A dead worker fails every unfinished job of the pool and we cannot tell whose job killed it:
+                # rebuild the pool and give each affected job one more attempt.
+                leftovers = crashed + list(pending.values())
+                pending.clear()
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx)
+                for kind, payload, attempt in leftovers:
+                    slide_id = payload.slide_id if kind == "plan" else payload.incoming.slide_id
+                    path = str(payload.path if kind == "plan" else payload.source)
+                    if kind == "write" and slide_id not in states:
+                        continue
+                    if attempt >= MAX_UNIT_ATTEMPTS:
+                        fail(slide_id, path, f"{path}: a worker process crashed while reading this slide "
+                             "(corrupt image data?); open it in a slide viewer or re-export it")
+                    else:
+                        submit(kind, payload, attempt + 1)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for state in states.values():
+            ts.abandon_slide(state.incoming)
+    return done_tiles
+
+
+def _commit(root: Path, state: _SlideState, cfg: TileConfig, outcomes: dict[str, SlideOutcome]) -> None:
+    outcome = finish_plan(state.incoming, state.plan, cfg, time.perf_counter() - state.started)
+    outcomes[outcome.slide_id] = outcome
+    ts.write_manifest(root, [outcome.as_manifest_entry()], store_extras(cfg))

@@ -1,0 +1,291 @@
+"""The zarr tile store: layout, per-slide atomic commit, manifest and the single-run lock.
+
+Layout and attributes are specified in docs/tile-store.md. Invariants this module keeps:
+- a slide group under `slides/` is complete: it is built under `.incoming/` and renamed into place last;
+- each shard of `tiles` has exactly one writer (writers get shard-aligned index ranges);
+- store metadata (root group, manifest, array creation) is written by one process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+import zarr.codecs
+
+from dinov3_core.tiling.codecs import JpegCodec
+
+STORE_FORMAT = {"format": "tile-store", "version": 1}
+SLIDES = "slides"
+INCOMING = ".incoming"
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+ATTRS_KEY = "wsidino"
+
+Compressor = Literal["zstd", "jpeg", "none"]
+
+
+class TileStoreError(RuntimeError):
+    """The tile store is missing, not a tile store, or in use."""
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def init_store(path: str | os.PathLike[str]) -> Path:
+    """Create (or validate) a tile store root. Raises a clear error when the directory is unusable."""
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise TileStoreError(f"tile store path {root} exists and is not a directory; choose another --output")
+    if root.is_dir() and any(root.iterdir()) and not (root / "zarr.json").exists():
+        raise TileStoreError(
+            f"{root} is a non-empty directory that is not a tile store; choose an empty or new --output path"
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise TileStoreError(
+            f"cannot write the tile store at {root}: {err.strerror or err}; check permissions or choose another --output"
+        ) from None
+    if (root / "zarr.json").exists():
+        check_store(root)
+    else:
+        group = zarr.open_group(str(root), mode="w", zarr_format=3)
+        group.attrs[ATTRS_KEY] = {**STORE_FORMAT, "created": utc_now()}
+    (root / SLIDES).mkdir(exist_ok=True)
+    if not (root / SLIDES / "zarr.json").exists():
+        zarr.open_group(str(root / SLIDES), mode="w", zarr_format=3)
+    (root / INCOMING).mkdir(exist_ok=True)
+    return root
+
+
+def check_store(path: str | os.PathLike[str]) -> Path:
+    """Validate that `path` is a tile store readable by this version."""
+    root = Path(path)
+    if not (root / "zarr.json").is_file():
+        raise TileStoreError(f"no tile store at {root} (missing zarr.json); run `wsidino tile` to create one")
+    try:
+        attrs = json.loads((root / "zarr.json").read_text()).get("attributes", {}).get(ATTRS_KEY, {})
+    except (OSError, json.JSONDecodeError) as err:
+        raise TileStoreError(f"unreadable tile store metadata {root / 'zarr.json'}: {err}") from None
+    if attrs.get("format") != STORE_FORMAT["format"]:
+        raise TileStoreError(f"{root} is a zarr group but not a wsidino tile store (no '{ATTRS_KEY}.format')")
+    if attrs.get("version") != STORE_FORMAT["version"]:
+        raise TileStoreError(
+            f"tile store {root} has format version {attrs.get('version')}; this wsidino reads version "
+            f"{STORE_FORMAT['version']}. Re-tile the slides into a new store."
+        )
+    return root
+
+
+@contextlib.contextmanager
+def store_lock(root: Path) -> Iterator[None]:
+    """One tiling run per store at a time. flock is released by the kernel even on SIGKILL."""
+    lock_path = root / LOCK
+    with open(lock_path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise TileStoreError(
+                f"tile store {root} is being written by {holder}; wait for that run to finish"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def clear_incoming(root: Path) -> list[str]:
+    """Remove debris of interrupted runs (call only while holding the store lock)."""
+    removed = []
+    incoming = root / INCOMING
+    if incoming.is_dir():
+        for entry in incoming.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def slide_dir(root: Path, slide_id: str) -> Path:
+    return root / SLIDES / slide_id
+
+
+def complete_slide_ids(root: str | os.PathLike[str]) -> list[str]:
+    """Ids of the slides committed to the store, sorted."""
+    slides = Path(root) / SLIDES
+    if not slides.is_dir():
+        return []
+    return sorted(p.name for p in slides.iterdir() if p.is_dir() and (p / "zarr.json").is_file())
+
+
+def read_slide_attrs(root: str | os.PathLike[str], slide_id: str) -> dict[str, Any]:
+    meta = json.loads((Path(root) / SLIDES / slide_id / "zarr.json").read_text())
+    return dict(meta.get("attributes", {}).get(ATTRS_KEY, {}))
+
+
+def _tile_codecs(compressor: Compressor, level: int, jpeg_quality: int) -> dict[str, Any]:
+    if compressor == "zstd":
+        return {"compressors": zarr.codecs.ZstdCodec(level=level)}
+    if compressor == "jpeg":
+        return {"serializer": JpegCodec(quality=jpeg_quality), "compressors": None}
+    if compressor == "none":
+        return {"compressors": None}
+    raise ValueError(f"unknown compressor {compressor!r}; use zstd, jpeg or none")
+
+
+@dataclass(frozen=True)
+class IncomingSlide:
+    """A slide group being written under `.incoming/`. Picklable: workers reopen arrays by path."""
+
+    root: Path
+    slide_id: str
+    path: Path
+    n_tiles: int
+    tiles_per_shard: int
+
+    def tiles_array(self) -> zarr.Array:
+        return zarr.open_array(str(self.path / "tiles"), mode="r+")
+
+    def shard_ranges(self, shards_per_unit: int = 1) -> list[tuple[int, int]]:
+        """Shard-aligned [start, stop) index ranges covering all tiles; one writer each."""
+        step = self.tiles_per_shard * max(1, shards_per_unit)
+        return [(a, min(a + step, self.n_tiles)) for a in range(0, self.n_tiles, step)]
+
+    def write_tiles(self, start: int, tiles: np.ndarray, array: zarr.Array | None = None) -> None:
+        if start % self.tiles_per_shard:
+            raise ValueError(f"write at {start} is not shard-aligned (shard = {self.tiles_per_shard} tiles)")
+        (array or self.tiles_array())[start : start + len(tiles)] = tiles
+
+
+def begin_slide(
+    root: Path,
+    slide_id: str,
+    *,
+    n_tiles: int,
+    tile_size: int,
+    tiles_per_shard: int,
+    compressor: Compressor = "zstd",
+    compression_level: int = 3,
+    jpeg_quality: int = 90,
+    columns: Mapping[str, np.ndarray] | None = None,
+) -> IncomingSlide:
+    """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns."""
+    path = root / INCOMING / f"{slide_id}-{uuid.uuid4().hex[:8]}"
+    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    shard = max(1, min(tiles_per_shard, max(n_tiles, 1)))
+    group.create_array(
+        "tiles",
+        shape=(n_tiles, tile_size, tile_size, 3),
+        chunks=(1, tile_size, tile_size, 3),
+        shards=(shard, tile_size, tile_size, 3),
+        dtype="uint8",
+        dimension_names=["tile", "y", "x", "c"],
+        **_tile_codecs(compressor, compression_level, jpeg_quality),
+    )
+    for name, values in (columns or {}).items():
+        values = np.asarray(values)
+        if len(values) != n_tiles:
+            raise ValueError(f"column {name!r} has {len(values)} rows for {n_tiles} tiles")
+        dims = ["tile", "xy"] if values.ndim == 2 else ["tile"]
+        arr = group.create_array(
+            name,
+            shape=values.shape,
+            chunks=values.shape if n_tiles else None,
+            dtype=values.dtype,
+            dimension_names=dims,
+        )
+        if n_tiles:
+            arr[...] = values
+    return IncomingSlide(root=root, slide_id=slide_id, path=path, n_tiles=n_tiles, tiles_per_shard=shard)
+
+
+def stored_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def commit_slide(incoming: IncomingSlide, attrs: Mapping[str, Any]) -> Path:
+    """Mark the slide complete and move it into `slides/` atomically, replacing an older version if any."""
+    group = zarr.open_group(str(incoming.path), mode="r+")
+    tiles_bytes = stored_bytes(incoming.path / "tiles")
+    group.attrs[ATTRS_KEY] = {
+        **attrs,
+        "slide_id": incoming.slide_id,
+        "tile_count": incoming.n_tiles,
+        "bytes_stored": tiles_bytes,
+        "bytes_per_tile": round(tiles_bytes / incoming.n_tiles, 1) if incoming.n_tiles else 0.0,
+        "created": utc_now(),
+        "complete": True,
+    }
+    final = slide_dir(incoming.root, incoming.slide_id)
+    retired = None
+    if final.exists():
+        retired = incoming.root / INCOMING / f"{incoming.slide_id}-retired-{uuid.uuid4().hex[:8]}"
+        os.rename(final, retired)
+    os.rename(incoming.path, final)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+    return final
+
+
+def abandon_slide(incoming: IncomingSlide) -> None:
+    shutil.rmtree(incoming.path, ignore_errors=True)
+
+
+def remove_slide(root: Path, slide_id: str) -> None:
+    """Drop a committed slide (its source changed and could not be re-tiled, so the old tiles are stale)."""
+    final = slide_dir(root, slide_id)
+    if final.exists():
+        retired = root / INCOMING / f"{slide_id}-stale-{uuid.uuid4().hex[:8]}"
+        os.rename(final, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        return {"slides": []}
+    return json.loads(path.read_text())
+
+
+def write_manifest(root: Path, entries: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None) -> Path:
+    """Write the store manifest atomically. Entries of slides not processed this run are kept."""
+    previous = {e["slide_id"]: e for e in read_manifest(root).get("slides", [])}
+    for entry in entries:
+        previous[entry["slide_id"]] = dict(entry)
+    payload = {
+        "format": "tile-store-manifest",
+        "version": STORE_FORMAT["version"],
+        "updated": utc_now(),
+        **(extra or {}),
+        "slides": [previous[k] for k in sorted(previous)],
+    }
+    write_json_atomic(root / MANIFEST, payload)
+    return root / MANIFEST

@@ -1,0 +1,119 @@
+"""Tissue, pen-ink and blur measures on low-resolution slide images, and per-tile scores from them."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import ndimage
+from skimage import filters, morphology
+
+from dinov3_core.tiling.config import TissueConfig
+
+# Pen ink is strongly saturated blue/green or near-black; hematoxylin and DAB stay under ~0.35 saturation.
+PEN_MIN_SATURATION = 0.45
+PEN_BLACK_MAX_VALUE = 0.2
+
+
+def hsv_saturation_value(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HSV saturation in [0, 255] and value in [0, 255], without a full colour conversion."""
+    rgb = rgb.astype(np.float32)
+    vmax = rgb.max(axis=-1)
+    vmin = rgb.min(axis=-1)
+    saturation = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0) * 255.0
+    return saturation, vmax
+
+
+def _otsu(values: np.ndarray, min_gap: float) -> float | None:
+    """Otsu threshold, or None when the two classes are too close to be tissue vs glass (a blank slide)."""
+    try:
+        threshold = float(filters.threshold_otsu(values))
+    except ValueError:
+        return None
+    low, high = values[values < threshold], values[values >= threshold]
+    if low.size == 0 or high.size == 0 or float(high.mean() - low.mean()) < min_gap:
+        return None
+    return threshold
+
+
+def tissue_mask(thumb: np.ndarray, thumb_mpp: float, cfg: TissueConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Boolean tissue mask of an RGB thumbnail, and the thresholds used.
+
+    Tissue is coloured (HSV saturation above Otsu's threshold when that split is real, never below
+    `min_saturation`) or clearly darker than the slide's glass (median grey of unsaturated pixels minus
+    `glass_margin`), so pale tissue is kept and blank glass stays blank. Small holes are filled and small specks
+    removed, with areas in µm² so the result does not depend on resolution.
+    """
+    saturation, value = hsv_saturation_value(thumb)
+    saturation = ndimage.median_filter(saturation, size=5)
+    gray = ndimage.median_filter(thumb.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32), size=5)
+    sat_thr = cfg.saturation_threshold
+    if sat_thr is None:
+        sat_thr = max(_otsu(saturation, min_gap=10.0) or cfg.min_saturation, cfg.min_saturation)
+    mask = saturation >= sat_thr
+    gray_thr = cfg.brightness_threshold
+    if gray_thr is None:
+        glass = gray[saturation < cfg.min_saturation]
+        # Glass is the bright unsaturated majority of a slide; pale tissue is darker than it, not than Otsu's split.
+        if glass.size > 0.05 * gray.size:
+            gray_thr = float(np.median(glass)) - cfg.glass_margin
+    if gray_thr is not None:
+        mask |= gray < gray_thr
+    mask &= value <= cfg.max_brightness
+    mask = ndimage.binary_closing(mask, structure=np.ones((3, 3), bool), iterations=1)
+    px_area = thumb_mpp * thumb_mpp
+    if cfg.fill_holes:
+        mask = morphology.remove_small_holes(mask, max_size=max(1, int(cfg.max_hole_area_um2 / px_area)))
+    mask = morphology.remove_small_objects(mask, max_size=max(1, int(cfg.min_region_area_um2 / px_area)))
+    used = {"saturation": float(sat_thr), "gray": float(gray_thr) if gray_thr is not None else -1.0}
+    return mask.astype(bool), used
+
+
+def pen_mask(thumb: np.ndarray) -> np.ndarray:
+    """Pixels that look like marker ink: saturated blue/green, or near-black."""
+    rgb = thumb.astype(np.float32) / 255.0
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    vmax = rgb.max(axis=-1)
+    vmin = rgb.min(axis=-1)
+    sat = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0)
+    blue_or_green = ((b >= r) & (b >= g - 0.05)) | ((g > r) & (g >= b))
+    coloured_ink = blue_or_green & (sat >= PEN_MIN_SATURATION)
+    black_ink = vmax <= PEN_BLACK_MAX_VALUE
+    return ndimage.binary_opening(coloured_ink | black_ink, structure=np.ones((2, 2), bool))
+
+
+def grid_coords(width: int, height: int, tile_level0: int, stride_level0: int) -> np.ndarray:
+    """Level-0 (x, y) of every tile fully inside the slide, in row-major order; int64 (N, 2)."""
+    if width < tile_level0 or height < tile_level0:
+        return np.zeros((0, 2), dtype=np.int64)
+    xs = np.arange(0, width - tile_level0 + 1, stride_level0, dtype=np.int64)
+    ys = np.arange(0, height - tile_level0 + 1, stride_level0, dtype=np.int64)
+    yy, xx = np.meshgrid(ys, xs, indexing="ij")
+    return np.stack([xx.ravel(), yy.ravel()], axis=1)
+
+
+def _box_means(values: np.ndarray, coords: np.ndarray, tile_level0: int, scale: float) -> np.ndarray:
+    """Mean of `values` (a low-res map, `scale` level-0 px per px) over each tile's footprint."""
+    if len(coords) == 0:
+        return np.zeros(0, dtype=np.float32)
+    integral = np.zeros((values.shape[0] + 1, values.shape[1] + 1), dtype=np.float64)
+    integral[1:, 1:] = values.astype(np.float64).cumsum(0).cumsum(1)
+    h, w = values.shape
+    x0 = np.clip(np.floor(coords[:, 0] / scale + 0.5).astype(np.int64), 0, w - 1)
+    y0 = np.clip(np.floor(coords[:, 1] / scale + 0.5).astype(np.int64), 0, h - 1)
+    x1 = np.clip(np.floor((coords[:, 0] + tile_level0) / scale + 0.5).astype(np.int64), x0 + 1, w)
+    y1 = np.clip(np.floor((coords[:, 1] + tile_level0) / scale + 0.5).astype(np.int64), y0 + 1, h)
+    sums = integral[y1, x1] - integral[y0, x1] - integral[y1, x0] + integral[y0, x0]
+    return (sums / ((x1 - x0) * (y1 - y0))).astype(np.float32)
+
+
+def fraction_per_tile(mask: np.ndarray, coords: np.ndarray, tile_level0: int, scale: float) -> np.ndarray:
+    """Share of each tile covered by `mask` (a boolean map with `scale` level-0 px per px)."""
+    return _box_means(mask, coords, tile_level0, scale)
+
+
+def blur_scores(rgb: np.ndarray, coords: np.ndarray, tile_level0: int, scale: float) -> np.ndarray:
+    """Variance of the Laplacian of the grey image over each tile: low means out of focus."""
+    gray = rgb.astype(np.float32) @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+    lap = ndimage.laplace(gray)
+    mean = _box_means(lap, coords, tile_level0, scale)
+    mean_sq = _box_means(lap * lap, coords, tile_level0, scale)
+    return np.maximum(mean_sq - mean.astype(np.float64) ** 2, 0.0).astype(np.float32)
