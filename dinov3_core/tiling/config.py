@@ -51,8 +51,9 @@ class TileConfig:
     stride: int | None = None  # px at the target µm/px; null → tile_size (no overlap)
     tissue: TissueConfig = field(default_factory=TissueConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
+    reader: Literal["auto", "openslide", "tifffile"] = "auto"  # auto: direct TIFF decoding for SVS/generic TIFF
     compressor: Literal["zstd", "jpeg", "none"] = "zstd"  # zstd is lossless
-    compression_level: int = 3  # zstd level
+    compression_level: int = 1  # zstd level: on tissue tiles 3 saves ~2 % more bytes at half the speed
     jpeg_quality: int = 90
     tiles_per_shard: int = 256  # one writer per shard; also the unit of parallel work inside a slide
     workers: int = 1  # processes; slides and shard ranges of large slides are spread over them

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tifffile
 
 from dinov3_core.config import to_dict
 from dinov3_core.tiling import slide as slide_io
 from dinov3_core.tiling import tissue
 from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, UnsupportedTiff
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class SlidePlan:
     task: SlideTask
     info: slide_io.SlideInfo
     read: slide_io.ReadPlan
+    reader: str  # tile reader backend: tifffile | openslide
     fingerprint: str
     size: int
     params_hash: str
@@ -64,7 +67,7 @@ class SlidePlan:
 def tiling_params(cfg: TileConfig) -> dict[str, Any]:
     """The settings that change stored tiles; a slide is redone when any of them changes."""
     d = to_dict(cfg)
-    keep = ["mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "compressor", "jpeg_quality"]
+    keep = ["mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader", "compressor", "jpeg_quality"]
     params = {k: d[k] for k in keep}
     if cfg.compressor == "zstd":
         params["compression_level"] = cfg.compression_level
@@ -75,6 +78,22 @@ def slide_params_hash(cfg: TileConfig, mpp_override: float | None) -> str:
     """Tiling parameters plus the µm/px override or default that applies to this slide."""
     payload = {"params": tiling_params(cfg), "mpp_override": mpp_override, "default_mpp": cfg.default_mpp}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def choose_reader(path: Path, info: slide_io.SlideInfo, level: int, wanted: str) -> str:
+    """`tifffile` where the level is a plain tiled TIFF page OpenSlide would read as is, else `openslide`."""
+    if wanted == "openslide":
+        return "openslide"
+    if info.vendor in TIFF_VENDORS:
+        try:
+            TiffLevelReader(path, info.level_dimensions[level]).close()
+            return "tifffile"
+        except (UnsupportedTiff, OSError, ValueError, tifffile.TiffFileError) as err:
+            if wanted == "tifffile":
+                raise slide_io.SlideError(f"{path}: cannot read level {level} directly ({err}); use reader=auto")
+    elif wanted == "tifffile":
+        raise slide_io.SlideError(f"{path}: reader=tifffile needs an SVS or generic TIFF (vendor is {info.vendor})")
+    return "openslide"
 
 
 def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> SlidePlan:
@@ -97,6 +116,12 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         fraction = tissue.fraction_per_tile(mask, grid, read.tile_size_level0, thumb_scale)
         enough = fraction >= cfg.tissue.min_tissue_fraction
         grid, fraction = grid[enough], fraction[enough]
+        if len(grid) == 0:
+            raise slide_io.SlideError(
+                f"{task.path}: no tissue found ({mask.mean():.1%} of the thumbnail is tissue, no tile reaches "
+                f"tissue.min_tissue_fraction={cfg.tissue.min_tissue_fraction}); if the slide has tissue, lower "
+                "tissue.min_tissue_fraction or tissue.min_saturation"
+            )
         pen_fraction = tissue.fraction_per_tile(pen, grid, read.tile_size_level0, thumb_scale)
         if len(grid):
             blur_img, blur_scale = slide_io.read_downsampled(slide, info, cfg.filters.blur_mpp)
@@ -105,6 +130,7 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
             blur = np.zeros(0, dtype=np.float32)
     finally:
         slide.close()
+    reader = choose_reader(task.path, info, read.level, cfg.reader)
     keep = np.ones(len(grid), dtype=bool)
     if cfg.filters.pen_filter:
         keep &= pen_fraction <= cfg.filters.pen_max_fraction
@@ -115,6 +141,7 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         task=task,
         info=info,
         read=read,
+        reader=reader,
         fingerprint=fingerprint,
         size=size,
         params_hash=slide_params_hash(cfg, mpp_override),
@@ -153,6 +180,7 @@ def slide_attrs(plan: SlidePlan, cfg: TileConfig) -> dict[str, Any]:
         "mpp_source": info.mpp_source,
         "level_count": info.level_count,
         "level_downsamples": list(info.level_downsamples),
+        "reader": plan.reader,
         "level_used": read.level,
         "level_mpp": read.level_mpp,
         "read_size": read.read_size,

@@ -27,7 +27,7 @@ from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.plan import SlidePlan, SlideTask, plan_slide, slide_attrs, slide_params_hash, tiling_params
 from dinov3_core.tiling.qc import save_qc_pictures
 from dinov3_core.tiling.slide import SlideError, file_fingerprint, load_mpp_overrides
-from dinov3_core.tiling.writer import WriteUnit, close_cached_slides, write_unit
+from dinov3_core.tiling.writer import WriteUnit, close_cached_readers, write_unit
 
 log = logging.getLogger("wsidino.tile")
 
@@ -172,7 +172,16 @@ def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.Incomin
         columns=plan.columns(),
     )
     units = [
-        WriteUnit(incoming=incoming, source=plan.task.path, read=plan.read, start=a, coords=plan.coords[a:b])
+        WriteUnit(
+            incoming=incoming,
+            source=plan.task.path,
+            read=plan.read,
+            reader=plan.reader,
+            level_size=plan.info.level_dimensions[plan.read.level],
+            level_downsample=plan.info.level_downsamples[plan.read.level],
+            start=a,
+            coords=plan.coords[a:b],
+        )
         for a, b in incoming.shard_ranges(SHARDS_PER_UNIT)
     ]
     return incoming, units
@@ -223,7 +232,7 @@ def tile_one_slide(task: SlideTask, root: Path, cfg: TileConfig, overrides: dict
         log.debug("slide %s failed:\n%s", task.path, traceback.format_exc())
         return SlideOutcome(task.slide_id, str(task.path), "failed", error=_error_text(err))
     finally:
-        close_cached_slides()
+        close_cached_readers()
 
 
 # -------------------------------------------------------------------------------------------------- whole stage

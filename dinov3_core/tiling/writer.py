@@ -7,18 +7,53 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Protocol
+
 import numpy as np
-import openslide
 from PIL import Image
 
 from dinov3_core.tiling import slide as slide_io
 from dinov3_core.tiling.store import IncomingSlide
+from dinov3_core.tiling.tiff_reader import TiffLevelReader
 
 # One region read covers a run of neighbouring tiles in a row, at most this wide (px at the read level): reading
 # runs decodes each JPEG tile of the slide about once instead of once per overlapping tile.
 MAX_RUN_PX = 4096
-_OPEN_SLIDES: OrderedDict[str, openslide.OpenSlide] = OrderedDict()
+_OPEN_READERS: OrderedDict[tuple[str, str, int], RegionReader] = OrderedDict()
 _MAX_OPEN = 2
+
+
+class RegionReader(Protocol):
+    def read_rgb(self, location: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+        """RGB (h, w, 3) of `size` px at the reader's level, from level-0 `location`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class OpenSlideRegions:
+    def __init__(self, path: Path, level: int) -> None:
+        self._slide = slide_io.open_slide(path)
+        self._level = level
+
+    def read_rgb(self, location: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+        return slide_io.read_rgb(self._slide, location, self._level, size)
+
+    def close(self) -> None:
+        self._slide.close()
+
+
+class TiffRegions:
+    def __init__(self, path: Path, level: int, level_size: tuple[int, int], downsample: float) -> None:
+        self._reader = TiffLevelReader(path, level_size)
+        self._downsample = downsample
+
+    def read_rgb(self, location: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+        x, y = (round(v / self._downsample) for v in location)
+        return self._reader.read(x, y, size[0], size[1])
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 @dataclass(frozen=True)
@@ -26,26 +61,32 @@ class WriteUnit:
     incoming: IncomingSlide
     source: Path
     read: slide_io.ReadPlan
+    reader: str  # tifffile | openslide
+    level_size: tuple[int, int]
+    level_downsample: float
     start: int
     coords: np.ndarray  # (n, 2) level-0 coords of tiles start … start + n
 
 
-def _slide(path: Path) -> openslide.OpenSlide:
-    """Keep recently used slides open per process so their decoded-tile cache carries across units."""
-    key = str(path)
-    if key in _OPEN_SLIDES:
-        _OPEN_SLIDES.move_to_end(key)
-        return _OPEN_SLIDES[key]
-    handle = slide_io.open_slide(path)
-    _OPEN_SLIDES[key] = handle
-    while len(_OPEN_SLIDES) > _MAX_OPEN:
-        _OPEN_SLIDES.popitem(last=False)[1].close()
-    return handle
+def _region_reader(unit: WriteUnit) -> RegionReader:
+    """Keep recently used readers open per process so their decoded-tile caches carry across units."""
+    key = (str(unit.source), unit.reader, unit.read.level)
+    if key in _OPEN_READERS:
+        _OPEN_READERS.move_to_end(key)
+        return _OPEN_READERS[key]
+    if unit.reader == "tifffile":
+        reader: RegionReader = TiffRegions(unit.source, unit.read.level, unit.level_size, unit.level_downsample)
+    else:
+        reader = OpenSlideRegions(unit.source, unit.read.level)
+    _OPEN_READERS[key] = reader
+    while len(_OPEN_READERS) > _MAX_OPEN:
+        _OPEN_READERS.popitem(last=False)[1].close()
+    return reader
 
 
-def close_cached_slides() -> None:
-    while _OPEN_SLIDES:
-        _OPEN_SLIDES.popitem()[1].close()
+def close_cached_readers() -> None:
+    while _OPEN_READERS:
+        _OPEN_READERS.popitem()[1].close()
 
 
 def _runs(coords: np.ndarray, stride_level0: int, max_tiles: int) -> list[tuple[int, int]]:
@@ -63,7 +104,7 @@ def _runs(coords: np.ndarray, stride_level0: int, max_tiles: int) -> list[tuple[
     return runs
 
 
-def read_tiles(slide: openslide.OpenSlide, read: slide_io.ReadPlan, coords: np.ndarray) -> np.ndarray:
+def read_tiles(reader: RegionReader, read: slide_io.ReadPlan, coords: np.ndarray) -> np.ndarray:
     """Tiles (n, T, T, 3) uint8 at the target µm/px for the given level-0 coords."""
     out = np.empty((len(coords), read.tile_size, read.tile_size, 3), dtype=np.uint8)
     ds = read.tile_size_level0 / read.read_size  # level-0 px per read-level px
@@ -75,7 +116,7 @@ def read_tiles(slide: openslide.OpenSlide, read: slide_io.ReadPlan, coords: np.n
         x0, y0 = int(coords[a, 0]), int(coords[a, 1])
         offsets = np.rint((coords[a:b, 0] - x0) / ds).astype(np.int64)
         width = int(offsets[-1]) + read.read_size
-        region = slide_io.read_rgb(slide, (x0, y0), read.level, (width, read.read_size))
+        region = reader.read_rgb((x0, y0), (width, read.read_size))
         for k, off in enumerate(offsets):
             tile = region[:, off : off + read.read_size]
             if read.needs_resize:
@@ -91,7 +132,6 @@ def read_tiles(slide: openslide.OpenSlide, read: slide_io.ReadPlan, coords: np.n
 def write_unit(unit: WriteUnit) -> tuple[str, int, float]:
     """Read and write one shard-aligned range; returns (slide_id, tiles written, seconds)."""
     start = time.perf_counter()
-    slide = _slide(unit.source)
-    tiles = read_tiles(slide, unit.read, unit.coords)
+    tiles = read_tiles(_region_reader(unit), unit.read, unit.coords)
     unit.incoming.write_tiles(unit.start, tiles)
     return unit.incoming.slide_id, len(tiles), time.perf_counter() - start

@@ -1,0 +1,103 @@
+"""`wsidino <stage>`: every stage runs alone from the command line.
+
+Options name the essentials; everything else is `key=value` overrides on the stage's typed config, on top of an
+optional `--config` (a YAML path or a name under configs/<stage>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dinov3_core.config import ConfigError, flat_params, load_config, parse_overrides
+
+EXIT_OK, EXIT_FAILED_ITEMS, EXIT_USAGE = 0, 1, 2
+
+
+def _load(schema: type, stage: str, args: argparse.Namespace, explicit: dict[str, Any]) -> Any:
+    values = parse_overrides(args.overrides)
+    values.update({k: v for k, v in explicit.items() if v is not None})
+    return load_config(schema, args.config, values, stage=stage)
+
+
+def cmd_tile(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dinov3_core import tracking
+    from dinov3_core.tiling import report
+    from dinov3_core.tiling.config import TileConfig
+    from dinov3_core.tiling.stage import run_tile
+
+    cfg = _load(TileConfig, "tile", args, {"input": args.input, "output": args.output, "workers": args.workers})
+    bar = tqdm(total=0, unit="tile", disable=not cfg.progress or not sys.stderr.isatty(), dynamic_ncols=True)
+
+    def progress(done: int, planned: int) -> None:
+        bar.total = planned
+        bar.n = done
+        bar.refresh()
+
+    with tracking.stage_run(cfg.tracking, "tile", params=flat_params(cfg), tags={"wsidino.stage": "tile"}):
+        result = run_tile(cfg, progress=progress)
+        bar.close()
+        report.log_to_mlflow(result)
+    print(report.format_summary(result))
+    return EXIT_FAILED_ITEMS if result.counts["failed"] else EXIT_OK
+
+
+def cmd_make_sample_slides(args: argparse.Namespace) -> int:
+    from dinov3_core.sample_slides import make_sample_slides
+
+    samples = make_sample_slides(args.out_dir, preset=args.preset, seed=args.seed, negatives=args.negatives)
+    for path in samples.slides:
+        print(path)
+    for name, path in samples.negatives.items():
+        print(f"{path}  (negative case: {name})")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsidino", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def stage_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", help=f"YAML file, or a name under configs/{name}/")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tile_size=256")
+        return p
+
+    tile = stage_parser("tile", "Whole-slide images → zarr tile store (µm/px-exact tiles, tissue mask, QC).")
+    tile.add_argument("--input", help="directory, glob, slide file, or .txt/.csv list of slide paths")
+    tile.add_argument("--output", help="tile store directory, e.g. out/tiles.zarr")
+    tile.add_argument("--workers", type=int, help="worker processes (default from config: 1)")
+    tile.set_defaults(func=cmd_tile)
+
+    samples = sub.add_parser("make-sample-slides", help="Write sample pyramidal SVS/TIFF slides (real tissue).")
+    samples.add_argument("out_dir")
+    samples.add_argument("--preset", choices=["demo", "test"], default="demo")
+    samples.add_argument("--seed", type=int, default=0)
+    samples.add_argument("--no-negatives", dest="negatives", action="store_false", help="skip the bad-input files")
+    samples.set_defaults(func=cmd_make_sample_slides)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"wsidino {args.command}: configuration error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"wsidino {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The tile stage on real slide files (OpenSlide), real zarr stores, through the CLI and the stage function."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import openslide
+import pytest
+import zarr
+from PIL import Image
+
+from dinov3_core.cli import main as cli_main
+from dinov3_core.config import ConfigError, load_config
+from dinov3_core.tiling import store as ts
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.slide import file_fingerprint
+from dinov3_core.tiling.stage import discover_slides, run_tile
+
+
+def tile_config(input_: Path | str, output: Path, **overrides: object) -> TileConfig:
+    values = {"input": str(input_), "output": str(output), "progress": False, "tracking.enabled": False}
+    values.update(overrides)
+    return load_config(TileConfig, None, values)
+
+
+def slide_list(tmp_path: Path, paths: list[Path], name: str = "slides.txt") -> Path:
+    listing = tmp_path / name
+    listing.write_text("\n".join(str(p) for p in paths))
+    return listing
+
+
+def by_name(sample_slides, name: str) -> Path:
+    return next(p for p in sample_slides.slides if p.name == name)
+
+
+@pytest.fixture(scope="module")
+def tiled(sample_slides, tmp_path_factory):
+    """One run over the good slides and every negative case, through the CLI with MLflow on."""
+    tmp = tmp_path_factory.mktemp("tiled")
+    missing = tmp / "does_not_exist.svs"
+    inputs = [*sample_slides.slides, *sample_slides.negatives.values(), missing]
+    listing = slide_list(tmp, inputs)
+    store = tmp / "tiles.zarr"
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    code = cli_main(["tile", "--input", str(listing), "--output", str(store), "progress=false", f"tracking.uri={uri}"])
+    manifest = json.loads((store / "manifest.json").read_text())
+    entries = {e["slide_id"]: e for e in manifest["slides"]}
+    return {"code": code, "store": store, "entries": entries, "uri": uri, "samples": sample_slides}
+
+
+def test_good_slides_are_committed_with_provenance(tiled):
+    store, entries = tiled["store"], tiled["entries"]
+    good = [p.stem for p in tiled["samples"].slides]
+    assert sorted(good) == ts.complete_slide_ids(store)
+    for slide_id in good:
+        assert entries[slide_id]["status"] == "ok", entries[slide_id]
+        attrs = ts.read_slide_attrs(store, slide_id)
+        assert attrs["complete"] is True
+        assert attrs["openslide_version"] == openslide.__library_version__
+        assert attrs["vendor"] in {"aperio", "generic-tiff"}
+        assert attrs["mpp_requested"] == 0.5
+        assert abs(attrs["mpp_effective"] - 0.5) / 0.5 <= 0.05
+        size, fingerprint = file_fingerprint(attrs["source_path"])
+        assert (attrs["source_size"], attrs["source_fingerprint"]) == (size, fingerprint)
+        group = zarr.open_group(str(store / "slides" / slide_id), mode="r")
+        n = attrs["tile_count"]
+        assert n > 0
+        assert group["tiles"].shape == (n, 224, 224, 3) and group["tiles"].chunks == (1, 224, 224, 3)
+        assert group["coords"].shape == (n, 2) and group["coords"].dtype == np.int64
+        assert group["tissue_fraction"].shape == (n,)
+        assert (group["tissue_fraction"][:] >= 0.5).all()
+        for qc in entries[slide_id]["qc"].values():
+            assert (store / qc).is_file()
+    assert not list((store / ts.INCOMING).iterdir())
+
+
+def test_vendor_is_recorded_per_slide(tiled, sample_slides):
+    svs = by_name(sample_slides, "tissue_40x.svs").stem
+    tiff = by_name(sample_slides, "tissue_generic.tiff").stem
+    assert ts.read_slide_attrs(tiled["store"], svs)["vendor"] == "aperio"
+    assert ts.read_slide_attrs(tiled["store"], tiff)["vendor"] == "generic-tiff"
+
+
+@pytest.mark.parametrize(
+    ("key", "needle"),
+    [
+        ("no_mpp", "mpp_overrides"),
+        ("truncated", "truncated"),
+        ("not_a_slide", "not a whole-slide image"),
+        ("no_tissue", "no tissue found"),
+    ],
+)
+def test_bad_slides_fail_alone_with_a_clear_message(tiled, key, needle):
+    path = tiled["samples"].negatives[key]
+    entry = tiled["entries"][path.stem]
+    assert entry["status"] == "failed"
+    assert str(path) in entry["error"] or path.name in entry["error"]
+    assert needle in entry["error"]
+    assert path.stem not in ts.complete_slide_ids(tiled["store"])
+
+
+def test_missing_path_is_recorded_and_exit_code_reports_failures(tiled):
+    entry = tiled["entries"]["does_not_exist"]
+    assert entry["status"] == "failed" and "file not found" in entry["error"]
+    assert tiled["code"] == 1  # some slides failed; everything else completed
+
+
+def test_tiles_are_micron_exact(tiled, sample_slides):
+    """Stored tiles equal an area-downsample of the level-0 read (0.25 µm/px slide) / a native read (0.5)."""
+    store = tiled["store"]
+    for name in ("tissue_40x.svs", "tissue_20x.svs"):
+        path = by_name(sample_slides, name)
+        attrs = ts.read_slide_attrs(store, path.stem)
+        group = zarr.open_group(str(store / "slides" / path.stem), mode="r")
+        slide = openslide.OpenSlide(str(path))
+        for i in (0, attrs["tile_count"] // 2, attrs["tile_count"] - 1):
+            x, y = (int(v) for v in group["coords"][i])
+            size = attrs["read_size"]
+            region = slide.read_region((x, y), attrs["level_used"], (size, size)).convert("RGB")
+            if size != 224:
+                region = region.reduce(size // 224)
+            np.testing.assert_array_equal(group["tiles"][i], np.asarray(region))
+        if name == "tissue_20x.svs":
+            assert attrs["read_size"] == 224 and attrs["level_used"] == 0
+        else:
+            assert attrs["read_size"] == 448 and attrs["tile_size_level0"] == 448
+
+
+def test_coords_are_level0_row_major_and_inside_the_slide(tiled):
+    store = tiled["store"]
+    for slide_id in ts.complete_slide_ids(store):
+        attrs = ts.read_slide_attrs(store, slide_id)
+        coords = zarr.open_array(str(store / "slides" / slide_id / "coords"), mode="r")[:]
+        order = np.lexsort((coords[:, 0], coords[:, 1]))
+        assert (order == np.arange(len(coords))).all()
+        assert (coords % attrs["stride_level0"] == 0).all()
+        assert coords[:, 0].max() + attrs["tile_size_level0"] <= attrs["level0_width"]
+        assert coords[:, 1].max() + attrs["tile_size_level0"] <= attrs["level0_height"]
+
+
+def test_mlflow_run_holds_counts_and_qc_pictures(tiled):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tiled["uri"])
+    experiment = client.get_experiment_by_name("wsidino")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["slides_ok"] == 3 and run.data.metrics["slides_failed"] == 5
+    assert run.data.params["tile_size"] == "224"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "manifest.json", "qc"} <= artifacts
+
+
+def test_rerun_skips_unchanged_retries_failed_and_redoes_changed(sample_slides, tmp_path):
+    good = sample_slides.slides[:2]
+    copy = tmp_path / "copy_of_20x.svs"
+    shutil.copy(by_name(sample_slides, "tissue_20x.svs"), copy)
+    inputs = slide_list(tmp_path, [*good, copy, sample_slides.negatives["no_mpp"]])
+    store = tmp_path / "tiles.zarr"
+    first = run_tile(tile_config(inputs, store))
+    assert first.counts == {"ok": 3, "failed": 1, "skipped": 0}
+    mtimes = {sid: (store / "slides" / sid / "zarr.json").stat().st_mtime_ns for sid in ts.complete_slide_ids(store)}
+
+    second = run_tile(tile_config(inputs, store))
+    assert second.counts == {"ok": 0, "failed": 1, "skipped": 3}
+    assert second.tiles_written == 0
+    for sid, mtime in mtimes.items():
+        assert (store / "slides" / sid / "zarr.json").stat().st_mtime_ns == mtime
+
+    # A changed file is redone, a µm/px override fixes the failed slide, others stay skipped.
+    shutil.copy(by_name(sample_slides, "tissue_40x.svs"), copy)
+    overrides = tmp_path / "mpp.csv"
+    overrides.write_text("slide,mpp\nno_mpp.tiff,0.25\n")
+    third = run_tile(tile_config(inputs, store, mpp_overrides=str(overrides)))
+    status = {o.slide_id: o.status for o in third.outcomes}
+    assert status == {good[0].stem: "skipped", good[1].stem: "skipped", "copy_of_20x": "ok", "no_mpp": "ok"}
+    assert ts.read_slide_attrs(store, "copy_of_20x")["level0_mpp"] == pytest.approx(0.25)
+    assert ts.read_slide_attrs(store, "no_mpp")["mpp_source"] == "override"
+
+    # Changing a tiling parameter redoes every slide.
+    fourth = run_tile(tile_config(inputs, store, mpp_overrides=str(overrides), tile_size=256))
+    assert fourth.counts == {"ok": 4, "failed": 0, "skipped": 0}
+    assert zarr.open_array(str(store / "slides" / "no_mpp" / "tiles"), mode="r").shape[1:] == (256, 256, 3)
+
+
+def test_two_workers_write_the_same_tiles_as_one(sample_slides, tmp_path):
+    slide = by_name(sample_slides, "tissue_40x.svs")
+    one = run_tile(tile_config(slide, tmp_path / "one.zarr", workers=1, tiles_per_shard=8))
+    two = run_tile(tile_config(slide, tmp_path / "two.zarr", workers=2, tiles_per_shard=8))
+    assert one.tiles_written == two.tiles_written > 16  # several shards, so both workers wrote
+    a = zarr.open_array(str(tmp_path / "one.zarr" / "slides" / slide.stem / "tiles"), mode="r")[:]
+    b = zarr.open_array(str(tmp_path / "two.zarr" / "slides" / slide.stem / "tiles"), mode="r")[:]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_jpeg_store_reads_with_plain_zarr_and_is_smaller(sample_slides, tmp_path):
+    slide = by_name(sample_slides, "tissue_20x.svs")
+    lossless = run_tile(tile_config(slide, tmp_path / "zstd.zarr"))
+    lossy = run_tile(tile_config(slide, tmp_path / "jpeg.zarr", compressor="jpeg", jpeg_quality=90))
+    assert lossy.outcomes[0].bytes_per_tile < lossless.outcomes[0].bytes_per_tile / 2
+    code = (
+        "import sys, zarr, numpy as np; a = zarr.open_array(sys.argv[1], mode='r'); "
+        "print(a.shape[0], int(np.asarray(a[0]).mean()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "jpeg.zarr" / "slides" / slide.stem / "tiles")],
+        capture_output=True, text=True, check=True,
+    )
+    n, mean = (int(v) for v in out.stdout.split())
+    assert n == lossy.outcomes[0].tile_count and 30 < mean < 250
+    exact = zarr.open_array(str(tmp_path / "zstd.zarr" / "slides" / slide.stem / "tiles"), mode="r")[0]
+    approx = zarr.open_array(str(tmp_path / "jpeg.zarr" / "slides" / slide.stem / "tiles"), mode="r")[0]
+    assert np.abs(exact.astype(int) - approx.astype(int)).mean() < 6
+
+
+def test_pen_filter_drops_inked_tiles_and_scores_are_stored(sample_slides, tmp_path):
+    slide = by_name(sample_slides, "tissue_40x.svs")
+    kept_all = run_tile(tile_config(slide, tmp_path / "all.zarr"))
+    filtered = run_tile(tile_config(slide, tmp_path / "pen.zarr", **{"filters.pen_filter": True}))
+    group = zarr.open_group(str(tmp_path / "all.zarr" / "slides" / slide.stem), mode="r")
+    pen = group["pen_fraction"][:]
+    assert (pen > 0.1).any(), "the sample slide carries a pen stroke across tissue"
+    assert filtered.outcomes[0].tile_count == kept_all.outcomes[0].tile_count - int((pen > 0.1).sum())
+    assert (group["blur_score"][:] > 0).all()
+
+
+def test_unwritable_output_and_bad_config_fail_clearly(sample_slides, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        code = cli_main(["tile", "--input", str(sample_slides.slides[0]), "--output", str(locked / "t.zarr")])
+        assert code == 2
+        assert "cannot write the tile store" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+def test_output_that_is_a_file_or_foreign_directory_is_refused(sample_slides, tmp_path, capsys):
+    not_a_dir = tmp_path / "file.zarr"
+    not_a_dir.write_text("x")
+    assert cli_main(["tile", "--input", str(sample_slides.slides[0]), "--output", str(not_a_dir)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    assert cli_main(["tile", "--input", str(sample_slides.slides[0]), "--output", str(foreign)]) == 2
+    assert "not a tile store" in capsys.readouterr().err
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
+def test_invalid_config_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="tissue.min_tissue_fraction"):
+        tile_config("x", tmp_path / "t.zarr", **{"tissue.min_tisue_fraction": 0.3})
+    with pytest.raises(ConfigError, match="'tile_size'.*int"):
+        tile_config("x", tmp_path / "t.zarr", tile_size="large")
+    with pytest.raises(ConfigError, match="compressor"):
+        tile_config("x", tmp_path / "t.zarr", compressor="lzma")
+    with pytest.raises(ConfigError, match="does not exist"):
+        discover_slides(str(tmp_path / "nowhere"), [".svs"])
+
+
+def test_a_second_concurrent_run_is_refused(sample_slides, tmp_path):
+    store = ts.init_store(tmp_path / "t.zarr")
+    with ts.store_lock(store), pytest.raises(ts.TileStoreError, match="being written by pid"):
+        run_tile(tile_config(sample_slides.slides[0], store))
+
+
+def test_sigkill_never_leaves_an_incomplete_slide_marked_complete(sample_slides, tmp_path):
+    """Kill the CLI with SIGKILL while it writes; whatever is under slides/ must be whole, and a rerun finishes."""
+    slide = by_name(sample_slides, "tissue_40x.svs")
+    store = tmp_path / "t.zarr"
+    args = [sys.executable, "-m", "dinov3_core.cli", "tile", "--input", str(slide), "--output", str(store),
+            "tiles_per_shard=1", "progress=false", "tracking.enabled=false", "compressor=none"]
+    proc = subprocess.Popen(args, start_new_session=True)
+    deadline = time.time() + 120
+    incoming = store / ts.INCOMING
+    while time.time() < deadline:  # wait until tiles are being written
+        if incoming.is_dir() and any((d / "tiles").is_dir() for d in incoming.iterdir()):
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for slide_id in ts.complete_slide_ids(store):  # may be empty or whole, never partial
+        attrs = ts.read_slide_attrs(store, slide_id)
+        tiles = zarr.open_array(str(store / "slides" / slide_id / "tiles"), mode="r")[:]
+        assert attrs["complete"] and len(tiles) == attrs["tile_count"]
+        assert (tiles.reshape(len(tiles), -1).max(axis=1) > 0).all(), "a committed tile was never written"
+    result = run_tile(tile_config(slide, store, tiles_per_shard=1, compressor="none"))
+    assert result.counts["failed"] == 0
+    assert ts.complete_slide_ids(store) == [slide.stem]
+    assert not list(incoming.iterdir())
+
+
+def test_qc_picture_shows_tiles(tiled, sample_slides):
+    slide_id = by_name(sample_slides, "tissue_40x.svs").stem
+    picture = np.asarray(Image.open(tiled["store"] / "slides" / slide_id / "qc_thumbnail.png"))
+    assert picture.shape[2] == 3 and max(picture.shape[:2]) == 1024
+    blue = (picture[..., 0] == 30) & (picture[..., 1] == 90) & (picture[..., 2] == 255)
+    assert blue.sum() > 100, "kept-tile outlines are drawn"
