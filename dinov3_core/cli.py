@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dinov3_core.config import ConfigError, flat_params, load_config, parse_overrides
+from dinov3_core.errors import WsidinoError
 
 EXIT_OK, EXIT_FAILED_ITEMS, EXIT_USAGE = 0, 1, 2
 
@@ -93,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as err:
         print(f"wsidino {args.command}: configuration error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except WsidinoError as err:
+        print(f"wsidino {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"wsidino {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)

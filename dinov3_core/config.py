@@ -17,12 +17,14 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from dinov3_core.errors import WsidinoError
+
 T = TypeVar("T")
 
 CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
 
 
-class ConfigError(ValueError):
+class ConfigError(WsidinoError, ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
 

@@ -188,16 +188,16 @@ def test_rerun_skips_unchanged_retries_failed_and_redoes_changed(sample_slides, 
     assert ts.read_slide_attrs(store, "no_mpp")["mpp_source"] == "override"
 
     # Changing a tiling parameter redoes every slide.
-    fourth = run_tile(tile_config(inputs, store, mpp_overrides=str(overrides), tile_size=256))
+    fourth = run_tile(tile_config(inputs, store, mpp_overrides=str(overrides), tile_size=160))
     assert fourth.counts == {"ok": 4, "failed": 0, "skipped": 0}
-    assert zarr.open_array(str(store / "slides" / "no_mpp" / "tiles"), mode="r").shape[1:] == (256, 256, 3)
+    assert zarr.open_array(str(store / "slides" / "no_mpp" / "tiles"), mode="r").shape[1:] == (160, 160, 3)
 
 
 def test_two_workers_write_the_same_tiles_as_one(sample_slides, tmp_path):
     slide = by_name(sample_slides, "tissue_40x.svs")
-    one = run_tile(tile_config(slide, tmp_path / "one.zarr", workers=1, tiles_per_shard=8))
-    two = run_tile(tile_config(slide, tmp_path / "two.zarr", workers=2, tiles_per_shard=8))
-    assert one.tiles_written == two.tiles_written > 16  # several shards, so both workers wrote
+    one = run_tile(tile_config(slide, tmp_path / "one.zarr", workers=1, tiles_per_shard=2))
+    two = run_tile(tile_config(slide, tmp_path / "two.zarr", workers=2, tiles_per_shard=2))
+    assert one.tiles_written == two.tiles_written > 4  # several shards, so both workers wrote
     a = zarr.open_array(str(tmp_path / "one.zarr" / "slides" / slide.stem / "tiles"), mode="r")[:]
     b = zarr.open_array(str(tmp_path / "two.zarr" / "slides" / slide.stem / "tiles"), mode="r")[:]
     np.testing.assert_array_equal(a, b)
@@ -234,18 +234,14 @@ def test_pen_filter_drops_inked_tiles_and_scores_are_stored(sample_slides, tmp_p
     assert (group["blur_score"][:] > 0).all()
 
 
-def test_unwritable_output_and_bad_config_fail_clearly(sample_slides, tmp_path, capsys):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("running as a user who can write anywhere (root)")
-        code = cli_main(["tile", "--input", str(sample_slides.slides[0]), "--output", str(locked / "t.zarr")])
-        assert code == 2
-        assert "cannot write the tile store" in capsys.readouterr().err
-    finally:
-        locked.chmod(0o700)
+def test_unwritable_output_fails_clearly(sample_slides, tmp_path, capsys):
+    # Below a regular file nothing can be created, not even by root (chmod would not stop root).
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    code = cli_main(["tile", "--input", str(sample_slides.slides[0]), "--output", str(blocker / "t.zarr")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot write the tile store" in err and str(blocker / "t.zarr") in err
 
 
 def test_output_that_is_a_file_or_foreign_directory_is_refused(sample_slides, tmp_path, capsys):

@@ -99,9 +99,9 @@ def choose_reader(path: Path, info: slide_io.SlideInfo, level: int, wanted: str)
 def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> SlidePlan:
     """Open the slide, resolve µm/px, build the tissue mask and the kept-tile grid with QC scores."""
     start = time.perf_counter()
-    size, fingerprint = slide_io.file_fingerprint(task.path)
-    slide = slide_io.open_slide(task.path)
+    slide = slide_io.open_slide(task.path)  # first: it explains a missing or unreadable file
     try:
+        size, fingerprint = slide_io.file_fingerprint(task.path)
         info = slide_io.describe_slide(slide, task.path, overrides, cfg.default_mpp)
         read = slide_io.plan_read(info, cfg.mpp, cfg.tile_size, cfg.stride, cfg.mpp_tolerance)
         thumb, thumb_scale = slide_io.read_downsampled(slide, info, cfg.tissue.thumbnail_mpp)

@@ -14,13 +14,15 @@ import numpy as np
 import openslide
 from PIL import Image
 
+from dinov3_core.errors import WsidinoError
+
 # Decoded-tile cache per open slide: neighbouring reads share JPEG tiles, so a larger cache saves re-decoding.
 SLIDE_CACHE_BYTES = 256 * 1024 * 1024
 # Longest side, in px at the read level, of one region read when building low-resolution images.
 BLOCK_PX = 4096
 
 
-class SlideError(RuntimeError):
+class SlideError(WsidinoError, RuntimeError):
     """A problem with one slide; the message names the file and says what to do."""
 
 

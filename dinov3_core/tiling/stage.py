@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core.config import ConfigError, save_config
+from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.plan import SlidePlan, SlideTask, plan_slide, slide_attrs, slide_params_hash, tiling_params
 from dinov3_core.tiling.qc import save_qc_pictures
-from dinov3_core.tiling.slide import SlideError, file_fingerprint, load_mpp_overrides
+from dinov3_core.tiling.slide import file_fingerprint, load_mpp_overrides
 from dinov3_core.tiling.writer import WriteUnit, close_cached_readers, write_unit
 
 log = logging.getLogger("wsidino.tile")
@@ -151,7 +152,7 @@ def _qc_paths(slide_id: str, names: dict[str, str]) -> dict[str, str]:
 
 
 def _error_text(err: BaseException) -> str:
-    if isinstance(err, SlideError | ConfigError | ts.TileStoreError):
+    if isinstance(err, WsidinoError):
         return str(err)
     return f"{type(err).__name__}: {err}"
 

@@ -25,6 +25,7 @@ import numpy as np
 import zarr
 import zarr.codecs
 
+from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling.codecs import JpegCodec
 
 STORE_FORMAT = {"format": "tile-store", "version": 1}
@@ -37,7 +38,7 @@ ATTRS_KEY = "wsidino"
 Compressor = Literal["zstd", "jpeg", "none"]
 
 
-class TileStoreError(RuntimeError):
+class TileStoreError(WsidinoError, RuntimeError):
     """The tile store is missing, not a tile store, or in use."""
 
 

@@ -1,0 +1,5 @@
+"""Errors caused by the user's input, phrased for the user: each names the file or key and what to do."""
+
+
+class WsidinoError(Exception):
+    """Bad input or a bad environment. The CLI prints the message (no traceback) and exits with code 2."""
