@@ -85,8 +85,13 @@ def measure_naive(slide: str, out: Path) -> dict:
             region = region.resize((tile, tile), Image.Resampling.BOX)
         arr[i] = np.asarray(region)
     seconds = time.perf_counter() - start
-    return {"tiles": plan.n_tiles, "seconds": seconds, "tiles_per_s": plan.n_tiles / seconds,
-            "peak_rss_mib": _peak_rss_mib(), "level0_px_per_tile": read.tile_size_level0**2}
+    return {
+        "tiles": plan.n_tiles,
+        "seconds": seconds,
+        "tiles_per_s": plan.n_tiles / seconds,
+        "peak_rss_mib": _peak_rss_mib(),
+        "level0_px_per_tile": read.tile_size_level0**2,
+    }
 
 
 def measure_decode_ceiling(slide: str) -> dict:
@@ -152,7 +157,13 @@ def main() -> None:
     results["naive"] = _child("naive", {"slide": big, "out": str(work / "naive.zarr")})
     for workers in (1, 2):
         results[f"stage_w{workers}"] = _child(
-            "stage", {"slides": [big], "out": str(work / f"w{workers}.zarr"), "workers": workers, "compressor": "zstd"}
+            "stage",
+            {
+                "slides": [big],
+                "out": str(work / f"w{workers}.zarr"),
+                "workers": workers,
+                "compressor": "zstd",
+            },
         )
     for comp in ("none", "jpeg"):
         results[f"stage_{comp}"] = _child(
@@ -180,12 +191,24 @@ def main() -> None:
         ("naive read_region + per-tile zarr write", naive_tps, "-", results["naive"]["peak_rss_mib"]),
         ("wsidino tile, 1 worker (zstd)", w1["tiles_per_s"], w1["bytes_per_tile"], w1["peak_rss_mib"]),
         ("wsidino tile, 2 workers (zstd)", w2["tiles_per_s"], w2["bytes_per_tile"], w2["peak_rss_mib"]),
-        ("wsidino tile, 2 workers (none)", results["stage_none"]["tiles_per_s"],
-         results["stage_none"]["bytes_per_tile"], results["stage_none"]["peak_rss_mib"]),
-        ("wsidino tile, 2 workers (jpeg q90)", results["stage_jpeg"]["tiles_per_s"],
-         results["stage_jpeg"]["bytes_per_tile"], results["stage_jpeg"]["peak_rss_mib"]),
-        ("wsidino tile, 1 worker, 4 slides", results["stage_w1_4slides"]["tiles_per_s"],
-         results["stage_w1_4slides"]["bytes_per_tile"], results["stage_w1_4slides"]["peak_rss_mib"]),
+        (
+            "wsidino tile, 2 workers (none)",
+            results["stage_none"]["tiles_per_s"],
+            results["stage_none"]["bytes_per_tile"],
+            results["stage_none"]["peak_rss_mib"],
+        ),
+        (
+            "wsidino tile, 2 workers (jpeg q90)",
+            results["stage_jpeg"]["tiles_per_s"],
+            results["stage_jpeg"]["bytes_per_tile"],
+            results["stage_jpeg"]["peak_rss_mib"],
+        ),
+        (
+            "wsidino tile, 1 worker, 4 slides",
+            results["stage_w1_4slides"]["tiles_per_s"],
+            results["stage_w1_4slides"]["bytes_per_tile"],
+            results["stage_w1_4slides"]["peak_rss_mib"],
+        ),
     ]
     lines = [
         f"Slide: {Path(big).name}, {w1['tiles']} tiles of 224 px at 0.5 µm/px "

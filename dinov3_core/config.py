@@ -65,7 +65,7 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 def _schema_keys(schema: DictConfig) -> list[str]:
     keys: list[str] = []
-    for key in schema.keys():
+    for key in schema.keys():  # noqa: SIM118 (OmegaConf: `in` is False for MISSING values)
         value = schema._get_node(key)
         if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
             keys.extend(f"{key}.{sub}" for sub in _schema_keys(value))
@@ -79,7 +79,7 @@ def _check_key(schema: DictConfig, key: str, source: str) -> None:
     node: Any = schema
     parts = key.split(".")
     for depth, part in enumerate(parts):
-        if not isinstance(node, DictConfig) or part not in node.keys():
+        if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118 (MISSING values)
             valid = _schema_keys(schema)
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -22,8 +22,17 @@ def run_demo(output: Path, workers: int) -> int:
         ("sample slides", ["make-sample-slides", str(slides_dir), "--preset", "demo", "--no-negatives"]),
         (
             "tile",
-            ["tile", "--input", str(slides_dir), "--output", str(store), "--workers", str(workers),
-             f"tracking.uri={tracking_uri}", "tracking.experiment=wsidino-demo"],
+            [
+                "tile",
+                "--input",
+                str(slides_dir),
+                "--output",
+                str(store),
+                "--workers",
+                str(workers),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
         ),
     ]
     for name, argv in steps:

@@ -214,7 +214,9 @@ def test_jpeg_store_reads_with_plain_zarr_and_is_smaller(sample_slides, tmp_path
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "jpeg.zarr" / "slides" / slide.stem / "tiles")],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     n, mean = (int(v) for v in out.stdout.split())
     assert n == lossy.outcomes[0].tile_count and 30 < mean < 250
@@ -231,7 +233,21 @@ def test_pen_filter_drops_inked_tiles_and_scores_are_stored(sample_slides, tmp_p
     pen = group["pen_fraction"][:]
     assert (pen > 0.1).any(), "the sample slide carries a pen stroke across tissue"
     assert filtered.outcomes[0].tile_count == kept_all.outcomes[0].tile_count - int((pen > 0.1).sum())
-    assert (group["blur_score"][:] > 0).all()
+    assert np.isnan(group["blur_score"][:]).all()  # not computed unless the blur filter is on
+
+
+def test_blur_filter_scores_and_drops_blurred_tiles(sample_slides, tmp_path):
+    slide = by_name(sample_slides, "tissue_40x.svs")
+    scored = run_tile(
+        tile_config(slide, tmp_path / "s.zarr", **{"filters.blur_filter": True, "filters.blur_min_score": 0})
+    )
+    blur = zarr.open_array(str(tmp_path / "s.zarr" / "slides" / slide.stem / "blur_score"), mode="r")[:]
+    assert (blur > 0).all() and blur.std() > 0
+    threshold = float(np.median(blur))
+    strict = run_tile(
+        tile_config(slide, tmp_path / "b.zarr", **{"filters.blur_filter": True, "filters.blur_min_score": threshold})
+    )
+    assert strict.outcomes[0].tile_count == int((blur >= threshold).sum()) < scored.outcomes[0].tile_count
 
 
 def test_unwritable_output_fails_clearly(sample_slides, tmp_path, capsys):
@@ -258,9 +274,9 @@ def test_output_that_is_a_file_or_foreign_directory_is_refused(sample_slides, tm
 
 
 def test_invalid_config_values_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="tissue.min_tissue_fraction"):
+    with pytest.raises(ConfigError, match=r"tissue\.min_tissue_fraction"):
         tile_config("x", tmp_path / "t.zarr", **{"tissue.min_tisue_fraction": 0.3})
-    with pytest.raises(ConfigError, match="'tile_size'.*int"):
+    with pytest.raises(ConfigError, match=r"'tile_size'.*int"):
         tile_config("x", tmp_path / "t.zarr", tile_size="large")
     with pytest.raises(ConfigError, match="compressor"):
         tile_config("x", tmp_path / "t.zarr", compressor="lzma")
@@ -278,8 +294,20 @@ def test_sigkill_never_leaves_an_incomplete_slide_marked_complete(sample_slides,
     """Kill the CLI with SIGKILL while it writes; whatever is under slides/ must be whole, and a rerun finishes."""
     slide = by_name(sample_slides, "tissue_40x.svs")
     store = tmp_path / "t.zarr"
-    args = [sys.executable, "-m", "dinov3_core.cli", "tile", "--input", str(slide), "--output", str(store),
-            "tiles_per_shard=1", "progress=false", "tracking.enabled=false", "compressor=none"]
+    args = [
+        sys.executable,
+        "-m",
+        "dinov3_core.cli",
+        "tile",
+        "--input",
+        str(slide),
+        "--output",
+        str(store),
+        "tiles_per_shard=1",
+        "progress=false",
+        "tracking.enabled=false",
+        "compressor=none",
+    ]
     proc = subprocess.Popen(args, start_new_session=True)
     deadline = time.time() + 120
     incoming = store / ts.INCOMING

@@ -14,10 +14,13 @@ from dinov3_core.tracking import TrackingConfig
 class TissueConfig:
     """Tissue mask from a low-resolution thumbnail."""
 
-    thumbnail_mpp: float = 8.0  # µm/px of the thumbnail the mask is computed on
+    thumbnail_mpp: float = 8.0  # µm/px of the thumbnail the mask is computed on (at most)
+    min_thumbnail_px: int = 1024  # …but finer on small slides, so the long side has at least this many px
     saturation_threshold: float | None = None  # HSV saturation in [0, 255]; null → Otsu on the slide itself
     brightness_threshold: float | None = None  # grey level in [0, 255] below which is tissue; null → from glass
     glass_margin: float = 18.0  # tissue is at least this much darker than the glass (grey levels)
+    min_contrast: float = 6.0  # local grey std (5 px window) above which a pixel is textured, i.e. tissue
+    close_um: float = 16.0  # morphological closing radius: joins tissue fragments across small gaps
     min_saturation: float = 15.0  # floor under the saturation threshold: glass must not become "tissue"
     max_brightness: float = 245.0  # brighter pixels (glass) are never tissue
     fill_holes: bool = True

@@ -67,7 +67,17 @@ class SlidePlan:
 def tiling_params(cfg: TileConfig) -> dict[str, Any]:
     """The settings that change stored tiles; a slide is redone when any of them changes."""
     d = to_dict(cfg)
-    keep = ["mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader", "compressor", "jpeg_quality"]
+    keep = [
+        "mpp",
+        "mpp_tolerance",
+        "tile_size",
+        "stride",
+        "tissue",
+        "filters",
+        "reader",
+        "compressor",
+        "jpeg_quality",
+    ]
     params = {k: d[k] for k in keep}
     if cfg.compressor == "zstd":
         params["compression_level"] = cfg.compression_level
@@ -90,7 +100,9 @@ def choose_reader(path: Path, info: slide_io.SlideInfo, level: int, wanted: str)
             return "tifffile"
         except (UnsupportedTiff, OSError, ValueError, tifffile.TiffFileError) as err:
             if wanted == "tifffile":
-                raise slide_io.SlideError(f"{path}: cannot read level {level} directly ({err}); use reader=auto")
+                raise slide_io.SlideError(
+                    f"{path}: cannot read level {level} directly ({err}); use reader=auto"
+                ) from None
     elif wanted == "tifffile":
         raise slide_io.SlideError(f"{path}: reader=tifffile needs an SVS or generic TIFF (vendor is {info.vendor})")
     return "openslide"
@@ -104,11 +116,12 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         size, fingerprint = slide_io.file_fingerprint(task.path)
         info = slide_io.describe_slide(slide, task.path, overrides, cfg.default_mpp)
         read = slide_io.plan_read(info, cfg.mpp, cfg.tile_size, cfg.stride, cfg.mpp_tolerance)
-        thumb, thumb_scale = slide_io.read_downsampled(slide, info, cfg.tissue.thumbnail_mpp)
-        mask, thresholds = tissue.tissue_mask(thumb, thumb_scale * info.mpp, cfg.tissue)
+        thumb_mpp = tissue.mask_mpp(info.width * info.mpp, info.height * info.mpp, cfg.tissue)
+        thumb, thumb_scale = slide_io.read_downsampled(slide, info, thumb_mpp)
         pen = tissue.pen_mask(thumb)
+        mask, thresholds = tissue.tissue_mask(thumb, thumb_scale * info.mpp, cfg.tissue, pen)
         qc_mpp = max(info.mpp, max(info.width, info.height) * info.mpp / cfg.qc_thumbnail_px)
-        if qc_mpp < cfg.tissue.thumbnail_mpp:
+        if qc_mpp < thumb_mpp * 0.9:
             qc_image, qc_scale = slide_io.read_downsampled(slide, info, qc_mpp)
         else:
             qc_image, qc_scale = thumb, thumb_scale
@@ -123,11 +136,11 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
                 "tissue.min_tissue_fraction or tissue.min_saturation"
             )
         pen_fraction = tissue.fraction_per_tile(pen, grid, read.tile_size_level0, thumb_scale)
-        if len(grid):
+        if cfg.filters.blur_filter:  # reading the slide at blur_mpp costs more than the rest of planning
             blur_img, blur_scale = slide_io.read_downsampled(slide, info, cfg.filters.blur_mpp)
             blur = tissue.blur_scores(blur_img, grid, read.tile_size_level0, blur_scale)
         else:
-            blur = np.zeros(0, dtype=np.float32)
+            blur = np.full(len(grid), np.nan, dtype=np.float32)
     finally:
         slide.close()
     reader = choose_reader(task.path, info, read.level, cfg.reader)
@@ -136,6 +149,11 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         keep &= pen_fraction <= cfg.filters.pen_max_fraction
     if cfg.filters.blur_filter:
         keep &= blur >= cfg.filters.blur_min_score
+    if not keep.any():
+        raise slide_io.SlideError(
+            f"{task.path}: the QC filters dropped all {len(grid)} tissue tiles (pen_filter={cfg.filters.pen_filter}, "
+            f"blur_filter={cfg.filters.blur_filter}); check the QC picture or relax filters.*"
+        )
     mpp_override = overrides.get(task.path.name, overrides.get(task.path.stem, overrides.get(str(task.path))))
     return SlidePlan(
         task=task,

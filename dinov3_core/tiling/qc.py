@@ -34,7 +34,10 @@ def save_qc_pictures(
     max_side: int = 1024,
     title: str = "",
 ) -> dict[str, str]:
-    """`image` (any resolution, `image_scale` level-0 px per px) with tissue contour (green), pen ink (magenta), kept tiles (blue) and QC-dropped tiles (orange)."""
+    """Draw the tiling over `image` (`image_scale` level-0 px per px) and save it with the tissue mask.
+
+    Tissue contour green, pen ink magenta, kept tiles blue, tiles dropped by QC filters orange.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     img, factor = _fit(image, max_side)
     overlay = np.asarray(img).copy()

@@ -83,7 +83,9 @@ def open_slide(path: str | os.PathLike[str]) -> openslide.OpenSlide:
             "remove it from the input or convert it to a pyramidal TIFF"
         ) from None
     except openslide.OpenSlideError as err:
-        raise SlideError(f"{path}: OpenSlide cannot open this slide ({err}); the file may be corrupt or truncated") from None
+        raise SlideError(
+            f"{path}: OpenSlide cannot open this slide ({err}); the file may be corrupt or truncated"
+        ) from None
     slide.set_cache(openslide.OpenSlideCache(SLIDE_CACHE_BYTES))
     return slide
 
@@ -197,10 +199,8 @@ def plan_read(info: SlideInfo, mpp: float, tile_size: int, stride: int | None, t
         )
     level = max(candidates, key=info.level_mpp)
     level_mpp = info.level_mpp(level)
-    if abs(level_mpp - mpp) <= tolerance * mpp:
-        read_size = tile_size
-    else:
-        read_size = round(tile_size * mpp / level_mpp)
+    native = abs(level_mpp - mpp) <= tolerance * mpp
+    read_size = tile_size if native else round(tile_size * mpp / level_mpp)
     scale = read_size / tile_size  # level px per stored px
     downsample = info.level_downsamples[level]
     stride_level0 = max(1, round(stride * scale * downsample))

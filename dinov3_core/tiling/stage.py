@@ -25,7 +25,14 @@ from dinov3_core.config import ConfigError, save_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.plan import SlidePlan, SlideTask, plan_slide, slide_attrs, slide_params_hash, tiling_params
+from dinov3_core.tiling.plan import (
+    SlidePlan,
+    SlideTask,
+    plan_slide,
+    slide_attrs,
+    slide_params_hash,
+    tiling_params,
+)
 from dinov3_core.tiling.qc import save_qc_pictures
 from dinov3_core.tiling.slide import file_fingerprint, load_mpp_overrides
 from dinov3_core.tiling.writer import WriteUnit, close_cached_readers, write_unit
@@ -382,8 +389,12 @@ def _run_pool(
                     if kind == "write" and slide_id not in states:
                         continue
                     if attempt >= MAX_UNIT_ATTEMPTS:
-                        fail(slide_id, path, f"{path}: a worker process crashed while reading this slide "
-                             "(corrupt image data?); open it in a slide viewer or re-export it")
+                        fail(
+                            slide_id,
+                            path,
+                            f"{path}: a worker process crashed while reading this slide "
+                            "(corrupt image data?); open it in a slide viewer or re-export it",
+                        )
                     else:
                         submit(kind, payload, attempt + 1)
     finally:

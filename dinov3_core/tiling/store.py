@@ -68,7 +68,8 @@ def init_store(path: str | os.PathLike[str]) -> Path:
         probe.unlink()
     except OSError as err:
         raise TileStoreError(
-            f"cannot write the tile store at {root}: {err.strerror or err}; check permissions or choose another --output"
+            f"cannot write the tile store at {root}: {err.strerror or err}; "
+            "check permissions or choose another --output"
         ) from None
     if (root / "zarr.json").exists():
         check_store(root)
@@ -221,7 +222,7 @@ def begin_slide(
         arr = group.create_array(
             name,
             shape=values.shape,
-            chunks=values.shape if n_tiles else None,
+            chunks=tuple(max(1, d) for d in values.shape),  # one chunk: readers load a slide's column at once
             dtype=values.dtype,
             dimension_names=dims,
         )

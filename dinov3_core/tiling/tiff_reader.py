@@ -92,5 +92,7 @@ class TiffLevelReader:
                 # Overlap of this tile with the request, in image coordinates.
                 ix0, iy0 = max(x0, tx * tw), max(y0, ty * th)
                 ix1, iy1 = min(x1, (tx + 1) * tw), min(y1, (ty + 1) * th)
-                out[iy0 - y : iy1 - y, ix0 - x : ix1 - x] = tile[iy0 - ty * th : iy1 - ty * th, ix0 - tx * tw : ix1 - tx * tw]
+                out[iy0 - y : iy1 - y, ix0 - x : ix1 - x] = tile[
+                    iy0 - ty * th : iy1 - ty * th, ix0 - tx * tw : ix1 - tx * tw
+                ]
         return out

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Protocol
 
 import numpy as np
@@ -98,7 +98,7 @@ def _runs(coords: np.ndarray, stride_level0: int, max_tiles: int) -> list[tuple[
     breaks = np.flatnonzero(~(same_row & adjacent)) + 1
     bounds = np.concatenate([[0], breaks, [len(coords)]])
     runs: list[tuple[int, int]] = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in itertools.pairwise(bounds):
         for s in range(int(a), int(b), max_tiles):
             runs.append((s, min(s + max_tiles, int(b))))
     return runs
@@ -121,8 +121,10 @@ def read_tiles(reader: RegionReader, read: slide_io.ReadPlan, coords: np.ndarray
             tile = region[:, off : off + read.read_size]
             if read.needs_resize:
                 img = Image.fromarray(tile)
-                img = img.reduce(factor) if integer_factor else img.resize(
-                    (read.tile_size, read.tile_size), Image.Resampling.BOX
+                img = (
+                    img.reduce(factor)
+                    if integer_factor
+                    else img.resize((read.tile_size, read.tile_size), Image.Resampling.BOX)
                 )
                 tile = np.asarray(img)
             out[a + k] = tile

@@ -1,0 +1,1 @@
+"""Training building blocks: schedules and optimizer parameter groups."""

@@ -1,0 +1,104 @@
+"""Per-iteration schedules (DINOv3 "v2" schedules, facts §9) and the learning-rate batch-size scaling rule.
+
+A schedule is a small immutable callable evaluated in closed form — nothing of length `total_iters` is
+materialised (1M iterations for long runs) — and `as_array()` gives the upstream numpy array for plotting or
+comparison. Iterations past the end return the final value, like upstream's CosineScheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+ScalingRule = Literal["sqrt_wrt_1024", "linear_wrt_256", "none"]
+
+
+@dataclass(frozen=True)
+class WarmupCosineSchedule:
+    """Linear warmup start → peak over `warmup_iters` (endpoint excluded), cosine peak → end over
+    `cosine_iters` (both endpoints included), then constant `end` (upstream `linear_warmup_cosine_decay`)."""
+
+    start: float
+    peak: float
+    end: float
+    warmup_iters: int
+    cosine_iters: int
+    total_iters: int
+
+    def __call__(self, iteration: int) -> float:
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        if iteration < self.warmup_iters:
+            return self.start + (self.peak - self.start) * iteration / self.warmup_iters
+        step = iteration - self.warmup_iters
+        if step < self.cosine_iters:
+            progress = step / (self.cosine_iters - 1) if self.cosine_iters > 1 else 0.0
+            return self.end + (self.peak - self.end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.end
+
+    def __len__(self) -> int:
+        return self.total_iters
+
+    def as_array(self) -> np.ndarray:
+        """float64 [total_iters], built like upstream's array."""
+        warmup = np.linspace(self.start, self.peak, self.warmup_iters, endpoint=False)
+        cosine = (np.cos(np.linspace(0.0, np.pi, self.cosine_iters)) + 1.0) / 2.0 * (self.peak - self.end) + self.end
+        constant = np.full(self.total_iters - self.warmup_iters - self.cosine_iters, self.end, dtype=np.float64)
+        return np.concatenate([warmup, cosine, constant])
+
+
+def linear_warmup_cosine(
+    start: float,
+    peak: float,
+    end: float,
+    warmup_iters: int,
+    total_iters: int,
+    cosine_iters: int | None = None,
+) -> WarmupCosineSchedule:
+    """The v2 schedule: warmup ++ cosine ++ constant; `cosine_iters` defaults to the rest after warmup."""
+    if cosine_iters is None:
+        cosine_iters = total_iters - warmup_iters
+    if warmup_iters < 0 or cosine_iters < 0 or warmup_iters + cosine_iters > total_iters:
+        raise ValueError(
+            f"need 0 <= warmup_iters ({warmup_iters}), 0 <= cosine_iters ({cosine_iters}) and "
+            f"warmup + cosine <= total_iters ({total_iters})"
+        )
+    return WarmupCosineSchedule(start, peak, end, warmup_iters, cosine_iters, total_iters)
+
+
+def teacher_temp_schedule(
+    warmup_iters: int, total_iters: int, *, start: float = 0.04, peak: float = 0.07
+) -> WarmupCosineSchedule:
+    """Teacher temperature: linear 0.04 → 0.07 over the warmup (official 30 epochs), then constant."""
+    return linear_warmup_cosine(start, peak, peak, warmup_iters, total_iters)
+
+
+def momentum_schedule(total_iters: int, *, base: float = 0.992, final: float = 1.0) -> WarmupCosineSchedule:
+    """EMA teacher momentum: cosine base → final over the run; for final 1, m = 1 − (1−base)(1+cos(π·t))/2
+    with t = it/(total−1) (v1 used t = it/total, a difference of one iteration)."""
+    return linear_warmup_cosine(base, base, final, 0, total_iters)
+
+
+def weight_decay_schedule(total_iters: int, *, start: float = 0.04, end: float = 0.4) -> WarmupCosineSchedule:
+    """Weight decay: cosine 0.04 → 0.4 over the run."""
+    return linear_warmup_cosine(start, start, end, 0, total_iters)
+
+
+def scaled_lr(base_lr: float, global_batch: int, rule: ScalingRule = "sqrt_wrt_1024") -> float:
+    """Learning rate after DINOv3's batch-size rule (applied to the schedule's peak and end).
+
+    `sqrt_wrt_1024`: base·4·√(B/1024) — the factor 4 is upstream's (the v2-schedule code), so 1e-3 at B=1024
+    gives 4e-3; `linear_wrt_256`: base·B/256; `none`: base.
+    """
+    if global_batch <= 0:
+        raise ValueError(f"global_batch must be positive, got {global_batch}")
+    if rule == "sqrt_wrt_1024":
+        return base_lr * 4.0 * math.sqrt(global_batch / 1024.0)
+    if rule == "linear_wrt_256":
+        return base_lr * global_batch / 256.0
+    if rule == "none":
+        return base_lr
+    raise ValueError(f"unknown scaling rule {rule!r}; use sqrt_wrt_1024, linear_wrt_256 or none")

@@ -1,0 +1,178 @@
+"""Schedules (endpoints, monotonicity, equality with upstream's array) and parameter groups (layer-wise lr
+decay, patch-embed factor, no-weight-decay set) on a stand-in module with DINOv3 parameter names."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dinov3_core.train.param_groups import build_param_groups, clean_param_name, count_blocks, layer_id
+from dinov3_core.train.schedules import (
+    linear_warmup_cosine,
+    momentum_schedule,
+    scaled_lr,
+    teacher_temp_schedule,
+    weight_decay_schedule,
+)
+
+
+def upstream_array(start, peak, end, warmup, total, cosine=None) -> np.ndarray:
+    """dinov3.train.cosine_lr_scheduler.linear_warmup_cosine_decay, restated."""
+    linear = np.linspace(start, peak, warmup, endpoint=False)
+    cosine = total - warmup if cosine is None else cosine
+    cos = (np.cos(np.linspace(0, np.pi, cosine)) + 1) / 2 * (peak - end) + end
+    return np.concatenate([linear, cos, np.full(total - cosine - warmup, end)])
+
+
+@pytest.mark.parametrize(
+    ("start", "peak", "end", "warmup", "total", "cosine"),
+    [
+        (0.0, 1e-3, 1e-6, 10, 100, None),
+        (0.0, 5e-5, 5e-5, 7, 40, None),
+        (0.2, 1.0, 0.1, 5, 50, 20),
+        (1, 1, 2, 0, 9, 1),
+    ],
+)
+def test_warmup_cosine_equals_upstream(start, peak, end, warmup, total, cosine) -> None:
+    sched = linear_warmup_cosine(start, peak, end, warmup, total, cosine)
+    expected = upstream_array(start, peak, end, warmup, total, cosine)
+    np.testing.assert_allclose(sched.as_array(), expected, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose([sched(i) for i in range(total)], expected, rtol=1e-12, atol=1e-15)
+    assert len(sched) == total and sched(total + 10) == end
+
+
+def test_lr_endpoints_and_monotonicity() -> None:
+    sched = linear_warmup_cosine(0.0, 1e-3, 1e-6, warmup_iters=10, total_iters=100)
+    values = sched.as_array()
+    assert values[0] == 0.0 and values[10] == pytest.approx(1e-3) and values[-1] == pytest.approx(1e-6)
+    assert np.all(np.diff(values[:11]) > 0) and np.all(np.diff(values[10:]) < 0)
+    assert values.max() == pytest.approx(1e-3)
+    with pytest.raises(ValueError):
+        linear_warmup_cosine(0, 1, 0, warmup_iters=60, total_iters=100, cosine_iters=50)
+    with pytest.raises(ValueError):
+        sched(-1)
+
+
+def test_teacher_temp_momentum_weight_decay() -> None:
+    temp = teacher_temp_schedule(warmup_iters=30, total_iters=100)
+    assert temp(0) == pytest.approx(0.04) and temp(30) == pytest.approx(0.07) and temp(99) == pytest.approx(0.07)
+    assert np.all(np.diff(temp.as_array()[:31]) > 0) and np.allclose(temp.as_array()[30:], 0.07)
+
+    mom = momentum_schedule(total_iters=1000)
+    values = mom.as_array()
+    assert values[0] == pytest.approx(0.992) and values[-1] == pytest.approx(1.0)
+    assert np.all(np.diff(values) >= 0)
+    t = 400 / 999
+    assert mom(400) == pytest.approx(1 - (1 - 0.992) * (1 + math.cos(math.pi * t)) / 2)
+
+    wd = weight_decay_schedule(total_iters=500)
+    assert wd(0) == pytest.approx(0.04) and wd(499) == pytest.approx(0.4) and np.all(np.diff(wd.as_array()) >= 0)
+
+
+def test_scaled_lr_rules() -> None:
+    assert scaled_lr(1e-3, 1024) == pytest.approx(4e-3)
+    assert scaled_lr(1e-3, 256) == pytest.approx(2e-3)
+    assert scaled_lr(1e-3, 512, "linear_wrt_256") == pytest.approx(2e-3)
+    assert scaled_lr(1e-3, 512, "none") == 1e-3
+    with pytest.raises(ValueError):
+        scaled_lr(1e-3, 512, "cubic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        scaled_lr(1e-3, 0)
+
+
+# ------------------------------------------------------------------------------------ parameter groups
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(d, 3 * d)
+        self.ls1 = nn.Module()
+        self.ls1.gamma = nn.Parameter(torch.ones(d))
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(d, 2 * d)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, d: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.storage_tokens = nn.Parameter(torch.zeros(1, 2, d))
+        self.mask_token = nn.Parameter(torch.zeros(1, d))
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(12, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(depth))
+        self.norm = nn.LayerNorm(d)
+
+
+class _Head(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 16), nn.GELU(), nn.Linear(16, 4))
+        self.last_layer = nn.Linear(4, 10, bias=False)
+
+
+def _student() -> nn.ModuleDict:
+    return nn.ModuleDict({"backbone": _Backbone(), "dino_head": _Head(), "ibot_head": _Head()})
+
+
+def _by_name(groups) -> dict[str, dict]:
+    return {name: group for group in groups for name in group["names"]}
+
+
+def test_layerwise_lr_multipliers() -> None:
+    groups = build_param_groups(_student(), layer_decay=0.9, patch_embed_lr_mult=0.2)
+    by_name = _by_name(groups)
+    lr = {name: g["lr_multiplier"] for name, g in by_name.items()}
+    n = 3  # blocks
+    assert lr["backbone.patch_embed.proj.weight"] == pytest.approx(0.2 * 0.9 ** (n + 1))
+    assert lr["backbone.patch_embed.proj.bias"] == pytest.approx(0.2 * 0.9 ** (n + 1))
+    for token in ("cls_token", "storage_tokens", "mask_token"):
+        assert lr[f"backbone.{token}"] == pytest.approx(0.9 ** (n + 1))
+    for i in range(n):
+        assert lr[f"backbone.blocks.{i}.attn.qkv.weight"] == pytest.approx(0.9 ** (n - i))
+        assert lr[f"backbone.blocks.{i}.norm1.weight"] == pytest.approx(0.9 ** (n - i))
+    for top in ("backbone.norm.weight", "dino_head.mlp.0.weight", "ibot_head.last_layer.weight"):
+        assert lr[top] == 1.0
+    assert sum(len(g["params"]) for g in groups) == len(list(_student().parameters()))
+    # One group per distinct setting, each group homogeneous.
+    keys = [(g["lr_multiplier"], g["wd_multiplier"], g["is_last_layer"]) for g in groups]
+    assert len(keys) == len(set(keys))
+    assert build_param_groups(_student(), layer_decay=1.0, patch_embed_lr_mult=1.0)[0]["lr_multiplier"] == 1.0
+
+
+def test_no_weight_decay_set_and_last_layer_flag() -> None:
+    by_name = _by_name(build_param_groups(_student()))
+    no_wd = {name for name, g in by_name.items() if g["wd_multiplier"] == 0.0}
+    expected = {
+        name for name, _ in _student().named_parameters() if name.endswith("bias") or "norm" in name or "gamma" in name
+    }
+    assert no_wd == expected
+    assert "backbone.blocks.0.ls1.gamma" in no_wd and "backbone.norm.weight" in no_wd
+    assert by_name["backbone.cls_token"]["wd_multiplier"] == 1.0  # tokens are decayed, as upstream
+    assert by_name["backbone.blocks.1.attn.qkv.weight"]["wd_multiplier"] == 1.0
+    last = {name for name, g in by_name.items() if g["is_last_layer"]}
+    assert last == {"dino_head.last_layer.weight", "ibot_head.last_layer.weight"}
+
+
+def test_frozen_params_wrappers_and_bare_backbone() -> None:
+    student = _student()
+    student["backbone"].mask_token.requires_grad_(False)
+    names = {n for g in build_param_groups(student) for n in g["names"]}
+    assert "backbone.mask_token" not in names
+    assert clean_param_name("_orig_mod.backbone._fsdp_wrapped_module.blocks.2._checkpoint_wrapped_module.x") == (
+        "backbone.blocks.2.x"
+    )
+    assert clean_param_name("module.dino_head.mlp.0.weight") == "dino_head.mlp.0.weight"
+    bare = build_param_groups(_Backbone(depth=2))
+    lr = {n: g["lr_multiplier"] for g in bare for n in g["names"]}
+    assert lr["blocks.0.attn.qkv.weight"] == pytest.approx(0.81) and lr["norm.weight"] == 1.0
+    assert count_blocks(["backbone.blocks.11.mlp.fc1.weight", "backbone.blocks.3.norm1.bias"]) == 12
+    assert layer_id("backbone.pos_embed", 12) == 0 and layer_id("dino_head.mlp.0.weight", 12) == 13
