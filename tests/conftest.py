@@ -1,0 +1,24 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from dinov3_core.sample_slides import SampleSet
+
+
+@pytest.fixture(scope="session")
+def sample_slides(tmp_path_factory: pytest.TempPathFactory) -> SampleSet:
+    """The "test" preset of realistic sample slides (3 good slides + negatives), written once per session.
+
+    Real files OpenSlide opens: an Aperio SVS at 0.25 µm/px (40×, 4096×3072) and one at 0.5 µm/px (20×),
+    a zlib generic TIFF at 0.25 µm/px, and ``negatives`` (no_mpp, truncated, not_a_slide, no_tissue).
+    Generating them takes a few seconds. Treat the files as read-only: other tests share them.
+    """
+    # Imported here so a problem in the generator only fails the tests that use it, not collection.
+    from dinov3_core.sample_slides import make_sample_slides
+
+    return make_sample_slides(tmp_path_factory.mktemp("sample_slides"), "test")

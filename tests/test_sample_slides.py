@@ -1,0 +1,318 @@
+"""Sample slides: real files checked with real OpenSlide (the "test" preset, generated once per session)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import openslide
+import pytest
+import tifffile
+
+from dinov3_core.sample_slides import (
+    MARKER_NAME,
+    PRESETS,
+    SampleSet,
+    TissueCanvas,
+    make_sample_slides,
+    sample_canvas,
+    synthesize_background,
+    synthesize_tissue_canvas,
+    write_generic_tiff,
+    write_svs,
+)
+
+SPECS = {spec.name: spec for spec in PRESETS["test"]}
+GOOD = [name for name, spec in SPECS.items() if spec.negative is None]
+SVS = [name for name in GOOD if name.endswith(".svs")]
+
+
+def _blueish(rgb: np.ndarray) -> np.ndarray:
+    """Blue marker ink: far bluer than red and green (hematoxylin in the IHC texture never gets there)."""
+    r, g, b = (rgb[..., i].astype(np.int16) for i in range(3))
+    return (b - r > 90) & (b - g > 50)  # ink over glass is ~(70, 100, 200); stained nuclei reach b - r ≈ 60
+
+
+def _tissue_mask(rgb: np.ndarray) -> np.ndarray:
+    """Stained or inked pixels: clearly darker than glass, or clearly coloured (HSV-style saturation)."""
+    rgb = rgb.astype(np.int16)
+    saturation = (rgb.max(-1) - rgb.min(-1)) / np.maximum(rgb.max(-1), 1)
+    return (rgb.mean(-1) < 215) | (saturation > 0.12)
+
+
+def _rgb(slide: openslide.OpenSlide, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
+    region = np.asarray(slide.read_region(location, level, size))
+    assert (region[..., 3] == 255).all(), "a read inside the image must be fully opaque"
+    return region[..., :3]
+
+
+def _tissue_window(slide: openslide.OpenSlide, canvas: TissueCanvas, size: int) -> tuple[int, int, np.ndarray]:
+    """(x, y, source pixels) of the most tissue-rich size×size level-0 window, located on level 1."""
+    downsample = round(slide.level_downsamples[1])
+    overview = _rgb(slide, (0, 0), 1, slide.level_dimensions[1])
+    cell = size // downsample
+    rows, cols = overview.shape[0] // cell, overview.shape[1] // cell
+    blocks = _tissue_mask(overview[: rows * cell, : cols * cell]).reshape(rows, cell, cols, cell)
+    row, col = np.unravel_index(int(np.argmax(blocks.mean(axis=(1, 3)))), (rows, cols))
+    x, y = int(col) * size, int(row) * size
+    window = canvas.rows(y, y + size)[:, x : x + size]
+    assert _tissue_mask(window).mean() > 0.5, "the chosen window should be mostly tissue"
+    return x, y, window
+
+
+# ----------------------------------------------------------------------------------------------------
+# The preset set as OpenSlide sees it
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_sample_set_layout(sample_slides: SampleSet) -> None:
+    assert [p.name for p in sample_slides.slides] == [Path(name).name for name in GOOD]
+    assert set(sample_slides.negatives) == {"no_mpp", "truncated", "not_a_slide", "no_tissue"}
+    assert all(p.parent.name == "negatives" for p in sample_slides.negatives.values())
+    assert all(p.is_file() for p in [*sample_slides.slides, *sample_slides.negatives.values()])
+    assert (sample_slides.root / MARKER_NAME).is_file()
+    info = sample_slides.info["tissue_40x.svs"]
+    assert info["format"] == "aperio-svs" and info["mpp"] == 0.25 and info["size"] == [4096, 3072]
+    assert info["levels"] == [[4096, 3072], [1024, 768], [256, 192]]
+    assert sample_slides.info["negatives/no_mpp.tiff"]["mpp"] is None
+
+
+@pytest.mark.parametrize("name", SVS)
+def test_svs_is_aperio_with_mpp_and_magnification(sample_slides: SampleSet, name: str) -> None:
+    spec = SPECS[name]
+    with openslide.OpenSlide(sample_slides.root / name) as slide:
+        props = slide.properties
+        assert props["openslide.vendor"] == "aperio"
+        assert slide.level_count >= 3
+        assert slide.dimensions == (spec.width, spec.height)
+        assert float(props["openslide.mpp-x"]) == pytest.approx(spec.mpp)
+        assert float(props["openslide.mpp-y"]) == pytest.approx(spec.mpp)
+        assert props["aperio.AppMag"] == str(spec.app_mag)
+        assert props["openslide.objective-power"] == str(spec.app_mag)
+        assert props["tiff.ImageDescription"].startswith("Aperio Image Library")
+        # Not the temporary name the file was written under: output must not depend on it (determinism).
+        assert props["aperio.Filename"] == Path(name).stem
+        assert set(slide.associated_images) == {"thumbnail", "label", "macro"}
+        thumbnail = slide.associated_images["thumbnail"]
+        assert thumbnail.width / thumbnail.height == pytest.approx(spec.width / spec.height, rel=0.03)
+
+
+@pytest.mark.parametrize("name", SVS)
+def test_svs_ifd_layout_matches_aperio(sample_slides: SampleSet, name: str) -> None:
+    """Tiled JPEG/YCbCr baseline, stripped thumbnail second, tiled levels, stripped label and macro last."""
+    with tifffile.TiffFile(sample_slides.root / name) as tif:
+        pages = list(tif.pages)
+        assert [page.is_tiled for page in pages] == [
+            True,
+            False,
+            *[True] * (SPECS[name].levels - 1),
+            False,
+            False,
+        ]
+        assert pages[0].compression == tifffile.COMPRESSION.JPEG
+        assert pages[0].photometric == tifffile.PHOTOMETRIC.YCBCR
+        assert pages[0].tilewidth == pages[0].tilelength == 256
+        assert pages[-2].description.splitlines()[1].startswith("label ")
+        assert pages[-1].description.splitlines()[1].startswith("macro ")
+
+
+def test_generic_tiff_has_mpp(sample_slides: SampleSet) -> None:
+    spec = SPECS["tissue_generic.tiff"]
+    with openslide.OpenSlide(sample_slides.root / spec.name) as slide:
+        assert slide.properties["openslide.vendor"] == "generic-tiff"
+        assert slide.properties["tiff.ResolutionUnit"] == "centimeter"
+        assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(spec.mpp, rel=1e-4)
+        assert float(slide.properties["openslide.mpp-y"]) == pytest.approx(spec.mpp, rel=1e-4)
+        assert slide.level_count == spec.levels >= 3
+        assert slide.dimensions == (spec.width, spec.height)
+        assert slide.dimensions[0] != slide.dimensions[1]
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_levels_are_consistent_downsamples(sample_slides: SampleSet, name: str) -> None:
+    factor = 4 if name.endswith(".svs") else 2
+    with openslide.OpenSlide(sample_slides.root / name) as slide:
+        width, height = slide.dimensions
+        for level, ((w, h), downsample) in enumerate(zip(slide.level_dimensions, slide.level_downsamples, strict=True)):
+            assert (w, h) == (width // factor**level, height // factor**level)
+            assert downsample == pytest.approx(factor**level, rel=1e-3)
+        # Level 1 is the box-filtered level 0: same picture, up to JPEG error.
+        size = 256
+        fine = _rgb(slide, (0, 0), 0, (size * factor, size * factor)).astype(np.float32)
+        coarse = _rgb(slide, (0, 0), 1, (size, size)).astype(np.float32)
+        reduced = fine.reshape(size, factor, size, factor, 3).mean(axis=(1, 3))
+        assert np.abs(reduced - coarse).mean() < 3.0
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_read_region_matches_source_canvas(sample_slides: SampleSet, name: str) -> None:
+    """OpenSlide decodes what was drawn: exact for zlib, within JPEG error for YCbCr JPEG."""
+    canvas = sample_canvas("test", name, seed=sample_slides.seed)
+    with openslide.OpenSlide(sample_slides.root / name) as slide:
+        x, y, expected = _tissue_window(slide, canvas, 512)
+        got = _rgb(slide, (x, y), 0, (512, 512))
+    if SPECS[name].compression == "zlib" and name.endswith(".tiff"):
+        np.testing.assert_array_equal(got, expected)
+    else:
+        error = np.abs(got.astype(np.int16) - expected).astype(np.float32)
+        assert error.mean() < 5.0, error.mean()  # per-pixel error of JPEG q90 with 4:2:0 chroma on tissue
+        # Mean colour per channel: a wrong colour space (RGB read as YCbCr) would shift it by tens of levels.
+        assert np.abs(got.mean(axis=(0, 1)) - expected.mean(axis=(0, 1))).max() < 1.5
+
+
+# ----------------------------------------------------------------------------------------------------
+# Negatives
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_no_mpp_slide_opens_without_mpp(sample_slides: SampleSet) -> None:
+    with openslide.OpenSlide(sample_slides.negatives["no_mpp"]) as slide:
+        assert slide.properties["openslide.vendor"] == "generic-tiff"
+        assert "openslide.mpp-x" not in slide.properties
+        assert "openslide.mpp-y" not in slide.properties
+        assert slide.level_count >= 3
+        assert _tissue_mask(_rgb(slide, (0, 0), 2, slide.level_dimensions[2])).mean() > 0.1
+
+
+def test_truncated_slide_fails_to_open_or_read(sample_slides: SampleSet) -> None:
+    """With OpenSlide 4.0.1 the broken IFD chain already fails `OpenSlide()`; a reader must survive either."""
+    path = sample_slides.negatives["truncated"]
+    with tifffile.TiffFile(path) as tif:  # the cut lies inside level 0's tile data, as documented
+        page = tif.pages.first
+        assert max(o + n for o, n in zip(page.dataoffsets, page.databytecounts, strict=True)) > path.stat().st_size
+    with pytest.raises(openslide.OpenSlideError), openslide.OpenSlide(path) as slide:
+        slide.read_region((0, 0), 0, slide.dimensions)
+
+
+def test_not_a_slide_is_rejected(sample_slides: SampleSet) -> None:
+    path = sample_slides.negatives["not_a_slide"]
+    assert path.suffix == ".svs"
+    with pytest.raises(openslide.OpenSlideUnsupportedFormatError):
+        openslide.OpenSlide(path)
+
+
+def test_no_tissue_slide_is_blank_glass(sample_slides: SampleSet) -> None:
+    with openslide.OpenSlide(sample_slides.negatives["no_tissue"]) as slide:
+        assert slide.properties["openslide.vendor"] == "aperio"
+        assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(0.25)
+        pixels = _rgb(slide, (0, 0), 0, slide.dimensions)
+    assert pixels.mean() > 225
+    assert _tissue_mask(pixels).mean() < 0.001
+    assert not _blueish(pixels).any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Idempotence and determinism
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_second_call_rewrites_nothing(sample_slides: SampleSet) -> None:
+    paths = [sample_slides.root / MARKER_NAME, *sample_slides.slides, *sample_slides.negatives.values()]
+    before = {p: p.stat().st_mtime_ns for p in paths}
+    again = make_sample_slides(sample_slides.root, "test", seed=sample_slides.seed)
+    assert {p: p.stat().st_mtime_ns for p in paths} == before
+    assert again.slides == sample_slides.slides and again.negatives == sample_slides.negatives
+
+
+def test_damaged_file_is_regenerated_identically(sample_slides: SampleSet, tmp_path: Path) -> None:
+    """Only the damaged file is rewritten, byte for byte as before (generation is deterministic)."""
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    copy = tmp_path / "copy"
+    shutil.copytree(sample_slides.root, copy)
+    damaged = copy / "tissue_20x.svs"
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # size no longer matches the marker
+    others = [p for p in copy.rglob("*") if p.is_file() and p.name not in {damaged.name, MARKER_NAME}]
+    before = {p: p.stat().st_mtime_ns for p in others}
+
+    rebuilt = make_sample_slides(copy, "test", seed=sample_slides.seed)
+    assert digest(damaged) == digest(sample_slides.root / "tissue_20x.svs")
+    assert {p: p.stat().st_mtime_ns for p in others} == before
+    assert rebuilt.info == sample_slides.info | {"tissue_20x.svs": rebuilt.info["tissue_20x.svs"]}
+
+    # Asking for the good slides only is satisfied by the existing set: no writes, no negatives listed.
+    marker_mtime = (copy / MARKER_NAME).stat().st_mtime_ns
+    good_only = make_sample_slides(copy, "test", seed=sample_slides.seed, negatives=False)
+    assert good_only.negatives == {} and len(good_only.slides) == 3
+    assert (copy / MARKER_NAME).stat().st_mtime_ns == marker_mtime
+
+
+# ----------------------------------------------------------------------------------------------------
+# Canvas and writers on their own
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_canvas_has_tissue_and_a_pen_mark() -> None:
+    canvas = synthesize_tissue_canvas(1024, 1536, rng=np.random.default_rng(0), pen_color="blue")
+    assert canvas.shape == (1024, 1536, 3) and canvas.dtype == np.uint8
+    assert 0.2 < _tissue_mask(canvas).mean() < 0.7
+    assert _blueish(canvas).mean() > 0.003  # the ink stroke
+    # Without the pen, nothing in the IHC texture or the glass looks like blue ink.
+    plain = synthesize_tissue_canvas(1024, 1536, rng=np.random.default_rng(0), pen_mark=False)
+    assert not _blueish(plain).any()
+    corner = canvas[:64, :64].astype(np.int16)  # glass: near-white, barely tinted
+    assert corner.mean() > 225 and np.ptp(corner.mean(axis=(0, 1))) < 12
+
+
+def test_canvas_is_deterministic_per_seed() -> None:
+    a = synthesize_tissue_canvas(512, 768, rng=np.random.default_rng(3))
+    b = synthesize_tissue_canvas(512, 768, rng=np.random.default_rng(3))
+    c = synthesize_tissue_canvas(512, 768, rng=np.random.default_rng(4))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_canvas_strips_match_the_whole_image() -> None:
+    canvas = TissueCanvas.plan(1000, 900, rng=np.random.default_rng(5))
+    whole = canvas.to_array()
+    np.testing.assert_array_equal(canvas.rows(123, 611), whole[123:611])
+
+
+def test_background_is_near_white_glass() -> None:
+    glass = synthesize_background(512, 640, rng=np.random.default_rng(1))
+    assert glass.mean() > 225 and glass.min() > 200
+    assert _tissue_mask(glass).mean() == 0
+
+
+def test_writers_accept_arrays_and_keep_colours(tmp_path: Path) -> None:
+    image = synthesize_tissue_canvas(1024, 1536, rng=np.random.default_rng(11), pen_color="green")
+    svs = tmp_path / "array.svs"
+    dims = write_svs(svs, image, mpp=0.5, levels=3, description_extra={"Comment": "unit test"})
+    assert dims == [(1536, 1024), (384, 256), (96, 64)]
+    with openslide.OpenSlide(svs) as slide:
+        assert slide.properties["openslide.objective-power"] == "20"  # derived from MPP 0.5
+        assert slide.properties["aperio.Comment"] == "unit test"
+        got = _rgb(slide, (0, 0), 0, slide.dimensions)
+    assert np.abs(got.astype(np.int16) - image).mean() < 5.0
+
+    tiff = tmp_path / "array.tiff"
+    write_generic_tiff(tiff, image, mpp=0.5, levels=3, compression="jpeg")
+    with openslide.OpenSlide(tiff) as slide:
+        assert slide.properties["openslide.vendor"] == "generic-tiff"
+        assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(0.5, rel=1e-4)
+        got = _rgb(slide, (0, 0), 0, slide.dimensions)
+    assert np.abs(got.astype(np.int16) - image).mean() < 5.0
+
+
+def test_writer_rejects_bad_arguments(tmp_path: Path) -> None:
+    image = np.full((256, 256, 3), 240, np.uint8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        write_svs(tmp_path / "bad.svs", image, mpp=0.25, tile=100)
+    with pytest.raises(ValueError, match="levels"):
+        write_generic_tiff(tmp_path / "bad.tiff", image, mpp=0.25, levels=12)
+    with pytest.raises(ValueError, match="uint8"):
+        write_generic_tiff(tmp_path / "bad.tiff", image.astype(np.float32), mpp=0.25)
+
+
+def test_module_does_not_import_orchestration() -> None:
+    code = (
+        "import sys, dinov3_core.sample_slides\n"
+        "sys.exit(any(m.split('.')[0] in {'prefect', 'flows', 'tasks'} for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
