@@ -17,7 +17,7 @@ from PIL import Image
 from dinov3_core.errors import WsidinoError
 
 # Decoded-tile cache per open slide: neighbouring reads share JPEG tiles, so a larger cache saves re-decoding.
-SLIDE_CACHE_BYTES = 256 * 1024 * 1024
+SLIDE_CACHE_BYTES = 64 * 1024 * 1024
 # Longest side, in px at the read level, of one region read when building low-resolution images.
 BLOCK_PX = 4096
 

@@ -65,6 +65,8 @@ class TileResult:
     outcomes: list[SlideOutcome]
     seconds: float
     tiles_written: int
+    plan_seconds: float = 0.0  # summed over workers: tissue masks, grids, QC scores
+    write_seconds: float = 0.0  # summed over workers: reading, resizing, encoding and writing tiles
 
     @property
     def counts(self) -> dict[str, int]:
@@ -286,10 +288,18 @@ def run_tile(cfg: TileConfig, progress: ProgressFn | None = None) -> TileResult:
             todo.append(task)
         if outcomes:
             ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
-        written = _run_pool(root, todo, cfg, overrides, outcomes, progress)
+        timing = {"plan": 0.0, "write": 0.0}
+        written = _run_pool(root, todo, cfg, overrides, outcomes, progress, timing)
         ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
     ordered = [outcomes[t.slide_id] for t in tasks]
-    return TileResult(store=root, outcomes=ordered, seconds=time.perf_counter() - start, tiles_written=written)
+    return TileResult(
+        store=root,
+        outcomes=ordered,
+        seconds=time.perf_counter() - start,
+        tiles_written=written,
+        plan_seconds=timing["plan"],
+        write_seconds=timing["write"],
+    )
 
 
 @dataclass
@@ -307,12 +317,17 @@ def _run_pool(
     overrides: dict[str, float],
     outcomes: dict[str, SlideOutcome],
     progress: ProgressFn | None,
+    timing: dict[str, float],
 ) -> int:
     """Plan jobs first, then shard-range write jobs; survives worker crashes by rebuilding the pool."""
     if not todo:
         return 0
     ctx = mp.get_context("spawn")  # the parent runs zarr's event-loop thread: never fork it
-    pool = ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx)
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx, initializer=_init_worker)
+
+    pool = new_pool()
     pending: dict[Future[Any], tuple[str, Any, int]] = {}
     states: dict[str, _SlideState] = {}
     done_tiles = planned_tiles = 0
@@ -354,6 +369,7 @@ def _run_pool(
                     continue
                 if kind == "plan":
                     plan: SlidePlan = result
+                    timing["plan"] += plan.seconds
                     try:
                         incoming, units = begin_plan(root, plan, cfg)
                     except Exception as err:
@@ -369,6 +385,7 @@ def _run_pool(
                     state = states[slide_id]
                     state.remaining -= 1
                     done_tiles += result[1]
+                    timing["write"] += result[2]
                     if state.remaining == 0:
                         try:
                             _commit(root, states.pop(slide_id), cfg, outcomes)
@@ -382,7 +399,7 @@ def _run_pool(
                 leftovers = crashed + list(pending.values())
                 pending.clear()
                 pool.shutdown(wait=False, cancel_futures=True)
-                pool = ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx)
+                pool = new_pool()
                 for kind, payload, attempt in leftovers:
                     slide_id = payload.slide_id if kind == "plan" else payload.incoming.slide_id
                     path = str(payload.path if kind == "plan" else payload.source)
@@ -402,6 +419,14 @@ def _run_pool(
         for state in states.values():
             ts.abandon_slide(state.incoming)
     return done_tiles
+
+
+def _init_worker() -> None:
+    """One core per worker: zarr would otherwise encode chunks on a thread pool as wide as the machine, so
+    `workers` processes would oversubscribe the cores they were given."""
+    import zarr
+
+    zarr.config.set({"threading.max_workers": 1})
 
 
 def _commit(root: Path, state: _SlideState, cfg: TileConfig, outcomes: dict[str, SlideOutcome]) -> None:

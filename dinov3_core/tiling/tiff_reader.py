@@ -16,7 +16,7 @@ import numpy as np
 import tifffile
 
 TIFF_VENDORS = frozenset({"aperio", "generic-tiff"})
-CACHE_BYTES = 256 * 1024 * 1024
+CACHE_BYTES = 64 * 1024 * 1024  # a row band of 256-px tiles across a 100k-px-wide slide
 
 
 class UnsupportedTiff(Exception):

@@ -20,7 +20,7 @@ from dinov3_core.tiling.tiff_reader import TiffLevelReader
 # runs decodes each JPEG tile of the slide about once instead of once per overlapping tile.
 MAX_RUN_PX = 4096
 _OPEN_READERS: OrderedDict[tuple[str, str, int], RegionReader] = OrderedDict()
-_MAX_OPEN = 2
+_MAX_OPEN = 1  # units of one slide run back to back; keeping more open only holds memory
 
 
 class RegionReader(Protocol):
