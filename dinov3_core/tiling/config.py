@@ -21,6 +21,7 @@ class TissueConfig:
     glass_margin: float = 18.0  # tissue is at least this much darker than the glass (grey levels)
     min_contrast: float = 6.0  # local grey std (5 px window) above which a pixel is textured, i.e. tissue
     close_um: float = 16.0  # morphological closing radius: joins tissue fragments across small gaps
+    open_um: float = 8.0  # morphological opening radius: removes slivers thinner than 2 × this (ink rims)
     min_saturation: float = 15.0  # floor under the saturation threshold: glass must not become "tissue"
     max_brightness: float = 245.0  # brighter pixels (glass) are never tissue
     fill_holes: bool = True

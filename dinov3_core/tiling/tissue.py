@@ -77,6 +77,9 @@ def tissue_mask(
         mask = morphology.remove_small_holes(mask, max_size=max(1, int(cfg.max_hole_area_um2 / px_area)))
     # Last, so that closing cannot bridge an ink stroke back in through its high-contrast edges.
     mask &= ~ndimage.binary_dilation(pen_mask(thumb) if pen is None else pen, iterations=2)
+    # Ink edges blend into the glass and leave thin rims of "tissue" behind; opening removes anything thinner.
+    open_px = max(1, round(cfg.open_um / thumb_mpp))
+    mask = ndimage.binary_opening(mask, structure=morphology.disk(open_px), border_value=0)
     mask = morphology.remove_small_objects(mask, max_size=max(1, int(cfg.min_region_area_um2 / px_area)))
     return mask.astype(bool), used
 
