@@ -63,11 +63,34 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def _is_section(node: Any) -> bool:
+    """A dataclass-backed sub-config (its keys are fixed), as opposed to a free-form `dict[str, X]` field."""
+    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
+        return False
+    return dataclasses.is_dataclass(node._metadata.object_type)
+
+
+def _flatten_against(schema: DictConfig, update: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of `update`, descending only into dataclass sections of `schema`.
+
+    Values of free-form dict fields stay whole, so their own keys may contain dots (`a.svs: 0.25`).
+    """
+    out: dict[str, Any] = {}
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        node = schema._get_node(str(key)) if str(key) in schema.keys() else None  # noqa: SIM118
+        if isinstance(value, Mapping) and value and _is_section(node):
+            out.update(_flatten_against(node, value, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
 def _schema_keys(schema: DictConfig) -> list[str]:
     keys: list[str] = []
     for key in schema.keys():  # noqa: SIM118 (OmegaConf: `in` is False for MISSING values)
         value = schema._get_node(key)
-        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
+        if _is_section(value):
             keys.extend(f"{key}.{sub}" for sub in _schema_keys(value))
             keys.append(str(key))
         else:
@@ -86,8 +109,8 @@ def _check_key(schema: DictConfig, key: str, source: str) -> None:
             parent = ".".join(parts[:depth]) or "<root>"
             raise ConfigError(f"unknown config key {key!r} in {source} (no {part!r} under {parent}){hint}")
         node = node._get_node(part)
-        if isinstance(node, DictConfig) and (node._is_none() or node._is_missing()):
-            return  # an optional sub-config that is unset accepts its own keys on merge
+        if isinstance(node, DictConfig) and not _is_section(node):
+            return  # a free-form dict, or an unset optional sub-config: its own keys are validated on merge
 
 
 def _type_name(node: Any) -> str:
@@ -100,7 +123,7 @@ def _type_name(node: Any) -> str:
 
 
 def _merge_checked(base: DictConfig, update: Mapping[str, Any], source: str) -> DictConfig:
-    for key, value in _flatten(update).items():
+    for key, value in _flatten_against(base, update).items():
         _check_key(base, key, source)
         try:
             OmegaConf.update(base, key, value, merge=True)

@@ -186,11 +186,23 @@ def test_rerun_skips_unchanged_retries_failed_and_redoes_changed(sample_slides, 
     assert status == {good[0].stem: "skipped", good[1].stem: "skipped", "copy_of_20x": "ok", "no_mpp": "ok"}
     assert ts.read_slide_attrs(store, "copy_of_20x")["level0_mpp"] == pytest.approx(0.25)
     assert ts.read_slide_attrs(store, "no_mpp")["mpp_source"] == "override"
+    assert ts.read_slide_attrs(store, "no_mpp")["level0_mpp"] == pytest.approx(0.25)
 
     # Changing a tiling parameter redoes every slide.
     fourth = run_tile(tile_config(inputs, store, mpp_overrides=str(overrides), tile_size=160))
     assert fourth.counts == {"ok": 4, "failed": 0, "skipped": 0}
     assert zarr.open_array(str(store / "slides" / "no_mpp" / "tiles"), mode="r").shape[1:] == (160, 160, 3)
+
+
+def test_mpp_from_config_mapping_and_default(sample_slides, tmp_path):
+    no_mpp = sample_slides.negatives["no_mpp"]
+    mapped = run_tile(tile_config(no_mpp, tmp_path / "a.zarr", **{"mpp_by_slide": {"no_mpp": 0.5}}))
+    assert mapped.counts["ok"] == 1
+    attrs = ts.read_slide_attrs(tmp_path / "a.zarr", "no_mpp")
+    assert (attrs["level0_mpp"], attrs["mpp_source"], attrs["read_size"]) == (0.5, "override", 224)
+    defaulted = run_tile(tile_config(no_mpp, tmp_path / "b.zarr", default_mpp=0.25))
+    assert ts.read_slide_attrs(tmp_path / "b.zarr", "no_mpp")["mpp_source"] == "default"
+    assert defaulted.outcomes[0].tile_count > 0
 
 
 def test_two_workers_write_the_same_tiles_as_one(sample_slides, tmp_path):

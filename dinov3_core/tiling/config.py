@@ -50,6 +50,7 @@ class TileConfig:
     mpp: float = 0.5  # target µm/px of every tile
     mpp_tolerance: float = 0.05  # relative: a pyramid level within ±5 % of the target is read without resizing
     mpp_overrides: str | None = None  # CSV with columns slide,mpp (slide = file name or stem)
+    mpp_by_slide: dict[str, float] = field(default_factory=dict)  # the same in the config; wins over the CSV
     default_mpp: float | None = None  # used for slides whose files carry no µm/px at all
     tile_size: int = 224  # px at the target µm/px
     stride: int | None = None  # px at the target µm/px; null → tile_size (no overlap)

@@ -258,7 +258,10 @@ def prepare_store(cfg: TileConfig) -> tuple[Path, list[SlideTask], dict[str, flo
         raise ConfigError(f"mpp must be positive, got {cfg.mpp}")
     root = ts.init_store(cfg.output)
     tasks = assign_slide_ids(discover_slides(cfg.input, cfg.extensions))
-    overrides = load_mpp_overrides(cfg.mpp_overrides)
+    overrides = {**load_mpp_overrides(cfg.mpp_overrides), **cfg.mpp_by_slide}
+    bad = {k: v for k, v in cfg.mpp_by_slide.items() if not v > 0}
+    if bad:
+        raise ConfigError(f"mpp_by_slide values must be positive µm/px, got {bad}")
     return root, tasks, overrides
 
 

@@ -1,0 +1,77 @@
+"""Typed configs: defaults ← YAML ← overrides, with errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dinov3_core.config import ConfigError, load_config, resolve_config_path, save_config, to_dict
+from dinov3_core.tiling.config import TileConfig
+
+REQUIRED = {"input": "slides/", "output": "t.zarr"}
+
+
+def test_layers_apply_in_order(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "mine.yaml"
+    cfg_file.write_text("tile_size: 256\ntissue:\n  min_tissue_fraction: 0.3\ncompressor: jpeg\n")
+    cfg = load_config(TileConfig, cfg_file, ["input=s", "output=o", "tile_size=512"])
+    assert isinstance(cfg, TileConfig)
+    assert (cfg.tile_size, cfg.tissue.min_tissue_fraction, cfg.compressor, cfg.mpp) == (512, 0.3, "jpeg", 0.5)
+
+
+def test_named_configs_resolve_and_all_load() -> None:
+    assert resolve_config_path("tile", "default").name == "default.yaml"
+    for path in sorted(Path(resolve_config_path("tile", "default")).parent.glob("*.yaml")):
+        load_config(TileConfig, path, REQUIRED)  # every shipped config is valid
+    with pytest.raises(ConfigError, match=r"no config named 'nope' for stage 'tile'; available: .*default"):
+        resolve_config_path("tile", "nope")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["tile_sise=3"], r"unknown config key 'tile_sise' .*did you mean 'tile_size'"),
+        (["tissue.min_tisue_fraction=0.3"], r"did you mean 'tissue\.min_tissue_fraction'"),
+        (["tile_size=abc"], r"'tile_size'.*'abc' is not int"),
+        (["stride=x"], r"'stride'.*is not int or null"),
+        (["compressor=lzma"], r"'compressor'.*expected one of \['zstd', 'jpeg', 'none'\]"),
+        (["tile_size"], r"not of the form key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TileConfig, None, ["input=s", "output=o", *overrides])
+
+
+def test_missing_required_keys_are_listed() -> None:
+    with pytest.raises(ConfigError, match=r"required config key\(s\) not set: output"):
+        load_config(TileConfig, None, ["input=s"])
+
+
+def test_yaml_file_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tissue:\n  thumbnail_mp: 4\n")
+    with pytest.raises(ConfigError, match=rf"config file {bad}.*did you mean 'tissue\.thumbnail_mpp'"):
+        load_config(TileConfig, bad, REQUIRED)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(TileConfig, listy, REQUIRED)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(TileConfig, tmp_path / "absent.yaml", REQUIRED)
+
+
+def test_free_form_dict_keys_may_contain_dots() -> None:
+    cfg = load_config(TileConfig, None, {**REQUIRED, "mpp_by_slide": {"case 1.svs": 0.25}})
+    assert cfg.mpp_by_slide == {"case 1.svs": 0.25}
+    cfg = load_config(TileConfig, None, ["input=s", "output=o", "mpp_by_slide={a.svs: 0.5}"])
+    assert cfg.mpp_by_slide == {"a.svs": 0.5}
+
+
+def test_saved_config_reloads_identically(tmp_path: Path) -> None:
+    cfg = load_config(TileConfig, None, {**REQUIRED, "tile_size": 160, "filters": {"pen_filter": True}})
+    path = save_config(cfg, tmp_path / "out" / "config.yaml")
+    assert yaml.safe_load(path.read_text())["tile_size"] == 160
+    assert to_dict(load_config(TileConfig, path)) == to_dict(cfg)
