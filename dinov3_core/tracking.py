@@ -40,9 +40,10 @@ def stage_run(
         return
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg))
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
     if not os.environ.get("MLFLOW_RUN_ID"):
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+        ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
     parent = os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
     run = mlflow.start_run(
         run_id=os.environ.get("MLFLOW_RUN_ID") or None,
@@ -59,6 +60,25 @@ def stage_run(
         raise
     else:
         mlflow.end_run(status="FINISHED")
+
+
+def artifact_location(uri: str) -> str | None:
+    """For a SQLite store, artifacts go beside the database (MLflow would use ./mlruns of the working directory)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    return None  # a tracking server decides
+
+
+def ensure_experiment(name: str, uri: str) -> str:
+    """Select the experiment, creating it with an explicit artifact location the first time."""
+    import mlflow
+
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is None:
+        # Another process may create it at the same moment; then set_experiment below finds theirs.
+        with contextlib.suppress(mlflow.exceptions.MlflowException):
+            mlflow.create_experiment(name, artifact_location=artifact_location(uri))
+    return mlflow.set_experiment(name).experiment_id
 
 
 def log_params(params: Mapping[str, Any]) -> None:

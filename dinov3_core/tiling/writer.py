@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,8 +20,15 @@ from dinov3_core.tiling.tiff_reader import TiffLevelReader
 # One region read covers a run of neighbouring tiles in a row, at most this wide (px at the read level): reading
 # runs decodes each JPEG tile of the slide about once instead of once per overlapping tile.
 MAX_RUN_PX = 4096
-_OPEN_READERS: OrderedDict[tuple[str, str, int], RegionReader] = OrderedDict()
 _MAX_OPEN = 1  # units of one slide run back to back; keeping more open only holds memory
+# Per thread: a Prefect thread runner may tile two slides in one process, and readers are not thread-safe.
+_LOCAL = threading.local()
+
+
+def _open_readers() -> OrderedDict[tuple[str, str, int], RegionReader]:
+    if not hasattr(_LOCAL, "readers"):
+        _LOCAL.readers = OrderedDict()
+    return _LOCAL.readers
 
 
 class RegionReader(Protocol):
@@ -71,22 +79,25 @@ class WriteUnit:
 def _region_reader(unit: WriteUnit) -> RegionReader:
     """Keep recently used readers open per process so their decoded-tile caches carry across units."""
     key = (str(unit.source), unit.reader, unit.read.level)
-    if key in _OPEN_READERS:
-        _OPEN_READERS.move_to_end(key)
-        return _OPEN_READERS[key]
+    readers = _open_readers()
+    if key in readers:
+        readers.move_to_end(key)
+        return readers[key]
     if unit.reader == "tifffile":
         reader: RegionReader = TiffRegions(unit.source, unit.read.level, unit.level_size, unit.level_downsample)
     else:
         reader = OpenSlideRegions(unit.source, unit.read.level)
-    _OPEN_READERS[key] = reader
-    while len(_OPEN_READERS) > _MAX_OPEN:
-        _OPEN_READERS.popitem(last=False)[1].close()
+    readers[key] = reader
+    while len(readers) > _MAX_OPEN:
+        readers.popitem(last=False)[1].close()
     return reader
 
 
 def close_cached_readers() -> None:
-    while _OPEN_READERS:
-        _OPEN_READERS.popitem()[1].close()
+    """Close this thread's readers."""
+    readers = _open_readers()
+    while readers:
+        readers.popitem()[1].close()
 
 
 def _runs(coords: np.ndarray, stride_level0: int, max_tiles: int) -> list[tuple[int, int]]:

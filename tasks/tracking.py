@@ -1,0 +1,103 @@
+"""MLflow ↔ Prefect glue shared by every stage's tasks.
+
+One MLflow run per stage execution, opened through `dinov3_core.tracking.stage_run` (which joins
+`$MLFLOW_RUN_ID` or nests under `$WSIDINO_MLFLOW_PARENT_RUN_ID`) and tagged with the Prefect flow run that
+produced it, so either UI leads to the other: in MLflow search ``tags.`prefect.flow_run_id` = '…'``; in
+Prefect the stage's markdown artifact names the MLflow run id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dinov3_core import tracking
+from dinov3_core.tracking import TrackingConfig
+
+STAGE_TAG = "wsidino.stage"
+
+
+def prefect_run_tags(stage: str) -> dict[str, str]:
+    """Tags linking an MLflow run to the current Prefect flow run (empty values are left out).
+
+    Args:
+        stage: Pipeline stage name, stored as `wsidino.stage`.
+
+    Returns:
+        `wsidino.stage`, and when called inside a flow run `prefect.flow_run_id`, `prefect.flow_run_name`,
+        `prefect.flow_name`, `prefect.flow_run_url` (only when `PREFECT_UI_URL` resolves), plus
+        `prefect.deployment_id` and `prefect.parent_flow_run_id` when the run has them.
+    """
+    from prefect.runtime import deployment, flow_run
+    from prefect.settings import PREFECT_UI_URL
+
+    tags: dict[str, str] = {STAGE_TAG: stage}
+    run_id = flow_run.id
+    if not run_id:
+        return tags
+    tags["prefect.flow_run_id"] = str(run_id)
+    optional = {
+        "prefect.flow_run_name": flow_run.name,
+        "prefect.flow_name": flow_run.flow_name,
+        "prefect.deployment_id": deployment.id,
+        "prefect.parent_flow_run_id": flow_run.parent_flow_run_id,
+        # `ui_url` formats "None/flow-runs/…" when no UI URL is configured: only tag a real URL.
+        "prefect.flow_run_url": flow_run.ui_url if PREFECT_UI_URL.value() else None,
+    }
+    tags.update({k: str(v) for k, v in optional.items() if v})
+    return tags
+
+
+def mlflow_run_name(stage: str) -> str:
+    """`<stage>` or `<stage>/<flow run name>` inside a Prefect flow run (e.g. `tile/amber-okapi`)."""
+    from prefect.runtime import flow_run
+
+    name = flow_run.name
+    return f"{stage}/{name}" if name else stage
+
+
+@contextlib.contextmanager
+def stage_mlflow_run(
+    cfg: TrackingConfig,
+    stage: str,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[Any]:
+    """Open the MLflow run of one stage execution, tagged with the Prefect flow run.
+
+    Call it from the task that logs (MLflow's active run is per thread). A failure inside the block marks the
+    run FAILED and re-raises.
+
+    Args:
+        cfg: The stage's tracking section (enabled, uri, experiment); `uri` null → `$MLFLOW_TRACKING_URI`,
+            else `sqlite:///mlflow.db` in the working directory.
+        stage: Stage name for the run name and the `wsidino.stage` tag.
+        params: MLflow params, usually `dinov3_core.config.flat_params(cfg)`.
+        tags: Extra tags; they win over the Prefect tags.
+
+    Yields:
+        The active `mlflow.ActiveRun`, or `None` when `cfg.enabled` is false.
+    """
+    all_tags = {**prefect_run_tags(stage), **dict(tags or {})}
+    with tracking.stage_run(cfg, mlflow_run_name(stage), params=params, tags=all_tags) as run:
+        yield run
+
+
+def mlflow_run_env(run: Any, cfg: TrackingConfig) -> dict[str, str]:
+    """Environment that lets a launched subprocess (torchrun rank 0, a CLI stage) resume `run`.
+
+    Args:
+        run: The `mlflow.ActiveRun` yielded by `stage_mlflow_run`.
+        cfg: The tracking config the run was opened with.
+
+    Returns:
+        `MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_ID`; empty when `run` is `None`.
+    """
+    if run is None:
+        return {}
+    return {
+        "MLFLOW_RUN_ID": run.info.run_id,
+        "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg),
+        "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+    }
