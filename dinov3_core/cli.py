@@ -48,6 +48,28 @@ def cmd_tile(args: argparse.Namespace) -> int:
     return EXIT_FAILED_ITEMS if result.counts["failed"] else EXIT_OK
 
 
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """One process runs here; more processes (or nodes) run under torchrun with the same config and overrides."""
+    overrides = list(args.overrides)
+    if args.store:
+        overrides.append(f"data.stores=[{','.join(args.store)}]")
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.nproc_per_node == 1 and args.nnodes == 1:
+        from dinov3_core.train.__main__ import main as train_main
+
+        return train_main(["--config", args.config or "tiny", *overrides])
+    import subprocess
+
+    from dinov3_core.train.stage import torchrun_command
+
+    cmd = torchrun_command(
+        args.config or "tiny", args.nproc_per_node, overrides, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
+    )
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
 def cmd_make_sample_slides(args: argparse.Namespace) -> int:
     from dinov3_core.sample_slides import make_sample_slides
 
@@ -75,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     tile.add_argument("--output", help="tile store directory, e.g. out/tiles.zarr")
     tile.add_argument("--workers", type=int, help="worker processes (default from config: 1)")
     tile.set_defaults(func=cmd_tile)
+
+    pretrain = stage_parser("pretrain", "DINOv3 self-supervised (continued) pretraining on tile stores.")
+    pretrain.add_argument("--store", action="append", help="tile store (repeat for several); = data.stores")
+    pretrain.add_argument("--output-dir", help="run directory (checkpoints, eval/, metrics); = output_dir")
+    pretrain.add_argument("--nproc-per-node", type=int, default=1, help="training processes per node (torchrun)")
+    pretrain.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node needs --rdzv-endpoint)")
+    pretrain.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous for multi-node runs")
+    pretrain.set_defaults(func=cmd_pretrain)
 
     samples = sub.add_parser("make-sample-slides", help="Write sample pyramidal SVS/TIFF slides (real tissue).")
     samples.add_argument("out_dir")

@@ -34,6 +34,20 @@ def run_demo(output: Path, workers: int) -> int:
                 "tracking.experiment=wsidino-demo",
             ],
         ),
+        (
+            "pretrain",
+            [
+                "pretrain",
+                "--config",
+                "tiny",
+                "--store",
+                str(store),
+                "--output-dir",
+                str(output / "pretrain"),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
+        ),
     ]
     for name, argv in steps:
         start = time.perf_counter()
@@ -48,6 +62,8 @@ def run_demo(output: Path, workers: int) -> int:
         f"  sample slides   {slides_dir}\n"
         f"  tile store      {store}  (manifest: {store / 'manifest.json'})\n"
         f"  QC pictures     {store / 'slides'}/<slide>/qc_thumbnail.png\n"
+        f"  pretraining     {output / 'pretrain'}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, "
+        "training_metrics.json, loss_curve.png)\n"
         f"  MLflow runs     {tracking_uri}\n"
         f"  MLflow UI       .venv/bin/mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000\n"
     )

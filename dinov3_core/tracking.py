@@ -17,6 +17,7 @@ class TrackingConfig:
     enabled: bool = True
     uri: str | None = None  # null → $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
     experiment: str = "wsidino"
+    system_metrics: bool | None = None  # CPU/GPU/memory every 10 s; null → $MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
 
 
 def tracking_uri(cfg: TrackingConfig) -> str:
@@ -50,6 +51,7 @@ def stage_run(
         run_name=None if os.environ.get("MLFLOW_RUN_ID") else run_name,
         parent_run_id=parent or None,
         tags=dict(tags or {}),
+        log_system_metrics=cfg.system_metrics,
     )
     try:
         if params:

@@ -1,0 +1,56 @@
+"""`python -m dinov3_core.train --config FILE_OR_NAME [key=value ...]`: the torchrun entry point.
+
+    torchrun --standalone --nproc-per-node=8 -m dinov3_core.train --config vitb16-continued \
+        data.stores=[/data/tiles.zarr] output_dir=/runs/vitb16-lab student.pretrained_weights=/w/vitb16.pth
+
+Also runs alone (one process). Exit codes: 0 done, 2 bad input (message on stderr, no traceback). Any other
+failure raises; `@record` writes it to torchelastic's error file, so torchrun reports the failing rank's
+traceback as the root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dinov3_core.config import load_config
+from dinov3_core.errors import WsidinoError
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dinov3_core.train", description="DINOv3 pretraining stage")
+    parser.add_argument("--config", required=True, help="YAML file, or a name under configs/pretrain/")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.stop_at=10")
+    return parser
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dinov3_core.train.config import PretrainConfig
+    from dinov3_core.train.stage import run_pretrain
+
+    try:
+        cfg = load_config(PretrainConfig, args.config, args.overrides, stage="pretrain")
+        result = run_pretrain(cfg)
+    except WsidinoError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    print(
+        f"pretrain: iterations {result.start_iteration}…{result.end_iteration - 1} of {result.total_iterations} "
+        f"done, {result.images_per_second:.1f} images/s; last checkpoint {result.last_checkpoint}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Typed configuration of the pretrain stage (`PretrainConfig`), loaded with `dinov3_core.config.load_config`.
+
+    cfg = load_config(PretrainConfig, "tiny", ["data.stores=[out/tiles.zarr]", "output_dir=out/pretrain"],
+                      stage="pretrain")
+
+Schedule lengths are in DINOv3 "epochs" of `train.epoch_length` iterations (upstream OFFICIAL_EPOCH_LENGTH,
+1250): they are schedule units, not passes over the tile store. The data sampler counts its own passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omegaconf import MISSING
+
+from dinov3_core.config import ConfigError
+from dinov3_core.data.augment import AugmentationConfig
+from dinov3_core.losses import SSLLossWeights
+from dinov3_core.tracking import TrackingConfig
+from dinov3_core.train.schedules import ScalingRule
+
+
+@dataclass
+class DataConfig:
+    """Tile stores to train on and the host-side loader."""
+
+    stores: list[str] = field(default_factory=list)  # tile store directories (…/tiles.zarr), at least one
+    slide_ids: list[str] | None = None  # only these slides (null: all)
+    min_tissue_fraction: float | None = None  # only tiles with at least this stored tissue fraction
+    num_workers: int = 2  # DataLoader processes per rank (0: read in the training process)
+    prefetch_factor: int = 2  # step batches each worker reads ahead
+    multiprocessing_context: str | None = None  # null: torch's default (fork on Linux)
+
+
+@dataclass
+class CropsConfig:
+    """Multi-crop augmentation (`AugmentationConfig`) and the iBOT mask parameters."""
+
+    n_global_crops: int = 2
+    n_local_crops: int = 8
+    global_size: int = 224
+    local_size: int = 96
+    global_scale: tuple[float, float] = (0.32, 1.0)
+    local_scale: tuple[float, float] = (0.05, 0.32)
+    dihedral: bool = True  # D4 flips and rotations (tissue has no orientation); false: horizontal flip only
+    hed_p: float = 0.5
+    color_jitter_p: float = 0.8
+    grayscale_p: float = 0.2
+    blur_p_global: list[float] = field(default_factory=lambda: [1.0, 0.1])
+    blur_p_local: float = 0.5
+    solarize_p_global: list[float] = field(default_factory=lambda: [0.0, 0.2])
+    # Images are augmented in groups of this many consecutive step-batch images, each group from its own
+    # generator seeded by (seed, stream position). Crops are then identical however the step batch is split
+    # over ranks and micro-batches, as long as the split keeps groups whole (this must divide the per-rank
+    # step batch). 1 is always exact; larger groups batch more work per kernel launch (GPU).
+    rng_group_size: int = 8
+    mask_ratio: tuple[float, float] = (0.1, 0.5)  # iBOT: ratios of the masked crops, linspace over this range
+    mask_probability: float = 0.5  # iBOT: share of global crops that are masked
+
+
+@dataclass
+class StudentConfig:
+    """Backbone architecture, or a released backbone to continue from (warm start with fresh heads)."""
+
+    arch: str = "vit_large"  # preset (vit_test, vit_small, …) or released name (vitb16, …); "auto": from the file
+    pretrained_weights: str | None = None  # released backbone .pth (or eval teacher_checkpoint.pth): warm start
+    drop_path_rate: float = 0.3
+    layerscale: float | None = None  # null: the arch's own setting (released archs: 1e-5)
+    n_storage_tokens: int | None = None  # null: the arch's own setting (released archs: 4)
+    backbone_overrides: dict[str, Any] = field(default_factory=dict)  # any other DinoVisionTransformer kwarg
+
+
+@dataclass
+class HeadConfig:
+    n_prototypes: int = 65536
+    hidden_dim: int = 2048
+    bottleneck_dim: int = 256
+    nlayers: int = 3
+
+
+@dataclass
+class HeadsConfig:
+    dino: HeadConfig = field(default_factory=HeadConfig)
+    ibot: HeadConfig = field(default_factory=HeadConfig)
+
+
+@dataclass
+class LossesConfig:
+    """Loss weights (official defaults) and loss settings."""
+
+    dino_weight: float = 1.0
+    koleo_weight: float = 0.1
+    ibot_weight: float = 1.0
+    local_loss_weight: float = 1.0  # λ_local on the DINO local-crop term
+    student_temp: float = 0.1
+    sinkhorn_iterations: int = 3
+    # KoLeo nearest-neighbour set: "rank" = the rank's step batch (official, per GPU); "global" = the global
+    # step batch (features all-gathered), which makes the objective independent of the number of ranks.
+    koleo_scope: Literal["rank", "global"] = "rank"
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, learning-rate and weight-decay schedules (DINOv3 facts §9, §10)."""
+
+    epochs: int = 100  # schedule length: epochs × train.epoch_length iterations
+    lr: float = 1e-3  # base lr, scaled by `scaling_rule` with the global batch size
+    min_lr: float = 1e-6  # end of the cosine (scaled like lr)
+    warmup_epochs: float = 10.0
+    scaling_rule: ScalingRule = "sqrt_wrt_1024"
+    weight_decay: float = 0.04
+    weight_decay_end: float = 0.4
+    adamw_beta1: float = 0.9
+    adamw_beta2: float = 0.999
+    layer_decay: float = 0.9
+    patch_embed_lr_mult: float = 0.2
+    clip_grad: float = 3.0  # per submodule (backbone, dino_head, ibot_head); 0: no clipping (norms still logged)
+    freeze_last_layer_epochs: float = 1.0  # the heads' last layers get lr 0 during these epochs
+
+
+@dataclass
+class TeacherConfig:
+    """EMA teacher momentum and teacher temperature schedules."""
+
+    momentum_teacher: float = 0.992
+    final_momentum_teacher: float = 1.0
+    teacher_temp: float = 0.07
+    warmup_teacher_temp: float = 0.04
+    warmup_teacher_temp_epochs: float = 30.0
+
+
+@dataclass
+class TrainConfig:
+    """Batching, device, precision and loop settings."""
+
+    # Images per optimizer step over all ranks. null: batch_size_per_gpu × accumulation_steps × world size.
+    global_batch_size: int | None = None
+    # Micro-batch per rank, or "auto": chosen with accumulation_steps by the memory estimator to fit
+    # `memory_budget_gb` (needs global_batch_size).
+    batch_size_per_gpu: int | str = 64
+    accumulation_steps: int = 1  # micro-batches per optimizer step (ignored with batch_size_per_gpu=auto)
+    epoch_length: int = 1250  # iterations per schedule epoch (upstream OFFICIAL_EPOCH_LENGTH)
+    stop_at: int | None = None  # stop before this iteration (with a checkpoint); the schedule is unchanged
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    compile: bool = False  # torch.compile each transformer block
+    activation_checkpointing: bool = False
+    num_threads: int | None = None  # torch CPU threads per process (null: torch's default)
+    log_period: int = 10  # iterations between metric lines
+    gc_period: int = 100  # gc.collect() on every rank every this many iterations (automatic GC stays on)
+    nan_patience: int = 3  # stop after this many consecutive non-finite losses (those steps are skipped)
+    memory_budget_gb: float | None = None  # auto batch: per-rank budget; null: GPU memory or a share of RAM
+    host_memory_fraction: float = 0.5  # auto batch on CPU: share of host RAM all local ranks may use
+
+
+@dataclass
+class CheckpointingConfig:
+    period: int = 1250  # iterations between DCP checkpoints (one is also written when training stops)
+    max_to_keep: int = 3  # newest ckpt/<it>/ directories kept
+    keep_every: int | None = None  # additionally keep ckpt/<it>_keep/ when (it+1) % keep_every == 0
+    resume: bool = True  # continue from the latest complete checkpoint in output_dir/ckpt
+
+
+@dataclass
+class EvaluationConfig:
+    eval_period_iterations: int = 12500  # teacher-only eval/training_<it>/teacher_checkpoint.pth; 0: only at end
+
+
+@dataclass
+class PretrainConfig:
+    """Domain-adaptive (continued) DINOv3 pretraining on tile stores."""
+
+    output_dir: str = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    crops: CropsConfig = field(default_factory=CropsConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    losses: LossesConfig = field(default_factory=LossesConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    # System metrics on: a training run is long enough for host/GPU utilisation curves to matter.
+    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(system_metrics=True))
+
+
+# ---------------------------------------------------------------------------------------------- derived
+
+
+def total_iterations(cfg: PretrainConfig) -> int:
+    return cfg.optim.epochs * cfg.train.epoch_length
+
+
+def epochs_to_iterations(cfg: PretrainConfig, epochs: float) -> int:
+    return round(epochs * cfg.train.epoch_length)
+
+
+def augmentation_config(cfg: PretrainConfig) -> AugmentationConfig:
+    c = cfg.crops
+    return AugmentationConfig(
+        n_global_crops=c.n_global_crops,
+        n_local_crops=c.n_local_crops,
+        global_size=c.global_size,
+        local_size=c.local_size,
+        global_scale=tuple(c.global_scale),  # type: ignore[arg-type]
+        local_scale=tuple(c.local_scale),  # type: ignore[arg-type]
+        dihedral=c.dihedral,
+        hed_p=c.hed_p,
+        color_jitter_p=c.color_jitter_p,
+        grayscale_p=c.grayscale_p,
+        blur_p_global=tuple(c.blur_p_global),
+        blur_p_local=c.blur_p_local,
+        solarize_p_global=tuple(c.solarize_p_global),
+    )
+
+
+def loss_weights(cfg: PretrainConfig) -> SSLLossWeights:
+    return SSLLossWeights(
+        n_global_crops=cfg.crops.n_global_crops,
+        n_local_crops=cfg.crops.n_local_crops,
+        dino=cfg.losses.dino_weight,
+        koleo=cfg.losses.koleo_weight,
+        ibot=cfg.losses.ibot_weight,
+    )
+
+
+def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
+    """Constructor overrides for the student backbone on top of its arch (preset or released)."""
+    s = cfg.student
+    out: dict[str, Any] = {"drop_path_rate": s.drop_path_rate}
+    if s.layerscale is not None:
+        out["layerscale_init"] = s.layerscale
+    if s.n_storage_tokens is not None:
+        out["n_storage_tokens"] = s.n_storage_tokens
+    out.update(s.backbone_overrides)
+    return out
+
+
+def head_kwargs(head: HeadConfig) -> dict[str, int]:
+    return {
+        "out_dim": head.n_prototypes,
+        "hidden_dim": head.hidden_dim,
+        "bottleneck_dim": head.bottleneck_dim,
+        "nlayers": head.nlayers,
+    }
+
+
+def validate(cfg: PretrainConfig) -> None:
+    """Checks that need no data, model or devices; each error names the key and what to set."""
+    if not cfg.data.stores:
+        raise ConfigError("data.stores is empty: set data.stores=[path/to/tiles.zarr] (one or more tile stores)")
+    try:
+        augmentation_config(cfg)
+        loss_weights(cfg)
+    except ValueError as err:
+        raise ConfigError(f"invalid crops/losses settings: {err}") from None
+    if cfg.crops.n_local_crops < 1:
+        raise ConfigError("crops.n_local_crops must be >= 1 (DINOv3 needs local crops)")
+    if cfg.crops.n_global_crops != 2:
+        raise ConfigError("crops.n_global_crops must be 2 (the official DINO/iBOT objective)")
+    positive = {
+        "optim.epochs": cfg.optim.epochs,
+        "train.epoch_length": cfg.train.epoch_length,
+        "train.accumulation_steps": cfg.train.accumulation_steps,
+        "train.log_period": cfg.train.log_period,
+        "train.gc_period": cfg.train.gc_period,
+        "train.nan_patience": cfg.train.nan_patience,
+        "checkpointing.period": cfg.checkpointing.period,
+        "checkpointing.max_to_keep": cfg.checkpointing.max_to_keep,
+        "crops.rng_group_size": cfg.crops.rng_group_size,
+        "losses.sinkhorn_iterations": cfg.losses.sinkhorn_iterations,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.evaluation.eval_period_iterations < 0:
+        raise ConfigError("evaluation.eval_period_iterations must be >= 0 (0: only at the end)")
+    if cfg.checkpointing.keep_every is not None and cfg.checkpointing.keep_every < 1:
+        raise ConfigError("checkpointing.keep_every must be >= 1 or null")
+    bs = cfg.train.batch_size_per_gpu
+    if isinstance(bs, str):
+        if bs != "auto":
+            raise ConfigError(f"train.batch_size_per_gpu must be a positive integer or 'auto', got {bs!r}")
+        if cfg.train.global_batch_size is None:
+            raise ConfigError("train.batch_size_per_gpu=auto needs train.global_batch_size (the target batch)")
+    elif bs < 1:
+        raise ConfigError(f"train.batch_size_per_gpu must be >= 1, got {bs}")
+    if cfg.train.global_batch_size is not None and cfg.train.global_batch_size < 1:
+        raise ConfigError("train.global_batch_size must be >= 1 or null")
+    total = total_iterations(cfg)
+    warmup = epochs_to_iterations(cfg, cfg.optim.warmup_epochs)
+    if not 0 <= warmup <= total:
+        raise ConfigError(f"optim.warmup_epochs gives {warmup} warmup iterations, outside [0, {total}]")
+    for key, epochs in (
+        ("optim.freeze_last_layer_epochs", cfg.optim.freeze_last_layer_epochs),
+        ("teacher.warmup_teacher_temp_epochs", cfg.teacher.warmup_teacher_temp_epochs),
+    ):
+        if epochs < 0 or not math.isfinite(epochs):
+            raise ConfigError(f"{key} must be >= 0, got {epochs}")
+    if cfg.train.stop_at is not None and cfg.train.stop_at < 1:
+        raise ConfigError("train.stop_at must be >= 1 or null")
+    patch = _patch_size(cfg)
+    for key, size in (("crops.global_size", cfg.crops.global_size), ("crops.local_size", cfg.crops.local_size)):
+        if size % patch:
+            raise ConfigError(f"{key}={size} is not a multiple of the patch size {patch}")
+    if not 0.0 <= cfg.crops.mask_probability <= 1.0:
+        raise ConfigError("crops.mask_probability must be in [0, 1]")
+    lo, hi = cfg.crops.mask_ratio
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ConfigError(f"crops.mask_ratio must satisfy 0 <= min < max <= 1, got {list(cfg.crops.mask_ratio)}")
+    if cfg.student.arch == "auto" and not cfg.student.pretrained_weights:
+        raise ConfigError("student.arch=auto needs student.pretrained_weights (the arch is read from the file)")
+
+
+def _patch_size(cfg: PretrainConfig) -> int:
+    from dinov3_core.models import backbone_kwargs
+
+    if "patch_size" in cfg.student.backbone_overrides:
+        return int(cfg.student.backbone_overrides["patch_size"])
+    if cfg.student.arch == "auto":
+        return 16  # checked again against the file when it is read
+    try:
+        return int(backbone_kwargs(cfg.student.arch).get("patch_size", 16))
+    except ValueError as err:
+        raise ConfigError(f"student.arch: {err}") from None

@@ -1,0 +1,142 @@
+"""Process-group setup, device choice and the FSDP2 wrapping of the SSL model.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE; without them (or with WORLD_SIZE=1) training
+runs in this process with no process group at all. GPU: NCCL for tensors plus gloo for CPU-side collectives
+(DCP, object gathers); CPU: gloo, with an explicit CPU device mesh (distributed-facts §1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from dinov3_core.errors import WsidinoError
+from dinov3_core.models import apply_activation_checkpointing, apply_fsdp, compile_blocks
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: DeviceMesh | None = None
+    owns_process_group: bool = False  # created by `init_distributed` (and destroyed by `shutdown`)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, (0, 1, 0, 1) without."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
+
+
+def choose_device(requested: str, local_rank: int, local_world_size: int, gpu_count: int | None = None) -> torch.device:
+    """The training device of this process; refuses more GPU processes per node than GPUs."""
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return torch.device("cpu")
+    if gpus == 0:
+        raise WsidinoError("train.device=cuda but no CUDA GPU is visible: set train.device=cpu or auto")
+    if local_world_size > gpus:
+        raise WsidinoError(
+            f"{local_world_size} processes per node but only {gpus} GPU(s) visible: launch torchrun with "
+            f"--nproc-per-node={gpus} or fewer (or check CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(requested_device: str) -> DistEnv:
+    rank, world, local_rank, local_world = env_world()
+    device = choose_device(requested_device, local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1:
+        return DistEnv(0, 1, 0, 1, device, None)
+    owns = not dist.is_initialized()  # a caller that set up the group keeps it (several runs per process)
+    if owns:
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (world,))
+    return DistEnv(rank, world, local_rank, local_world, device, mesh, owns)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def parallelize(
+    student: nn.ModuleDict,
+    teacher: nn.ModuleDict,
+    env: DistEnv,
+    *,
+    bf16: bool,
+    activation_checkpointing: bool,
+    compile: bool,
+) -> None:
+    """In place, in upstream's order: activation checkpointing → per-block compile → FSDP2 per block + root.
+
+    One process: the modules are simply moved to the device (bf16 then comes from autocast in the loop).
+    Several: every backbone and head is sharded over the 1-D data-parallel mesh; the teacher too (resharded
+    after its forward), so it costs 1/world of its size per rank.
+    """
+    if activation_checkpointing:
+        apply_activation_checkpointing(student["backbone"])  # the teacher has no backward to save memory for
+    if compile:
+        compile_blocks(student["backbone"])
+        compile_blocks(teacher["backbone"])
+    if not env.distributed:
+        student.to(env.device)
+        teacher.to(env.device)
+        return
+    assert env.mesh is not None
+    # The backbone returns dicts of views (CLS = a slice of the normed tokens); nothing modifies them in
+    # place, so FSDP's warning about in-place ops on views does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for part in (student, teacher):
+        for module in part.values():
+            apply_fsdp(module, env.mesh, mp_policy=mp)
+
+
+def set_gradient_sync(student: nn.ModuleDict, enabled: bool) -> None:
+    """FSDP: skip the reduce-scatter on non-final micro-batches (gradients accumulate unsharded)."""
+    for module in student.values():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled)
+
+
+@contextlib.contextmanager
+def autocast(env: DistEnv, bf16: bool) -> Iterator[None]:
+    """bf16 autocast for single-process GPU training; FSDP runs use its MixedPrecisionPolicy instead."""
+    if bf16 and not env.distributed:
+        with torch.autocast(device_type=env.device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield

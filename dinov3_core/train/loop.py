@@ -1,0 +1,474 @@
+"""The pretraining loop, torchtitan style: `Trainer.__init__` builds and checks everything, `train()` runs.
+
+Order of setup, chosen so that bad input fails before anything in output_dir is written or overwritten:
+config checks → tile stores → model (fresh or warm start) → batch plan → sharding + optimizer → checkpoint
+compatibility → (now writing) config.yaml, logs → resume → data loader.
+
+One iteration (`train_step`): crops on the device → teacher targets over the whole step → [KoLeo neighbour
+set] → per micro-batch forward/backward (loss × 1/n, FSDP gradient sync on the last one only) → all-reduced
+losses, NaN guard → per-submodule clipping → AdamW → EMA teacher.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dinov3_core import config as core_config
+from dinov3_core.data import TileDataset
+from dinov3_core.data.augment import MultiCropAugmentation
+from dinov3_core.data.masking import IBOTMasks, IBOTMaskSampler
+from dinov3_core.errors import WsidinoError
+from dinov3_core.train import checkpoint as ckpt
+from dinov3_core.train import config as C
+from dinov3_core.train import metrics as M
+from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
+from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
+from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
+from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, StepTileSource, augment_step, build_loader, derive_seed
+from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
+from dinov3_core.train.ssl_model import LOSS_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(WsidinoError):
+    """Too many consecutive non-finite losses."""
+
+
+@dataclass
+class PretrainResult:
+    output_dir: Path
+    start_iteration: int  # first iteration trained by this invocation (> 0 after a resume)
+    end_iteration: int  # iterations completed in total (the next one to train)
+    total_iterations: int  # schedule length
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    world_size: int
+    resumed_from: Path | None
+    last_checkpoint: Path | None
+    eval_checkpoints: list[Path] = field(default_factory=list)
+    metrics_path: Path | None = None
+    loss_curve: Path | None = None
+    final_losses: dict[str, float] = field(default_factory=dict)
+    images_per_second: float = 0.0  # mean over this invocation's iterations (global batch / iteration time)
+
+
+def open_tiles(cfg: C.PretrainConfig) -> TileDataset:
+    try:
+        return TileDataset(
+            cfg.data.stores, slide_ids=cfg.data.slide_ids, min_tissue_fraction=cfg.data.min_tissue_fraction
+        )
+    except ValueError as err:  # unknown slide ids, nothing left after filtering, duplicate stores
+        raise WsidinoError(f"data.stores / data.slide_ids / data.min_tissue_fraction: {err}") from None
+
+
+def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_size: int) -> BatchPlan:
+    """Micro-batch per rank and accumulation steps: fixed by the config, or planned to fit memory ("auto")."""
+    train = cfg.train
+    shape = shape_of(model.student, cfg)
+    budget = memory_budget_bytes(cfg, env.device, env.local_world_size)
+    if train.batch_size_per_gpu == "auto":
+        return plan_batch(
+            cfg, shape, world_size=env.world_size, budget_bytes=budget, device_type=env.device.type, tile_size=tile_size
+        )
+    micro = int(train.batch_size_per_gpu)
+    if train.global_batch_size is None:
+        accum = train.accumulation_steps
+    else:
+        if train.global_batch_size % (micro * env.world_size):
+            raise core_config.ConfigError(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                f"train.batch_size_per_gpu × processes = {micro} × {env.world_size}"
+            )
+        accum = train.global_batch_size // (micro * env.world_size)
+        if train.accumulation_steps not in (1, accum):
+            raise core_config.ConfigError(
+                f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
+                f"(batch_size_per_gpu × processes) = {accum}; set only one of them"
+            )
+    estimate = estimate_memory(
+        cfg,
+        shape,
+        micro_batch=micro,
+        step_batch=micro * accum,
+        world_size=env.world_size,
+        device_type=env.device.type,
+        tile_size=tile_size,
+    )
+    return BatchPlan(micro, accum, micro * accum * env.world_size, estimate, budget)
+
+
+class Trainer:
+    def __init__(self, cfg: C.PretrainConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        C.validate(cfg)
+        self.output_dir = Path(cfg.output_dir)
+        self.ckpt_root = self.output_dir / ckpt.CKPT_DIR
+        self.total_iterations = C.total_iterations(cfg)
+        self.stop_iteration = min(self.total_iterations, cfg.train.stop_at or self.total_iterations)
+        self.bf16 = env.device.type == "cuda" and cfg.train.precision != "fp32"
+        if cfg.train.precision == "bf16" and env.device.type != "cuda":
+            raise core_config.ConfigError("train.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
+
+        # Data source (host side). Raises for missing / empty stores before anything is written.
+        self.tiles = open_tiles(cfg)
+
+        # Model: identical initialisation on every rank (FSDP shards each rank's full copy).
+        torch.manual_seed(cfg.train.seed)
+        built = build_ssl_model(cfg)
+        self.model, self.arch = built.model, built.arch
+
+        self.plan = resolve_batch(cfg, env, self.model, self.tiles.tile_size)
+        self.micro_batch, self.accumulation_steps = self.plan.micro_batch, self.plan.accumulation_steps
+        self.global_batch = self.plan.global_batch
+        self.rank_batch = self.micro_batch * self.accumulation_steps
+        self._check_batch()
+
+        parallelize(
+            self.model.student,
+            self.model.teacher,
+            env,
+            bf16=self.bf16,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            compile=cfg.train.compile,
+        )
+        self.optimizer = build_optimizer(self.model.student, cfg)
+        self.schedules = build_schedules(cfg, self.global_batch)
+
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        if latest is not None and not cfg.checkpointing.resume:
+            raise WsidinoError(
+                f"{self.ckpt_root} already holds checkpoints but checkpointing.resume=false: choose a new "
+                "output_dir (nothing was changed)"
+            )
+        if latest is not None:
+            ckpt.check_compatible(latest, self.model)
+
+        # ---- from here on, output_dir is written
+        if env.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            core_config.save_config(cfg, self.output_dir / "config.yaml")
+            ckpt.remove_partial(self.ckpt_root)
+        barrier(env)
+        self.log_handler = M.setup_logging(self.output_dir, env.rank)
+        self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
+        logger.info(
+            "pretraining %s on %s: %d tiles, global batch %d = %d process(es) × micro-batch %d × %d accumulation "
+            "step(s); memory estimate %s (budget %.1f GiB)",
+            self.arch,
+            env.device,
+            len(self.tiles),
+            self.global_batch,
+            env.world_size,
+            self.micro_batch,
+            self.accumulation_steps,
+            self.plan.estimate.describe(),
+            self.plan.budget_bytes / 2**30,
+        )
+
+        self.start_iteration, self.start_sample = 0, 0
+        self.resumed_from = latest
+        try:
+            if latest is not None:
+                self._resume(latest)
+            self.loader = self._build_loader()
+        except BaseException:
+            self.close()  # in-process callers keep no dangling log handler
+            raise
+        self.augmentation = MultiCropAugmentation(C.augmentation_config(cfg))
+        self.nonfinite_streak = 0
+
+    def _check_batch(self) -> None:
+        cfg = self.cfg
+        check_dataset_size(len(self.tiles), self.global_batch)
+        koleo_set = self.global_batch if cfg.losses.koleo_scope == "global" else self.rank_batch
+        if cfg.losses.koleo_weight and koleo_set < 2:
+            raise core_config.ConfigError(
+                f"KoLeo needs at least 2 images in its neighbour set, got {koleo_set} (losses.koleo_scope="
+                f"{cfg.losses.koleo_scope}): raise the batch, set losses.koleo_scope=global, or losses.koleo_weight=0"
+            )
+        if self.rank_batch % cfg.crops.rng_group_size:
+            raise core_config.ConfigError(
+                f"crops.rng_group_size={cfg.crops.rng_group_size} must divide the per-process step batch "
+                f"{self.rank_batch} (micro-batch {self.micro_batch} × {self.accumulation_steps} accumulation steps)"
+            )
+
+    def _resume(self, latest: Path) -> None:
+        """Model, optimizer and sampler position from `latest` (resharded to this run's processes)."""
+        template = self.train_state(-1, SamplerState(0, 1, 0))
+        multipliers = [
+            {k: g[k] for k in ("lr_multiplier", "wd_multiplier", "is_last_layer")} for g in self.optimizer.param_groups
+        ]
+        state = ckpt.load_checkpoint(latest, self.model, self.optimizer, template, self.env)
+        for group, own in zip(self.optimizer.param_groups, multipliers, strict=True):
+            group.update(own)  # the config's layer decay etc. win over the checkpoint's param groups
+        sampler_state = SamplerState.from_dict(state["sampler"], len(self.tiles))
+        self.start_iteration, self.start_sample = int(state["iteration"]) + 1, sampler_state.consumed_samples
+        logger.info("resumed from %s: iteration %d, %s", latest, self.start_iteration, sampler_state.to_dict())
+        if self.env.is_main:
+            M.truncate_metrics(self.metrics.path, self.start_iteration)
+
+    def _build_loader(self) -> Any:
+        cfg, env = self.cfg, self.env
+        self.sampler = StepSampler(
+            len(self.tiles),
+            self.global_batch,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.train.seed,
+            start_iteration=self.start_iteration,
+            start_sample=self.start_sample,
+            stop_iteration=self.stop_iteration,
+        )
+        n_patches = cfg.crops.global_size // self.model.student["backbone"].patch_size
+        masks = IBOTMaskSampler(
+            n_patches, mask_ratio=tuple(cfg.crops.mask_ratio), mask_probability=cfg.crops.mask_probability
+        )
+        source = StepTileSource(self.tiles, masks, seed=cfg.train.seed, n_global_crops=cfg.crops.n_global_crops)
+        return build_loader(
+            source,
+            self.sampler,
+            num_workers=cfg.data.num_workers,
+            prefetch_factor=cfg.data.prefetch_factor,
+            pin_memory=env.device.type == "cuda",
+            multiprocessing_context=cfg.data.multiprocessing_context,
+        )
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def train_state(self, iteration: int, sampler: SamplerState) -> dict[str, Any]:
+        """What a checkpoint holds besides model and optimizer (non-tensor DCP entries)."""
+        return {"iteration": iteration, "sampler": sampler.to_dict(), "rng": {"seed": self.cfg.train.seed}}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
+            "config_hash": core_config.config_hash(self.cfg),
+        }
+
+    # -------------------------------------------------------------------------------------------- loop
+
+    def train(self, on_metrics: Any = None) -> PretrainResult:
+        """Train from `start_iteration` to `stop_iteration`; `on_metrics(record)` is called per log line (rank 0)."""
+        cfg, env = self.cfg, self.env
+        result = PretrainResult(
+            output_dir=self.output_dir,
+            start_iteration=self.start_iteration,
+            end_iteration=self.start_iteration,
+            total_iterations=self.total_iterations,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            accumulation_steps=self.accumulation_steps,
+            world_size=env.world_size,
+            resumed_from=self.resumed_from,
+            last_checkpoint=self.resumed_from,
+            metrics_path=self.metrics.path,
+        )
+        if self.start_iteration >= self.stop_iteration:
+            logger.info("nothing to train: at iteration %d, stop at %d", self.start_iteration, self.stop_iteration)
+            return result
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
+        gc.collect()
+        gc.freeze()  # setup objects (model, index arrays) move out of the collected generations
+        window = M.WindowMeans()
+        run_time = 0.0
+        data_iter = iter(self.loader)
+        try:
+            for iteration in range(self.start_iteration, self.stop_iteration):
+                start = time.perf_counter()
+                batch: StepBatch = next(data_iter)
+                data_time = time.perf_counter() - start
+                if batch.iteration != iteration:  # the sampler and the loop must never drift apart
+                    raise RuntimeError(f"loader returned iteration {batch.iteration}, expected {iteration}")
+                values = self.train_step(iteration, batch)
+                iter_time = time.perf_counter() - start
+                run_time += iter_time
+                window.add({**values, "iter_time": iter_time, "data_time": data_time})
+                result.end_iteration = iteration + 1
+                result.final_losses = {k: values[k] for k in LOSS_NAMES}
+                last = iteration == self.stop_iteration - 1
+
+                if (iteration + 1) % cfg.train.gc_period == 0:
+                    gc.collect()  # same iteration on every rank: no rank stalls a collective alone
+                if (iteration + 1) % cfg.train.log_period == 0 or iteration == self.start_iteration or last:
+                    record = self.log_metrics(iteration, window.flush())
+                    if on_metrics is not None and env.is_main:
+                        on_metrics(record)
+                if self.nonfinite_streak:  # never save a diverging state: a restart resumes from the last good one
+                    continue
+                period = cfg.evaluation.eval_period_iterations
+                if (period and (iteration + 1) % period == 0) or last:
+                    result.eval_checkpoints.append(
+                        ckpt.save_eval_teacher(self.output_dir, iteration, self.model.teacher, env)
+                    )
+                if (iteration + 1) % cfg.checkpointing.period == 0 or last:
+                    result.last_checkpoint = self.save(iteration)
+        finally:
+            del data_iter  # stops loader workers
+            gc.unfreeze()  # in-process callers (tests, notebooks) get their collector back as it was
+        result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time
+        if env.is_main:
+            result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE)
+        return result
+
+    def save(self, iteration: int) -> Path:
+        return ckpt.save_checkpoint(
+            self.ckpt_root,
+            iteration,
+            self.model,
+            self.optimizer,
+            self.train_state(iteration, self.sampler.state_after(iteration)),
+            self.checkpoint_meta(),
+            self.env,
+            max_to_keep=self.cfg.checkpointing.max_to_keep,
+            keep_every=self.cfg.checkpointing.keep_every,
+        )
+
+    # -------------------------------------------------------------------------------------------- step
+
+    def train_step(self, iteration: int, batch: StepBatch) -> dict[str, float]:
+        cfg, env, model = self.cfg, self.env, self.model
+        n_micro, b = self.accumulation_steps, self.micro_batch
+        sched = self.schedules.at(iteration)
+        apply_schedules(self.optimizer, sched)
+        # Drop path and RoPE jitter draw from the global RNG: reseed per (iteration, rank) so that a resumed
+        # run draws exactly what an uninterrupted one would have.
+        torch.manual_seed(derive_seed(cfg.train.seed, TORCH_STREAM, iteration, env.rank))
+
+        images = batch.images.to(env.device, non_blocking=True)
+        crops = augment_step(
+            self.augmentation,
+            images,
+            seed=cfg.train.seed,
+            first_sample=batch.first_sample,
+            rank_offset=batch.rank_offset,
+            group_size=cfg.crops.rng_group_size,
+        )
+        masks = IBOTMasks.from_masks(batch.masks.to(env.device, non_blocking=True), cfg.crops.n_global_crops)
+
+        with autocast(env, self.bf16):
+            targets = model.teacher_targets(crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp)
+            koleo_features = None
+            if n_micro > 1 and model.needs_koleo:
+                koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
+        koleo_base = env.rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
+
+        loss_sum = torch.zeros(len(LOSS_NAMES), device=env.device)
+        for m in range(n_micro):
+            micro = slice(m * b, (m + 1) * b)
+            micro_masks, positions = masks.microbatch(m, n_micro)
+            micro_targets = TeacherTargets(dino=targets.dino[:, micro], ibot=targets.ibot[positions])
+            if env.distributed:
+                set_gradient_sync(model.student, m == n_micro - 1)
+            with autocast(env, self.bf16):
+                loss, parts = model.forward_loss(
+                    crops.global_stack[:, micro],
+                    crops.local_stack[:, micro],
+                    micro_masks,
+                    micro_targets,
+                    koleo_features=koleo_features,
+                    koleo_offset=koleo_base + m * b,
+                )
+            (loss / n_micro).backward()
+            loss_sum += torch.stack([parts[k] for k in LOSS_NAMES]) / n_micro
+        del crops, targets, koleo_features
+
+        if env.distributed:  # the mean over ranks is the loss of the global batch (equal rank batches)
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+            loss_sum /= env.world_size
+        losses = dict(zip(LOSS_NAMES, loss_sum.tolist(), strict=True))
+        values: dict[str, float] = {**losses, **self._schedule_values(sched)}
+
+        finite = all(math.isfinite(v) for v in losses.values())
+        if finite:
+            norms = clip_gradients(model.student, cfg.optim.clip_grad)
+            values.update({k: float(v) for k, v in norms.items()})
+            finite = all(math.isfinite(values[k]) for k in norms)
+        if finite:
+            self.optimizer.step()
+            model.update_teacher(sched.momentum)
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_streak += 1
+            logger.warning("iteration %d: non-finite loss or gradient %s; step skipped", iteration, losses)
+            if self.nonfinite_streak >= cfg.train.nan_patience:
+                raise TrainingDivergedError(
+                    f"training diverged: {self.nonfinite_streak} consecutive iterations with non-finite loss or "
+                    f"gradients (last: iteration {iteration}, losses {losses}). Lower optim.lr, raise "
+                    "optim.warmup_epochs or check the tiles; training resumes from the latest checkpoint in "
+                    f"{self.ckpt_root}"
+                )
+        self.optimizer.zero_grad(set_to_none=True)
+        values["skipped_step"] = float(not finite)
+        return values
+
+    @staticmethod
+    def _schedule_values(sched: Any) -> dict[str, float]:
+        return {
+            "lr": sched.lr,
+            "last_layer_lr": sched.last_layer_lr,
+            "wd": sched.wd,
+            "momentum": sched.momentum,
+            "teacher_temp": sched.teacher_temp,
+        }
+
+    # ----------------------------------------------------------------------------------------- metrics
+
+    def log_metrics(self, iteration: int, means: dict[str, float]) -> dict[str, Any]:
+        env = self.env
+        rss = torch.tensor([M.rss_mb()], dtype=torch.float64)
+        if env.distributed:  # collective: every rank logs at the same iterations
+            rss_max = rss.to(env.device) if env.device.type == "cuda" else rss
+            dist.all_reduce(rss_max, op=dist.ReduceOp.MAX)
+            max_rss = float(rss_max.item())
+        else:
+            max_rss = float(rss.item())
+        record: dict[str, Any] = {
+            "iteration": iteration,
+            **{k: v for k, v in means.items() if k not in ("lr", "last_layer_lr", "wd", "momentum", "teacher_temp")},
+            **self._schedule_values(self.schedules.at(iteration)),
+            "images_per_s": self.global_batch / means["iter_time"] if means.get("iter_time") else 0.0,
+            "global_batch_size": self.global_batch,
+            "local_batch_size": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
+            "rss_mb": float(rss.item()),
+            "loader_rss_mb": M.children_rss_mb(),
+            "max_rss_mb": max_rss,
+            "peak_memory_mb": M.peak_memory_mb(env.device),
+        }
+        self.metrics.write(record)
+        if env.is_main:
+            logger.info(
+                "it %d/%d  loss %.4f (dino g %.4f l %.4f, ibot %.4f, koleo %.4f)  lr %.2e  %.1f img/s  data %.3fs  "
+                "rss %.0f MiB",
+                iteration,
+                self.total_iterations,
+                record.get("total_loss", math.nan),
+                record.get("dino_global_loss", math.nan),
+                record.get("dino_local_loss", math.nan),
+                record.get("ibot_loss", math.nan),
+                record.get("koleo_loss", math.nan),
+                record["lr"],
+                record["images_per_s"],
+                record.get("data_time", math.nan),
+                record["rss_mb"],
+            )
+        return record
+
+    def close(self) -> None:
+        logging.getLogger("dinov3_core").removeHandler(self.log_handler)
+        self.log_handler.close()

@@ -1,0 +1,291 @@
+"""Per-rank memory estimate of a pretraining step, and the micro-batch / accumulation plan that fits a budget.
+
+    plan = plan_batch(cfg, world_size=8, budget_bytes=70 * 2**30, device_type="cuda")
+    plan.micro_batch, plan.accumulation_steps  # micro_batch × accumulation_steps × 8 == global batch
+
+The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the weights under FSDP):
+
+* weights, grads, AdamW: student fp32 params 4P/W, grads 4P/W (4P when accumulating under FSDP: unsharded
+  gradients are kept between micro-batches), AdamW 8P/W; EMA teacher 4P/W.
+* activations of one micro-batch image: Σ_crops tokens × depth × (17.3·D + 125·heads) saved elements per
+  token and block (measured with saved-tensor hooks on this backbone: 19.3·D per token-block for ViT-S), or
+  ≈ (D + 125·heads) with activation checkpointing plus one block recomputed; heads: per DINO row
+  4·hidden + 3·bottleneck + 2·K, DINO rows = S_g + S_l per image, iBOT rows = expected masked patches.
+  Elements are 4 bytes in fp32 and 2.5 on average in bf16 (norms and softmax stay fp32).
+* step buffers (whole rank step, whatever the micro-batch): crops, uint8 tiles, teacher logits and Sinkhorn
+  targets (fp32, ×2 for the transient), KoLeo features.
+* loader workers (host budget only): a Python+torch process each plus its prefetched step batches.
+* workspace: CUDA context and allocator slack (1.5 GiB) or the process baseline on CPU (0.5 GiB).
+
+The estimate is deliberately simple and errs high; `measure_activation_bytes` measures the real thing for
+calibration (tests compare the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+from dinov3_core.errors import WsidinoError
+from dinov3_core.models import backbone_kwargs
+from dinov3_core.train import config as C
+
+PER_TOKEN_D = 17.3  # saved elements per token, per block, per embedding dim (fit on vit_test / vit_small)
+PER_TOKEN_HEAD = 125.0  # … plus per attention head (softmax statistics, RoPE tables)
+HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
+SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    embed_dim: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    n_storage_tokens: int
+    student_params: int
+    teacher_params: int
+    dino_prototypes: int
+    ibot_prototypes: int
+    head_hidden: int
+    head_bottleneck: int
+
+
+def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
+    """Sizes of a built student (`ModuleDict(backbone, dino_head, ibot_head)`); the teacher is its copy."""
+    vit = student["backbone"]
+    params = sum(p.numel() for p in student.parameters())
+    return ModelShape(
+        embed_dim=vit.embed_dim,
+        depth=len(vit.blocks),
+        num_heads=vit.num_heads,
+        patch_size=vit.patch_size,
+        n_storage_tokens=vit.n_storage_tokens,
+        student_params=params,
+        teacher_params=params,
+        dino_prototypes=cfg.heads.dino.n_prototypes,
+        ibot_prototypes=cfg.heads.ibot.n_prototypes,
+        head_hidden=max(cfg.heads.dino.hidden_dim, cfg.heads.ibot.hidden_dim),
+        head_bottleneck=max(cfg.heads.dino.bottleneck_dim, cfg.heads.ibot.bottleneck_dim),
+    )
+
+
+def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelShape:
+    """Sizes of the configured model, built on the meta device (no memory). `backbone`: constructor kwargs
+    when already known (a warm start reads them from the file)."""
+    from dinov3_core.models import DINOHead, DinoVisionTransformer
+
+    kwargs = backbone if backbone is not None else backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
+    with torch.device("meta"):
+        vit = DinoVisionTransformer(**kwargs)
+        student = nn.ModuleDict(
+            {
+                "backbone": vit,
+                "dino_head": DINOHead(vit.embed_dim, **C.head_kwargs(cfg.heads.dino)),
+                "ibot_head": DINOHead(vit.embed_dim, **C.head_kwargs(cfg.heads.ibot)),
+            }
+        )
+    return shape_of(student, cfg)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for one configuration; `total` is what must fit the budget."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    teacher: int
+    activations: int  # micro-batch activations (× SAFETY)
+    step_buffers: int
+    loader: int
+    workspace: int
+    micro_batch: int
+    step_batch: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.teacher
+            + self.activations
+            + self.step_buffers
+            + self.loader
+            + self.workspace
+        )
+
+    def describe(self) -> str:
+        parts = ("weights", "grads", "optimizer", "teacher", "activations", "step_buffers", "loader", "workspace")
+        listed = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+        return f"{self.total / GIB:.2f} GiB per rank (micro-batch {self.micro_batch}: {listed} GiB)"
+
+
+def tokens_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> tuple[int, int]:
+    """(global-crop tokens, local-crop tokens) per image, all crops of each kind together."""
+    prefix = 1 + shape.n_storage_tokens
+    g = cfg.crops.n_global_crops * (prefix + (cfg.crops.global_size // shape.patch_size) ** 2)
+    lo = cfg.crops.n_local_crops * (prefix + (cfg.crops.local_size // shape.patch_size) ** 2)
+    return g, lo
+
+
+def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
+    n_patches = (cfg.crops.global_size // shape.patch_size) ** 2
+    mean_ratio = sum(cfg.crops.mask_ratio) / 2
+    return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
+
+
+def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, checkpointing: bool) -> float:
+    """Elements the student backbone saves for backward per image (all its crops)."""
+    tokens = sum(tokens_per_image(cfg, shape))
+    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    if checkpointing:  # block inputs kept, one block's activations recomputed at a time
+        return tokens * (shape.depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
+    return tokens * shape.depth * per_token_block
+
+
+def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
+    """Elements one head row (a CLS token or a masked patch) saves: MLP activations, logits, log-softmax."""
+    return 4 * shape.head_hidden + 3 * shape.head_bottleneck + 2 * n_prototypes
+
+
+def activation_bytes_per_image(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
+    """Saved activations of one image (all its crops) in the student forward, plus its head rows."""
+    elem = 2.5 if bf16 else 4.0
+    backbone = backbone_activation_elements(cfg, shape, checkpointing=checkpointing)
+    dino_rows = cfg.crops.n_global_crops + cfg.crops.n_local_crops
+    heads = dino_rows * head_row_elements(shape, shape.dino_prototypes)
+    heads += masked_patches_per_image(cfg, shape) * head_row_elements(shape, shape.ibot_prototypes)
+    return (backbone + heads) * elem
+
+
+def step_buffer_bytes(cfg: C.PretrainConfig, shape: ModelShape, step_batch: int, world_size: int) -> float:
+    crops = cfg.crops
+    pixels = crops.n_global_crops * crops.global_size**2 + crops.n_local_crops * crops.local_size**2
+    crop_bytes = pixels * 3 * 4 * step_batch
+    targets = (
+        4
+        * 2
+        * (
+            crops.n_global_crops * step_batch * shape.dino_prototypes
+            + masked_patches_per_image(cfg, shape) * step_batch * shape.ibot_prototypes
+        )
+    )
+    koleo_rows = step_batch * (world_size if cfg.losses.koleo_scope == "global" else 1)
+    koleo = 4 * crops.n_global_crops * koleo_rows * shape.embed_dim
+    return crop_bytes + targets + koleo
+
+
+def loader_bytes(cfg: C.PretrainConfig, step_batch: int, tile_size: int) -> float:
+    per_step = step_batch * tile_size * tile_size * 3
+    workers = cfg.data.num_workers
+    return workers * (350 * 2**20 + cfg.data.prefetch_factor * per_step) + 2 * per_step
+
+
+def estimate_memory(
+    cfg: C.PretrainConfig,
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    step_batch: int,
+    world_size: int,
+    device_type: str,
+    tile_size: int = 224,
+) -> MemoryEstimate:
+    bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
+    shard = world_size  # FSDP shards over every rank (one process: world_size 1)
+    accumulating = step_batch > micro_batch
+    p_s, p_t = shape.student_params, shape.teacher_params
+    activations = micro_batch * activation_bytes_per_image(
+        cfg, shape, bf16=bf16, checkpointing=cfg.train.activation_checkpointing
+    )
+    return MemoryEstimate(
+        weights=int(4 * p_s / shard),
+        grads=int(4 * p_s / (1 if accumulating and world_size > 1 else shard)),
+        optimizer=int(8 * p_s / shard),
+        teacher=int(4 * p_t / shard),
+        activations=int(SAFETY * activations),
+        step_buffers=int(step_buffer_bytes(cfg, shape, step_batch, world_size)),
+        loader=int(loader_bytes(cfg, step_batch, tile_size)) if device_type == "cpu" else 0,
+        workspace=int(1.5 * GIB) if device_type == "cuda" else int(0.5 * GIB),
+        micro_batch=micro_batch,
+        step_batch=step_batch,
+    )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch: int  # per rank
+    accumulation_steps: int
+    global_batch: int
+    estimate: MemoryEstimate
+    budget_bytes: int
+
+
+def plan_batch(
+    cfg: C.PretrainConfig,
+    shape: ModelShape,
+    *,
+    world_size: int,
+    budget_bytes: int,
+    device_type: str,
+    tile_size: int = 224,
+) -> BatchPlan:
+    """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`."""
+    global_batch = cfg.train.global_batch_size
+    if global_batch is None or global_batch % world_size:
+        raise WsidinoError(
+            f"train.global_batch_size={global_batch} must be set and divisible by the {world_size} process(es)"
+        )
+    step_batch = global_batch // world_size
+    tried = None
+    for micro in sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True):
+        est = estimate_memory(
+            cfg,
+            shape,
+            micro_batch=micro,
+            step_batch=step_batch,
+            world_size=world_size,
+            device_type=device_type,
+            tile_size=tile_size,
+        )
+        if est.total <= budget_bytes:
+            return BatchPlan(micro, step_batch // micro, global_batch, est, budget_bytes)
+        tried = est
+    assert tried is not None
+    raise WsidinoError(
+        f"a global batch of {global_batch} does not fit {budget_bytes / GIB:.2f} GiB per rank even with "
+        f"micro-batch 1: estimated {tried.describe()}. Set train.activation_checkpointing=true, use smaller "
+        "crops or heads, more processes, or raise train.memory_budget_gb"
+    )
+
+
+def memory_budget_bytes(cfg: C.PretrainConfig, device: torch.device, local_world_size: int) -> int:
+    """`train.memory_budget_gb`, else 90 % of the GPU's memory, else a share of host RAM per local rank."""
+    if cfg.train.memory_budget_gb is not None:
+        return int(cfg.train.memory_budget_gb * GIB)
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total * cfg.train.host_memory_fraction / local_world_size)
+
+
+def measure_activation_bytes(module: nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes of the distinct tensors autograd saves during `forward()` (parameters and buffers excluded)."""
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())

@@ -1,0 +1,148 @@
+"""Observability: per-rank log files, `training_metrics.json` (JSON lines), memory readings, the loss curve.
+
+Every `log_period` iterations rank 0 appends one line: the iteration, the MEAN over the iterations since the
+previous line of each loss, grad norm and timing (so no step goes unrecorded), the current schedule values,
+images/s of the effective (global) batch, and memory (RSS of this rank and of its loader workers, max RSS over
+ranks, peak memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+METRICS_FILE = "training_metrics.json"
+LOSS_CURVE_FILE = "loss_curve.png"
+LOG_DIR = "logs"
+
+
+def setup_logging(output_dir: Path, rank: int) -> logging.Handler:
+    """`logs/log.txt` on rank 0, `logs/log.txt.rank<N>` elsewhere (upstream layout); rank 0 also logs to
+    stderr. Returns the file handler so the caller can remove it (in-process runs)."""
+    log_dir = output_dir / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_dir / ("log.txt" if rank == 0 else f"log.txt.rank{rank}"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("dinov3_core")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    if rank == 0 and not any(getattr(h, "_wsidino_console", False) for h in root.handlers):
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        console._wsidino_console = True  # type: ignore[attr-defined]
+        root.addHandler(console)
+    return handler
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, MiB."""
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def children_rss_mb() -> float:
+    """Summed RSS of this process's children (DataLoader workers), MiB; shared pages count once per child."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # exited meanwhile
+            total += child.memory_info().rss
+    return total / 2**20
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or peak RSS of this process on CPU, MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class WindowMeans:
+    """Running sums of per-iteration values since the last flush."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, values: Mapping[str, float]) -> None:
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.count += 1
+
+    def flush(self) -> dict[str, float]:
+        means = {k: v / self.count for k, v in self.sums.items()} if self.count else {}
+        self.sums, self.count = {}, 0
+        return means
+
+
+class MetricsWriter:
+    """Appends JSON lines to `training_metrics.json` (rank 0 only; other ranks get a no-op writer)."""
+
+    def __init__(self, output_dir: Path, enabled: bool) -> None:
+        self.path = output_dir / METRICS_FILE
+        self.enabled = enabled
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, before_iteration: int) -> None:
+    """Drop lines at or after `before_iteration` (written after the checkpoint a resumed run restarts from), so
+    the file reads like one uninterrupted run."""
+    rows = read_metrics(path)
+    kept = [r for r in rows if r.get("iteration", -1) < before_iteration]
+    if len(kept) != len(rows):
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
+    """Loss terms against iteration (matplotlib, Agg). None when there is nothing to plot."""
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    iterations = [r["iteration"] for r in rows]
+    for key in ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss"):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            ax_loss.plot(iterations, [math.nan if v is None else v for v in values], label=key)
+    ax_loss.set_xlabel("iteration")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("pretraining losses")
+    ax_loss.legend(fontsize=8)
+    ax_lr.plot(iterations, [r.get("lr") for r in rows], label="lr")
+    ax_lr.set_xlabel("iteration")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title("schedule")
+    fig.tight_layout()
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_path)
+    return out_path

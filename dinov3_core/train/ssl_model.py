@@ -1,0 +1,279 @@
+"""The DINOv3 SSL meta-architecture: student and EMA teacher, each `ModuleDict(backbone, dino_head, ibot_head)`.
+
+One optimizer step over a rank's step batch of B images, split into n micro-batches of b = B/n:
+
+1. `teacher_targets` — teacher forward on every micro-batch (no grad), then Sinkhorn-Knopp ONCE over the whole
+   step (all-reduced over ranks), so micro-batching does not change the targets (distributed-facts §5);
+2. `student_step_features` — with n > 1, a no-grad student pass gives the step's KoLeo neighbour set;
+3. `forward_loss` per micro-batch, on the targets' slice; the caller scales by 1/n and calls backward;
+4. `update_teacher` — θ_t ← m·θ_t + (1−m)·θ_s after the optimizer step.
+
+State-dict keys are the official ones: `student.backbone.*`, `student.dino_head.*`, `teacher.*`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dinov3_core.data.masking import IBOTMasks
+from dinov3_core.errors import WsidinoError
+from dinov3_core.losses import (
+    DINOLoss,
+    KoLeoLoss,
+    SSLLossWeights,
+    dino_teacher_targets,
+    ibot_teacher_targets,
+    iBOTPatchLoss,
+)
+from dinov3_core.models import DINOHead, ReleasedWeightsError, build_backbone, build_student_teacher_from_released
+from dinov3_core.train import config as C
+
+LOSS_NAMES = ("dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "total_loss")
+SUBMODULES = ("backbone", "dino_head", "ibot_head")
+
+
+@dataclass(frozen=True)
+class TeacherTargets:
+    dino: Tensor  # [S_g, B, K] Sinkhorn targets of the step's global crops
+    ibot: Tensor  # [M, K] Sinkhorn targets of the step's masked patches (IBOTMasks.mask_indices order)
+
+
+class SSLMetaArch(nn.Module):
+    """Student + EMA teacher and the DINO / iBOT / KoLeo objective (facts §6)."""
+
+    def __init__(
+        self,
+        student: nn.ModuleDict,
+        teacher: nn.ModuleDict,
+        *,
+        weights: SSLLossWeights,
+        student_temp: float = 0.1,
+        sinkhorn_iterations: int = 3,
+        local_loss_weight: float = 1.0,
+        koleo_scope: Literal["rank", "global"] = "rank",
+    ) -> None:
+        super().__init__()
+        self.student = student
+        self.teacher = teacher.requires_grad_(False)
+        self.weights = weights
+        self.sinkhorn_iterations = sinkhorn_iterations
+        self.local_loss_weight = local_loss_weight
+        self.koleo_scope = koleo_scope
+        self.dino_loss = DINOLoss(student_temp)
+        self.ibot_loss = iBOTPatchLoss(student_temp)
+        self.koleo_loss = KoLeoLoss()
+
+    def train(self, mode: bool = True) -> SSLMetaArch:
+        """The teacher always stays in eval mode (no drop path, no RoPE jitter), as upstream."""
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    @property
+    def needs_koleo(self) -> bool:
+        return self.weights.koleo != 0.0
+
+    # ------------------------------------------------------------------------------------------ teacher
+
+    @torch.no_grad()
+    def teacher_targets(
+        self, global_crops: Tensor, masks: IBOTMasks, *, n_micro: int, teacher_temp: float
+    ) -> TeacherTargets:
+        """Teacher forward on the step's global crops, micro-batch by micro-batch, then Sinkhorn once.
+
+        Args:
+            global_crops: [S_g, B, 3, H, W] the rank's whole step batch.
+            masks: the step's `IBOTMasks` (student masks: the teacher sees unmasked crops and is read at the
+                masked positions).
+        """
+        n_crops, batch = global_crops.shape[:2]
+        b = batch // n_micro
+        cls_logits: list[Tensor] = []
+        patch_logits: list[tuple[Tensor, Tensor]] = []
+        for m in range(n_micro):
+            micro_masks, positions = masks.microbatch(m, n_micro)
+            out = self.teacher["backbone"](global_crops[:, m * b : (m + 1) * b].flatten(0, 1), is_training=True)
+            cls_logits.append(self.teacher["dino_head"](out["x_norm_clstoken"]).view(n_crops, b, -1))
+            masked = out["x_norm_patchtokens"].flatten(0, 1)[micro_masks.mask_indices]
+            patch_logits.append((positions, self.teacher["ibot_head"](masked)))
+        dino = torch.cat(cls_logits, dim=1)
+        if n_micro == 1:
+            ibot = patch_logits[0][1]
+        else:
+            ibot = dino.new_empty(masks.n_masked_patches, patch_logits[0][1].shape[-1], dtype=patch_logits[0][1].dtype)
+            for positions, logits in patch_logits:
+                ibot[positions] = logits
+        return TeacherTargets(
+            dino=dino_teacher_targets(dino, teacher_temp, n_iterations=self.sinkhorn_iterations),
+            ibot=ibot_teacher_targets(ibot, teacher_temp, n_iterations=self.sinkhorn_iterations),
+        )
+
+    # ------------------------------------------------------------------------------------------ student
+
+    @torch.no_grad()
+    def student_step_features(self, global_crops: Tensor, masks: IBOTMasks, *, n_micro: int) -> Tensor:
+        """Student CLS features of the step's global crops [S_g, B, D] (no grad): the KoLeo neighbour set.
+
+        With `koleo_scope="global"` they are all-gathered over ranks ([S_g, B·world, D], rank order). Exact
+        when the student forward is deterministic (drop_path 0, no RoPE jitter); approximate otherwise.
+        """
+        n_crops, batch = global_crops.shape[:2]
+        b = batch // n_micro
+        feats = []
+        for m in range(n_micro):
+            micro_masks, _ = masks.microbatch(m, n_micro)
+            x = global_crops[:, m * b : (m + 1) * b].flatten(0, 1)
+            out = self.student["backbone"](x, masks=micro_masks.masks, is_training=True)
+            feats.append(out["x_norm_clstoken"].view(n_crops, b, -1))
+        return self._maybe_gather(torch.cat(feats, dim=1))
+
+    def forward_loss(
+        self,
+        global_crops: Tensor,
+        local_crops: Tensor,
+        masks: IBOTMasks,
+        targets: TeacherTargets,
+        *,
+        koleo_features: Tensor | None = None,
+        koleo_offset: int = 0,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Weighted loss of one micro-batch (normalised by its own size: scale by 1/n_micro before backward).
+
+        Args:
+            global_crops, local_crops: [S_g, b, 3, H, W], [S_l, b, 3, h, w].
+            masks: the micro-batch's masks (`IBOTMasks.microbatch`).
+            targets: the micro-batch's slice of the step targets (`dino` [S_g, b, K], `ibot` [M_micro, K]).
+            koleo_features: the step's neighbour set (`student_step_features`); None: this micro-batch is
+                the whole rank step, gathered over ranks here if `koleo_scope="global"`.
+            koleo_offset: first row of this micro-batch in `koleo_features`.
+        Returns:
+            (total loss with gradient, detached per-term losses keyed by `LOSS_NAMES`).
+        """
+        n_global, b = global_crops.shape[:2]
+        n_local = local_crops.shape[0]
+        out_global, out_local = self.student["backbone"](
+            [global_crops.flatten(0, 1), local_crops.flatten(0, 1)], masks=[masks.masks, None], is_training=True
+        )
+        cls_global = out_global["x_norm_clstoken"]  # [S_g·b, D]
+        # One DINO-head call for global and local CLS tokens (one FSDP all-gather, one launch per layer).
+        dino_logits = self.student["dino_head"](torch.cat([cls_global, out_local["x_norm_clstoken"]]))
+        dino_global, dino_local = dino_logits.split([n_global * b, n_local * b])
+        masked_tokens = out_global["x_norm_patchtokens"].flatten(0, 1)[masks.mask_indices]
+        ibot_logits = self.student["ibot_head"](masked_tokens)  # called even when empty: FSDP collectives
+
+        losses = {
+            "dino_global_loss": self.dino_loss(dino_global.view(n_global, b, -1), targets.dino, ignore_diagonal=True),
+            "dino_local_loss": self.dino_loss(dino_local.view(n_local, b, -1), targets.dino),
+            "ibot_loss": self.ibot_loss(ibot_logits, targets.ibot, masks.masks_weight, masks.n_crops),
+        }
+        if self.needs_koleo:
+            features = cls_global.view(n_global, b, -1)
+            if koleo_features is None and self.koleo_scope == "global" and _world() > 1:
+                koleo_features, koleo_offset = self._maybe_gather(features.detach()), dist.get_rank() * b
+            losses["koleo_loss"] = self.koleo_loss(features, step_features=koleo_features, offset=koleo_offset)
+        else:
+            losses["koleo_loss"] = dino_global.new_zeros((), dtype=torch.float32)
+        total = self.weights.total(
+            dino_global=losses["dino_global_loss"],
+            dino_local=losses["dino_local_loss"],
+            koleo=losses["koleo_loss"],
+            ibot=losses["ibot_loss"],
+            dino_local_weight=self.local_loss_weight,
+        )
+        losses["total_loss"] = total
+        return total, {k: v.detach().float() for k, v in losses.items()}
+
+    def _maybe_gather(self, features: Tensor) -> Tensor:
+        if self.koleo_scope != "global" or _world() == 1:
+            return features
+        parts = [torch.empty_like(features) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, features.contiguous())
+        return torch.cat(parts, dim=1)
+
+    # ------------------------------------------------------------------------------------------------ EMA
+
+    @torch.no_grad()
+    def update_teacher(self, momentum: float) -> None:
+        """θ_t ← m·θ_t + (1−m)·θ_s on parameters (buffers are constant), on local shards under FSDP."""
+        teacher = [_local(p) for p in self.teacher.parameters()]
+        student = [_local(p) for p in self.student.parameters()]
+        torch._foreach_mul_(teacher, momentum)
+        torch._foreach_add_(teacher, student, alpha=1.0 - momentum)
+
+
+def _local(p: Tensor) -> Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+@dataclass
+class BuiltModel:
+    model: SSLMetaArch
+    arch: str  # label: preset / released name, or "inferred from the file"
+    backbone_kwargs: dict
+
+
+def build_ssl_model(cfg: C.PretrainConfig) -> BuiltModel:
+    """Student + teacher (identical at start) on CPU: fresh, or warm-started from a released backbone.
+
+    Call under the same `torch.manual_seed` on every rank: FSDP shards each rank's full copy.
+    """
+    dino_kwargs, ibot_kwargs = C.head_kwargs(cfg.heads.dino), C.head_kwargs(cfg.heads.ibot)
+    overrides = C.backbone_overrides(cfg)
+    if cfg.student.pretrained_weights:
+        path = cfg.student.pretrained_weights
+        try:
+            warm = build_student_teacher_from_released(
+                path,
+                dino_kwargs,
+                ibot_kwargs,
+                arch=None if cfg.student.arch == "auto" else cfg.student.arch,
+                student_overrides=overrides,
+            )
+        except FileNotFoundError:
+            raise WsidinoError(
+                f"student.pretrained_weights: file not found: {path}; give the path of a released DINOv3 "
+                "backbone (.pth) or of an eval teacher_checkpoint.pth"
+            ) from None
+        except ReleasedWeightsError as err:
+            raise WsidinoError(
+                f"student.pretrained_weights={path} does not fit student.arch={cfg.student.arch!r}:\n{err}\n"
+                "Set student.arch to the file's architecture (e.g. vitb16 for dinov3_vitb16_*.pth), or "
+                "student.arch=auto to read it from the file."
+            ) from None
+        student, teacher, kwargs, arch = warm.student, warm.teacher, warm.backbone_kwargs, warm.arch
+    else:
+        try:
+            backbone = build_backbone(cfg.student.arch, **overrides)
+        except (ValueError, TypeError) as err:
+            raise WsidinoError(f"student.arch / student.backbone_overrides: {err}") from None
+        dim = backbone.embed_dim
+        student = nn.ModuleDict(
+            {"backbone": backbone, "dino_head": DINOHead(dim, **dino_kwargs), "ibot_head": DINOHead(dim, **ibot_kwargs)}
+        )
+        teacher = copy.deepcopy(student)
+        for block in teacher["backbone"].blocks:
+            block.sample_drop_ratio = 0.0
+        kwargs, arch = dict(overrides), cfg.student.arch
+    model = SSLMetaArch(
+        student,
+        teacher,
+        weights=C.loss_weights(cfg),
+        student_temp=cfg.losses.student_temp,
+        sinkhorn_iterations=cfg.losses.sinkhorn_iterations,
+        local_loss_weight=cfg.losses.local_loss_weight,
+        koleo_scope=cfg.losses.koleo_scope,
+    ).train()
+    return BuiltModel(model, arch, kwargs)

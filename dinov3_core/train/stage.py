@@ -1,0 +1,161 @@
+"""The pretrain stage as one plain function, `run_pretrain(cfg) -> PretrainResult`, and its torchrun command.
+
+    cfg = load_config(PretrainConfig, "tiny", {"data.stores": ["out/tiles.zarr"], "output_dir": "out/pt"},
+                      stage="pretrain")
+    result = run_pretrain(cfg)            # one process: runs right here
+
+    # several processes: the orchestration layer launches (and the CLI entry point calls run_pretrain per rank)
+    subprocess.run(torchrun_command("out/pt.yaml", nproc=8, overrides=["train.stop_at=1000"]), check=True)
+
+MLflow (rank 0 only): joins $MLFLOW_RUN_ID when set, otherwise opens its own run; curated params, the resolved
+config as artifact, metrics at every log line, and the metrics file and loss curve at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dinov3_core import tracking
+from dinov3_core.train import config as C
+from dinov3_core.train.distributed import init_distributed, shutdown
+from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
+
+__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain", "torchrun_command"]
+
+logger = logging.getLogger(__name__)
+
+# Metrics sent to MLflow at each log line (the JSON lines file has everything).
+MLFLOW_METRICS = (
+    "total_loss",
+    "dino_global_loss",
+    "dino_local_loss",
+    "ibot_loss",
+    "koleo_loss",
+    "lr",
+    "wd",
+    "momentum",
+    "teacher_temp",
+    "backbone_grad_norm",
+    "dino_head_grad_norm",
+    "ibot_head_grad_norm",
+    "images_per_s",
+    "data_time",
+    "iter_time",
+    "max_rss_mb",
+    "peak_memory_mb",
+)
+
+
+def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
+    """Train (or resume) per `cfg`. Runs in this process when not launched by torchrun (or with one process);
+    under torchrun every rank calls it. Raises `WsidinoError` for bad input before writing anything."""
+    threads = torch.get_num_threads()
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)  # before any compute (distributed-facts §1)
+    env = init_distributed(cfg.train.device)
+    trainer: Trainer | None = None
+    try:
+        trainer = Trainer(cfg, env)
+        with _mlflow_run(cfg, trainer) as run:
+            result = trainer.train(on_metrics=_log_to_mlflow if run is not None else None)
+            if run is not None:
+                for path in (result.metrics_path, result.loss_curve):
+                    if path is not None:
+                        tracking.log_artifact(path)
+        return result
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown(env)
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _mlflow_run(cfg: C.PretrainConfig, trainer: Trainer) -> Iterator[Any]:
+    if not trainer.env.is_main or not cfg.tracking.enabled:
+        yield None
+        return
+    tags = {"wsidino.stage": "pretrain", "wsidino.output_dir": str(Path(cfg.output_dir).resolve())}
+    with tracking.stage_run(cfg.tracking, "pretrain", params=curated_params(cfg, trainer), tags=tags) as run:
+        tracking.log_artifact(Path(cfg.output_dir) / "config.yaml")
+        yield run
+
+
+def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
+    """The handful of settings worth comparing across runs (the full config is the config.yaml artifact)."""
+    return {
+        "arch": trainer.arch,
+        "pretrained_weights": cfg.student.pretrained_weights,
+        "tiles": len(trainer.tiles),
+        "tile_size": trainer.tiles.tile_size,
+        "stores": ",".join(cfg.data.stores),
+        "crops": f"{cfg.crops.n_global_crops}x{cfg.crops.global_size}+{cfg.crops.n_local_crops}x{cfg.crops.local_size}",
+        "prototypes_dino": cfg.heads.dino.n_prototypes,
+        "prototypes_ibot": cfg.heads.ibot.n_prototypes,
+        "world_size": trainer.env.world_size,
+        "global_batch_size": trainer.global_batch,
+        "micro_batch_per_gpu": trainer.micro_batch,
+        "accumulation_steps": trainer.accumulation_steps,
+        "total_iterations": trainer.total_iterations,
+        "epochs": cfg.optim.epochs,
+        "epoch_length": cfg.train.epoch_length,
+        "lr_base": cfg.optim.lr,
+        "lr_peak": trainer.schedules.lr.peak,
+        "scaling_rule": cfg.optim.scaling_rule,
+        "warmup_epochs": cfg.optim.warmup_epochs,
+        "weight_decay": f"{cfg.optim.weight_decay}->{cfg.optim.weight_decay_end}",
+        "momentum_teacher": cfg.teacher.momentum_teacher,
+        "teacher_temp": f"{cfg.teacher.warmup_teacher_temp}->{cfg.teacher.teacher_temp}",
+        "drop_path_rate": cfg.student.drop_path_rate,
+        "layer_decay": cfg.optim.layer_decay,
+        "koleo_weight": cfg.losses.koleo_weight,
+        "koleo_scope": cfg.losses.koleo_scope,
+        "device": str(trainer.env.device.type),
+        "precision": "bf16" if trainer.bf16 else "fp32",
+        "seed": cfg.train.seed,
+    }
+
+
+def _log_to_mlflow(record: dict[str, Any]) -> None:
+    values = {k: record[k] for k in MLFLOW_METRICS if isinstance(record.get(k), int | float)}
+    tracking.log_metrics(values, step=int(record["iteration"]))
+
+
+def torchrun_command(
+    cfg_path: str | os.PathLike[str],
+    nproc: int,
+    overrides: Sequence[str] = (),
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """argv that launches `nproc` training processes per node on `cfg_path` (a YAML file or a config name).
+
+    One node: `--standalone`. Several: c10d rendezvous at `rdzv_endpoint` (host:port) with `rdzv_id`; run the
+    same command on every node. `log_dir`: torchrun's per-rank logs and error.json files (root cause).
+    """
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"nproc ({nproc}) and nnodes ({nnodes}) must be >= 1")
+    cmd = [python, "-m", "torch.distributed.run"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("multi-node runs need rdzv_endpoint (host:port of the rendezvous)")
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd.append(f"--rdzv-id={rdzv_id or 'wsidino-pretrain'}")
+    cmd.append(f"--nproc-per-node={nproc}")
+    if log_dir is not None:
+        cmd += [f"--log-dir={log_dir}", "--tee=3"]
+    return [*cmd, "-m", "dinov3_core.train", "--config", str(cfg_path), *overrides]

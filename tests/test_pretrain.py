@@ -1,0 +1,411 @@
+"""The pretrain stage end to end on a real tile store (tile stage on a sample slide), tiny model, CPU.
+
+One uninterrupted reference run (1 process, full batch of 8, 8 iterations, checkpoints after iterations 1, 3,
+5, 7) is the yardstick: gradient accumulation (1 and 2 processes), resumption after SIGKILL, and resumption on
+another number of processes must all end with its parameters (fp32, tolerance 1e-5). KoLeo uses the global
+neighbour set here, so the objective does not depend on the number of processes (official "rank" scope would
+differ by design across world sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dinov3_core.config import ConfigError, load_config
+from dinov3_core.errors import WsidinoError
+from dinov3_core.models import build_backbone, save_backbone
+from dinov3_core.tiling import store as ts
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.stage import run_tile
+from dinov3_core.train.checkpoint import CheckpointError
+from dinov3_core.train.config import PretrainConfig
+from dinov3_core.train.memory import estimate_memory, model_shape
+from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.ssl_model import build_ssl_model
+from dinov3_core.train.stage import TrainingDivergedError, run_pretrain
+
+ROOT = Path(__file__).parents[1]
+DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "pretrain_runs.py"
+TOL = 1e-5
+LOSSES = ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss")
+NORMS = ("backbone_grad_norm", "dino_head_grad_norm", "ibot_head_grad_norm")
+
+# On top of configs/pretrain/tiny.yaml. No lr warmup and no frozen last layer, so every compared step moves
+# every weight; checkpoints every 2 iterations so runs can be compared (and resumed) mid-way.
+BASE: dict[str, Any] = {
+    "tracking.enabled": False,
+    "optim.warmup_epochs": 0,
+    "optim.freeze_last_layer_epochs": 0,
+    "losses.koleo_scope": "global",
+    "train.global_batch_size": 8,
+    "train.batch_size_per_gpu": 8,
+    "train.stop_at": 8,
+    "checkpointing.period": 2,
+    "checkpointing.max_to_keep": 10,
+    "evaluation.eval_period_iterations": 4,
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """2 shared cores: intra-op threads only add contention. (Runs set train.num_threads=1 themselves.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tile_store(sample_slides, tmp_path_factory) -> Path:
+    """A real tile store: the tile stage on the 20× sample slide, 64 px tiles (~260 tiles)."""
+    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
+    store = tmp_path_factory.mktemp("pretrain_store") / "tiles.zarr"
+    values = {"input": str(slide), "output": str(store), "tile_size": 64, "progress": False, "tracking.enabled": False}
+    result = run_tile(load_config(TileConfig, None, values))
+    assert result.total_tiles > 100
+    return store
+
+
+def overrides(store: Path, out: Path, **extra: Any) -> dict[str, Any]:
+    return {**BASE, "data.stores": [str(store)], "output_dir": str(out), **extra}
+
+
+def config(store: Path, out: Path, **extra: Any) -> PretrainConfig:
+    return load_config(PretrainConfig, "tiny", overrides(store, out, **extra), stage="pretrain")
+
+
+def load_ckpt(path: Path) -> dict[str, Any]:
+    """A DCP checkpoint directory as one plain state dict (offline, one process, like `dcp_to_torch`)."""
+    target = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(path, target)
+    try:
+        return torch.load(target, weights_only=False)
+    finally:
+        target.unlink()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
+    keys = [k for k in a if k.startswith(prefix)]
+    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+
+
+def assert_same_params(ckpt: Path, reference: Path) -> None:
+    got, ref = load_ckpt(ckpt)["model"], load_ckpt(reference)["model"]
+    assert max_diff(got, ref, "student.") < TOL
+    assert max_diff(got, ref, "teacher.") < TOL
+
+
+def assert_same_metrics(out: Path, reference: Path, iterations: range) -> None:
+    got = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
+    ref = {r["iteration"]: r for r in read_metrics(reference / "training_metrics.json")}
+    for it in iterations:
+        for key in LOSSES + NORMS:  # grad norms catch loss-scaling errors that Adam's update would hide
+            assert got[it][key] == pytest.approx(ref[it][key], rel=TOL, abs=1e-7), (it, key)
+
+
+@pytest.fixture(scope="module")
+def reference(tile_store, tmp_path_factory) -> dict[str, Any]:
+    """The uninterrupted single-process full-batch run, with MLflow tracking to a temporary SQLite db."""
+    root = tmp_path_factory.mktemp("pretrain_reference")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    extra = {"tracking.enabled": True, "tracking.uri": uri, "tracking.experiment": "pretrain-test"}
+    cfg = config(tile_store, root / "run", **extra)
+    result = run_pretrain(cfg)
+    return {"out": root / "run", "result": result, "uri": uri, "cfg": cfg}
+
+
+# ------------------------------------------------------------------------------------------- one process
+
+
+def test_reference_run_writes_every_output(reference) -> None:
+    out, result = reference["out"], reference["result"]
+    assert (result.start_iteration, result.end_iteration, result.total_iterations) == (0, 8, 20)
+    assert (result.global_batch, result.micro_batch, result.accumulation_steps) == (8, 8, 1)
+    assert (out / "config.yaml").is_file() and "vit_test" in (out / "config.yaml").read_text()
+    assert "it 7/20" in (out / "logs" / "log.txt").read_text()
+
+    rows = read_metrics(out / "training_metrics.json")
+    assert [r["iteration"] for r in rows] == list(range(8))
+    expected = {*LOSSES, *NORMS, "lr", "wd", "momentum", "teacher_temp", "images_per_s", "data_time"}
+    assert expected | {"rss_mb", "max_rss_mb", "peak_memory_mb", "global_batch_size"} <= set(rows[0])
+    assert all(r["skipped_step"] == 0 for r in rows)
+    assert rows[0]["teacher_temp"] == pytest.approx(0.04) and rows[7]["teacher_temp"] > rows[0]["teacher_temp"]
+    assert rows[7]["momentum"] > rows[0]["momentum"] and rows[7]["lr"] < rows[0]["lr"]
+
+    assert sorted(int(p.name) for p in (out / "ckpt").iterdir()) == [1, 3, 5, 7]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["training_3", "training_7"]
+    teacher = torch.load(out / "eval" / "training_7" / "teacher_checkpoint.pth", weights_only=True)
+    assert set(teacher) == {"teacher"}
+    state = teacher["teacher"]
+    assert {k.split(".")[0] for k in state} == {"backbone", "dino_head", "ibot_head"}
+    assert "dino_head.last_layer.weight" in state and "backbone.cls_token" in state
+    assert all(v.device.type == "cpu" for v in state.values())
+    ckpt = load_ckpt(out / "ckpt" / "7")
+    teacher_in_ckpt = {k.removeprefix("teacher."): v for k, v in ckpt["model"].items() if k.startswith("teacher.")}
+    assert max_diff(teacher_in_ckpt, state) == 0.0
+    assert ckpt["train_state"]["iteration"] == 7 and ckpt["train_state"]["sampler"]["consumed_samples"] == 64
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.images_per_second > 0
+
+
+def test_reference_run_is_tracked_in_mlflow(reference) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=reference["uri"])
+    experiment = client.get_experiment_by_name("pretrain-test")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["global_batch_size"] == "8" and run.data.params["arch"] == "vit_test"
+    history = client.get_metric_history(run.info.run_id, "total_loss")
+    assert sorted(m.step for m in history) == list(range(8))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "training_metrics.json", "loss_curve.png"} <= artifacts
+
+
+def test_gradient_accumulation_matches_the_full_batch(reference, tile_store, tmp_path) -> None:
+    """2 micro-batches of 4 = one batch of 8, step for step (same crops, masks, Sinkhorn targets, KoLeo set)."""
+    out = tmp_path / "accum"
+    result = run_pretrain(config(tile_store, out, **{"train.batch_size_per_gpu": 4, "train.stop_at": 2}))
+    assert (result.micro_batch, result.accumulation_steps) == (4, 2)
+    ref = reference["out"]
+    assert_same_params(out / "ckpt" / "1", ref / "ckpt" / "1")
+    assert_same_metrics(out, ref, range(2))
+
+    # The comparison is meaningful: two steps move the student far more than the tolerance (~lr per step).
+    torch.manual_seed(0)
+    initial = {f"student.{k}": v for k, v in build_ssl_model(reference["cfg"]).model.student.state_dict().items()}
+    assert max_diff(load_ckpt(ref / "ckpt" / "1")["model"], initial, "student.") > 30 * TOL
+
+
+def test_auto_batch_size_plans_accumulation_to_fit_the_budget(reference, tile_store, tmp_path) -> None:
+    """Also: activation checkpointing changes no number; retention keeps the newest checkpoint + keep_every."""
+    extra = {
+        "train.batch_size_per_gpu": "auto",
+        "train.stop_at": 2,
+        "train.activation_checkpointing": True,
+        "checkpointing.period": 1,
+        "checkpointing.max_to_keep": 1,
+        "checkpointing.keep_every": 1,
+    }
+    cfg = config(tile_store, tmp_path / "auto", **extra)
+    shape = model_shape(cfg)
+
+    def total(micro: int) -> int:
+        kw = {"micro_batch": micro, "step_batch": 8, "world_size": 1, "device_type": "cpu", "tile_size": 64}
+        return estimate_memory(cfg, shape, **kw).total
+
+    cfg.train.memory_budget_gb = (total(4) + total(8)) / 2 / 2**30  # fits 4 images of activations, not 8
+    result = run_pretrain(cfg)
+    assert (result.micro_batch, result.accumulation_steps, result.global_batch) == (4, 2, 8)
+    rows = read_metrics(cfg_out(cfg) / "training_metrics.json")
+    assert rows[-1]["local_batch_size"] == 4 and rows[-1]["accumulation_steps"] == 2
+    assert_same_params(cfg_out(cfg) / "ckpt" / "1", reference["out"] / "ckpt" / "1")
+    assert sorted(p.name for p in (cfg_out(cfg) / "ckpt").iterdir()) == ["0_keep", "1", "1_keep"]
+
+
+def cfg_out(cfg: PretrainConfig) -> Path:
+    return Path(cfg.output_dir)
+
+
+def test_sigkill_then_restart_ends_like_an_uninterrupted_run(reference, tile_store, tmp_path) -> None:
+    out = tmp_path / "killed"
+    argv = [f"{k}={json.dumps(v)}" for k, v in overrides(tile_store, out).items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 180
+    while not (out / "ckpt" / "1" / ".metadata").exists():
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (out / "eval" / "training_7").exists(), "the run finished before it was killed"
+
+    result = run_pretrain(config(tile_store, out))
+    assert result.resumed_from is not None and result.start_iteration >= 2
+    assert not list((out / "ckpt").glob(".tmp-*"))  # a checkpoint the kill interrupted is cleaned up
+    final = torch.load(out / "eval" / "training_7" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
+    expected = torch.load(reference["out"] / "eval" / "training_7" / "teacher_checkpoint.pth", weights_only=True)
+    assert max_diff(final, expected["teacher"]) < TOL
+    assert_same_params(out / "ckpt" / "7", reference["out"] / "ckpt" / "7")
+    assert [r["iteration"] for r in read_metrics(out / "training_metrics.json")] == list(range(8))
+
+
+# ------------------------------------------------------------------------------------- several processes
+
+
+def test_two_processes_and_changing_world_size(reference, tile_store, tmp_path) -> None:
+    """torchrun, 2 gloo processes, FSDP2: (a) 2 × 2 micro-batches of 2 from scratch = the full batch of 8;
+    (b) the 1-process reference checkpoint resumed on 2 processes (1 → 2); then (c) the 2-process checkpoint
+    of (a) resumed in 1 process (2 → 1). All end with the reference's parameters."""
+    ref = reference["out"]
+    two = tmp_path / "two"
+    one_to_two = tmp_path / "one_to_two"
+    shutil.copytree(ref, one_to_two)
+    for path in (one_to_two / "ckpt").iterdir():
+        if int(path.name) > 1:
+            shutil.rmtree(path)  # as if the reference had stopped after iteration 1
+    runs = [
+        overrides(tile_store, two, **{"train.batch_size_per_gpu": 2, "train.stop_at": 2}),
+        overrides(tile_store, one_to_two, **{"train.batch_size_per_gpu": 4, "train.stop_at": 4}),
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(DIST_SCRIPT)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, *(json.dumps(r) for r in runs)], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"run"')]
+    assert [s["world_size"] for s in summaries] == [2, 2]
+    assert (summaries[0]["micro_batch"], summaries[0]["accumulation_steps"]) == (2, 2)
+    assert summaries[0]["resumed_from"] is None
+    assert Path(summaries[1]["resumed_from"]).name == "1"
+
+    assert_same_params(two / "ckpt" / "1", ref / "ckpt" / "1")  # (a)
+    assert_same_metrics(two, ref, range(2))
+    gathered = torch.load(two / "eval" / "training_1" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
+    sharded = {k.removeprefix("teacher."): v for k, v in load_ckpt(two / "ckpt" / "1")["model"].items()}
+    assert max_diff(gathered, {k: v for k, v in sharded.items() if k in gathered}) == 0.0  # full, unsharded
+    assert_same_params(one_to_two / "ckpt" / "3", ref / "ckpt" / "3")  # (b)
+    assert_same_metrics(one_to_two, ref, range(2, 4))
+
+    result = run_pretrain(config(tile_store, two, **{"train.stop_at": 4}))  # (c): 2 → 1
+    assert result.resumed_from == two / "ckpt" / "1" and result.world_size == 1
+    assert_same_params(two / "ckpt" / "3", ref / "ckpt" / "3")
+
+
+# --------------------------------------------------------------------------------- warm start, bad input
+
+
+def test_warm_start_from_a_released_backbone_joins_the_given_mlflow_run(
+    reference, tile_store, tmp_path, monkeypatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    torch.manual_seed(3)
+    released = build_backbone("vit_test", n_storage_tokens=4, layerscale_init=1e-5, mask_k_bias=True)
+    weights = save_backbone(released, tmp_path / "released_vit_test.pth")
+    client = MlflowClient(tracking_uri=reference["uri"])
+    run_id = client.create_run(client.get_experiment_by_name("pretrain-test").experiment_id).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+
+    out = tmp_path / "warm"
+    extra = {
+        "student.arch": "auto",
+        "student.pretrained_weights": str(weights),
+        "optim.warmup_epochs": 1,  # lr 0 in iteration 0: the teacher after it is still the released backbone
+        "train.stop_at": 1,
+        "tracking.enabled": True,
+        "tracking.uri": reference["uri"],
+    }
+    result = run_pretrain(config(tile_store, out, **extra))
+    assert result.end_iteration == 1
+    teacher = torch.load(out / "eval" / "training_0" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
+    backbone = {k.removeprefix("backbone."): v for k, v in teacher.items() if k.startswith("backbone.")}
+    assert set(backbone) == set(released.state_dict())
+    assert max_diff(backbone, released.state_dict()) < 1e-6
+    assert {"dino_head.last_layer.weight", "ibot_head.last_layer.weight"} <= set(teacher)
+    run = client.get_run(run_id)
+    assert run.data.params["pretrained_weights"] == str(weights)
+    assert [m.step for m in client.get_metric_history(run_id, "total_loss")] == [0]
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def test_bad_input_fails_clearly_and_writes_nothing(reference, tile_store, tmp_path) -> None:
+    out = tmp_path / "never"
+
+    empty = ts.init_store(tmp_path / "empty.zarr")
+    with pytest.raises(WsidinoError, match="empty tile store"):
+        run_pretrain(config(empty, out))
+    with pytest.raises(WsidinoError, match="fewer than one global batch"):
+        run_pretrain(config(tile_store, out, **{"train.global_batch_size": 4096, "train.batch_size_per_gpu": 4096}))
+
+    with pytest.raises(ConfigError, match="KoLeo needs at least 2 images"):
+        run_pretrain(config(tile_store, out, **{"train.global_batch_size": 1, "train.batch_size_per_gpu": 1}))
+
+    other = build_backbone("vit_test", n_storage_tokens=4)  # the student below has no storage tokens
+    weights = save_backbone(other, tmp_path / "other.pth")
+    with pytest.raises(WsidinoError, match="n_storage_tokens") as err:
+        run_pretrain(config(tile_store, out, **{"student.pretrained_weights": str(weights)}))
+    assert "student.pretrained_weights" in str(err.value)
+    assert not out.exists()
+
+    # An output_dir whose checkpoints belong to another architecture: refused, nothing touched.
+    existing = tmp_path / "existing"
+    shutil.copytree(reference["out"], existing)
+    before = snapshot(existing)
+    with pytest.raises(CheckpointError, match="different architecture") as err:
+        run_pretrain(config(tile_store, existing, **{"heads.dino.n_prototypes": 128}))
+    assert "student.dino_head.last_layer.weight" in str(err.value)
+    with pytest.raises(WsidinoError, match="resume=false"):
+        run_pretrain(config(tile_store, existing, **{"checkpointing.resume": False}))
+    assert snapshot(existing) == before
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path) -> None:
+    argv = ["--config", "tiny", f"data.stores=[{tmp_path / 'missing.zarr'}]", f"output_dir={tmp_path / 'o'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dinov3_core.train", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert "error: tile store" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ robustness, memory
+
+
+def test_nan_guard_stops_after_consecutive_nonfinite_losses(tile_store, tmp_path) -> None:
+    out = tmp_path / "nan"
+    extra = {"optim.lr": 1e30, "train.nan_patience": 2, "train.stop_at": 10}  # the first step blows up the weights
+    with pytest.raises(TrainingDivergedError, match="2 consecutive iterations with non-finite"):
+        run_pretrain(config(tile_store, out, **extra))
+    rows = read_metrics(out / "training_metrics.json")
+    assert [r["skipped_step"] for r in rows] == [0.0, 1.0]  # iteration 2 raised before logging
+    assert not (out / "ckpt").exists()  # nothing saved from a diverged state
+
+
+def test_rss_stays_bounded_over_many_iterations(tile_store, tmp_path) -> None:
+    out = tmp_path / "long"
+    extra = {
+        "optim.epochs": 20,  # 100-iteration schedule
+        "train.stop_at": 90,
+        "train.global_batch_size": 4,
+        "train.batch_size_per_gpu": 4,
+        "train.log_period": 10,
+        "train.gc_period": 10,
+        "data.num_workers": 2,  # real forked loader workers, whose memory is watched too
+        "checkpointing.period": 1000,
+        "evaluation.eval_period_iterations": 0,
+    }
+    run_pretrain(config(tile_store, out, **extra))
+    rows = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
+    assert set(rows) >= {19, 89}
+    for key in ("rss_mb", "loader_rss_mb"):  # after warm-up (allocator pools, worker imports)
+        growth = rows[89][key] - rows[19][key]
+        assert growth < 16, f"{key} grew {growth:.1f} MiB over 70 iterations: {[r[key] for r in rows.values()]}"
+    assert rows[89]["loader_rss_mb"] > 50  # the workers were alive and measured
