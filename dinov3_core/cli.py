@@ -70,6 +70,25 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_gram(args: argparse.Namespace) -> int:
+    """Gram anchoring after pretraining: one process here, more under torchrun."""
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.nproc_per_node == 1:
+        from dinov3_core.gram.__main__ import main as gram_main
+
+        head = ["--pretrain-dir", args.pretrain_dir] if args.pretrain_dir else []
+        return gram_main([*head, *(["--config", args.config] if args.config else []), *overrides])
+    import subprocess
+
+    from dinov3_core.gram.stage import torchrun_command
+
+    cmd = torchrun_command(args.pretrain_dir, args.nproc_per_node, overrides, config=args.config)
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
 def cmd_make_sample_slides(args: argparse.Namespace) -> int:
     from dinov3_core.sample_slides import make_sample_slides
 
@@ -105,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node needs --rdzv-endpoint)")
     pretrain.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous for multi-node runs")
     pretrain.set_defaults(func=cmd_pretrain)
+
+    gram = stage_parser("gram", "Gram anchoring: continue a pretraining run with a frozen, auto-selected gram teacher.")
+    gram.add_argument("--pretrain-dir", help="the pretraining run directory to continue (its eval/ holds the teachers)")
+    gram.add_argument("--output-dir", help="the gram stage's own run directory; = output_dir")
+    gram.add_argument("--nproc-per-node", type=int, default=1, help="training processes (torchrun)")
+    gram.set_defaults(func=cmd_gram)
 
     samples = sub.add_parser("make-sample-slides", help="Write sample pyramidal SVS/TIFF slides (real tissue).")
     samples.add_argument("out_dir")

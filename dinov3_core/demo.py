@@ -48,6 +48,20 @@ def run_demo(output: Path, workers: int) -> int:
                 "tracking.experiment=wsidino-demo",
             ],
         ),
+        (
+            "gram",
+            [
+                "gram",
+                "--config",
+                "tiny",
+                "--pretrain-dir",
+                str(output / "pretrain"),
+                "--output-dir",
+                str(output / "gram"),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
+        ),
     ]
     for name, argv in steps:
         start = time.perf_counter()
@@ -64,6 +78,7 @@ def run_demo(output: Path, workers: int) -> int:
         f"  QC pictures     {store / 'slides'}/<slide>/qc_thumbnail.png\n"
         f"  pretraining     {output / 'pretrain'}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, "
         "training_metrics.json, loss_curve.png)\n"
+        f"  gram anchoring  {output / 'gram'}  (gram_teacher_selection.json: the chosen eval teacher)\n"
         f"  MLflow runs     {tracking_uri}\n"
         f"  MLflow UI       .venv/bin/mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000\n"
     )

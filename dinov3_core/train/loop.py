@@ -109,6 +109,9 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
 
 
 class Trainer:
+    # Stages that add losses (gram anchoring) subclass the meta-architecture and name it here.
+    meta_arch: type[SSLMetaArch] = SSLMetaArch
+
     def __init__(self, cfg: C.PretrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         C.validate(cfg)
@@ -125,7 +128,7 @@ class Trainer:
 
         # Model: identical initialisation on every rank (FSDP shards each rank's full copy).
         torch.manual_seed(cfg.train.seed)
-        built = build_ssl_model(cfg)
+        built = build_ssl_model(cfg, meta_arch=self.meta_arch)
         self.model, self.arch = built.model, built.arch
 
         self.plan = resolve_batch(cfg, env, self.model, self.tiles.tile_size)

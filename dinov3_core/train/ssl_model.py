@@ -225,7 +225,7 @@ class BuiltModel:
     backbone_kwargs: dict
 
 
-def build_ssl_model(cfg: C.PretrainConfig) -> BuiltModel:
+def build_ssl_model(cfg: C.PretrainConfig, meta_arch: type[SSLMetaArch] | None = None) -> BuiltModel:
     """Student + teacher (identical at start) on CPU: fresh, or warm-started from a released backbone.
 
     Call under the same `torch.manual_seed` on every rank: FSDP shards each rank's full copy.
@@ -267,7 +267,7 @@ def build_ssl_model(cfg: C.PretrainConfig) -> BuiltModel:
         for block in teacher["backbone"].blocks:
             block.sample_drop_ratio = 0.0
         kwargs, arch = dict(overrides), cfg.student.arch
-    model = SSLMetaArch(
+    model = (meta_arch or SSLMetaArch)(
         student,
         teacher,
         weights=C.loss_weights(cfg),

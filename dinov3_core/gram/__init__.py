@@ -1,0 +1,7 @@
+"""The gram-anchoring stage (DINOv3 facts §6, §8), built on the pretraining stage (`dinov3_core.train`).
+
+* `teacher` — `find_eval_checkpoints`, `select_gram_teacher` (policies latest / iteration / best_dense),
+  `load_gram_teacher` (eval teacher or released backbone; training checkpoints refused with the file to use);
+* `config` — `GramConfig` (= `PretrainConfig` + `pretrain_dir` + `gram`), named configs in configs/gram/;
+* `stage` — `run_gram(cfg) -> GramResult`, `torchrun_command`; `python -m dinov3_core.gram` is the entry point.
+"""

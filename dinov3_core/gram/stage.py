@@ -1,0 +1,384 @@
+"""The gram stage as one plain function, `run_gram(cfg) -> GramResult`, built on the pretraining `Trainer`.
+
+    cfg = load_config(GramConfig, "tiny", {"pretrain_dir": "out/pt", "data.stores": ["out/tiles.zarr"],
+                                           "output_dir": "out/gram"}, stage="gram")
+    result = run_gram(cfg)
+
+What it adds to pretraining (facts §6, §8), all counted from the gram stage's own iteration 0:
+
+* start: the pretraining run's latest DCP checkpoint (student, EMA teacher, optimizer state; not its iteration
+  nor sampler position) when `output_dir/ckpt` is empty; afterwards it resumes from its own `ckpt/`;
+* the gram teacher: `gram.teacher_path`, or the eval checkpoint chosen by `gram.teacher_policy`
+  (`dinov3_core.gram.teacher`); the choice is kept in `gram_teacher_selection.json` and reused on resume;
+* the gram loss `GramLoss(student global-crop x_norm_patchtokens, gram teacher's on the same crops)` times
+  w(it) (linear 0 → gram.loss_weight over gram.warmup_iterations), and the local DINO weight schedule;
+* refreshes of the gram teacher from the EMA teacher (`gram.rep_update`); the gram teacher's weights are part
+  of each checkpoint (`train_state.gram_teacher.*`), the refresh count is recounted from the iteration.
+
+Metrics: `gram_loss`, `gram_loss_weight`, `dino_local_loss_weight`, `gram_updates` in training_metrics.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dinov3_core import tracking
+from dinov3_core.config import ConfigError, load_config
+from dinov3_core.errors import WsidinoError
+from dinov3_core.gram import teacher as T
+from dinov3_core.gram.config import GramConfig, validate_gram
+from dinov3_core.losses.gram import GramLoss, resize_patch_tokens
+from dinov3_core.models.released import backbone_state_dict
+from dinov3_core.train import checkpoint as ckpt
+from dinov3_core.train.config import PretrainConfig
+from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
+from dinov3_core.train.loop import PretrainResult, Trainer
+from dinov3_core.train.pipeline import StepBatch
+from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
+from dinov3_core.train.ssl_model import SSLMetaArch
+from dinov3_core.train.stage import MLFLOW_METRICS, curated_params
+
+__all__ = ["GramResult", "GramSchedules", "run_gram", "torchrun_command"]
+
+logger = logging.getLogger(__name__)
+
+GRAM_METRICS = ("gram_loss", "gram_loss_weight", "dino_local_loss_weight", "gram_updates")
+
+
+@dataclass
+class GramResult(PretrainResult):
+    teacher_selection: dict[str, Any] | None = None  # TeacherSelection.to_dict() (for a Prefect artifact)
+    gram_updates: int = 0  # gram-teacher refreshes so far (stage total)
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True)
+class GramSchedules:
+    """Stage-relative schedules: `at(it)` with `it` = iterations since the gram stage's start."""
+
+    weight: WarmupCosineSchedule
+    local_weight: WarmupCosineSchedule
+    rep_update: bool
+    update_frequency: int
+    first_update: int
+    max_updates: int | None
+
+    @classmethod
+    def from_config(cls, cfg: GramConfig, total: int) -> GramSchedules:
+        g = cfg.gram
+        n = max(total, g.warmup_iterations, g.local_weight_iterations, 1)
+        return cls(
+            weight=linear_warmup_cosine(0.0, g.loss_weight, g.loss_weight, g.warmup_iterations, n),
+            local_weight=linear_warmup_cosine(
+                g.local_weight_start, g.local_weight_end, g.local_weight_end, g.local_weight_iterations, n
+            ),
+            rep_update=g.rep_update,
+            update_frequency=g.update_frequency,
+            first_update=g.first_update,
+            max_updates=g.max_updates,
+        )
+
+    def update_due(self, iteration: int, done: int) -> bool:
+        """Refresh the gram teacher after stage iteration `iteration`, `done` refreshes so far?"""
+        n = iteration + 1
+        if not self.rep_update or n < max(self.first_update, 1) or (n - self.first_update) % self.update_frequency:
+            return False
+        return self.max_updates is None or done < self.max_updates
+
+    def updates_before(self, start: int) -> int:
+        """Refreshes an uninterrupted run made in iterations [0, start) (recount on resume)."""
+        if not self.rep_update or start < 1:
+            return 0
+        lo = max(self.first_update, 1)
+        if start < lo:
+            count = 0
+        else:  # n in [lo, start] with (n - first) % freq == 0
+            first_n = lo + (-(lo - self.first_update)) % self.update_frequency
+            count = 0 if first_n > start else (start - first_n) // self.update_frequency + 1
+        return count if self.max_updates is None else min(count, self.max_updates)
+
+
+# ------------------------------------------------------------------------------------------ model + trainer
+
+
+class GramMetaArch(SSLMetaArch):
+    """`SSLMetaArch` plus the gram term. The gram teacher is held outside the module tree (`attach_gram`), so the
+    checkpoint `model.*` keys are the pretraining ones."""
+
+    def attach_gram(self, gram: _GramState) -> None:
+        object.__setattr__(self, "_gram", gram)  # not a registered submodule: no state_dict, no FSDP wrapping
+
+    def forward_loss(self, global_crops: Tensor, local_crops: Tensor, *args: Any, **kwargs: Any):  # type: ignore[override]
+        gram: _GramState | None = getattr(self, "_gram", None)
+        if gram is None:  # used before the trainer attached the gram teacher (e.g. by the memory estimator)
+            return super().forward_loss(global_crops, local_crops, *args, **kwargs)
+        captured: list[Any] = []
+        hook = self.student["backbone"].register_forward_hook(lambda _m, _a, out: captured.append(out))
+        try:
+            total, parts = super().forward_loss(global_crops, local_crops, *args, **kwargs)
+        finally:
+            hook.remove()
+        student = captured[0][0]["x_norm_patchtokens"]  # [S_g·b, P, D] (masked crops, as upstream)
+        with torch.no_grad():
+            crops = global_crops.flatten(0, 1)
+            if gram.crop_size and gram.crop_size != crops.shape[-1]:
+                crops = F.interpolate(crops, size=(gram.crop_size,) * 2, mode="bicubic", align_corners=False)
+            target = gram.teacher(crops, is_training=True)["x_norm_patchtokens"]
+            if target.shape[1] != student.shape[1]:  # teacher grid → student grid, before normalisation
+                side_t, side_s = math.isqrt(target.shape[1]), math.isqrt(student.shape[1])
+                target = resize_patch_tokens(target, (side_t, side_t), (side_s, side_s)).to(student.dtype)
+        loss = (
+            gram.loss(student, target)
+            if gram.loss.img_level
+            else gram.loss(student.flatten(0, 1), target.flatten(0, 1))
+        )
+        total = total + gram.weight * loss
+        gram.losses.append(loss.detach().float())
+        parts["gram_loss"] = loss.detach().float()
+        parts["total_loss"] = total.detach().float()
+        return total, parts
+
+
+@dataclass
+class _GramState:
+    teacher: nn.Module
+    loss: GramLoss
+    weight: float = 0.0
+    crop_size: int | None = None  # gram teacher input size (upsampled student global crops); None: as they are
+    losses: list[Tensor] = field(default_factory=list)  # this step's per-micro-batch gram losses
+
+
+class GramTrainer(Trainer):
+    """The pretraining `Trainer` with the gram teacher, loss, schedules and refreshes."""
+
+    meta_arch = GramMetaArch
+
+    def __init__(self, cfg: GramConfig, env: DistEnv, gram_teacher: nn.Module) -> None:
+        g = cfg.gram
+        patch = int(getattr(gram_teacher, "patch_size", 16))
+        if g.teacher_crop_size and g.teacher_crop_size % patch:
+            raise ConfigError(
+                f"gram.teacher_crop_size={g.teacher_crop_size} is not a multiple of the patch size {patch}"
+            )
+        self.gram = _GramState(
+            teacher=gram_teacher.to(env.device).requires_grad_(False).eval(),
+            loss=GramLoss(
+                normalize=g.normalized,
+                img_level=g.img_level,
+                remove_neg=g.remove_neg,
+                remove_only_teacher_neg=g.remove_only_teacher_neg,
+            ),
+            crop_size=g.teacher_crop_size,
+        )
+        super().__init__(cfg, env)  # resumes (gram teacher included: train_state) from output_dir/ckpt if any
+        self.model.attach_gram(self.gram)
+        self.gram_schedules = GramSchedules.from_config(cfg, self.total_iterations)
+        if self.resumed_from is None and cfg.pretrain_dir:
+            self._start_from_pretraining(Path(cfg.pretrain_dir))
+        self.gram_updates = self.gram_schedules.updates_before(self.start_iteration)
+
+    def _start_from_pretraining(self, pretrain_dir: Path) -> None:
+        latest = ckpt.latest_checkpoint(pretrain_dir / ckpt.CKPT_DIR)
+        if latest is None:
+            raise WsidinoError(
+                f"no training checkpoint in {pretrain_dir / ckpt.CKPT_DIR}: pretrain_dir must be a pretraining "
+                "output_dir with ckpt/<it>/ (or set pretrain_dir=null and student.pretrained_weights)"
+            )
+        ckpt.check_compatible(latest, self.model)
+        multipliers = [
+            {k: grp[k] for k in ("lr_multiplier", "wd_multiplier", "is_last_layer")}
+            for grp in self.optimizer.param_groups
+        ]
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        with ckpt._single_process_quiet(self.env):
+            dcp.load(state, checkpoint_id=str(latest))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        for grp, own in zip(self.optimizer.param_groups, multipliers, strict=True):
+            grp.update(own)
+        logger.info("gram stage starts from %s (student, teacher, optimizer); stage iteration 0", latest)
+
+    def train_state(self, iteration: int, sampler: Any) -> dict[str, Any]:
+        state = super().train_state(iteration, sampler)
+        state["gram_teacher"] = self.gram.teacher.state_dict()  # loaded in place on resume
+        return state
+
+    def train_step(self, iteration: int, batch: StepBatch) -> dict[str, float]:
+        weight = self.gram_schedules.weight(iteration)
+        local = self.gram_schedules.local_weight(iteration)
+        self.gram.weight, self.model.local_loss_weight = weight, local
+        self.gram.losses.clear()
+        values = super().train_step(iteration, batch)
+        gram_loss = torch.stack(self.gram.losses).mean().reshape(1)
+        if self.env.distributed:
+            dist.all_reduce(gram_loss, op=dist.ReduceOp.SUM)
+            gram_loss /= self.env.world_size
+        if self.gram_schedules.update_due(iteration, self.gram_updates):
+            self.refresh_gram_teacher(iteration)
+        values.update(
+            gram_loss=float(gram_loss.item()),
+            gram_loss_weight=weight,
+            dino_local_loss_weight=local,
+            gram_updates=float(self.gram_updates),
+        )
+        return values
+
+    @torch.no_grad()
+    def refresh_gram_teacher(self, iteration: int) -> None:
+        """Copy the EMA teacher's backbone into the gram teacher (all ranks: gathers under FSDP)."""
+        state = backbone_state_dict(self.model.teacher["backbone"])
+        self.gram.teacher.load_state_dict(state, strict=True)
+        self.gram_updates += 1
+        logger.info(
+            "gram teacher refreshed from the EMA teacher after stage iteration %d (#%d)", iteration, self.gram_updates
+        )
+
+
+# ------------------------------------------------------------------------------------------------- stage
+
+
+def prepare_config(cfg: GramConfig) -> GramConfig:
+    """A copy of `cfg` with the model sections of the pretraining run (`inherit_model`), checked."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.pretrain_dir and cfg.inherit_model:
+        path = Path(cfg.pretrain_dir) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} not found: pretrain_dir must be a pretraining output_dir (or inherit_model=false)"
+            )
+        pre = load_config(PretrainConfig, path)
+        cfg.student, cfg.heads = pre.student, pre.heads
+        if not cfg.data.stores:  # the tiles the run was pretrained on, unless others are given
+            cfg.data.stores = list(pre.data.stores)
+        cfg.student.pretrained_weights = None  # the weights come from the DCP checkpoint
+        if cfg.student.arch == "auto":
+            raise ConfigError(
+                f"{path}: student.arch=auto; set student.arch to the concrete arch and inherit_model=false"
+            )
+    validate_gram(cfg)
+    return cfg
+
+
+def choose_teacher(cfg: GramConfig, *, write: bool, device: torch.device | str = "cpu") -> T.TeacherSelection | None:
+    """The gram teacher file: explicit, previously chosen (resume), or by policy. None: use student weights."""
+    g, out = cfg.gram, Path(cfg.output_dir)
+    if g.teacher_path:
+        return None
+    previous = out / T.SELECTION_FILE
+    if previous.is_file() and ckpt.latest_checkpoint(out / ckpt.CKPT_DIR) is not None:
+        data = json.loads(previous.read_text())
+        cands = [T.Candidate(c["iteration"], Path(c["path"])) for c in data["candidates"]]
+        chosen = T.Candidate(data["chosen"]["iteration"], Path(data["chosen"]["path"]))
+        return T.TeacherSelection(
+            data["policy"], cands, chosen, target_iteration=data.get("target_iteration"), path=previous
+        )
+    if not cfg.pretrain_dir:
+        return None
+    return T.select_gram_teacher(
+        cfg.pretrain_dir,
+        g.teacher_policy,
+        iteration=g.teacher_iteration,
+        fraction=g.teacher_fraction,
+        stores=cfg.data.stores,
+        n_tiles=g.selection_tiles,
+        output_dir=out if write else None,
+        log_mlflow=False,
+        device=device,
+    )
+
+
+def run_gram(cfg: GramConfig) -> GramResult:
+    """Train (or resume) the gram stage per `cfg`; one process here, or every rank under torchrun."""
+    cfg = prepare_config(cfg)
+    threads = torch.get_num_threads()
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    env = init_distributed(cfg.train.device)
+    trainer: GramTrainer | None = None
+    try:
+        selection = choose_teacher(cfg, write=env.is_main, device=env.device)
+        teacher_file = cfg.gram.teacher_path or (selection.chosen.path if selection else cfg.student.pretrained_weights)
+        gram_teacher = T.load_gram_teacher(teacher_file)  # type: ignore[arg-type]
+        trainer = GramTrainer(cfg, env, gram_teacher)
+        with _mlflow_run(cfg, trainer, selection) as run:
+            on_metrics = _log_to_mlflow if run is not None else None
+            base = trainer.train(on_metrics=on_metrics)
+            if run is not None:
+                for path in (base.metrics_path, base.loss_curve):
+                    if path is not None:
+                        tracking.log_artifact(path)
+        return GramResult(
+            **vars(base),
+            teacher_selection=selection.to_dict() if selection else None,
+            gram_updates=trainer.gram_updates,
+        )
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown(env)
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _mlflow_run(cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelection | None) -> Iterator[Any]:
+    if not trainer.env.is_main or not cfg.tracking.enabled:
+        yield None
+        return
+    params = {
+        **curated_params(cfg, trainer),
+        "pretrain_dir": cfg.pretrain_dir,
+        "gram_loss_weight": cfg.gram.loss_weight,
+        "gram_warmup_iterations": cfg.gram.warmup_iterations,
+        "gram_img_level": cfg.gram.img_level,
+        "gram_rep_update": cfg.gram.rep_update,
+        "gram_update_frequency": cfg.gram.update_frequency,
+    }
+    tags = {"wsidino.stage": "gram", "wsidino.output_dir": str(Path(cfg.output_dir).resolve())}
+    with tracking.stage_run(cfg.tracking, "gram", params=params, tags=tags) as run:
+        tracking.log_artifact(Path(cfg.output_dir) / "config.yaml")
+        if selection is not None:
+            T._log_selection(selection)
+        yield run
+
+
+def _log_to_mlflow(record: dict[str, Any]) -> None:
+    values = {k: record[k] for k in (*MLFLOW_METRICS, *GRAM_METRICS) if isinstance(record.get(k), int | float)}
+    tracking.log_metrics(values, step=int(record["iteration"]))
+
+
+def torchrun_command(
+    pretrain_dir: str | os.PathLike[str] | None,
+    nproc: int,
+    overrides: Sequence[str] = (),
+    *,
+    config: str | os.PathLike[str] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """argv for `nproc` gram-stage processes on one node (`--standalone`)."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "dinov3_core.gram"]
+    if pretrain_dir is not None:
+        cmd += ["--pretrain-dir", str(pretrain_dir)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    return [*cmd, *overrides]

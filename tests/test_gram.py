@@ -1,0 +1,420 @@
+"""The gram stage: gram-teacher selection and loading, on a real tiny pretraining run (tile stage on a sample
+slide, vit_test, CPU). One pretraining run per session (9 iterations, eval checkpoints after 2, 5, 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dinov3_core.config import load_config
+from dinov3_core.data.masking import IBOTMasks
+from dinov3_core.gram import teacher as T
+from dinov3_core.gram.config import GramConfig
+from dinov3_core.gram.stage import GramMetaArch, GramSchedules, _GramState, run_gram
+from dinov3_core.losses.gram import GramLoss
+from dinov3_core.models import build_backbone, save_backbone
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.stage import run_tile
+from dinov3_core.train.config import PretrainConfig
+from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.ssl_model import TeacherTargets, build_ssl_model
+from dinov3_core.train.stage import run_pretrain
+
+ROOT = Path(__file__).parents[1]
+TOL = 1e-5
+
+PRETRAIN: dict[str, Any] = {
+    "tracking.enabled": False,
+    "optim.warmup_epochs": 0,
+    "optim.freeze_last_layer_epochs": 0,
+    "train.global_batch_size": 8,
+    "train.batch_size_per_gpu": 8,
+    "train.stop_at": 9,
+    "checkpointing.period": 3,
+    "checkpointing.max_to_keep": 5,
+    "evaluation.eval_period_iterations": 3,
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tile_store(sample_slides, tmp_path_factory) -> Path:
+    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
+    store = tmp_path_factory.mktemp("gram_store") / "tiles.zarr"
+    values = {"input": str(slide), "output": str(store), "tile_size": 64, "progress": False, "tracking.enabled": False}
+    run_tile(load_config(TileConfig, None, values))
+    return store
+
+
+@pytest.fixture(scope="module")
+def pretrain_dir(tile_store, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gram_pretrain") / "run"
+    values = {**PRETRAIN, "data.stores": [str(tile_store)], "output_dir": str(out)}
+    start = time.perf_counter()
+    run_pretrain(load_config(PretrainConfig, "tiny", values, stage="pretrain"))
+    print(f"tiny pretrain: {time.perf_counter() - start:.1f}s")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ teacher choice
+
+
+def test_find_eval_checkpoints(pretrain_dir) -> None:
+    found = T.find_eval_checkpoints(pretrain_dir)
+    assert [c.iteration for c in found] == [2, 5, 8]
+    assert all(c.path.name == "teacher_checkpoint.pth" and c.path.is_file() for c in found)
+
+
+def test_latest_policy(pretrain_dir, tmp_path) -> None:
+    sel = T.select_gram_teacher(pretrain_dir, "latest", output_dir=tmp_path)
+    assert sel.chosen.iteration == 8
+    saved = json.loads((tmp_path / T.SELECTION_FILE).read_text())
+    assert saved["chosen"]["iteration"] == 8 and [c["iteration"] for c in saved["candidates"]] == [2, 5, 8]
+
+
+def test_iteration_policy(pretrain_dir) -> None:
+    assert T.select_gram_teacher(pretrain_dir, "iteration", iteration=4).chosen.iteration == 5
+    assert T.select_gram_teacher(pretrain_dir, "iteration", iteration=0).chosen.iteration == 2
+    assert T.select_gram_teacher(pretrain_dir, "iteration", iteration=1000).chosen.iteration == 8
+    assert T.nearest(T.find_eval_checkpoints(pretrain_dir), 6).iteration == 5
+    tie = [T.Candidate(2, Path("a")), T.Candidate(4, Path("b"))]
+    assert T.nearest(tie, 3).iteration == 2  # equal distance → the earlier one
+    # fraction of the run's schedule: total 20 iterations (tiny: 4 epochs × 5) → 0.25·20 − 1 = 4 → 5
+    sel = T.select_gram_teacher(pretrain_dir, "iteration", fraction=0.25)
+    assert (sel.target_iteration, sel.chosen.iteration) == (4, 5)
+    with pytest.raises(T.GramTeacherError, match="exactly one"):
+        T.select_gram_teacher(pretrain_dir, "iteration")
+
+
+def test_best_dense_policy(pretrain_dir, tile_store, tmp_path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(pretrain_dir / "eval", run / "eval")
+    # A collapsed candidate: patch embedding and all blocks zeroed → every patch token is the same.
+    collapsed = run / "eval" / "training_5" / "teacher_checkpoint.pth"
+    state = torch.load(collapsed, weights_only=True)
+    for k, v in state["teacher"].items():
+        if k.startswith(("backbone.patch_embed", "backbone.blocks")):
+            v.zero_()
+    torch.save(state, collapsed)
+
+    sel = T.select_gram_teacher(run, "best_dense", stores=[str(tile_store)], n_tiles=8, output_dir=tmp_path)
+    scores = {it: s["score"] for it, s in sel.scores.items()}
+    assert set(scores) == {2, 5, 8}
+    assert scores[5] < min(scores[2], scores[8])
+    assert sel.scores[5]["effective_rank"] < 0.05
+    assert sel.chosen.iteration == max(scores, key=lambda it: (scores[it], -it))
+    for s in sel.scores.values():
+        assert 0.0 <= s["effective_rank"] <= 1.0 and -1.0 <= s["agreement"] <= 1.0
+    saved = json.loads((tmp_path / T.SELECTION_FILE).read_text())
+    assert {c["iteration"]: c["score"] for c in saved["candidates"]} == pytest.approx(scores)
+
+
+def test_best_dense_ties_go_to_earliest(pretrain_dir, tile_store, monkeypatch) -> None:
+    monkeypatch.setattr(T, "dense_scores", lambda backbone, images: {"effective_rank": 1, "agreement": 1, "score": 1})
+    sel = T.select_gram_teacher(pretrain_dir, "best_dense", stores=[str(tile_store)], n_tiles=2)
+    assert sel.chosen.iteration == 2
+
+
+def test_agreement_is_exact_for_equivariant_features() -> None:
+    """The grid mapping is right: a per-patch (pointwise) feature map agrees perfectly with its flipped view."""
+
+    class PerPatch(torch.nn.Module):
+        patch_size = 4
+
+        def forward(self, x, is_training=True):
+            p = torch.nn.functional.avg_pool2d(x, 4)  # [B, 3, s, s]
+            return {"x_norm_patchtokens": p.flatten(2).transpose(1, 2)}
+
+    images = torch.randn(3, 3, 16, 16)
+    assert T.dense_scores(PerPatch(), images)["agreement"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_no_candidates_names_the_directory(tmp_path) -> None:
+    with pytest.raises(T.GramTeacherError, match=str(tmp_path / "eval")):
+        T.select_gram_teacher(tmp_path, "latest")
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+
+def test_load_eval_checkpoint_and_released_backbone(pretrain_dir, tmp_path) -> None:
+    path = T.find_eval_checkpoints(pretrain_dir)[-1].path
+    teacher = T.load_gram_teacher(path)
+    state = torch.load(path, weights_only=True)["teacher"]
+    assert torch.equal(teacher.cls_token, state["backbone.cls_token"])
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+
+    released = save_backbone(build_backbone("vit_test"), tmp_path / "backbone.pth")
+    assert T.load_gram_teacher(released).embed_dim == build_backbone("vit_test").embed_dim
+
+
+def test_training_checkpoint_is_refused_with_the_eval_file(pretrain_dir, tmp_path) -> None:
+    ckpt_dir = pretrain_dir / "ckpt" / "5"
+    expected = pretrain_dir / "eval" / "training_5" / "teacher_checkpoint.pth"
+    with pytest.raises(T.GramTeacherError, match="training checkpoint") as err:
+        T.load_gram_teacher(ckpt_dir)
+    assert str(expected) in str(err.value)
+    # a single-file training checkpoint (student + optimizer) is refused too
+    fake = tmp_path / "5" / "checkpoint.pth"
+    fake.parent.mkdir()
+    torch.save({"model": {"student.backbone.cls_token": torch.zeros(1)}, "optimizer": {}}, fake)
+    with pytest.raises(T.GramTeacherError, match="training checkpoint"):
+        T.load_gram_teacher(fake)
+
+
+def test_unreadable_or_missing_teacher(tmp_path) -> None:
+    with pytest.raises(T.GramTeacherError, match="not found"):
+        T.load_gram_teacher(tmp_path / "nope.pth")
+    bad = tmp_path / "bad.pth"
+    bad.write_text("not a checkpoint")
+    with pytest.raises(T.GramTeacherError, match="cannot be read"):
+        T.load_gram_teacher(bad)
+
+
+# ------------------------------------------------------------------------------------------------ gram stage
+
+
+def gram_values(store: Path, pretrain: Path, out: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "tracking.enabled": False,
+        "pretrain_dir": str(pretrain),
+        "data.stores": [str(store)],
+        "output_dir": str(out),
+        **extra,
+    }
+
+
+def gram_config(store: Path, pretrain: Path, out: Path, **extra: Any) -> GramConfig:
+    return load_config(GramConfig, "tiny", gram_values(store, pretrain, out, **extra), stage="gram")
+
+
+@pytest.fixture(scope="module")
+def gram_run(tile_store, pretrain_dir, tmp_path_factory) -> dict[str, Any]:
+    """Uninterrupted tiny gram stage (10 iterations, refreshes after 3 and 7), tracked to a temporary MLflow db."""
+    root = tmp_path_factory.mktemp("gram_run")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    cfg = gram_config(tile_store, pretrain_dir, root / "run", **{"tracking.enabled": True, "tracking.uri": uri})
+    start = time.perf_counter()
+    result = run_gram(cfg)
+    print(f"tiny gram run: {time.perf_counter() - start:.1f}s")
+    return {"out": root / "run", "result": result, "uri": uri}
+
+
+def load_ckpt(path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(path, target)
+    try:
+        return torch.load(target, weights_only=False)
+    finally:
+        target.unlink()
+
+
+def test_gram_schedules_count_from_stage_start(gram_run) -> None:
+    result = gram_run["result"]
+    assert (result.start_iteration, result.end_iteration, result.total_iterations) == (0, 10, 10)
+    assert result.gram_updates == 2 and result.teacher_selection["chosen"]["iteration"] == 8
+    rows = {r["iteration"]: r for r in read_metrics(gram_run["out"] / "training_metrics.json")}
+    # tiny: weight 0 → 2.0 over 4 stage iterations; local weight 1 → 0.5; refreshes after stage its 3 and 7.
+    # The pretraining run ended at iteration 8: an absolute-iteration schedule would start at full weight.
+    assert [rows[i]["gram_loss_weight"] for i in range(6)] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.0])
+    assert [rows[i]["dino_local_loss_weight"] for i in range(5)] == pytest.approx([1.0, 0.875, 0.75, 0.625, 0.5])
+    assert [rows[i]["gram_updates"] for i in range(10)] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert all(r["gram_loss"] > 0 for r in rows.values())
+    assert (gram_run["out"] / T.SELECTION_FILE).is_file()
+    assert (gram_run["out"] / "eval" / "training_9" / "teacher_checkpoint.pth").is_file()
+    assert [p.name for p in sorted((gram_run["out"] / "ckpt").iterdir())] == ["4", "9"]
+
+
+def test_gram_run_is_tracked_in_mlflow(gram_run) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=gram_run["uri"])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.params["gram_teacher_policy"] == "latest" and run.data.params["gram_teacher_iteration"] == "8"
+    assert "gram_loss" in run.data.metrics and "gram_loss_weight" in run.data.metrics
+    assert T.SELECTION_FILE in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def test_schedule_units() -> None:
+    cfg = load_config(GramConfig, "tiny", {"output_dir": "x", "data.stores": ["s"]}, stage="gram")
+    s = GramSchedules.from_config(cfg, 10)
+    assert s.weight(0) == 0.0 and s.weight(4) == s.weight(100) == 2.0
+    for first in (0, 1, 3, 7):
+        for freq in (1, 2, 4, 5):
+            for max_updates in (None, 0, 2):
+                sch = GramSchedules(s.weight, s.local_weight, True, freq, first, max_updates)
+                done = 0
+                for it in range(40):
+                    assert sch.updates_before(it) == done, (first, freq, max_updates, it)
+                    done += sch.update_due(it, done)
+
+
+def test_resume_matches_uninterrupted(tile_store, pretrain_dir, gram_run, tmp_path) -> None:
+    out = tmp_path / "run"
+    first = run_gram(gram_config(tile_store, pretrain_dir, out, **{"train.stop_at": 6}))
+    assert (first.end_iteration, first.gram_updates) == (6, 1)
+    second = run_gram(gram_config(tile_store, pretrain_dir, out))
+    assert (second.start_iteration, second.end_iteration, second.gram_updates) == (6, 10, 2)
+    got, ref = load_ckpt(out / "ckpt" / "9"), load_ckpt(gram_run["out"] / "ckpt" / "9")
+    for section, prefix in (("model", "student."), ("model", "teacher."), ("train_state", "gram_teacher.")):
+        a = {k: v for k, v in _flat(got[section]).items() if k.startswith(prefix)}
+        b = {k: v for k, v in _flat(ref[section]).items() if k.startswith(prefix)}
+        assert a and a.keys() == b.keys()
+        assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) < TOL, prefix
+    rows = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
+    ref_rows = {r["iteration"]: r for r in read_metrics(gram_run["out"] / "training_metrics.json")}
+    for it in range(10):
+        assert rows[it]["gram_loss"] == pytest.approx(ref_rows[it]["gram_loss"], rel=TOL, abs=1e-7)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize(("img_level", "teacher_size"), [(True, None), (False, None), (True, 128)])
+def test_stage_gram_loss_equals_gram_loss(tile_store, img_level, teacher_size) -> None:
+    """The stage adds exactly weight × GramLoss(student global patch tokens, gram teacher's on the same crops)."""
+    small = {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32}
+    values = {"output_dir": "x", "data.stores": [str(tile_store)], "student.arch": "vit_test", "heads.dino": small}
+    cfg = load_config(GramConfig, "tiny", {**values, "heads.ibot": small}, stage="gram")
+    torch.manual_seed(0)
+    model = build_ssl_model(cfg).model
+    teacher = build_backbone("vit_test").eval()
+    model.__class__ = GramMetaArch
+    loss_fn = GramLoss(img_level=img_level)
+    model.__dict__["_gram"] = state = _GramState(teacher=teacher, loss=loss_fn, weight=0.7, crop_size=teacher_size)
+    b, p = 2, (64 // 16) ** 2
+    g, loc = torch.randn(2, b, 3, 64, 64), torch.randn(2, b, 3, 32, 32)
+    masks = IBOTMasks.from_masks(torch.zeros(2 * b, p, dtype=torch.bool).index_fill_(1, torch.tensor([0, 5]), True), 2)
+    k = cfg.heads.dino.n_prototypes
+    targets = TeacherTargets(
+        dino=torch.softmax(torch.randn(2, b, k), -1), ibot=torch.softmax(torch.randn(masks.n_masked_patches, k), -1)
+    )
+    captured: list[Any] = []
+    hook = model.student["backbone"].register_forward_hook(lambda _m, _a, out: captured.append(out))
+    torch.manual_seed(1)
+    total, parts = model.forward_loss(g, loc, masks, targets)
+    hook.remove()
+    student_tokens = captured[0][0]["x_norm_patchtokens"]
+    teacher_in = g.flatten(0, 1)
+    if teacher_size:  # upsampled crops; GramLoss resizes the 8×8 teacher map to the student's 4×4 grid
+        teacher_in = torch.nn.functional.interpolate(teacher_in, size=(teacher_size,) * 2, mode="bicubic")
+    teacher_tokens = teacher(teacher_in, is_training=True)["x_norm_patchtokens"]
+    if img_level:
+        expected = GramLoss()(student_tokens, teacher_tokens)
+    else:  # one [N×N] Gram over all global-crop patch tokens of the micro-batch
+        expected = GramLoss(img_level=False)(student_tokens.flatten(0, 1), teacher_tokens.flatten(0, 1))
+    assert parts["gram_loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+    model.__class__ = type(model).__mro__[1]  # plain SSLMetaArch, same draws
+    torch.manual_seed(1)
+    plain_total, _ = model.forward_loss(g, loc, masks, targets)
+    assert total.item() == pytest.approx(plain_total.item() + 0.7 * expected.item(), rel=1e-6)
+    assert state.losses and state.losses[0].item() == pytest.approx(expected.item())
+
+
+def test_two_processes_gloo(tile_store, pretrain_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dinov3_core.gram",
+        "--pretrain-dir", str(pretrain_dir), "--config", "tiny", "tracking.enabled=false",
+        f"data.stores=[{tile_store}]", f"output_dir={out}", "train.stop_at=5", "train.batch_size_per_gpu=4",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gram: iterations 0…4 of 10" in proc.stdout
+    assert (out / "ckpt" / "4" / ".metadata").is_file()
+    rows = read_metrics(out / "training_metrics.json")
+    assert rows[-1]["iteration"] == 4 and rows[-1]["gram_updates"] == 1 and rows[-1]["gram_loss_weight"] == 2.0
+
+
+def test_cli_reports_bad_pretrain_dir(tmp_path) -> None:
+    from dinov3_core.gram.__main__ import main
+
+    code = main(["--pretrain-dir", str(tmp_path / "nope"), "--config", "tiny", f"output_dir={tmp_path / 'o'}",
+                 "data.stores=[x]"])  # fmt: skip
+    assert code == 2
+
+
+def test_start_from_released_backbone(tile_store, tmp_path) -> None:
+    """No pretraining run: student (fresh heads) and gram teacher from a released-layout backbone file."""
+    weights = save_backbone(build_backbone("vit_test"), tmp_path / "backbone.pth")
+    values = {
+        "tracking.enabled": False,
+        "data.stores": [str(tile_store)],
+        "output_dir": str(tmp_path / "run"),
+        "student.arch": "vit_test",
+        "student.pretrained_weights": str(weights),
+        "student.drop_path_rate": 0.0,
+        "heads.dino": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+        "heads.ibot": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+        "train.stop_at": 2,
+    }
+    result = run_gram(load_config(GramConfig, "tiny", values, stage="gram"))
+    assert result.end_iteration == 2 and result.teacher_selection is None
+    assert read_metrics(tmp_path / "run" / "training_metrics.json")[-1]["gram_loss"] >= 0
+
+
+def test_named_configs_load() -> None:
+    for name in ("tiny", "vitb16"):
+        cfg = load_config(GramConfig, name, {"output_dir": "x", "data.stores": ["s"]}, stage="gram")
+        assert cfg.gram.rep_update
+    cfg = load_config(GramConfig, "vitb16", {"output_dir": "x", "data.stores": ["s"]}, stage="gram")
+    assert (cfg.gram.warmup_iterations, cfg.gram.first_update, cfg.optim.epochs * cfg.train.epoch_length) == (
+        1000,
+        10000,
+        25000,
+    )
+
+
+def test_config_errors_name_the_key(tile_store, pretrain_dir, tmp_path) -> None:
+    from dinov3_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pretrain_dir"):
+        run_gram(load_config(GramConfig, "tiny", {"output_dir": str(tmp_path), "data.stores": ["s"]}, stage="gram"))
+    bad = gram_config(tile_store, pretrain_dir, tmp_path / "o", **{"gram.teacher_crop_size": 100})
+    with pytest.raises(ConfigError, match=r"gram\.teacher_crop_size"):
+        run_gram(bad)
+
+
+def test_best_dense_selection_is_logged_to_mlflow(pretrain_dir, tile_store, tmp_path) -> None:
+    import mlflow
+
+    from dinov3_core.tracking import TrackingConfig, stage_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with stage_run(TrackingConfig(uri=uri, experiment="gram-select", system_metrics=False), "select") as run:
+        sel = T.select_gram_teacher(
+            pretrain_dir, "best_dense", stores=[str(tile_store)], n_tiles=4, output_dir=tmp_path
+        )
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    data = client.get_run(run.info.run_id).data
+    assert data.params["gram_teacher_policy"] == "best_dense"
+    assert data.params["gram_teacher_iteration"] == str(sel.chosen.iteration)
+    history = client.get_metric_history(run.info.run_id, "gram_teacher_score")
+    assert sorted(m.step for m in history) == [2, 5, 8]
+    assert T.SELECTION_FILE in [a.path for a in client.list_artifacts(run.info.run_id)]
