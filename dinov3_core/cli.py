@@ -89,6 +89,36 @@ def cmd_gram(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dinov3_core.export.config import ConvertConfig
+    from dinov3_core.export.convert import run_convert
+
+    cfg = _load(ConvertConfig, "convert", args, {"input": args.input, "output_dir": args.output_dir})
+    result = run_convert(cfg)
+    print(f"convert: {result.checkpoint} → {result.backbone}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dinov3_core.export.config import ExportConfig
+    from dinov3_core.export.onnx_export import run_export
+
+    cfg = _load(ExportConfig, "export", args, {"weights": args.weights, "output": args.output})
+    result = run_export(cfg)
+    print(f"export: {result.path} (ONNX Runtime vs PyTorch max abs error {result.max_abs_error:.2e})")
+    return EXIT_OK
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from dinov3_core.export.config import ExtractConfig
+    from dinov3_core.export.extract import run_extract
+
+    cfg = _load(ExtractConfig, "extract", args, {"store": args.store, "model": args.model, "output": args.output})
+    result = run_extract(cfg)
+    print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date → {result.output}")
+    return EXIT_OK
+
+
 def cmd_make_sample_slides(args: argparse.Namespace) -> int:
     from dinov3_core.sample_slides import make_sample_slides
 
@@ -130,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     gram.add_argument("--output-dir", help="the gram stage's own run directory; = output_dir")
     gram.add_argument("--nproc-per-node", type=int, default=1, help="training processes (torchrun)")
     gram.set_defaults(func=cmd_gram)
+
+    convert = stage_parser("convert", "DCP checkpoint → backbone.pth with the released DINOv3 key layout.")
+    convert.add_argument("--input", help="a ckpt/<iteration>/ directory, or a run directory (latest checkpoint)")
+    convert.add_argument("--output-dir", help="where backbone.pth and config.yaml go")
+    convert.set_defaults(func=cmd_convert)
+
+    export = stage_parser("export", "backbone.pth → ONNX (dynamic batch and size), checked with ONNX Runtime.")
+    export.add_argument("--weights", help="backbone.pth or .safetensors (e.g. from wsidino convert)")
+    export.add_argument("--output", help="model.onnx path")
+    export.set_defaults(func=cmd_export)
+
+    extract = stage_parser("extract", "Features for every tile of a tile store, slide embeddings, PCA maps.")
+    extract.add_argument("--store", help="tile store (tiles.zarr)")
+    extract.add_argument("--model", help="model.onnx (ONNX Runtime) or backbone.pth (PyTorch)")
+    extract.add_argument("--output", help="feature store (features.zarr)")
+    extract.set_defaults(func=cmd_extract)
 
     samples = sub.add_parser("make-sample-slides", help="Write sample pyramidal SVS/TIFF slides (real tissue).")
     samples.add_argument("out_dir")

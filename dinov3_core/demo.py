@@ -62,6 +62,44 @@ def run_demo(output: Path, workers: int) -> int:
                 "tracking.experiment=wsidino-demo",
             ],
         ),
+        (
+            "convert",
+            [
+                "convert",
+                "--input",
+                str(output / "gram"),
+                "--output-dir",
+                str(output / "model"),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
+        ),
+        (
+            "export",
+            [
+                "export",
+                "--weights",
+                str(output / "model" / "backbone.pth"),
+                "--output",
+                str(output / "model" / "model.onnx"),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
+        ),
+        (
+            "extract",
+            [
+                "extract",
+                "--store",
+                str(store),
+                "--model",
+                str(output / "model" / "model.onnx"),
+                "--output",
+                str(output / "features.zarr"),
+                f"tracking.uri={tracking_uri}",
+                "tracking.experiment=wsidino-demo",
+            ],
+        ),
     ]
     for name, argv in steps:
         start = time.perf_counter()
@@ -79,6 +117,9 @@ def run_demo(output: Path, workers: int) -> int:
         f"  pretraining     {output / 'pretrain'}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, "
         "training_metrics.json, loss_curve.png)\n"
         f"  gram anchoring  {output / 'gram'}  (gram_teacher_selection.json: the chosen eval teacher)\n"
+        f"  backbone, ONNX  {output / 'model'}  (backbone.pth in the released key layout, model.onnx)\n"
+        f"  features        {output / 'features.zarr'}  (per-tile CLS + mean patch, slide embeddings, "
+        "slides/<id>/pca.png)\n"
         f"  MLflow runs     {tracking_uri}\n"
         f"  MLflow UI       .venv/bin/mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000\n"
     )

@@ -22,3 +22,14 @@ def sample_slides(tmp_path_factory: pytest.TempPathFactory) -> SampleSet:
     from dinov3_core.sample_slides import make_sample_slides
 
     return make_sample_slides(tmp_path_factory.mktemp("sample_slides"), "test")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_mlflow(tmp_path_factory: pytest.TempPathFactory):
+    """Every stage logs to MLflow by default: tests that name no tracking URI log into a session database in a
+    temporary directory, never into ./mlflow.db of the checkout."""
+    monkeypatch = pytest.MonkeyPatch()
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    yield
+    monkeypatch.undo()

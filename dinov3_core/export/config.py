@@ -1,0 +1,63 @@
+"""Typed configs of the convert, export and extract stages (load with `dinov3_core.config.load_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from dinov3_core.tracking import TrackingConfig
+
+
+@dataclass
+class ConvertConfig:
+    """DCP training checkpoint → released-layout `backbone.pth` (+ `config.yaml`, optional `.safetensors`)."""
+
+    input: str = MISSING  # a DCP checkpoint dir (`<run>/ckpt/<it>/`) or a pretrain output dir (→ latest complete)
+    output_dir: str = MISSING  # receives backbone.pth, config.yaml (and backbone.safetensors / full.pt)
+    which: str = "teacher"  # teacher | student
+    safetensors: bool = False  # also write backbone.safetensors
+    full_consolidation: bool = False  # also write every key of the checkpoint into full.pt (dcp_to_torch_save)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+@dataclass
+class ExportConfig:
+    """Released-layout backbone → ONNX returning (cls [B, D], patch tokens [B, N, D]) or pooled [B, 2D]."""
+
+    weights: str = MISSING  # backbone.pth / .safetensors (arch from the adjacent config.yaml, else inferred)
+    output: str = MISSING  # model.onnx path (external data beside it as <name>.data when needed)
+    pooled: bool = False  # one output: concat(cls, mean patch token)
+    fp16: bool = False  # also write <stem>_fp16.onnx (half weights and activations; no strict parity check)
+    opset: int | None = None  # null → the exporter's default (20)
+    max_side: int = 4096  # upper bound for the dynamic height / width (pixels)
+    example_size: int = 64  # image side of the tracing example (a multiple of the patch size)
+    external_data: str = "auto"  # auto (when > 1.8 GB) | always | never
+    timeout_s: float = 1800.0  # the export runs in a spawned process, killed after this
+    parity_sizes: list[int] = field(default_factory=lambda: [32, 64])  # image sides checked against PyTorch
+    parity_batches: list[int] = field(default_factory=lambda: [1, 3])
+    parity_tolerance: float = 1e-4  # max abs error allowed (fp32)
+    register_name: str = "wsidino-backbone"  # MLflow registered model name (when tracking.enabled)
+    register_alias: str = "candidate"
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+@dataclass
+class ExtractConfig:
+    """Per-tile features of a tile store → `features.zarr/slides/<id>/{cls, mean_patch, coords}`."""
+
+    store: str = MISSING  # tile store (tiles.zarr)
+    model: str = MISSING  # model.onnx (ONNX Runtime) or backbone.pth / .safetensors (PyTorch)
+    output: str = MISSING  # features.zarr
+    backend: str = "auto"  # auto (by the model file's suffix) | onnx | torch
+    batch_size: int = 64
+    patch_tokens: bool = False  # also store every patch token (N, n_patches, D) as `patch`
+    slide_ids: list[str] | None = None  # null: every slide of the store
+    num_shards: int = 1  # split the slides over this many independent processes (e.g. one per GPU) …
+    shard_index: int = 0  # … of which this is one: it takes slides shard_index, shard_index + num_shards, …
+    pca_map: bool = True  # pca.png per slide
+    pca_max_side: int = 768  # px of the PCA map's long side
+    providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
+    num_threads: int = 0  # torch / ORT intra-op threads; 0 → library default
+    progress: bool = True
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -1,0 +1,251 @@
+"""convert: a DCP training checkpoint → released-layout backbone (`backbone.pth`), readable by
+`dinov3_core.models.load_released_backbone` in strict mode.
+
+    cfg = load_config(ConvertConfig, None, {"input": "out/pretrain", "output_dir": "out/model"}, stage="convert")
+    result = run_convert(cfg)      # result.backbone → out/model/backbone.pth
+
+Only `model.<which>.backbone.*` is read: the tensors are chosen from the checkpoint's `.metadata` and loaded with
+a partial-load planner in one CPU process (no optimizer state, any number of ranks wrote it; dinov3-facts §13,
+distributed-facts §6). `full_consolidation: true` also writes every key into `full.pt` (needs RAM for all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dinov3_core import tracking
+from dinov3_core.config import load_config, to_yaml
+from dinov3_core.errors import WsidinoError
+from dinov3_core.export.config import ConvertConfig
+from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
+from dinov3_core.models.released import check_backbone_state_dict
+
+__all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
+
+logger = logging.getLogger(__name__)
+
+BACKBONE_FILE = "backbone.pth"
+SAFETENSORS_FILE = "backbone.safetensors"
+ARCH_FILE = "config.yaml"
+FULL_FILE = "full.pt"
+# Training-only constructor settings: left out of the exported architecture.
+_TRAINING_ONLY = ("drop_path_rate",)
+
+
+class ConvertError(WsidinoError):
+    """The input is not a usable checkpoint (or run directory)."""
+
+
+@dataclass
+class ConvertResult:
+    checkpoint: Path  # the DCP directory read
+    iteration: int | None
+    backbone: Path
+    arch_config: Path
+    safetensors: Path | None
+    full: Path | None
+    n_tensors: int
+    backbone_bytes: int
+    checkpoint_bytes: int  # size of the DCP directory
+    arch: str
+    backbone_kwargs: dict[str, Any]
+    seconds: float
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The DCP directory for `path`: itself (has `.metadata`), or the latest complete `ckpt/<it>/` of a run dir."""
+    from dinov3_core.train.checkpoint import CKPT_DIR, latest_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise ConvertError(f"convert input {p} does not exist; give a pretrain output dir or its ckpt/<iteration>/")
+    if (p / ".metadata").is_file():
+        return p
+    for root in (p / CKPT_DIR, p):
+        if root.is_dir():
+            found = latest_checkpoint(root)
+            if found is not None:
+                return found
+    raise ConvertError(
+        f"convert input {p} is neither a DCP checkpoint (no .metadata) nor a pretrain output dir with a complete "
+        f"checkpoint under {p / CKPT_DIR}/<iteration>/; point `input` at one (a crash leaves only .tmp-* dirs)"
+    )
+
+
+def _metadata(ckpt: Path) -> dict[str, Any]:
+    try:
+        return FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception as err:  # unpickling / IO errors come in many types
+        raise ConvertError(f"checkpoint {ckpt}/.metadata is unreadable ({type(err).__name__}: {err})") from None
+
+
+def read_dcp_backbone(ckpt: str | os.PathLike[str], which: str = "teacher") -> dict[str, Tensor]:
+    """`model.<which>.backbone.*` of a DCP checkpoint as a released-layout state dict (prefix stripped).
+
+    Metadata-driven partial load in this process: only these tensors are allocated and read.
+    """
+    if which not in ("teacher", "student"):
+        raise ConvertError(f"which={which!r}: use teacher or student")
+    ckpt = Path(ckpt)
+    prefix = f"model.{which}.backbone."
+    meta = _metadata(ckpt)
+    wanted = {k: m for k, m in meta.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not wanted:
+        sample = ", ".join(sorted(meta)[:5])
+        raise ConvertError(
+            f"checkpoint {ckpt} has no {prefix}* tensors (keys start with: {sample} …); is it a wsidino pretrain "
+            "checkpoint?"
+        )
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in wanted.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(
+            state,
+            storage_reader=FileSystemReader(str(ckpt)),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+    return {k.removeprefix(prefix): v.contiguous() for k, v in state.items()}
+
+
+def _run_config(ckpt: Path) -> Path | None:
+    for candidate in (ckpt.parent.parent / "config.yaml", ckpt.parent / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dict[str, Any]]:
+    """(arch label, constructor kwargs): from the run's `config.yaml` (student.arch + overrides) when it fits the
+    tensors, else inferred from keys and shapes."""
+    run_cfg = _run_config(ckpt)
+    if run_cfg is not None:
+        try:
+            from dinov3_core.train import config as C
+
+            cfg = load_config(C.PretrainConfig, run_cfg)
+            if cfg.student.arch != "auto" and not cfg.student.pretrained_weights:
+                kwargs = backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
+                kwargs = {k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY}
+                check_backbone_state_dict(kwargs, sd, str(ckpt), cfg.student.arch)
+                return cfg.student.arch, kwargs
+        except (WsidinoError, ValueError, TypeError, ReleasedWeightsError) as err:
+            logger.warning("architecture from %s not usable (%s); inferring it from the tensors", run_cfg, err)
+    name, kwargs = infer_backbone_kwargs(sd, str(ckpt))
+    kwargs = {k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY}
+    check_backbone_state_dict(kwargs, sd, str(ckpt), name or "inferred")
+    return name or "inferred", kwargs
+
+
+@contextlib.contextmanager
+def _atomic(path: Path):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
+    with _atomic(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(tmp))
+        else:
+            torch.save(sd, tmp)
+
+
+def run_convert(cfg: ConvertConfig) -> ConvertResult:
+    """Convert per `cfg`; raises `ConvertError` (a WsidinoError) for bad input before writing anything."""
+    start = time.perf_counter()
+    ckpt = find_checkpoint(cfg.input)
+    sd = read_dcp_backbone(ckpt, cfg.which)
+    arch, kwargs = resolve_backbone_kwargs(ckpt, sd)
+    from dinov3_core.train.checkpoint import read_meta
+
+    meta = read_meta(ckpt)
+    iteration = meta.get("iteration", int(ckpt.name) if ckpt.name.isdigit() else None)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backbone = out / BACKBONE_FILE
+    _save_tensors(sd, backbone)
+    st = None
+    if cfg.safetensors:
+        st = out / SAFETENSORS_FILE
+        _save_tensors(sd, st)
+    full = None
+    if cfg.full_consolidation:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        full = out / FULL_FILE
+        with _atomic(full) as tmp:
+            dcp_to_torch_save(ckpt, tmp)
+    arch_doc = {
+        "arch": arch,
+        "backbone_kwargs": kwargs,
+        "source": {"checkpoint": str(ckpt.resolve()), "which": cfg.which, "iteration": iteration},
+        "convert_config": yaml.safe_load(to_yaml(cfg)),
+    }
+    arch_path = out / ARCH_FILE
+    with _atomic(arch_path) as tmp:
+        tmp.write_text(yaml.safe_dump(arch_doc, sort_keys=False))
+    result = ConvertResult(
+        checkpoint=ckpt,
+        iteration=iteration,
+        backbone=backbone,
+        arch_config=arch_path,
+        safetensors=st,
+        full=full,
+        n_tensors=len(sd),
+        backbone_bytes=backbone.stat().st_size,
+        checkpoint_bytes=dir_bytes(ckpt),
+        arch=arch,
+        backbone_kwargs=kwargs,
+        seconds=time.perf_counter() - start,
+    )
+    logger.info(
+        "converted %s (%s, it %s) → %s: %d tensors, %.1f MB (checkpoint %.1f MB)",
+        ckpt, cfg.which, iteration, backbone, len(sd), result.backbone_bytes / 1e6, result.checkpoint_bytes / 1e6,
+    )  # fmt: skip
+    if cfg.tracking.enabled:
+        params = {"which": cfg.which, "arch": arch, "checkpoint": str(ckpt), "iteration": iteration}
+        with tracking.stage_run(cfg.tracking, "convert", params=params):
+            tracking.log_metrics(
+                {"backbone_mb": result.backbone_bytes / 1e6, "checkpoint_mb": result.checkpoint_bytes / 1e6}
+            )
+            tracking.log_artifact(arch_path)
+    return result
+
+
+def read_arch_config(weights: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """`backbone_kwargs` from the `config.yaml` beside a converted backbone, or None."""
+    path = Path(weights).parent / ARCH_FILE
+    if not path.is_file():
+        return None
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConvertError(f"{path} is not valid YAML ({err}); delete it to infer the architecture") from None
+    kwargs = doc.get("backbone_kwargs") if isinstance(doc, dict) else None
+    return dict(kwargs) if isinstance(kwargs, dict) else None

@@ -1,0 +1,292 @@
+"""export: a released-layout backbone → ONNX with dynamic batch, height and width (multiples of the patch size).
+
+    cfg = load_config(ExportConfig, None, {"weights": "out/model/backbone.pth", "output": "out/model/model.onnx"},
+                      stage="export")
+    result = run_export(cfg)       # result.max_abs_error: ONNX Runtime vs PyTorch, fp32
+
+Outputs: `cls` [B, D] and `patch_tokens` [B, h*w, D] (final norm), or with `pooled: true` one output `pooled`
+[B, 2D] = concat(cls, mean patch token). Input `pixel_values` [B, 3, H, W], float32, ImageNet-normalised.
+Exported with the dynamo exporter in eval mode (orchestration-facts §5): RoPE is computed in the graph (Range /
+Sin / Cos, no If / Tile / Loop: checked). The export runs in a spawned process killed after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from dinov3_core import tracking
+from dinov3_core.errors import WsidinoError
+from dinov3_core.export.config import ExportConfig
+from dinov3_core.export.convert import read_arch_config
+from dinov3_core.models import DinoVisionTransformer, ReleasedWeightsError, load_released_backbone
+
+__all__ = ["BackboneFeatures", "ExportConfig", "ExportError", "ExportResult", "load_backbone", "run_export"]
+
+logger = logging.getLogger(__name__)
+
+INPUT_NAME = "pixel_values"
+FORBIDDEN_OPS = frozenset({"If", "Tile", "Loop"})
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB
+INFERENCE_OVERRIDES = {"pos_embed_rope_dtype": "fp32"}
+
+
+class ExportError(WsidinoError):
+    """The backbone could not be exported, or the exported model disagrees with PyTorch."""
+
+
+class BackboneFeatures(nn.Module):
+    """forward(x) → (cls [B, D], patch tokens [B, N, D]), or pooled [B, 2D] = concat(cls, mean patch)."""
+
+    def __init__(self, backbone: DinoVisionTransformer, pooled: bool = False) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.pooled = pooled
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        out = self.backbone.forward_features(x)
+        cls, patch = out["x_norm_clstoken"], out["x_norm_patchtokens"]
+        if self.pooled:
+            return torch.cat([cls, patch.mean(dim=1)], dim=-1)
+        return cls, patch
+
+
+def load_backbone(weights: str | os.PathLike[str], device: str = "cpu") -> DinoVisionTransformer:
+    """The backbone of a converted / released weights file: arch from the adjacent `config.yaml` (written by
+    convert), else inferred from the tensors. Eval mode, RoPE in fp32 (inference setting: bf16 Sin/Cos is not
+    valid ONNX for ONNX Runtime; the RoPE periods are stored values, only the compute dtype changes)."""
+    path = Path(weights)
+    if not path.is_file():
+        raise ExportError(f"weights file {path} not found; give a backbone.pth written by `wsidino convert`")
+    try:
+        return load_released_backbone(path, read_arch_config(path), overrides=INFERENCE_OVERRIDES, device=device)
+    except ReleasedWeightsError as err:
+        raise ExportError(
+            f"weights file {path} does not fit its architecture ({path.parent / 'config.yaml'}):\n{err}"
+        ) from None
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    data_path: Path | None  # external data file (weights), when written
+    fp16_path: Path | None
+    n_nodes: int
+    op_types: list[str]
+    outputs: list[str]
+    parity: list[dict[str, Any]] = field(default_factory=list)  # per (batch, size): max abs error per output
+    max_abs_error: float = 0.0
+    fp16_max_abs_error: float | None = None
+    export_seconds: float = 0.0
+    model_uri: str | None = None
+    model_version: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ export (child)
+
+
+def _export_onnx(weights: str, output: str, pooled: bool, half: bool, opset: int | None, max_side: int,
+                 example_size: int, external: str) -> dict[str, Any]:  # fmt: skip
+    """Export one model file (runs in the child process)."""
+    backbone = load_backbone(weights)
+    model = BackboneFeatures(backbone, pooled).eval()
+    dtype = torch.float16 if half else torch.float32
+    if half:
+        model = model.half()
+    p = backbone.patch_size
+    if example_size % p:
+        raise ExportError(f"example_size={example_size} is not a multiple of the patch size {p}")
+    n_params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    use_external = external == "always" or (external == "auto" and n_params > EXTERNAL_DATA_BYTES)
+    dims = {
+        0: torch.export.Dim("batch", min=1, max=4096),
+        2: p * torch.export.Dim("h_patches", min=1, max=max(2, max_side // p)),
+        3: p * torch.export.Dim("w_patches", min=1, max=max(2, max_side // p)),
+    }
+    example = torch.randn(2, 3, example_size, example_size, dtype=dtype)
+    names = ["pooled"] if pooled else ["cls", "patch_tokens"]
+    with torch.no_grad():
+        program = torch.onnx.export(
+            model,
+            (example,),
+            dynamo=True,
+            dynamic_shapes=(dims,),
+            input_names=[INPUT_NAME],
+            output_names=names,
+            opset_version=opset,
+            external_data=use_external,
+        )
+    out = Path(output)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    program.save(str(tmp), external_data=use_external)
+    ops = sorted({node.op_type for node in program.model_proto.graph.node})
+    n_nodes = len(program.model_proto.graph.node)
+    data = None
+    if use_external:
+        # The model refers to its data file by name: write it under the final name, then the model.
+        written = tmp.with_name(tmp.name + ".data")
+        data = out.with_name(out.name + ".data")
+        if written.exists():
+            import onnx
+
+            proto = onnx.load(str(tmp), load_external_data=True)
+            onnx.save(proto, str(tmp), save_as_external_data=True, location=data.name, all_tensors_to_one_file=True)
+            written.unlink(missing_ok=True)
+            # onnx.save wrote the data beside tmp under data.name already
+    os.replace(tmp, out)
+    return {"ops": ops, "n_nodes": n_nodes, "data": str(data) if data else None, "outputs": names}
+
+
+def _child(queue: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        queue.put(("ok", _export_onnx(**kwargs)))
+    except BaseException as err:  # reported to the parent
+        queue.put(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}"))
+
+
+def export_in_subprocess(timeout_s: float, **kwargs: Any) -> dict[str, Any]:
+    """`_export_onnx` in a spawned process; ExportError when it fails or runs past `timeout_s`."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, kwargs), daemon=True)
+    proc.start()
+    try:
+        status, payload = queue.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: timed out (or the child died without reporting)
+        alive = proc.is_alive()
+        proc.kill()
+        proc.join(10)
+        if alive:
+            raise ExportError(f"ONNX export did not finish within timeout_s={timeout_s:g} s; raise timeout_s") from None
+        raise ExportError(f"ONNX export process died (exit code {proc.exitcode})") from None
+    proc.join(30)
+    if status != "ok":
+        raise ExportError(f"ONNX export of {kwargs['weights']} failed: {payload}")
+    return payload
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    available = ort.get_available_providers()
+    if providers is None:
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+
+
+def check_parity(
+    path: Path, model: nn.Module, sizes: list[int], batches: list[int], half: bool = False, seed: int = 0
+) -> tuple[list[dict[str, Any]], float]:
+    """ONNX Runtime vs PyTorch on random inputs: per (batch, size), the max abs error of each output."""
+    session = ort_session(path)
+    names = [o.name for o in session.get_outputs()]
+    gen = torch.Generator().manual_seed(seed)
+    rows, worst = [], 0.0
+    for b in batches:
+        for i, s in enumerate(sizes):
+            w = sizes[(i + 1) % len(sizes)]  # non-square as well
+            x = torch.randn(b, 3, s, w, generator=gen)
+            with torch.no_grad():
+                ref = model(x)
+            ref = ref if isinstance(ref, tuple) else (ref,)
+            feed = x.half().numpy() if half else x.numpy()
+            got = session.run(None, {INPUT_NAME: feed})
+            errs = {
+                n: float(np.abs(g.astype(np.float32) - r.float().numpy()).max())
+                for n, g, r in zip(names, got, ref, strict=True)
+            }
+            rows.append({"batch": b, "height": s, "width": w, **errs})
+            worst = max(worst, *errs.values())
+    return rows, worst
+
+
+def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
+    import mlflow
+    import onnx
+    from mlflow import MlflowClient
+
+    params = {"weights": cfg.weights, "pooled": cfg.pooled, "fp16": cfg.fp16, "n_nodes": result.n_nodes}
+    with tracking.stage_run(cfg.tracking, "export", params=params, tags={"wsidino.stage": "export"}):
+        tracking.log_metrics({"max_abs_error": result.max_abs_error, "export_seconds": result.export_seconds})
+        info = mlflow.onnx.log_model(
+            onnx.load(str(result.path)),
+            name="model",
+            registered_model_name=cfg.register_name or None,
+            save_as_external_data=result.data_path is not None,
+        )
+        result.model_uri = info.model_uri
+        if cfg.register_name:
+            version = str(info.registered_model_version)
+            client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+            if cfg.register_alias:
+                client.set_registered_model_alias(cfg.register_name, cfg.register_alias, version)
+            result.model_version = version
+
+
+def run_export(cfg: ExportConfig) -> ExportResult:
+    """Export, check (`onnx.checker` on the path, forbidden ops, ORT parity) and optionally log / register."""
+    import onnx
+
+    if cfg.external_data not in ("auto", "always", "never"):
+        raise ExportError(f"external_data={cfg.external_data!r}: use auto, always or never")
+    model = BackboneFeatures(load_backbone(cfg.weights), cfg.pooled).eval()  # fails early on bad weights
+    p = model.backbone.patch_size
+    bad = [s for s in cfg.parity_sizes if s % p]
+    if bad:
+        raise ExportError(f"parity_sizes {bad} are not multiples of the patch size {p}")
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    common = {"weights": str(cfg.weights), "pooled": cfg.pooled, "opset": cfg.opset, "max_side": cfg.max_side,
+              "example_size": cfg.example_size, "external": cfg.external_data}  # fmt: skip
+    start = time.perf_counter()
+    info = export_in_subprocess(cfg.timeout_s, output=str(out), half=False, **common)
+    seconds = time.perf_counter() - start
+    onnx.checker.check_model(str(out))  # the path: works for models with external data too
+    forbidden = FORBIDDEN_OPS & set(info["ops"])
+    if forbidden:
+        raise ExportError(f"exported graph has {sorted(forbidden)} nodes (TensorRT-hostile); RoPE must be in-graph")
+    rows, worst = check_parity(out, model, list(cfg.parity_sizes), list(cfg.parity_batches))
+    result = ExportResult(
+        path=out,
+        data_path=Path(info["data"]) if info["data"] else None,
+        fp16_path=None,
+        n_nodes=info["n_nodes"],
+        op_types=info["ops"],
+        outputs=info["outputs"],
+        parity=rows,
+        max_abs_error=worst,
+        export_seconds=seconds,
+    )
+    logger.info("exported %s: %d nodes in %.1f s, max abs error vs PyTorch %.2e", out, result.n_nodes, seconds, worst)
+    if worst > cfg.parity_tolerance or not np.isfinite(worst):
+        raise ExportError(
+            f"ONNX model {out} differs from PyTorch by {worst:.3g} > parity_tolerance={cfg.parity_tolerance:g} "
+            f"(per shape: {rows})"
+        )
+    if cfg.fp16:
+        half = out.with_name(f"{out.stem}_fp16{out.suffix}")
+        export_in_subprocess(cfg.timeout_s, output=str(half), half=True, **common)
+        onnx.checker.check_model(str(half))
+        _, result.fp16_max_abs_error = check_parity(half, model, list(cfg.parity_sizes)[:1], [1], half=True)
+        result.fp16_path = half
+        logger.info("fp16 variant %s: max abs error vs fp32 PyTorch %.2e", half, result.fp16_max_abs_error)
+    if cfg.tracking.enabled:
+        _log_mlflow(cfg, result)
+    return result

@@ -1,0 +1,92 @@
+"""export on the converted backbone of a real tiny pretrain run: real dynamo export, onnx checker, ONNX Runtime."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from dinov3_core.config import load_config
+from dinov3_core.errors import WsidinoError
+from dinov3_core.export.config import ExportConfig
+from dinov3_core.export.onnx_export import FORBIDDEN_OPS, BackboneFeatures, load_backbone, ort_session, run_export
+from tests import stage_fixtures
+
+# Shared session fixtures (built once per session, see tests/stage_fixtures.py).
+converted = stage_fixtures.converted
+exported = stage_fixtures.exported
+pretrain_run = stage_fixtures.pretrain_run
+stage_tile_store = stage_fixtures.stage_tile_store
+
+
+def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted) -> None:
+    result = exported
+    print(f"\nexport {result.export_seconds:.1f} s, {result.n_nodes} nodes, max abs error {result.max_abs_error:.2e}")
+    assert result.max_abs_error < 1e-4
+    assert {(r["batch"], r["height"], r["width"]) for r in result.parity} == {(1, 32, 64), (1, 64, 32), (3, 32, 64),
+                                                                               (3, 64, 32)}  # fmt: skip
+    proto = onnx.load(str(result.path))
+    ops = {node.op_type for node in proto.graph.node}
+    assert not ops & FORBIDDEN_OPS and {"Sin", "Cos", "Range"} <= ops  # RoPE computed in the graph
+    onnx.checker.check_model(str(result.path), full_check=True)
+    (inp,) = proto.graph.input
+    dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
+    assert dims[1] == 3 and all(isinstance(d, str) for d in (dims[0], dims[2], dims[3])), dims
+    assert [o.name for o in proto.graph.output] == ["cls", "patch_tokens"]
+
+    # a shape not used at export or in the parity check: batch 2, 48 × 80
+    session = ort_session(result.path)
+    model = BackboneFeatures(load_backbone(converted)).eval()
+    x = torch.randn(2, 3, 48, 80)
+    cls, patch = session.run(None, {"pixel_values": x.numpy()})
+    with torch.no_grad():
+        ref_cls, ref_patch = model(x)
+    assert patch.shape == (2, 3 * 5, 64)
+    assert abs(cls - ref_cls.numpy()).max() < 1e-4 and abs(patch - ref_patch.numpy()).max() < 1e-4
+
+
+def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    values = {
+        "weights": str(converted),
+        "output": str(tmp_path / "onnx" / "pooled.onnx"),
+        "pooled": True,
+        "fp16": True,
+        "external_data": "always",
+        "parity_batches": [2],
+        "tracking.enabled": True,
+        "tracking.uri": uri,
+        "tracking.experiment": "export-test",
+    }
+    result = run_export(load_config(ExportConfig, "default", values, stage="export"))
+    assert result.outputs == ["pooled"] and result.max_abs_error < 1e-4
+    assert result.data_path is not None and result.data_path.is_file()
+    assert result.data_path.stat().st_size > 2 * result.path.stat().st_size  # the weights live beside the graph
+    assert result.data_path.name == "pooled.onnx.data"
+    onnx.checker.check_model(str(result.path))
+    (out,) = ort_session(result.path).run(None, {"pixel_values": torch.randn(1, 3, 32, 32).numpy()})
+    assert out.shape == (1, 128)
+    assert result.fp16_path is not None and result.fp16_path.name == "pooled_fp16.onnx"
+    onnx.checker.check_model(str(result.fp16_path))
+    assert result.fp16_max_abs_error is not None and result.fp16_max_abs_error < 2e-2  # fp16 vs fp32 PyTorch
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    version = client.get_model_version_by_alias("wsidino-backbone", "candidate")
+    assert str(version.version) == result.model_version
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED" and float(run.data.metrics["max_abs_error"]) < 1e-4
+
+
+def test_timeout_and_bad_weights_give_clear_errors(converted, tmp_path) -> None:
+    values = {"weights": str(converted), "output": str(tmp_path / "m.onnx"), "timeout_s": 0.5}
+    with pytest.raises(WsidinoError, match="timeout_s"):
+        run_export(load_config(ExportConfig, "default", values, stage="export"))
+    assert not (tmp_path / "m.onnx").exists()
+    with pytest.raises(WsidinoError, match="not found"):
+        run_export(load_config(ExportConfig, "default", {**values, "weights": str(tmp_path / "x.pth")}, stage="export"))
+    bad = tmp_path / "bad.pth"
+    torch.save({"foo": torch.zeros(1)}, bad)
+    with pytest.raises((WsidinoError, ValueError)):
+        run_export(load_config(ExportConfig, "default", {**values, "weights": str(bad)}, stage="export"))
