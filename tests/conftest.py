@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -33,3 +34,29 @@ def _isolated_mlflow(tmp_path_factory: pytest.TempPathFactory):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     yield
     monkeypatch.undo()
+
+
+@pytest.fixture(scope="session")
+def small_tile_store(sample_slides: SampleSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tile store for training tests: the 20× sample slide tiled at 64 px (~260 tiles). Read-only."""
+    from dinov3_core.config import load_config
+    from dinov3_core.tiling.config import TileConfig
+    from dinov3_core.tiling.stage import run_tile
+
+    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
+    store = tmp_path_factory.mktemp("small_store") / "tiles.zarr"
+    values = {"input": str(slide), "output": str(store), "tile_size": 64, "progress": False, "tracking.enabled": False}
+    result = run_tile(load_config(TileConfig, None, values))
+    assert result.total_tiles > 100
+    return store
+
+
+@pytest.fixture
+def one_thread():
+    """2 shared cores: intra-op threads only add contention to tests that run training steps."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,8 +22,6 @@ from dinov3_core.gram.config import GramConfig
 from dinov3_core.gram.stage import GramMetaArch, GramSchedules, _GramState, run_gram
 from dinov3_core.losses.gram import GramLoss
 from dinov3_core.models import build_backbone, save_backbone
-from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.stage import run_tile
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.ssl_model import TeacherTargets, build_ssl_model
@@ -46,20 +44,13 @@ PRETRAIN: dict[str, Any] = {
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def tile_store(sample_slides, tmp_path_factory) -> Path:
-    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
-    store = tmp_path_factory.mktemp("gram_store") / "tiles.zarr"
-    values = {"input": str(slide), "output": str(store), "tile_size": 64, "progress": False, "tracking.enabled": False}
-    run_tile(load_config(TileConfig, None, values))
-    return store
+def tile_store(small_tile_store) -> Path:
+    return small_tile_store
 
 
 @pytest.fixture(scope="module")

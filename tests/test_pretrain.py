@@ -27,8 +27,6 @@ from dinov3_core.config import ConfigError, load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import build_backbone, save_backbone
 from dinov3_core.tiling import store as ts
-from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.stage import run_tile
 from dinov3_core.train.checkpoint import CheckpointError
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.memory import estimate_memory, model_shape
@@ -59,23 +57,13 @@ BASE: dict[str, Any] = {
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """2 shared cores: intra-op threads only add contention. (Runs set train.num_threads=1 themselves.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def tile_store(sample_slides, tmp_path_factory) -> Path:
-    """A real tile store: the tile stage on the 20× sample slide, 64 px tiles (~260 tiles)."""
-    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
-    store = tmp_path_factory.mktemp("pretrain_store") / "tiles.zarr"
-    values = {"input": str(slide), "output": str(store), "tile_size": 64, "progress": False, "tracking.enabled": False}
-    result = run_tile(load_config(TileConfig, None, values))
-    assert result.total_tiles > 100
-    return store
+def tile_store(small_tile_store) -> Path:
+    return small_tile_store
 
 
 def overrides(store: Path, out: Path, **extra: Any) -> dict[str, Any]:
