@@ -34,23 +34,27 @@ class DataConfig:
     multiprocessing_context: str | None = None  # null: torch's default (fork on Linux)
 
 
+_AUG = AugmentationConfig()
+
+
 @dataclass
 class CropsConfig:
     """Multi-crop augmentation (`AugmentationConfig`) and the iBOT mask parameters."""
 
-    n_global_crops: int = 2
-    n_local_crops: int = 8
-    global_size: int = 224
-    local_size: int = 96
-    global_scale: tuple[float, float] = (0.32, 1.0)
-    local_scale: tuple[float, float] = (0.05, 0.32)
-    dihedral: bool = True  # D4 flips and rotations (tissue has no orientation); false: horizontal flip only
-    hed_p: float = 0.5
-    color_jitter_p: float = 0.8
-    grayscale_p: float = 0.2
-    blur_p_global: list[float] = field(default_factory=lambda: [1.0, 0.1])
-    blur_p_local: float = 0.5
-    solarize_p_global: list[float] = field(default_factory=lambda: [0.0, 0.2])
+    # Defaults come from AugmentationConfig (the official recipe), so the two cannot drift apart.
+    n_global_crops: int = _AUG.n_global_crops
+    n_local_crops: int = _AUG.n_local_crops
+    global_size: int = _AUG.global_size
+    local_size: int = _AUG.local_size
+    global_scale: tuple[float, float] = _AUG.global_scale
+    local_scale: tuple[float, float] = _AUG.local_scale
+    dihedral: bool = _AUG.dihedral  # D4 flips and rotations (tissue has no orientation); false: horizontal only
+    hed_p: float = _AUG.hed_p
+    color_jitter_p: float = _AUG.color_jitter_p
+    grayscale_p: float = _AUG.grayscale_p
+    blur_p_global: list[float] = field(default_factory=lambda: list(_AUG.blur_p_global))
+    blur_p_local: float = _AUG.blur_p_local
+    solarize_p_global: list[float] = field(default_factory=lambda: list(_AUG.solarize_p_global))
     # Images are augmented in groups of this many consecutive step-batch images, each group from its own
     # generator seeded by (seed, stream position). Crops are then identical however the step batch is split
     # over ranks and micro-batches, as long as the split keeps groups whole (this must divide the per-rank
