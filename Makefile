@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each creates or updates .venv itself.
+# `make serve`: local Prefect + MLflow servers and a worker with every deployment (deploy/README.md); Ctrl-C stops.
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ DEMO_DIR ?= demo-output
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: venv test lint format demo bench clean
+.PHONY: venv test lint format demo bench clean serve
 
 # Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
 $(STAMP): pyproject.toml
@@ -30,7 +31,11 @@ test: venv lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: venv
-	$(BIN)/python -m dinov3_core.demo --output $(DEMO_DIR)
+	$(BIN)/python -m flows.demo --output $(DEMO_DIR)
+
+# SERVE_ARGS, e.g. SERVE_ARGS="--prefect-port 4300 --mlflow-port 5001 --serve-dir /tmp/wsidino-serve"
+serve: venv
+	$(BIN)/python deploy/serve.py $(SERVE_ARGS)
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --output bench-output

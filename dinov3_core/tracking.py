@@ -30,25 +30,41 @@ def stage_run(
     run_name: str,
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
+    parent_run_id: str | None = None,
 ) -> Iterator[Any]:
     """An MLflow run for one stage execution, or `None` when tracking is off.
 
-    Joins `$MLFLOW_RUN_ID` when a pipeline task pre-created the run; nests under `$WSIDINO_MLFLOW_PARENT_RUN_ID`
-    otherwise. A failure inside marks the run FAILED and re-raises.
+    `run_id` resumes that run (a retried stage keeps one run); `parent_run_id` nests a new run under it.
+
+    Logs into the active run when the caller (a Prefect task running the stage in-process) opened one; joins
+    `$MLFLOW_RUN_ID` when a task pre-created the run for a subprocess (torchrun rank 0); nests under
+    `$WSIDINO_MLFLOW_PARENT_RUN_ID` otherwise. A failure inside marks the run FAILED (unless the caller owns the
+    run) and re-raises.
     """
     if not cfg.enabled:
         yield None
         return
     import mlflow
 
+    active = mlflow.active_run()
+    if active is not None:  # the orchestration layer opened this stage's run (a pipeline child): log into it
+        if params:
+            log_params(params)
+        if tags:
+            mlflow.set_tags(dict(tags))
+        yield active
+        return
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    if not os.environ.get("MLFLOW_RUN_ID"):
+    resume = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+    if not resume:
         ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
-    parent = os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
+    parent = None if resume else parent_run_id or os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
     run = mlflow.start_run(
-        run_id=os.environ.get("MLFLOW_RUN_ID") or None,
-        run_name=None if os.environ.get("MLFLOW_RUN_ID") else run_name,
+        run_id=resume,
+        run_name=None if resume else run_name,
         parent_run_id=parent or None,
         tags=dict(tags or {}),
         log_system_metrics=cfg.system_metrics,

@@ -14,6 +14,9 @@ from typing import Any
 
 from prefect import flow
 
+from dinov3_core import manifest as mf
+from dinov3_core.stages import STAGE_SPECS
+from tasks.stages import manifest_guard, record_skip
 from tasks.tile import (
     TileParams,
     finalize_tile_run,
@@ -23,6 +26,8 @@ from tasks.tile import (
     select_slides,
 )
 
+SPEC = STAGE_SPECS["tile"]
+
 
 @flow(name="tile")
 def tile_flow(params: TileParams) -> dict[str, Any]:
@@ -30,7 +35,8 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
 
     Slides already complete in the store with the same source file and tiling parameters are skipped; a slide
     that cannot be read is recorded as failed (manifest, `tile-summary` artifact, MLflow metrics) without
-    failing the run. One run per store at a time (the store lock is held for the whole flow run).
+    failing the run. When the stage manifest shows the same slides and settings and no failed slide, nothing
+    is opened at all (unless `force`). One run per store at a time (the store lock is held for the whole run).
 
     Args:
         params: Inputs, output store, tiling settings, config name/overrides and MLflow tracking.
@@ -39,10 +45,21 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
         Store path, slide counts per status, tile totals, failed slide ids and the MLflow run id.
     """
     store = prepare_tile_store(params)
-    with hold_store_lock(store.root):
+    inputs = mf.fingerprint_inputs(SPEC.inputs(store.cfg))
+    decision = mf.check_up_to_date(SPEC.manifest_path(store.cfg), SPEC.config_hash(store.cfg), inputs)
+    if decision.up_to_date and not params.force and decision.previous and not decision.previous.summary.get("failed"):
+        return {**decision.previous.summary, **record_skip(SPEC, store.cfg, decision)}
+    with hold_store_lock(store.root), manifest_guard(SPEC, store.cfg, inputs) as manifest:
         plan = select_slides(store)
         outcomes = run_slide_tasks(plan)
-        return finalize_tile_run(plan, outcomes)
+        summary = finalize_tile_run(plan, outcomes)
+        manifest.mlflow_run_id = summary["mlflow_run_id"]
+        manifest.summary = {
+            **summary["slides"],
+            "tiles_total": summary["tiles_total"],
+            "failed_slides": summary["failed_slides"],
+        }
+    return {"stage": "tile", "status": "ran", **summary}
 
 
 if __name__ == "__main__":

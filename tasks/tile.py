@@ -174,6 +174,13 @@ class TileParams(BaseModel):
         description="MLflow experiment name. Empty: from config, default wsidino.",
         json_schema_extra=_ui(13),
     )
+    force: bool = Field(
+        title="Force",
+        default=False,
+        description="Check every slide even when the stage manifest shows the same slides and settings "
+        "(complete slides are still skipped one by one).",
+        json_schema_extra=_ui(14),
+    )
 
     def config_values(self) -> dict[str, Any]:
         """The overrides for `load_config`: the `overrides` list plus every field that is set.

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from dinov3_core import tracking
 from dinov3_core.tracking import TrackingConfig
 
 STAGE_TAG = "wsidino.stage"
+PIPELINE_TAG = "wsidino.pipeline"
+
+# The MLflow run of the pipeline flow run that is executing (stage subflows run in its thread and nest under it).
+_PIPELINE_RUN: ContextVar[tuple[str, TrackingConfig] | None] = ContextVar("wsidino_pipeline_run", default=None)
 
 
 def prefect_run_tags(stage: str) -> dict[str, str]:
@@ -80,8 +85,80 @@ def stage_mlflow_run(
         The active `mlflow.ActiveRun`, or `None` when `cfg.enabled` is false.
     """
     all_tags = {**prefect_run_tags(stage), **dict(tags or {})}
-    with tracking.stage_run(cfg, mlflow_run_name(stage), params=params, tags=all_tags) as run:
+    parent = current_pipeline_run()
+    run_id = find_stage_run(cfg, parent, stage) if parent and cfg.enabled else None
+    with tracking.stage_run(
+        cfg, mlflow_run_name(stage), params=params, tags=all_tags, run_id=run_id, parent_run_id=parent
+    ) as run:
         yield run
+
+
+def current_pipeline_run() -> str | None:
+    """The MLflow run id of the pipeline run this stage belongs to (None when the stage runs on its own)."""
+    current = _PIPELINE_RUN.get()
+    return current[0] if current else None
+
+
+def find_stage_run(cfg: TrackingConfig, parent_run_id: str, stage: str, unfinished: bool = True) -> str | None:
+    """A child run of `stage` under the pipeline run: with `unfinished`, one left by a failed attempt, which a
+    retry resumes, so a stage keeps one MLflow run however often it is retried; otherwise any."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg))
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`{STAGE_TAG}` = '{stage}'",
+        max_results=10,
+    )
+    matching = [r for r in runs if r.info.status != "FINISHED" or not unfinished]
+    return matching[0].info.run_id if matching else None
+
+
+@contextlib.contextmanager
+def pipeline_mlflow_run(cfg: TrackingConfig, tags: Mapping[str, str] | None = None) -> Iterator[str | None]:
+    """The parent MLflow run of one pipeline flow run; stage runs opened inside nest under it.
+
+    A retried flow run (same Prefect flow-run id) reopens its parent run instead of starting a second one.
+    Ends FINISHED, or FAILED when the block raises.
+
+    Yields:
+        The parent run id, or None when tracking is off.
+    """
+    if not cfg.enabled:
+        yield None
+        return
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking.tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = tracking.ensure_experiment(cfg.experiment, uri)
+    all_tags = {**prefect_run_tags("pipeline"), PIPELINE_TAG: "true", **dict(tags or {})}
+    flow_run_id = all_tags.get("prefect.flow_run_id")
+    existing = []
+    if flow_run_id:
+        existing = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`{PIPELINE_TAG}` = 'true'",
+            max_results=1,
+        )
+    if existing:
+        run_id = existing[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        run_id = client.create_run(experiment_id, run_name=mlflow_run_name("pipeline"), tags=all_tags).info.run_id
+    token = _PIPELINE_RUN.set((run_id, cfg))
+    try:
+        yield run_id
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    else:
+        client.set_terminated(run_id, status="FINISHED")
+    finally:
+        _PIPELINE_RUN.reset(token)
 
 
 def mlflow_run_env(run: Any, cfg: TrackingConfig) -> dict[str, str]:

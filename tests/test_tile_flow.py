@@ -122,7 +122,7 @@ def test_parameter_schema_renders_a_clean_form() -> None:
     assert model["description"].startswith("Tile whole-slide images")
     expected = [
         *("input", "output", "mpp", "tile_size", "stride", "min_tissue_fraction", "pen_filter"),
-        *("blur_filter", "compressor", "workers", "config", "overrides", "tracking_uri", "experiment"),
+        *("blur_filter", "compressor", "workers", "config", "overrides", "tracking_uri", "experiment", "force"),
     ]
     assert sorted(props, key=lambda k: props[k]["position"]) == expected
     for name, prop in props.items():

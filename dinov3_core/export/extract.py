@@ -34,6 +34,7 @@ from dinov3_core.config import to_dict
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
+from dinov3_core.manifest import MANIFEST_NAME
 from dinov3_core.tiling import store as ts
 
 __all__ = ["ExtractConfig", "ExtractError", "ExtractResult", "FeatureModel", "open_model", "run_extract"]
@@ -263,7 +264,7 @@ def _init_output(out: Path, cfg: ExtractConfig) -> None:
         attrs = zarr.open_group(str(out), mode="r").attrs.asdict().get(ATTRS_KEY, {})
         if attrs.get("format") != FORMAT["format"]:
             raise ExtractError(f"output {out} is a zarr store but not a wsidino feature store; choose another output")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != MANIFEST_NAME and not p.name.startswith(".") for p in out.iterdir()):
         raise ExtractError(f"output {out} exists and is not a feature store; choose a new path")
     root = zarr.open_group(str(out), mode="a")
     root.attrs[ATTRS_KEY] = {**FORMAT, "source_store": str(Path(cfg.store).resolve())}

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
+from dinov3_core.procutil import die_with_parent
 
 EXIT_USAGE = 2
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
+        die_with_parent()
     args = build_parser().parse_args(argv)
     from dinov3_core.gram.config import GramConfig
     from dinov3_core.gram.stage import run_gram

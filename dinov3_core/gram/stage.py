@@ -171,6 +171,7 @@ class GramTrainer(Trainer):
     """The pretraining `Trainer` with the gram teacher, loss, schedules and refreshes."""
 
     meta_arch = GramMetaArch
+    stage = "gram"
 
     def __init__(self, cfg: GramConfig, env: DistEnv, gram_teacher: nn.Module) -> None:
         g = cfg.gram

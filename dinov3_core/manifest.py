@@ -1,0 +1,260 @@
+"""Stage manifests: what a stage run consumed and produced, so a rerun with the same inputs can skip it.
+
+Every stage run writes `stage_manifest.json` into its output directory (or `<file>.stage_manifest.json` beside a
+single-file output such as `model.onnx`):
+
+    {"format": "wsidino-stage-manifest", "stage": "export", "status": "complete",
+     "config_hash": "…", "inputs": {"weights": {"path": "…/backbone.pth", "fingerprint": "…"}},
+     "outputs": {"onnx": "…/model.onnx"}, "output_fingerprint": "…", "mlflow_run_id": "…",
+     "lineage": {"convert": "<run id>", "gram": "<run id>", "pretrain": "<run id>", "tile": "<run id>"}, …}
+
+A stage is up to date when its manifest is `complete`, the config hash and every input fingerprint match, and
+the recorded outputs exist. An input produced by another stage is fingerprinted by that stage's manifest
+(`output_fingerprint`, new each time the producer completes), so a downstream stage reruns exactly when its
+upstream changed. Other inputs are fingerprinted from file sizes and content samples (no full hashing of
+multi-GB checkpoints). `lineage` carries the MLflow run ids of every upstream stage, which is how features are
+traced back to the model, the training runs and the tile store.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dinov3_core.errors import WsidinoError
+
+MANIFEST_NAME = "stage_manifest.json"
+FORMAT = "wsidino-stage-manifest"
+Status = Literal["running", "complete", "failed"]
+
+_SAMPLE = 1 << 20  # bytes hashed at each end of a file
+
+
+class ManifestError(WsidinoError):
+    """A stage input is missing or a manifest is unreadable."""
+
+
+def manifest_path(output: str | os.PathLike[str], *, is_dir: bool) -> Path:
+    """Where the manifest of a stage writing `output` lives (inside a directory output, beside a file output)."""
+    out = Path(output)
+    return out / MANIFEST_NAME if is_dir else out.with_name(f"{out.name}.{MANIFEST_NAME}")
+
+
+@dataclass
+class StageManifest:
+    stage: str
+    status: Status
+    config_hash: str
+    inputs: dict[str, dict[str, str]]  # name → {"path", "fingerprint"}
+    outputs: dict[str, str] = field(default_factory=dict)  # name → path
+    output_fingerprint: str | None = None  # set on completion; what downstream stages record as our fingerprint
+    mlflow_run_id: str | None = None
+    lineage: dict[str, str] = field(default_factory=dict)  # upstream stage → its MLflow run id
+    summary: dict[str, Any] = field(default_factory=dict)  # small JSON-able figures (tiles, iterations, errors)
+    error: str | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+    format: str = FORMAT
+    version: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> StageManifest:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def read_manifest(path: str | os.PathLike[str]) -> StageManifest | None:
+    """The manifest at `path`, or None when there is none (a half-written one cannot exist: writes are atomic)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ManifestError(f"{p}: unreadable stage manifest ({err}); delete it to rerun the stage") from None
+    if doc.get("format") != FORMAT:
+        return None
+    return StageManifest.from_dict(doc)
+
+
+def write_manifest(path: str | os.PathLike[str], manifest: StageManifest) -> Path:
+    """Write atomically (temporary name, then rename): a reader never sees half a manifest."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, p)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- fingerprints
+
+
+def _sha(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def file_fingerprint(path: Path) -> str:
+    """Size plus SHA-256 of the first and last MiB: catches replaced or rewritten files without reading GBs."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            h.update(f.read(_SAMPLE))
+    return "file:" + h.hexdigest()[:20]
+
+
+def producer_manifest(path: str | os.PathLike[str]) -> StageManifest | None:
+    """The complete manifest of the stage that produced `path`: a directory output (its own manifest), a file
+    output (`<file>.stage_manifest.json`), or a file listed among a directory stage's outputs (backbone.pth in
+    the convert directory)."""
+    p = Path(path)
+    if p.is_dir():
+        found = read_manifest(p / MANIFEST_NAME)
+    else:
+        found = read_manifest(manifest_path(p, is_dir=False))
+        if found is None:
+            found = read_manifest(p.parent / MANIFEST_NAME)
+            if found is not None and str(p.resolve()) not in {str(Path(v).resolve()) for v in found.outputs.values()}:
+                found = None
+    return found if found is not None and found.status == "complete" and found.output_fingerprint else None
+
+
+def _tile_store_fingerprint(store: Path) -> str | None:
+    manifest = store / "manifest.json"
+    if not manifest.is_file():
+        return None
+    doc = json.loads(manifest.read_text())
+    if doc.get("format") != "tile-store-manifest":
+        return None
+    slides = sorted(
+        (s.get("slide_id"), s.get("status"), s.get("tile_count"), s.get("source_path")) for s in doc.get("slides", [])
+    )
+    return "tiles:" + _sha(doc.get("tiling"), slides)
+
+
+def _tree_fingerprint(root: Path, limit: int = 100_000) -> str:
+    entries = []
+    for n, p in enumerate(sorted(root.rglob("*"))):
+        if n >= limit:
+            break
+        if p.is_file() and p.name != MANIFEST_NAME and not p.name.startswith("."):
+            st = p.stat()
+            entries.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return "tree:" + _sha(entries)
+
+
+def fingerprint(path: str | os.PathLike[str], key: str = "input") -> str:
+    """A fingerprint of one stage input: the producer's manifest when there is one, else file/tree metadata.
+
+    Raises:
+        ManifestError: `path` does not exist (naming the config key it came from).
+    """
+    p = Path(path)
+    producer = producer_manifest(p)
+    if producer is not None:
+        return f"stage:{producer.stage}:{producer.output_fingerprint}"
+    if p.is_file():
+        return file_fingerprint(p)
+    if p.is_dir():
+        return _tile_store_fingerprint(p) or _tree_fingerprint(p)
+    matches = sorted(glob.glob(str(p)))  # a glob of slides
+    if matches:
+        return "glob:" + _sha([(m, os.path.getsize(m), os.stat(m).st_mtime_ns) for m in matches])
+    raise ManifestError(f"{key}: {p} does not exist; check the path or run the stage that produces it first")
+
+
+def fingerprint_inputs(inputs: Mapping[str, str | os.PathLike[str] | None]) -> dict[str, dict[str, str]]:
+    """name → {"path", "fingerprint"} for every input that is set."""
+    return {
+        name: {"path": str(Path(path).resolve()), "fingerprint": fingerprint(path, name)}
+        for name, path in inputs.items()
+        if path
+    }
+
+
+def lineage_of(paths: Iterable[str | os.PathLike[str] | None]) -> dict[str, str]:
+    """MLflow run ids of the stages that produced `paths` and of everything upstream of them."""
+    lineage: dict[str, str] = {}
+    for path in paths:
+        if not path:
+            continue
+        producer = producer_manifest(path)
+        if producer is None:
+            continue
+        for stage, run_id in producer.lineage.items():
+            lineage.setdefault(stage, run_id)
+        if producer.mlflow_run_id:
+            lineage[producer.stage] = producer.mlflow_run_id
+    return lineage
+
+
+# -------------------------------------------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True)
+class Decision:
+    up_to_date: bool
+    reason: str
+    previous: StageManifest | None
+
+
+def check_up_to_date(path: Path, config_hash: str, inputs: Mapping[str, Mapping[str, str]]) -> Decision:
+    """Compare the manifest at `path` with what a run would use now; `reason` says why it must (re)run."""
+    previous = read_manifest(path)
+    if previous is None:
+        return Decision(False, "no manifest (never run here)", None)
+    if previous.status != "complete":
+        return Decision(False, f"the last run is {previous.status}", previous)
+    if previous.config_hash != config_hash:
+        return Decision(False, "the config changed", previous)
+    changed = sorted(
+        set(inputs) ^ set(previous.inputs)
+        | {k for k in inputs if k in previous.inputs and previous.inputs[k]["fingerprint"] != inputs[k]["fingerprint"]}
+    )
+    if changed:
+        return Decision(False, f"inputs changed: {', '.join(changed)}", previous)
+    missing = [name for name, out in previous.outputs.items() if not Path(out).exists()]
+    if missing:
+        return Decision(False, f"outputs missing: {', '.join(missing)}", previous)
+    return Decision(True, "same config and inputs as the complete run of " + str(previous.finished_at), previous)
+
+
+def completion_fingerprint(m: StageManifest) -> str:
+    """New on every completion: downstream stages rerun after their input was rebuilt."""
+    return _sha(m.stage, m.config_hash, m.inputs, m.outputs, m.finished_at, time.time_ns())
+
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Decision",
+    "ManifestError",
+    "StageManifest",
+    "check_up_to_date",
+    "completion_fingerprint",
+    "fingerprint",
+    "fingerprint_inputs",
+    "lineage_of",
+    "manifest_path",
+    "producer_manifest",
+    "read_manifest",
+    "write_manifest",
+]

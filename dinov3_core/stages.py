@@ -1,0 +1,131 @@
+"""The six stages as data: typed config schema, inputs, output location and outputs of each.
+
+The orchestration layer (Prefect tasks, the CLI) uses this to fingerprint a stage's inputs, find its manifest
+and decide whether a rerun may skip it, without knowing each stage's config layout:
+
+    spec = STAGE_SPECS["export"]
+    spec.inputs(cfg)        # {"weights": "/run/model/backbone.pth"}
+    spec.manifest_path(cfg) # /run/model/model.onnx.stage_manifest.json
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.config import config_hash, resolve_config_path
+from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
+from dinov3_core.manifest import manifest_path
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.train.config import PretrainConfig
+
+
+def _gram_config() -> type:
+    from dinov3_core.gram.config import GramConfig
+
+    return GramConfig
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    schema: Callable[[], type]
+    distributed: bool  # launched as a torchrun job (else runs in the calling process)
+    output_is_dir: bool
+    output: Callable[[Any], str]  # the config's output path
+    inputs: Callable[[Any], dict[str, str | None]]  # input name → path (None: not used by this config)
+    outputs: Callable[[Any], dict[str, str]]  # after a successful run: name → path that must exist
+    volatile: tuple[str, ...] = ("tracking.", "progress")  # config keys (prefixes) that do not change outputs
+
+    def manifest_path(self, cfg: Any) -> Path:
+        return manifest_path(self.output(cfg), is_dir=self.output_is_dir)
+
+    def config_hash(self, cfg: Any) -> str:
+        from dinov3_core.config import flat_params
+
+        volatile = [k for k in flat_params(cfg) if any(k == v or k.startswith(v) for v in self.volatile)]
+        return config_hash(cfg, exclude=volatile)
+
+
+def _stores(cfg: Any) -> dict[str, str | None]:
+    return {f"tile_store[{i}]" if i else "tile_store": s for i, s in enumerate(cfg.data.stores)}
+
+
+def _pretrain_outputs(cfg: Any) -> dict[str, str]:
+    from dinov3_core.train.checkpoint import latest_checkpoint
+
+    run = Path(cfg.output_dir)
+    out = {"run_dir": str(run)}
+    last = latest_checkpoint(run / "ckpt")
+    if last is not None:
+        out["last_checkpoint"] = str(last)
+    evals = sorted((run / "eval").glob("training_*/teacher_checkpoint.pth"))
+    if evals:
+        out["last_eval_teacher"] = str(evals[-1])
+    return out
+
+
+def _gram_inputs(cfg: Any) -> dict[str, str | None]:
+    return {"pretrain_dir": cfg.pretrain_dir, "teacher_path": cfg.gram.teacher_path, **_stores(cfg)}
+
+
+def _gram_outputs(cfg: Any) -> dict[str, str]:
+    out = _pretrain_outputs(cfg)
+    selection = Path(cfg.output_dir) / "gram_teacher_selection.json"
+    if selection.is_file():
+        out["teacher_selection"] = str(selection)
+    return out
+
+
+def _slides_input(cfg: TileConfig) -> dict[str, str | None]:
+    return {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
+
+
+def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
+    out = {"onnx": cfg.output}
+    data = Path(f"{cfg.output}.data")
+    if data.exists():
+        out["onnx_data"] = str(data)
+    return out
+
+
+STAGE_SPECS: dict[str, StageSpec] = {
+    "tile": StageSpec(
+        "tile", lambda: TileConfig, False, True, lambda c: c.output, _slides_input,
+        lambda c: {"store": c.output, "store_manifest": str(Path(c.output) / "manifest.json")},
+        volatile=("tracking.", "progress", "workers"),
+    ),
+    "pretrain": StageSpec(
+        "pretrain", lambda: PretrainConfig, True, True, lambda c: c.output_dir,
+        lambda c: {**_stores(c), "pretrained_weights": c.student.pretrained_weights}, _pretrain_outputs,
+        volatile=("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor"),
+    ),
+    "gram": StageSpec(
+        "gram", _gram_config, True, True, lambda c: c.output_dir, _gram_inputs, _gram_outputs,
+        volatile=("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor"),
+    ),
+    "convert": StageSpec(
+        "convert", lambda: ConvertConfig, False, True, lambda c: c.output_dir, lambda c: {"checkpoint": c.input},
+        lambda c: {"backbone": str(Path(c.output_dir) / "backbone.pth"),
+                   "arch_config": str(Path(c.output_dir) / "config.yaml")},
+    ),
+    "export": StageSpec(
+        "export", lambda: ExportConfig, False, False, lambda c: c.output, lambda c: {"weights": c.weights},
+        _export_outputs,
+    ),
+    "extract": StageSpec(
+        "extract", lambda: ExtractConfig, False, True, lambda c: c.output,
+        lambda c: {"tile_store": c.store, "model": c.model}, lambda c: {"features": c.output},
+        volatile=("tracking.", "progress", "num_threads", "batch_size", "providers"),
+    ),
+}  # fmt: skip
+
+
+def named_config_exists(stage: str, name_or_path: str | os.PathLike[str] | None) -> bool:
+    return resolve_config_path(stage, name_or_path) is not None if name_or_path else True
+
+
+__all__ = ["STAGE_SPECS", "StageSpec", "named_config_exists"]

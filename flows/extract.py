@@ -1,0 +1,29 @@
+"""The extract stage as a Prefect flow: features for every tile, slide embeddings and PCA maps into zarr."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from tasks.params import ExtractParams
+from tasks.stages import load_stage_config, run_stage
+
+
+@flow(name="extract")
+def extract_flow(params: ExtractParams) -> dict[str, Any]:
+    """Extract features with an ONNX model (ONNX Runtime) or a backbone.pth (PyTorch); slides already extracted
+    with the same model are skipped one by one.
+
+    Args:
+        params: Tile store, model file, feature store, config, MLflow.
+
+    Returns:
+        The stage outcome (slides extracted / up to date, tiles, throughput).
+    """
+    cfg = load_stage_config("extract", params.stage.config, params.config_values())
+    return run_stage("extract", cfg, force=params.force)
+
+
+if __name__ == "__main__":
+    extract_flow.serve(name="extract-local")

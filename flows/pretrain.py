@@ -1,0 +1,36 @@
+"""The pretrain stage as a Prefect flow: DINOv3 self-supervised training as a torchrun job (rank 0 → logs).
+
+from flows.pretrain import pretrain_flow
+from tasks.params import PretrainParams
+pretrain_flow(PretrainParams(stores=["out/tiles.zarr"], output_dir="out/pretrain"))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from tasks.params import PretrainParams
+from tasks.stages import load_stage_config, run_training_stage
+
+
+@flow(name="pretrain")
+def pretrain_flow(params: PretrainParams) -> dict[str, Any]:
+    """Pretrain (or continue pretraining) DINOv3 on tile stores; skipped when the run is complete and unchanged.
+
+    A crash is retried `launch.retries` times, each attempt resuming from the last DCP checkpoint; bad input
+    fails at once with a message naming the key or file.
+
+    Args:
+        params: Tile stores, run directory, config name/overrides, torchrun launch settings, MLflow.
+
+    Returns:
+        The stage outcome: ran/skipped, outputs (checkpoints, eval teacher), MLflow run id, summary figures.
+    """
+    cfg = load_stage_config("pretrain", params.stage.config, params.config_values())
+    return run_training_stage("pretrain", cfg, params.launch, force=params.force)
+
+
+if __name__ == "__main__":
+    pretrain_flow.serve(name="pretrain-local")

@@ -1,0 +1,363 @@
+"""Flow parameters as pydantic models: what the Prefect UI renders as forms.
+
+Each form names the essentials (paths, config name, process counts); everything else is a `key=value` override
+on the stage's typed config (`dinov3_core.config.load_config` checks every key against the schema and names the
+closest valid one on a typo). The tile stage's form is `tasks.tile.TileParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from dinov3_core.config import ConfigError, parse_overrides
+
+STAGES = ("tile", "pretrain", "gram", "convert", "export", "extract")
+Stage = Literal["tile", "pretrain", "gram", "convert", "export", "extract"]
+Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
+
+
+def ui(position: int) -> dict[str, Any]:
+    """Field order in the Prefect UI form (inside a model it is otherwise defaults-first alphabetical)."""
+    return {"position": position}
+
+
+class LaunchParams(BaseModel):
+    """How a training stage is launched: torchrun processes, nodes, GPUs, wall-clock limit and retries."""
+
+    model_config = ConfigDict(extra="forbid", title="Launch")
+
+    nproc_per_node: int = Field(
+        1, ge=1, le=64, title="Processes per node", description="torchrun processes per node (one per GPU).",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    nnodes: int = Field(
+        1, ge=1, le=1024, title="Nodes",
+        description="Nodes in the job; more than 1 needs a rendezvous endpoint, and the same flow run on every node.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    rdzv_endpoint: str | None = Field(
+        None, title="Rendezvous endpoint", pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
+        description="host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    cuda_visible_devices: str | None = Field(
+        None, title="CUDA_VISIBLE_DEVICES", pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
+        description="GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
+        json_schema_extra=ui(3),
+    )  # fmt: skip
+    timeout_hours: float | None = Field(
+        None, gt=0, le=24 * 30, title="Wall-clock limit (hours)",
+        description="Kill the whole job after this long (it resumes from its last checkpoint when rerun). "
+        "Empty: no limit.",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    retries: int = Field(
+        1, ge=0, le=10, title="Retries",
+        description="Relaunches after a crash (not after bad input); each resumes from the last checkpoint.",
+        json_schema_extra=ui(5),
+    )  # fmt: skip
+    gpu_slots: str | None = Field(
+        None, title="GPU slot limit",
+        description="Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
+        "nproc_per_node slots while it runs. Empty: no limit.",
+        json_schema_extra=ui(6),
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> LaunchParams:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+        return self
+
+
+class TrackingParams(BaseModel):
+    """Where MLflow runs go."""
+
+    model_config = ConfigDict(extra="forbid", title="MLflow")
+
+    tracking_uri: str | None = Field(
+        None, title="MLflow tracking URI",
+        description="e.g. http://127.0.0.1:5000. Empty: the config's, else $MLFLOW_TRACKING_URI, "
+        "else sqlite:///mlflow.db in the working directory.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    experiment: str | None = Field(
+        None, min_length=1, title="MLflow experiment", description="Empty: the config's (default wsidino).",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    enabled: bool = Field(True, title="Log to MLflow", json_schema_extra=ui(2))
+
+    def config_values(self) -> dict[str, Any]:
+        values: dict[str, Any] = {"tracking.enabled": self.enabled}
+        if self.tracking_uri:
+            values["tracking.uri"] = self.tracking_uri
+        if self.experiment:
+            values["tracking.experiment"] = self.experiment
+        return values
+
+
+class StageOptions(BaseModel):
+    """A named config (or YAML path) plus `key=value` overrides for one stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | None = Field(
+        None, title="Named config or YAML",
+        description="A name under configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
+        "Empty: the built-in defaults.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    overrides: list[Override] = Field(
+        default_factory=list, title="Config overrides",
+        description="Any other key of the stage's config as key=value, e.g. optim.epochs=30, train.stop_at=100.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+
+
+def merge_values(options: StageOptions, fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """`options.overrides` plus every set field; a key set both ways with different values is an error."""
+    values = parse_overrides(options.overrides)
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key in values and values[key] != value:
+            raise ConfigError(
+                f"{where}: {key!r} is set both as a parameter ({value!r}) and in overrides ({values[key]!r}); "
+                "set it once"
+            )
+        values[key] = value
+    return values
+
+
+class PretrainParams(BaseModel):
+    """DINOv3 self-supervised (continued) pretraining on tile stores, as a torchrun job."""
+
+    model_config = ConfigDict(extra="forbid", title="Pretrain stage parameters")
+
+    stores: list[str] = Field(
+        min_length=1, title="Tile stores", description="Tile store directories (…/tiles.zarr).",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    output_dir: str = Field(
+        min_length=1, title="Run directory",
+        description="Checkpoints (ckpt/), teacher-only eval checkpoints (eval/), metrics. Reruns resume here.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    pretrained_weights: str | None = Field(
+        None, title="Released DINOv3 weights",
+        description="Local .pth of a released DINOv3 backbone to warm-start from (never downloaded). "
+        "Empty: the config's.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    stage: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
+    )
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(4))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
+    force: bool = Field(
+        False, title="Force", description="Run even when the stage manifest says the outputs are up to date.",
+        json_schema_extra=ui(6),
+    )  # fmt: skip
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {
+            "data.stores": list(self.stores),
+            "output_dir": self.output_dir,
+            "student.pretrained_weights": self.pretrained_weights,
+            **self.tracking.config_values(),
+        }
+        return merge_values(self.stage, fields, "pretrain")
+
+
+class GramParams(BaseModel):
+    """Gram anchoring: continue a pretraining run with a frozen gram teacher chosen from its eval checkpoints."""
+
+    model_config = ConfigDict(extra="forbid", title="Gram stage parameters")
+
+    pretrain_dir: str = Field(
+        min_length=1, title="Pretraining run",
+        description="The pretraining run directory to continue; its eval/ holds the gram-teacher candidates.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    output_dir: str = Field(
+        min_length=1, title="Run directory", description="The gram stage's own run directory (reruns resume).",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    stores: list[str] | None = Field(
+        None, title="Tile stores", description="Empty: the pretraining run's stores.", json_schema_extra=ui(2)
+    )
+    teacher_path: str | None = Field(
+        None, title="Gram teacher file",
+        description="An explicit teacher checkpoint. Empty: chosen from <pretrain_dir>/eval by the config's policy.",
+        json_schema_extra=ui(3),
+    )  # fmt: skip
+    stage: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
+    )
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(5))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(7))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {
+            "pretrain_dir": self.pretrain_dir,
+            "output_dir": self.output_dir,
+            "data.stores": list(self.stores) if self.stores else None,
+            "gram.teacher_path": self.teacher_path,
+            **self.tracking.config_values(),
+        }
+        return merge_values(self.stage, fields, "gram")
+
+
+class ConvertParams(BaseModel):
+    """DCP training checkpoint → backbone.pth with the released DINOv3 key layout (teacher backbone only)."""
+
+    model_config = ConfigDict(extra="forbid", title="Convert stage parameters")
+
+    input: str = Field(
+        min_length=1, title="Checkpoint or run",
+        description="A ckpt/<iteration>/ directory, or a pretrain/gram run directory (its latest checkpoint).",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    output_dir: str = Field(
+        min_length=1, title="Model directory", description="Receives backbone.pth and config.yaml.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(2))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(4))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {"input": self.input, "output_dir": self.output_dir, **self.tracking.config_values()}
+        return merge_values(self.stage, fields, "convert")
+
+
+class ExportParams(BaseModel):
+    """backbone.pth → ONNX (dynamic batch and image size), checked against PyTorch with ONNX Runtime, registered."""
+
+    model_config = ConfigDict(extra="forbid", title="Export stage parameters")
+
+    weights: str = Field(
+        min_length=1, title="Backbone weights", description="backbone.pth (from convert) or a released backbone.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    output: str = Field(min_length=1, title="ONNX file", description="e.g. /models/lab/model.onnx",
+                        json_schema_extra=ui(1))  # fmt: skip
+    register_alias: str | None = Field(
+        None, title="Registry alias", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
+        description="MLflow registry alias set on the new version (e.g. candidate, champion). Empty: the config's.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(4))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(5))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {
+            "weights": self.weights,
+            "output": self.output,
+            "register_alias": self.register_alias,
+            **self.tracking.config_values(),
+        }
+        return merge_values(self.stage, fields, "export")
+
+
+class ExtractParams(BaseModel):
+    """Features for every tile of a tile store, slide embeddings and PCA feature maps, into zarr."""
+
+    model_config = ConfigDict(extra="forbid", title="Extract stage parameters")
+
+    store: str = Field(min_length=1, title="Tile store", json_schema_extra=ui(0))
+    model: str = Field(
+        min_length=1, title="Model", description="model.onnx (ONNX Runtime) or backbone.pth (PyTorch).",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    output: str = Field(min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr",
+                        json_schema_extra=ui(2))  # fmt: skip
+    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(4))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(5))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {"store": self.store, "model": self.model, "output": self.output, **self.tracking.config_values()}
+        return merge_values(self.stage, fields, "extract")
+
+
+class PipelineParams(BaseModel):
+    """Slides → tiles → pretraining → gram anchoring → backbone → ONNX → features, in one work directory.
+
+    Outputs: <workdir>/tiles.zarr, pretrain/, gram/, model/backbone.pth, model/model.onnx, features.zarr.
+    Stages whose manifest shows the same inputs and config are skipped (unless listed in `force`), so a rerun
+    or a retried failed run resumes at the first stage with something to do.
+    """
+
+    model_config = ConfigDict(extra="forbid", title="Pipeline parameters")
+
+    slides: str = Field(
+        min_length=1, title="Slides",
+        description="A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    workdir: str = Field(
+        min_length=1, title="Work directory", description="Every stage's output goes under it, e.g. /data/runs/lab1.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    start_at: Stage = Field("tile", title="Start at", json_schema_extra=ui(2))
+    stop_after: Stage = Field("extract", title="Stop after", json_schema_extra=ui(3))
+    force: list[Stage] = Field(
+        default_factory=list, title="Force stages", description="Recompute these even when up to date.",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    gram_anchoring: bool = Field(
+        True, title="Gram anchoring", description="Off: convert the pretraining run directly.",
+        json_schema_extra=ui(5),
+    )  # fmt: skip
+    pretrained_weights: str | None = Field(
+        None, title="Released DINOv3 weights", description="Local .pth to warm-start pretraining from.",
+        json_schema_extra=ui(6),
+    )  # fmt: skip
+    tile_workers: int = Field(2, ge=1, le=64, title="Tiling processes", json_schema_extra=ui(7))
+    tile: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="default"), title="Tile config", json_schema_extra=ui(8)
+    )
+    pretrain: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(9)
+    )
+    gram: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(10)
+    )
+    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(11))
+    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(12))
+    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(13))
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(14))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(15))
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PipelineParams:
+        if STAGES.index(self.start_at) > STAGES.index(self.stop_after):
+            raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
+        return self
+
+    def selected(self) -> list[str]:
+        """The stages this run covers, in order (gram left out when gram anchoring is off)."""
+        chosen = STAGES[STAGES.index(self.start_at) : STAGES.index(self.stop_after) + 1]
+        return [s for s in chosen if s != "gram" or self.gram_anchoring]
+
+
+__all__ = [
+    "STAGES",
+    "ConvertParams",
+    "ExportParams",
+    "ExtractParams",
+    "GramParams",
+    "LaunchParams",
+    "Override",
+    "PipelineParams",
+    "PretrainParams",
+    "Stage",
+    "StageOptions",
+    "TrackingParams",
+    "merge_values",
+]

@@ -1,0 +1,359 @@
+"""The pipeline as users run it: deployments on a real Prefect server, a real process worker, MLflow on SQLite.
+
+One deployed pipeline run carries two injected faults (`WSIDINO_FAULT`): rank 0 of pretraining crashes after its
+first checkpoint (the task retries and training resumes from that checkpoint), and export fails as it starts
+(no retry for light stages: the run fails). Retrying the failed flow run, as the UI's Retry button does, must
+resume at export without recomputing anything before it. Then: a rerun skips every stage; a single-stage export
+rerun does not retrain; cancelling a running training flow leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import psutil
+import pytest
+
+from tests import prefect_fixtures
+
+orchestration_env = prefect_fixtures.orchestration_env
+orchestration_backends = prefect_fixtures.orchestration_backends
+prefect_api = prefect_fixtures.prefect_api
+mlflow_tracking = prefect_fixtures.mlflow_tracking
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = "wsidino-test-cpu"
+STAGES = ["tile", "pretrain", "gram", "convert", "export", "extract"]
+
+TRAIN_OVERRIDES = [
+    "train.global_batch_size=8",
+    "train.batch_size_per_gpu=4",
+    "optim.warmup_epochs=0",
+    "optim.freeze_last_layer_epochs=0",
+    "train.stop_at=4",
+    "checkpointing.period=2",
+    "evaluation.eval_period_iterations=2",
+]
+
+
+def pipeline_parameters(slides: Path, workdir: Path, tracking: prefect_fixtures.MlflowTracking) -> dict[str, Any]:
+    """A small but complete pipeline: one 20× test slide at 64 px / 2 µm/px, 2 training processes."""
+    return {
+        "slides": str(slides),
+        "workdir": str(workdir),
+        "tile_workers": 1,
+        "tile": {"config": "default", "overrides": ["tile_size=64", "mpp=2.0"]},
+        "pretrain": {"config": "tiny", "overrides": TRAIN_OVERRIDES},
+        "gram": {"config": "tiny", "overrides": TRAIN_OVERRIDES},
+        "export": {"overrides": ["parity_sizes=[32]", "parity_batches=[2]"]},
+        "extract": {"overrides": ["progress=false"]},
+        "launch": {"nproc_per_node": 2, "retries": 1},
+        "tracking": {"tracking_uri": tracking.uri, "experiment": tracking.experiment},
+    }
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def deploy(entrypoint: str, name: str) -> UUID:
+    """Register a deployment of this checkout's flow on the test pool (what `prefect deploy` does)."""
+    from prefect import flow
+
+    remote = flow.from_source(source=str(REPO), entrypoint=entrypoint)
+    return remote.deploy(name=name, work_pool_name=POOL, print_next_steps=False, ignore_warnings=True)
+
+
+def wait_final(flow_run_id: UUID, timeout: float) -> Any:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            if time.monotonic() > deadline:
+                pytest.fail(f"flow run {flow_run_id} still {run.state.name if run.state else None} after {timeout} s")
+            time.sleep(1.0)
+
+
+def trigger(deployment: str, parameters: dict[str, Any], env: dict[str, str] | None = None) -> UUID:
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(
+        deployment, parameters={"params": parameters}, job_variables={"env": env or {}}, timeout=0, as_subflow=False
+    )
+    return run.id
+
+
+def flow_logs(flow_run_id: UUID) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(messages)
+            )
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return "\n".join(messages)
+
+
+def subflow_runs(parent: UUID) -> list[Any]:
+    """Every stage subflow run of a pipeline flow run (subflows hang off a task run of the parent)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+        )
+
+
+def manifest(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+MANIFESTS = {
+    "tile": "tiles.zarr/stage_manifest.json",
+    "pretrain": "pretrain/stage_manifest.json",
+    "gram": "gram/stage_manifest.json",
+    "convert": "model/stage_manifest.json",
+    "export": "model/model.onnx.stage_manifest.json",
+    "extract": "features.zarr/stage_manifest.json",
+}
+
+
+def manifests(workdir: Path) -> dict[str, dict[str, Any]]:
+    """Each stage's manifest under the pipeline work directory ({} where the stage never ran)."""
+    return {stage: manifest(workdir / rel) for stage, rel in MANIFESTS.items()}
+
+
+def job_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions `marker` (a run directory): torchrun and its ranks."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or []) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
+    """A real process worker on the test pool, polling the session's Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--limit", "2"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def one_slide(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
+    listing = tmp_path_factory.mktemp("slides") / "slides.txt"
+    listing.write_text(f"{slide}\n")
+    return listing
+
+
+@pytest.fixture(scope="module")
+def deployed_pipeline_run(
+    worker: subprocess.Popen[str],
+    one_slide: Path,
+    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """The deployed pipeline with two faults, then its retry: the run's id, work dir and first-attempt facts."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")
+    workdir = tmp_path_factory.mktemp("pipeline") / "run"
+    params = pipeline_parameters(one_slide, workdir, mlflow_tracking)
+    run_id = trigger("pipeline/pipeline-test", params, env={"WSIDINO_FAULT": "pretrain@1,export"})
+    first = wait_final(run_id, timeout=600)
+    first_logs = "\n".join(flow_logs(r) for r in [run_id, *(sub.id for sub in subflow_runs(run_id))])
+    before_retry = manifests(workdir) if first.state.is_failed() else {}
+    with get_client(sync_client=True) as client:  # the UI's Retry: the same flow run is scheduled again
+        client.set_flow_run_state(run_id, Scheduled(), force=True)
+    final = wait_final(run_id, timeout=400)
+    return {"id": run_id, "workdir": workdir, "params": params, "first": first, "first_logs": first_logs,
+            "before_retry": before_retry, "final": final}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(1200)
+def test_deployed_pipeline_survives_a_crash_and_resumes_after_retry(deployed_pipeline_run: dict[str, Any]):
+    run = deployed_pipeline_run
+    first, final, workdir = run["first"], run["final"], run["workdir"]
+    # Attempt 1: the crashed rank was retried and resumed; the run failed at export, with the root cause.
+    assert first.state.is_failed(), first.state
+    assert "injected fault in stage export" in (first.state.message or "") + run["first_logs"]
+    before = run["before_retry"]
+    assert not before["extract"]
+    assert [before[s]["status"] for s in STAGES[:4]] == ["complete"] * 4
+    assert before["export"]["status"] == "failed" and "injected fault" in before["export"]["error"]
+    assert (workdir / "pretrain" / ".wsidino-fault-pretrain").exists()
+    metrics = [json.loads(line) for line in (workdir / "pretrain" / "training_metrics.json").read_text().splitlines()]
+    iterations = [m["iteration"] for m in metrics if "iteration" in m]
+    assert iterations.count(0) == 1 and max(iterations) == 3, iterations  # resumed after ckpt 1, not restarted
+    # The crash reached the Prefect logs with its root cause (rank 0's exception), and the task was retried.
+    assert "injected fault in stage pretrain after iteration 1" in run["first_logs"]
+    assert "Retry 1/1" in run["first_logs"]
+
+    # The retry (same flow run) completed, recomputing nothing before export.
+    assert final.state.is_completed(), final.state
+    after = manifests(workdir)
+    for stage in STAGES[:4]:
+        assert after[stage]["finished_at"] == before[stage]["finished_at"], stage
+        assert after[stage]["output_fingerprint"] == before[stage]["output_fingerprint"], stage
+    assert after["export"]["status"] == after["extract"]["status"] == "complete"
+    assert after["extract"]["lineage"].keys() == {"tile", "pretrain", "gram", "convert", "export"}
+
+
+@pytest.mark.timeout(120)
+def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
+    deployed_pipeline_run: dict[str, Any], mlflow_tracking: prefect_fixtures.MlflowTracking
+):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_tracking.uri)
+    exp = [mlflow_tracking.experiment_id]
+    flow_run_id = str(deployed_pipeline_run["id"])
+    (parent,) = client.search_runs(
+        exp, f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`wsidino.pipeline` = 'true'"
+    )
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs(exp, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_stage: dict[str, list[Any]] = {}
+    for child in children:
+        by_stage.setdefault(child.data.tags["wsidino.stage"], []).append(child)
+    # One run per stage, even for pretraining that ran twice (the retry resumed the same MLflow run).
+    assert {s: len(v) for s, v in by_stage.items()} == dict.fromkeys(STAGES, 1)
+    runs = {s: v[0] for s, v in by_stage.items()}
+    assert all(r.info.status == "FINISHED" for r in runs.values()), {s: r.info.status for s, r in runs.items()}
+    assert runs["pretrain"].data.metrics["total_loss"] > 0 and "gram_loss" in runs["gram"].data.metrics
+    assert runs["tile"].data.metrics["slides_ok"] == 1
+    assert runs["extract"].data.metrics["tiles"] > 0
+    for stage in ("pretrain", "gram", "convert", "export", "extract"):
+        names = [a.path for a in client.list_artifacts(runs[stage].info.run_id, "manifest")]
+        assert names == [
+            "manifest/" + ("model.onnx.stage_manifest.json" if stage == "export" else "stage_manifest.json")
+        ]
+    assert any(a.path.startswith("pca") for a in client.list_artifacts(runs["extract"].info.run_id))
+    assert "loss_curve.png" in {a.path for a in client.list_artifacts(runs["pretrain"].info.run_id)}
+    # Lineage: features → model → training runs → tile store.
+    tags = runs["extract"].data.tags
+    for stage in ("tile", "pretrain", "gram", "convert", "export"):
+        assert tags[f"wsidino.lineage.{stage}_run_id"] == runs[stage].info.run_id, stage
+    assert runs["tile"].data.tags["prefect.flow_run_id"] != flow_run_id  # the stage's own subflow run …
+    assert runs["tile"].data.tags["prefect.parent_flow_run_id"]  # … inside the pipeline run
+    # The ONNX model is registered with its alias and carries the lineage.
+    version = client.get_model_version_by_alias("wsidino-backbone", "candidate")
+    assert version.run_id == runs["export"].info.run_id
+    assert version.tags["wsidino.lineage.pretrain_run_id"] == runs["pretrain"].info.run_id
+
+
+@pytest.mark.timeout(600)
+def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
+    deployed_pipeline_run: dict[str, Any], mlflow_tracking: prefect_fixtures.MlflowTracking
+):
+    from flows.export import export_flow
+    from flows.pipeline import pipeline_flow
+    from tasks.params import ExportParams, PipelineParams
+
+    workdir = deployed_pipeline_run["workdir"]
+    ckpts = {p: p.stat().st_mtime_ns for p in (workdir / "pretrain").rglob("*")}
+    before = manifests(workdir)
+
+    state = pipeline_flow(PipelineParams(**deployed_pipeline_run["params"]), return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert {s: o["status"] for s, o in summary["stages"].items()} == dict.fromkeys(STAGES, "skipped")
+    assert manifests(workdir) == before
+
+    export = ExportParams(
+        weights=str(workdir / "model" / "backbone.pth"),
+        output=str(workdir / "model" / "model.onnx"),
+        stage=deployed_pipeline_run["params"]["export"],  # the same config: only `force` makes it run
+        tracking={"tracking_uri": mlflow_tracking.uri, "experiment": mlflow_tracking.experiment},
+        force=True,
+    )
+    state = export_flow(export, return_state=True)
+    assert state.is_completed(), state
+    outcome = state.result()
+    assert outcome["status"] == "ran" and outcome["reason"] == "forced"
+    assert int(outcome["summary"]["model_version"]) >= 2
+    assert {p: p.stat().st_mtime_ns for p in (workdir / "pretrain").rglob("*")} == ckpts  # nothing retrained
+    assert manifests(workdir)["gram"] == before["gram"]
+    # Extract now sees a new model (export's output fingerprint changed): it is due again, the rest is not.
+    state = pipeline_flow(PipelineParams(**{**deployed_pipeline_run["params"], "start_at": "convert"}),
+                          return_state=True)  # fmt: skip
+    stages = state.result()["stages"]
+    assert {s: o["status"] for s, o in stages.items()} == {"convert": "skipped", "export": "skipped", "extract": "ran"}
+
+
+@pytest.mark.timeout(300)
+def test_cancelling_a_training_flow_leaves_no_process_behind(
+    worker: subprocess.Popen[str],
+    deployed_pipeline_run: dict[str, Any],
+    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    tmp_path: Path,
+):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    deploy("flows/pretrain.py:pretrain_flow", "pretrain-test")
+    run_dir = tmp_path / "long-pretrain"
+    params = {
+        "stores": [str(deployed_pipeline_run["workdir"] / "tiles.zarr")],
+        "output_dir": str(run_dir),
+        "stage": {"config": "tiny", "overrides": ["optim.epochs=100000", "train.batch_size_per_gpu=4"]},
+        "launch": {"nproc_per_node": 2, "retries": 0},
+        "tracking": {"tracking_uri": mlflow_tracking.uri, "experiment": mlflow_tracking.experiment},
+    }
+    run_id = trigger("pretrain/pretrain-test", params)
+    deadline = time.monotonic() + 180
+    while len(job_processes(str(run_dir))) < 3:  # torchrun + 2 ranks
+        assert time.monotonic() < deadline, "the training job never started"
+        time.sleep(1.0)
+    time.sleep(3.0)
+    procs = job_processes(str(run_dir))
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, Cancelling(), force=True)
+    final = wait_final(run_id, timeout=120)
+    assert final.state.is_cancelled(), final.state
+    _gone, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    assert not job_processes(str(run_dir))
+    m = manifest(run_dir / "stage_manifest.json")
+    assert m["status"] in {"running", "failed"}  # never `complete`: a rerun resumes from the last checkpoint
