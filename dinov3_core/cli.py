@@ -14,6 +14,7 @@ from typing import Any
 
 from dinov3_core.config import ConfigError, flat_params, load_config, parse_overrides
 from dinov3_core.errors import WsidinoError
+from dinov3_core.stages import run_once
 
 EXIT_OK, EXIT_FAILED_ITEMS, EXIT_USAGE = 0, 1, 2
 
@@ -40,12 +41,23 @@ def cmd_tile(args: argparse.Namespace) -> int:
         bar.n = done
         bar.refresh()
 
-    with tracking.stage_run(cfg.tracking, "tile", params=flat_params(cfg), tags={"wsidino.stage": "tile"}):
-        result = run_tile(cfg, progress=progress)
-        bar.close()
-        report.log_to_mlflow(result)
-    print(report.format_summary(result))
-    return EXIT_FAILED_ITEMS if result.counts["failed"] else EXIT_OK
+    from dinov3_core.tiling.stage import prepare_store
+
+    prepare_store(cfg)  # a bad output path fails here, before the stage manifest is written into it
+    results: list[Any] = []
+
+    def tile() -> dict[str, Any]:
+        with tracking.stage_run(cfg.tracking, "tile", params=flat_params(cfg), tags={"wsidino.stage": "tile"}):
+            result = run_tile(cfg, progress=progress)
+            bar.close()
+            report.log_to_mlflow(result)
+        results.append(result)
+        return {**result.counts, "tiles_total": result.total_tiles}
+
+    ran, manifest = run_once("tile", cfg, tile, force=args.force)
+    if ran:
+        print(report.format_summary(results[0]))
+    return EXIT_FAILED_ITEMS if manifest.summary.get("failed") else EXIT_OK
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -55,19 +67,47 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         overrides.append(f"data.stores=[{','.join(args.store)}]")
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
+    from dinov3_core.train.config import PretrainConfig
+
+    cfg = load_config(PretrainConfig, args.config or "tiny", overrides, stage="pretrain")
     if args.nproc_per_node == 1 and args.nnodes == 1:
         from dinov3_core.train.__main__ import main as train_main
 
-        return train_main(["--config", args.config or "tiny", *overrides])
+        launch = lambda: train_main(["--config", args.config or "tiny", *overrides])  # noqa: E731
+    else:
+        from dinov3_core.train.stage import torchrun_command
+
+        cmd = torchrun_command(
+            args.config or "tiny", args.nproc_per_node, overrides, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
+        )
+        launch = lambda: _call(cmd)  # noqa: E731
+    return _run_training("pretrain", cfg, launch, args.force)
+
+
+def _call(cmd: list[str]) -> int:
     import subprocess
 
-    from dinov3_core.train.stage import torchrun_command
-
-    cmd = torchrun_command(
-        args.config or "tiny", args.nproc_per_node, overrides, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
-    )
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
+
+
+def _run_training(stage: str, cfg: Any, launch: Any, force: bool) -> int:
+    """Training under the stage manifest: a complete, unchanged run is skipped; a failed one resumes."""
+    codes: list[int] = []
+
+    def run() -> dict[str, Any]:
+        codes.append(launch())
+        if codes[-1] != 0:
+            raise WsidinoError(f"{stage} exited with code {codes[-1]}; rerun the same command to resume")
+        return {}
+
+    try:
+        run_once(stage, cfg, run, force=force)
+    except WsidinoError:
+        if codes and codes[-1] != 0:
+            return codes[-1]
+        raise
+    return EXIT_OK
 
 
 def cmd_gram(args: argparse.Namespace) -> int:
@@ -75,18 +115,22 @@ def cmd_gram(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
+    from dinov3_core.gram.config import GramConfig
+
+    head = [f"pretrain_dir={args.pretrain_dir}"] if args.pretrain_dir else []
+    cfg = load_config(GramConfig, args.config, [*head, *overrides], stage="gram")
     if args.nproc_per_node == 1:
         from dinov3_core.gram.__main__ import main as gram_main
 
-        head = ["--pretrain-dir", args.pretrain_dir] if args.pretrain_dir else []
-        return gram_main([*head, *(["--config", args.config] if args.config else []), *overrides])
-    import subprocess
+        argv = [*(["--pretrain-dir", args.pretrain_dir] if args.pretrain_dir else []),
+                *(["--config", args.config] if args.config else []), *overrides]  # fmt: skip
+        launch = lambda: gram_main(argv)  # noqa: E731
+    else:
+        from dinov3_core.gram.stage import torchrun_command
 
-    from dinov3_core.gram.stage import torchrun_command
-
-    cmd = torchrun_command(args.pretrain_dir, args.nproc_per_node, overrides, config=args.config)
-    print("+", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+        cmd = torchrun_command(args.pretrain_dir, args.nproc_per_node, overrides, config=args.config)
+        launch = lambda: _call(cmd)  # noqa: E731
+    return _run_training("gram", cfg, launch, args.force)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -94,8 +138,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from dinov3_core.export.convert import run_convert
 
     cfg = _load(ConvertConfig, "convert", args, {"input": args.input, "output_dir": args.output_dir})
-    result = run_convert(cfg)
-    print(f"convert: {result.checkpoint} → {result.backbone}")
+
+    def run() -> dict[str, Any]:
+        result = run_convert(cfg)
+        print(f"convert: {result.checkpoint} → {result.backbone}")
+        return {"iteration": result.iteration, "arch": result.arch}
+
+    run_once("convert", cfg, run, force=args.force)
     return EXIT_OK
 
 
@@ -104,8 +153,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dinov3_core.export.onnx_export import run_export
 
     cfg = _load(ExportConfig, "export", args, {"weights": args.weights, "output": args.output})
-    result = run_export(cfg)
-    print(f"export: {result.path} (ONNX Runtime vs PyTorch max abs error {result.max_abs_error:.2e})")
+
+    def run() -> dict[str, Any]:
+        result = run_export(cfg)
+        print(f"export: {result.path} (ONNX Runtime vs PyTorch max abs error {result.max_abs_error:.2e})")
+        return {"max_abs_error": result.max_abs_error, "model_version": result.model_version}
+
+    run_once("export", cfg, run, force=args.force)
     return EXIT_OK
 
 
@@ -114,8 +168,13 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from dinov3_core.export.extract import run_extract
 
     cfg = _load(ExtractConfig, "extract", args, {"store": args.store, "model": args.model, "output": args.output})
-    result = run_extract(cfg)
-    print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date → {result.output}")
+
+    def run() -> dict[str, Any]:
+        result = run_extract(cfg)
+        print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date → {result.output}")
+        return {"slides_extracted": len(result.extracted), "tiles": result.tiles}
+
+    run_once("extract", cfg, run, force=args.force)
     return EXIT_OK
 
 
@@ -139,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", help=f"YAML file, or a name under configs/{name}/")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tile_size=256")
+        p.add_argument(
+            "--force", action="store_true", help="run even when the stage manifest says the outputs are up to date"
+        )
         return p
 
     tile = stage_parser("tile", "Whole-slide images → zarr tile store (µm/px-exact tiles, tissue mask, QC).")

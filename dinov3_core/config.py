@@ -63,6 +63,11 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def flatten(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"a": {"b": 1}}` → `{"a.b": 1}` (lists and scalars are leaves)."""
+    return _flatten(mapping)
+
+
 def _is_section(node: Any) -> bool:
     """A dataclass-backed sub-config (its keys are fixed), as opposed to a free-form `dict[str, X]` field."""
     if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
@@ -238,6 +243,7 @@ __all__ = [
     "config_dir",
     "config_hash",
     "flat_params",
+    "flatten",
     "load_config",
     "parse_overrides",
     "resolve_config_path",

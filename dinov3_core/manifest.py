@@ -10,8 +10,8 @@ single-file output such as `model.onnx`):
 
 A stage is up to date when its manifest is `complete`, the config hash and every input fingerprint match, and
 the recorded outputs exist. An input produced by another stage is fingerprinted by that stage's manifest
-(`output_fingerprint`, new each time the producer completes), so a downstream stage reruns exactly when its
-upstream changed. Other inputs are fingerprinted from file sizes and content samples (no full hashing of
+(`output_fingerprint`: the producer's config, inputs and output content), so a downstream stage reruns exactly
+when what it reads changed. Other inputs are fingerprinted from file sizes and content samples (no full hashing of
 multi-GB checkpoints). `lineage` carries the MLflow run ids of every upstream stage, which is how features are
 traced back to the model, the training runs and the tile store.
 """
@@ -116,8 +116,8 @@ def file_fingerprint(path: Path) -> str:
     h = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
         h.update(f.read(_SAMPLE))
-        if size > 2 * _SAMPLE:
-            f.seek(size - _SAMPLE)
+        if size > _SAMPLE:
+            f.seek(max(_SAMPLE, size - _SAMPLE))
             h.update(f.read(_SAMPLE))
     return "file:" + h.hexdigest()[:20]
 
@@ -145,9 +145,12 @@ def _tile_store_fingerprint(store: Path) -> str | None:
     doc = json.loads(manifest.read_text())
     if doc.get("format") != "tile-store-manifest":
         return None
+    done = {"ok", "skipped"}  # "skipped" = already complete from an earlier run: the same content as "ok"
     slides = sorted(
-        (s.get("slide_id"), s.get("status"), s.get("tile_count"), s.get("source_path")) for s in doc.get("slides", [])
-    )
+        (s.get("slide_id"), "ok" if s.get("status") in done else s.get("status"), s.get("tile_count"),
+         s.get("source_path"))
+        for s in doc.get("slides", [])
+    )  # fmt: skip
     return "tiles:" + _sha(doc.get("tiling"), slides)
 
 
@@ -182,13 +185,33 @@ def fingerprint(path: str | os.PathLike[str], key: str = "input") -> str:
     raise ManifestError(f"{key}: {p} does not exist; check the path or run the stage that produces it first")
 
 
-def fingerprint_inputs(inputs: Mapping[str, str | os.PathLike[str] | None]) -> dict[str, dict[str, str]]:
-    """name → {"path", "fingerprint"} for every input that is set."""
-    return {
-        name: {"path": str(Path(path).resolve()), "fingerprint": fingerprint(path, name)}
-        for name, path in inputs.items()
-        if path
-    }
+def files_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
+    """Path, size and mtime of many files (slides listed in a .txt/.csv): cheap for thousands of large files;
+    a missing file counts as such (it fails on its own in the stage)."""
+    entries = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            entries.append((str(p), st.st_size, st.st_mtime_ns))
+        except OSError:
+            entries.append((str(p), None, None))
+    return "files:" + _sha(entries)
+
+
+InputPath = str | os.PathLike[str] | list[str] | None
+
+
+def fingerprint_inputs(inputs: Mapping[str, InputPath]) -> dict[str, dict[str, str]]:
+    """name → {"path", "fingerprint"} for every input that is set (a list of paths gets one combined entry)."""
+    out = {}
+    for name, path in inputs.items():
+        if not path:
+            continue
+        if isinstance(path, list):
+            out[name] = {"path": f"{path[0]} (+{len(path) - 1} more)", "fingerprint": files_fingerprint(path)}
+        else:
+            out[name] = {"path": str(Path(path).resolve()), "fingerprint": fingerprint(path, name)}
+    return out
 
 
 def lineage_of(paths: Iterable[str | os.PathLike[str] | None]) -> dict[str, str]:
@@ -238,9 +261,22 @@ def check_up_to_date(path: Path, config_hash: str, inputs: Mapping[str, Mapping[
     return Decision(True, "same config and inputs as the complete run of " + str(previous.finished_at), previous)
 
 
+def output_content(path: str | os.PathLike[str]) -> str:
+    """What a produced output looks like now: file content samples, a tile store's slides and tile counts, or
+    (other directories: run dirs, feature stores) just the path; their named files carry the change."""
+    p = Path(path)
+    if p.is_file():
+        return file_fingerprint(p)
+    if p.is_dir():
+        return _tile_store_fingerprint(p) or str(p)
+    return "missing"
+
+
 def completion_fingerprint(m: StageManifest) -> str:
-    """New on every completion: downstream stages rerun after their input was rebuilt."""
-    return _sha(m.stage, m.config_hash, m.inputs, m.outputs, m.finished_at, time.time_ns())
+    """What downstream stages record for this stage's output: config, inputs and the outputs' content, so a
+    rerun that produced the same outputs (a retried slide that still fails, a forced export of the same
+    weights) does not make every later stage rerun, while a different checkpoint or model file does."""
+    return _sha(m.stage, m.config_hash, m.inputs, {k: [v, output_content(v)] for k, v in sorted(m.outputs.items())})
 
 
 __all__ = [

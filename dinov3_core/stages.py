@@ -10,13 +10,16 @@ and decide whether a rerun may skip it, without knowing each stage's config layo
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dinov3_core import manifest as mf
 from dinov3_core.config import config_hash, resolve_config_path
+from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
 from dinov3_core.manifest import manifest_path
 from dinov3_core.tiling.config import TileConfig
@@ -80,8 +83,14 @@ def _gram_outputs(cfg: Any) -> dict[str, str]:
     return out
 
 
-def _slides_input(cfg: TileConfig) -> dict[str, str | None]:
-    return {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
+def _slides_input(cfg: TileConfig) -> dict[str, Any]:
+    """A slide list (.txt/.csv) is fingerprinted with the files it names, so a replaced slide counts."""
+    from dinov3_core.tiling.stage import discover_slides
+
+    inputs: dict[str, Any] = {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
+    if Path(cfg.input).suffix.lower() in {".txt", ".csv"} and Path(cfg.input).is_file():
+        inputs["listed_slides"] = [str(p) for p in discover_slides(cfg.input, cfg.extensions)]
+    return inputs
 
 
 def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
@@ -95,7 +104,7 @@ def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
 STAGE_SPECS: dict[str, StageSpec] = {
     "tile": StageSpec(
         "tile", lambda: TileConfig, False, True, lambda c: c.output, _slides_input,
-        lambda c: {"store": c.output, "store_manifest": str(Path(c.output) / "manifest.json")},
+        lambda c: {"store": c.output},  # fingerprinted by its slides' tile counts (dinov3_core.manifest)
         volatile=("tracking.", "progress", "workers"),
     ),
     "pretrain": StageSpec(
@@ -124,8 +133,78 @@ STAGE_SPECS: dict[str, StageSpec] = {
 }  # fmt: skip
 
 
+@contextlib.contextmanager
+def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
+    """`running` manifest while the block runs; `complete` (with outputs and a new output fingerprint) after it,
+    `failed` with the error when it raises. The caller fills `run_id` and `summary` on the yielded manifest."""
+    path = spec.manifest_path(cfg)
+    paths = [i["path"] for i in inputs.values()]
+    m = mf.StageManifest(
+        stage=spec.name,
+        status="running",
+        config_hash=spec.config_hash(cfg),
+        inputs=inputs,
+        lineage=mf.lineage_of(paths),
+        started_at=mf.now(),
+    )
+    mf.write_manifest(path, m)
+    try:
+        yield m
+    except BaseException as err:
+        m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+        mf.write_manifest(path, m)
+        raise
+    m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
+    missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
+    if missing:
+        m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+        mf.write_manifest(path, m)
+        raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
+    m.status, m.finished_at = "complete", mf.now()
+    m.output_fingerprint = mf.completion_fingerprint(m)
+    mf.write_manifest(path, m)
+
+
+def run_once(
+    stage: str,
+    cfg: Any,
+    run: Callable[[], dict[str, Any] | None],
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> tuple[bool, mf.StageManifest]:
+    """Run a stage under its manifest unless it is up to date (the CLI's path; Prefect tasks add MLflow nesting).
+
+    A previous run that recorded failed items (`summary["failed"]`, e.g. unreadable slides) is never up to date:
+    rerunning retries just those items.
+
+    Returns:
+        (ran, manifest): whether `run` was called, and the manifest now on disk.
+    """
+    spec = STAGE_SPECS[stage]
+    inputs = mf.fingerprint_inputs(spec.inputs(cfg))
+    decision = mf.check_up_to_date(spec.manifest_path(cfg), spec.config_hash(cfg), inputs)
+    previous = decision.previous
+    if decision.up_to_date and not force and previous is not None and not previous.summary.get("failed"):
+        log(f"{stage}: up to date ({decision.reason}); skipped. Use --force to recompute.")
+        return False, previous
+    with manifest_guard(spec, cfg, inputs) as m:
+        m.summary = run() or {}
+        m.mlflow_run_id = _last_mlflow_run_id(cfg)
+    return True, m
+
+
+def _last_mlflow_run_id(cfg: Any) -> str | None:
+    if not cfg.tracking.enabled:
+        return None
+    import mlflow
+
+    run = mlflow.last_active_run()
+    return run.info.run_id if run is not None else None
+
+
 def named_config_exists(stage: str, name_or_path: str | os.PathLike[str] | None) -> bool:
     return resolve_config_path(stage, name_or_path) is not None if name_or_path else True
 
 
-__all__ = ["STAGE_SPECS", "StageSpec", "named_config_exists"]
+__all__ = ["STAGE_SPECS", "StageSpec", "manifest_guard", "named_config_exists", "run_once"]

@@ -49,6 +49,134 @@ def pipeline() -> None:
     fig.savefig(OUT / "pipeline.png", dpi=110, bbox_inches="tight")
 
 
+# Orchestration: what each stage subflow runs, the manifest it writes, the MLflow child run it logs to.
+ORCH = [
+    (
+        "tile",
+        "select-slides →\ntile-<slide> tasks\n(process pool)\n→ finalize-tile-run",
+        "tiles.zarr/\nstage_manifest.json",
+        "QC pictures, config,\nstore manifest.json",
+    ),
+    (
+        "pretrain",
+        "run-stage task\n→ torchrun, N ranks\nrank 0 → Prefect log\nretries: crashes only",
+        "pretrain/\nstage_manifest.json",
+        "metrics, loss curve\n(one run across\nretries) + manifest",
+    ),
+    (
+        "gram",
+        "run-stage task\n→ torchrun, N ranks\nretries resume from\nlast DCP checkpoint",
+        "gram/\nstage_manifest.json",
+        "gram_loss, metrics,\nloss curve\n+ manifest",
+    ),
+    (
+        "convert",
+        "run-stage task\nin process\n(no retries)",
+        "model/\nstage_manifest.json",
+        "sizes, config.yaml\n+ manifest",
+    ),
+    (
+        "export",
+        "run-stage task\nin process\n(no retries)",
+        "model/model.onnx.\nstage_manifest.json",
+        "ONNX model → registry\nwsidino-backbone\n@candidate + manifest",
+    ),
+    (
+        "extract",
+        "run-stage task\nin process\n(no retries)",
+        "features.zarr/\nstage_manifest.json",
+        "throughput, PCA maps\n+ manifest",
+    ),
+]
+
+
+def orchestration() -> None:
+    blue, blue_fc = "#1a73e8", "#e8f0fe"
+    amber, amber_fc = "#e37400", "#fef7e0"
+    green, green_fc = "#188038", "#e6f4ea"
+    note = "#3c4043"
+    fig, ax = plt.subplots(figsize=(13, 8.4))
+    ax.set_xlim(0, 13)
+    ax.set_ylim(0, 8.4)
+    ax.axis("off")
+
+    def band(y: float, h: float, ec: str, title: str, right: str, bottom: str) -> None:
+        ax.add_patch(FancyBboxPatch((0.08, y), 12.84, h, boxstyle="round,pad=0.02", fc="#fafafa", ec=ec, ls="--"))
+        label = {"va": "center", "zorder": 5, "bbox": {"fc": "#fafafa", "ec": "none", "pad": 1.5}}
+        ax.text(0.2, y + h - 0.2, title, ha="left", fontsize=10.5, weight="bold", color=ec, **label)
+        ax.text(12.8, y + h - 0.2, right, ha="right", fontsize=8, color=note, **label)
+        if bottom:
+            ax.text(6.5, y + 0.2, bottom, ha="center", va="center", fontsize=8, color=note)
+
+    def arrow(a: tuple[float, float], b: tuple[float, float], color: str) -> None:
+        ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=12, color=color, lw=1.1))
+
+    band(
+        5.45,
+        2.85,
+        blue,
+        "Prefect: pipeline flow run",
+        "params: slides, workdir, start_at … stop_after, force[ ]   ·   "
+        "Retry of a failed run resumes at the failed stage",
+        "",
+    )
+    band(
+        3.3,
+        1.95,
+        amber,
+        "<workdir>: stage manifests",
+        "a stage is skipped when its manifest is complete, with the same config_hash and input fingerprints, "
+        "and its outputs exist",
+        "→  the upstream manifest's output_fingerprint (config, inputs, output content) is the downstream input "
+        "fingerprint: an upstream rerun with new outputs reruns what follows",
+    )
+    band(
+        0.1,
+        3.0,
+        green,
+        "MLflow experiment",
+        "a skipped stage gets a child tagged wsidino.status=skipped, wsidino.reused_run_id",
+        "every child: wsidino.stage, prefect.* tags and wsidino.lineage.<stage>_run_id of each upstream stage; "
+        "torchrun rank 0 logs into its stage's child",
+    )
+
+    # MLflow parent run, spanning all stages.
+    ax.add_patch(FancyBboxPatch((0.25, 2.2), 12.5, 0.4, boxstyle="round,pad=0.04", fc=green_fc, ec=green))
+    ax.text(
+        6.5,
+        2.4,
+        "parent run  pipeline/<flow run name>:  pipeline parameters, pipeline_summary.json;  "
+        "tags prefect.flow_run_id, prefect.flow_run_url, wsidino.workdir",
+        ha="center",
+        va="center",
+        fontsize=8.5,
+    )
+
+    for i, (name, task_text, manifest, logged) in enumerate(ORCH):
+        x, w = 0.25 + i * 2.13, 1.8
+        cx = x + w / 2
+        # The stage's subflow and what it runs.
+        ax.add_patch(FancyBboxPatch((x, 5.65), w, 2.1, boxstyle="round,pad=0.05", fc=blue_fc, ec=blue))
+        ax.text(cx, 7.5, name, ha="center", va="center", fontsize=12, weight="bold")
+        ax.text(cx, 7.22, "subflow", ha="center", va="center", fontsize=7.5, color="#5f6368", style="italic")
+        ax.text(cx, 6.4, task_text, ha="center", va="center", fontsize=7.8)
+        if i < len(ORCH) - 1:
+            arrow((x + w + 0.06, 6.7), (x + 2.13 - 0.06, 6.7), blue)
+        # Its manifest.
+        ax.add_patch(FancyBboxPatch((x + 0.1, 3.85), w - 0.2, 0.8, boxstyle="round,pad=0.04", fc=amber_fc, ec=amber))
+        ax.text(cx, 4.25, manifest, ha="center", va="center", fontsize=7.5, family="monospace")
+        arrow((cx, 5.6), (cx, 4.72), amber)
+        if i < len(ORCH) - 1:
+            arrow((x + w - 0.05, 4.25), (x + 2.13 + 0.05, 4.25), amber)
+        # Its MLflow child run under the pipeline's parent run.
+        ax.add_patch(FancyBboxPatch((x + 0.05, 0.6), w - 0.1, 1.3, boxstyle="round,pad=0.04", fc="white", ec=green))
+        ax.text(cx, 1.66, f"child: {name}", ha="center", va="center", fontsize=9, weight="bold")
+        ax.text(cx, 1.12, logged, ha="center", va="center", fontsize=7.5)
+        ax.plot([cx, cx], [2.16, 1.96], color=green, lw=1.2)
+    fig.savefig(OUT / "orchestration.png", dpi=110, bbox_inches="tight")
+
+
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
     pipeline()
+    orchestration()

@@ -39,7 +39,7 @@ from tasks.params import (
     PretrainParams,
 )
 from tasks.tile import TileParams
-from tasks.tracking import pipeline_mlflow_run
+from tasks.tracking import pipeline_mlflow_run, record_pipeline
 
 
 def layout(workdir: str | Path) -> dict[str, Path]:
@@ -143,6 +143,7 @@ def pipeline_flow(params: PipelineParams) -> dict[str, Any]:
         "stages": {s: {k: o.get(k) for k in OUTCOME_KEYS} for s, o in outcomes.items()},
         "mlflow_run_id": parent_run_id,
     }
+    record_pipeline(_tracking_config(params), parent_run_id, params.model_dump(mode="json"), summary)
     create_markdown_artifact(_markdown(summary), key="pipeline-summary", description="Pipeline outcome")
     return summary
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import flow
 
+from dinov3_core import faults
 from dinov3_core import manifest as mf
 from dinov3_core.stages import STAGE_SPECS
 from tasks.stages import manifest_guard, record_skip
@@ -50,6 +51,7 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
     if decision.up_to_date and not params.force and decision.previous and not decision.previous.summary.get("failed"):
         return {**decision.previous.summary, **record_skip(SPEC, store.cfg, decision)}
     with hold_store_lock(store.root), manifest_guard(SPEC, store.cfg, inputs) as manifest:
+        faults.maybe_fail("tile", store.root)
         plan = select_slides(store)
         outcomes = run_slide_tasks(plan)
         summary = finalize_tile_run(plan, outcomes)
@@ -59,7 +61,8 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
             "tiles_total": summary["tiles_total"],
             "failed_slides": summary["failed_slides"],
         }
-    return {"stage": "tile", "status": "ran", **summary}
+    reason = "forced" if decision.up_to_date else decision.reason
+    return {"stage": "tile", "status": "ran", "reason": reason, "summary": manifest.summary, **summary}
 
 
 if __name__ == "__main__":

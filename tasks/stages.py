@@ -28,9 +28,9 @@ from prefect.cache_policies import NO_CACHE
 
 from dinov3_core import faults, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import load_config, save_config
+from dinov3_core.config import load_config, save_config, to_yaml
 from dinov3_core.errors import WsidinoError
-from dinov3_core.stages import STAGE_SPECS, StageSpec
+from dinov3_core.stages import STAGE_SPECS, StageSpec, manifest_guard
 from tasks.launch import TorchrunFailed, TorchrunJob, run_torchrun
 from tasks.params import LaunchParams
 from tasks.tracking import current_pipeline_run, find_stage_run, stage_mlflow_run
@@ -105,38 +105,6 @@ def outcome(stage: str, status: str, reason: str, path: Path, m: mf.StageManifes
     }
 
 
-@contextlib.contextmanager
-def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
-    """`running` manifest while the block runs; `complete` (with outputs and a new output fingerprint) after it,
-    `failed` with the error when it raises. The caller fills `run_id` and `summary` on the yielded manifest."""
-    path = spec.manifest_path(cfg)
-    paths = [i["path"] for i in inputs.values()]
-    m = mf.StageManifest(
-        stage=spec.name,
-        status="running",
-        config_hash=spec.config_hash(cfg),
-        inputs=inputs,
-        lineage=mf.lineage_of(paths),
-        started_at=mf.now(),
-    )
-    mf.write_manifest(path, m)
-    try:
-        yield m
-    except BaseException as err:
-        m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
-        mf.write_manifest(path, m)
-        raise
-    m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
-    missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
-    if missing:
-        m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
-        mf.write_manifest(path, m)
-        raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
-    m.status, m.finished_at = "complete", mf.now()
-    m.output_fingerprint = mf.completion_fingerprint(m)
-    mf.write_manifest(path, m)
-
-
 # ----------------------------------------------------------------------------------------- in-process stages
 
 
@@ -170,7 +138,10 @@ IN_PROCESS: dict[str, Callable[[Any], dict[str, Any]]] = {"convert": _convert, "
 
 
 def _log_stage_artifacts(stage: str, cfg: Any) -> None:
-    """Pictures worth a look in MLflow, beyond what the stage logs itself."""
+    """The resolved config, and pictures worth a look in MLflow, beyond what the stage logs itself."""
+    import mlflow
+
+    mlflow.log_text(to_yaml(cfg), f"config/{stage}.yaml")
     if stage == "extract":
         for png in sorted(Path(cfg.output).glob("slides/*/pca.png"))[:50]:
             tracking.log_artifact(png, f"pca/{png.parent.name}")
@@ -238,8 +209,18 @@ def gpu_slots(launch: LaunchParams) -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     get_run_logger().info("waiting for %d slot(s) of %r", launch.nproc_per_node, launch.gpu_slots)
-    with concurrency(launch.gpu_slots, occupy=launch.nproc_per_node, strict=False):
+    try:
+        slots = concurrency(launch.gpu_slots, occupy=launch.nproc_per_node, strict=True)
+        slots.__enter__()
+    except Exception as err:  # strict: a misspelled limit must not mean "unlimited"
+        raise WsidinoError(
+            f"launch.gpu_slots={launch.gpu_slots!r}: no such global concurrency limit on the Prefect server "
+            f"({err}); create it with `prefect gcl create {launch.gpu_slots} --limit <GPUs>` or leave it empty"
+        ) from err
+    try:
         yield
+    finally:
+        slots.__exit__(None, None, None)
 
 
 def _launch_training(stage: str, cfg: Any, launch: LaunchParams, run: Any) -> dict[str, Any]:
@@ -262,7 +243,7 @@ def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except TorchrunFailed as err:
-        return not err.timed_out and err.exit_code != 2
+        return not err.timed_out and err.rank_exit_code != 2  # torchrun itself always exits 1
     except WsidinoError:
         return False
     except Exception:
@@ -301,7 +282,13 @@ def run_stage(stage: str, cfg: Any, force: bool = False, launch: LaunchParams | 
             **lineage_tags(m.lineage),
             **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
         }
-        with stage_mlflow_run(cfg.tracking, stage, tags=tags) as run:
+        previous = decision.previous
+        retry_of = (
+            previous.mlflow_run_id
+            if previous is not None and previous.status != "complete" and previous.config_hash == m.config_hash
+            else None
+        )  # a retry of a failed attempt keeps its MLflow run
+        with stage_mlflow_run(cfg.tracking, stage, tags=tags, resume_run_id=retry_of) as run:
             m.mlflow_run_id = run.info.run_id if run is not None else None
             mf.write_manifest(path, m)  # a crash mid-run still leaves the run id on record
             if spec.distributed:

@@ -68,8 +68,12 @@ def stage_mlflow_run(
     stage: str,
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, str] | None = None,
+    resume_run_id: str | None = None,
 ) -> Iterator[Any]:
     """Open the MLflow run of one stage execution, tagged with the Prefect flow run.
+
+    Inside a pipeline run the stage nests under the pipeline's run and resumes the unfinished child a failed
+    attempt left; on its own it resumes `resume_run_id` (the run of the stage's last, failed attempt).
 
     Call it from the task that logs (MLflow's active run is per thread). A failure inside the block marks the
     run FAILED and re-raises.
@@ -86,7 +90,7 @@ def stage_mlflow_run(
     """
     all_tags = {**prefect_run_tags(stage), **dict(tags or {})}
     parent = current_pipeline_run()
-    run_id = find_stage_run(cfg, parent, stage) if parent and cfg.enabled else None
+    run_id = find_stage_run(cfg, parent, stage) if parent and cfg.enabled else resume_run_id
     with tracking.stage_run(
         cfg, mlflow_run_name(stage), params=params, tags=all_tags, run_id=run_id, parent_run_id=parent
     ) as run:
@@ -178,3 +182,20 @@ def mlflow_run_env(run: Any, cfg: TrackingConfig) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg),
         "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
     }
+
+
+def record_pipeline(cfg: TrackingConfig, run_id: str | None, params: Mapping[str, Any], summary: Any) -> None:
+    """Parameters (flattened, for comparing runs) and the outcome of each stage on the pipeline's MLflow run."""
+    if run_id is None:
+        return
+    from mlflow import MlflowClient
+
+    from dinov3_core.config import flatten
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg))
+    flat = {k: ("null" if v is None else str(v))[:6000] for k, v in flatten(params).items()}
+    existing = client.get_run(run_id).data.params
+    for key, value in flat.items():
+        if key not in existing:  # a retried flow run logs the same parameters again; params are write-once
+            client.log_param(run_id, key, value)
+    client.log_dict(run_id, summary, "pipeline_summary.json")

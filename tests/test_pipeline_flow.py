@@ -253,6 +253,8 @@ def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
         exp, f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`wsidino.pipeline` = 'true'"
     )
     assert parent.info.status == "FINISHED"
+    assert parent.data.params["launch.nproc_per_node"] == "2" and parent.data.params["pretrain.config"] == "tiny"
+    assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["pipeline_summary.json"]
     children = client.search_runs(exp, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     by_stage: dict[str, list[Any]] = {}
     for child in children:
@@ -270,6 +272,8 @@ def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
             "manifest/" + ("model.onnx.stage_manifest.json" if stage == "export" else "stage_manifest.json")
         ]
     assert any(a.path.startswith("pca") for a in client.list_artifacts(runs["extract"].info.run_id))
+    for stage in ("convert", "export", "extract"):  # the resolved config of every stage
+        assert [a.path for a in client.list_artifacts(runs[stage].info.run_id, "config")] == [f"config/{stage}.yaml"]
     assert "loss_curve.png" in {a.path for a in client.list_artifacts(runs["pretrain"].info.run_id)}
     # Lineage: features → model → training runs → tile store.
     tags = runs["extract"].data.tags
@@ -283,43 +287,61 @@ def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
     assert version.tags["wsidino.lineage.pretrain_run_id"] == runs["pretrain"].info.run_id
 
 
+def pipeline_summary(tracking: prefect_fixtures.MlflowTracking, flow_run_id: UUID) -> dict[str, Any]:
+    """The pipeline_summary.json artifact of a pipeline flow run's MLflow parent run."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking.uri)
+    query = f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`wsidino.pipeline` = 'true'"
+    (parent,) = client.search_runs([tracking.experiment_id], query)
+    return json.loads(Path(client.download_artifacts(parent.info.run_id, "pipeline_summary.json")).read_text())
+
+
+def statuses(summary: dict[str, Any]) -> dict[str, str]:
+    return {stage: outcome["status"] for stage, outcome in summary["stages"].items()}
+
+
 @pytest.mark.timeout(600)
 def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
     deployed_pipeline_run: dict[str, Any], mlflow_tracking: prefect_fixtures.MlflowTracking
 ):
-    from flows.export import export_flow
-    from flows.pipeline import pipeline_flow
-    from tasks.params import ExportParams, PipelineParams
+    """Everything through the worker, as from the UI (a run of the same deployment; the export deployment)."""
+    from mlflow import MlflowClient
 
-    workdir = deployed_pipeline_run["workdir"]
+    workdir, params = deployed_pipeline_run["workdir"], deployed_pipeline_run["params"]
     ckpts = {p: p.stat().st_mtime_ns for p in (workdir / "pretrain").rglob("*")}
     before = manifests(workdir)
 
-    state = pipeline_flow(PipelineParams(**deployed_pipeline_run["params"]), return_state=True)
-    assert state.is_completed(), state
-    summary = state.result()
-    assert {s: o["status"] for s, o in summary["stages"].items()} == dict.fromkeys(STAGES, "skipped")
+    rerun = wait_final(trigger("pipeline/pipeline-test", params), timeout=300)
+    assert rerun.state.is_completed(), rerun.state
+    assert statuses(pipeline_summary(mlflow_tracking, rerun.id)) == dict.fromkeys(STAGES, "skipped")
     assert manifests(workdir) == before
 
-    export = ExportParams(
-        weights=str(workdir / "model" / "backbone.pth"),
-        output=str(workdir / "model" / "model.onnx"),
-        stage=deployed_pipeline_run["params"]["export"],  # the same config: only `force` makes it run
-        tracking={"tracking_uri": mlflow_tracking.uri, "experiment": mlflow_tracking.experiment},
-        force=True,
-    )
-    state = export_flow(export, return_state=True)
-    assert state.is_completed(), state
-    outcome = state.result()
-    assert outcome["status"] == "ran" and outcome["reason"] == "forced"
-    assert int(outcome["summary"]["model_version"]) >= 2
+    deploy("flows/export.py:export_flow", "export-test")
+    export = {
+        "weights": str(workdir / "model" / "backbone.pth"),
+        "output": str(workdir / "model" / "model.onnx"),
+        "stage": params["export"],  # the same config: only `force` makes it run
+        "tracking": params["tracking"],
+        "force": True,
+    }
+    versions = MlflowClient(mlflow_tracking.uri).search_model_versions("name = 'wsidino-backbone'")
+    forced = wait_final(trigger("export/export-test", export), timeout=300)
+    assert forced.state.is_completed(), forced.state
+    after = manifests(workdir)
+    assert after["export"]["finished_at"] >= before["export"]["finished_at"]
+    assert after["export"]["mlflow_run_id"] != before["export"]["mlflow_run_id"]  # a new run: it did run
+    new_versions = MlflowClient(mlflow_tracking.uri).search_model_versions("name = 'wsidino-backbone'")
+    assert len(new_versions) == len(versions) + 1  # the re-export is registered as a new version
     assert {p: p.stat().st_mtime_ns for p in (workdir / "pretrain").rglob("*")} == ckpts  # nothing retrained
-    assert manifests(workdir)["gram"] == before["gram"]
-    # Extract now sees a new model (export's output fingerprint changed): it is due again, the rest is not.
-    state = pipeline_flow(PipelineParams(**{**deployed_pipeline_run["params"], "start_at": "convert"}),
-                          return_state=True)  # fmt: skip
-    stages = state.result()["stages"]
-    assert {s: o["status"] for s, o in stages.items()} == {"convert": "skipped", "export": "skipped", "extract": "ran"}
+    assert {s: after[s] for s in STAGES[:4]} == {s: before[s] for s in STAGES[:4]}
+
+    # Extract is due again only if the re-exported file differs (its fingerprint covers the model's content).
+    same_model = after["export"]["output_fingerprint"] == before["export"]["output_fingerprint"]
+    tail = wait_final(trigger("pipeline/pipeline-test", {**params, "start_at": "convert"}), timeout=300)
+    assert tail.state.is_completed(), tail.state
+    expected = {"convert": "skipped", "export": "skipped", "extract": "skipped" if same_model else "ran"}
+    assert statuses(pipeline_summary(mlflow_tracking, tail.id)) == expected
 
 
 @pytest.mark.timeout(300)

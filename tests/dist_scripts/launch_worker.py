@@ -63,6 +63,7 @@ def distributed(mode: str) -> int:
             raise ValueError("boom-rank1")
         if mode == "exit2":
             print("error: bad input X", file=sys.stderr, flush=True)
+            dist.destroy_process_group()  # like the stages' `finally: shutdown(env)`; gloo aborts at exit otherwise
             return 2
         if mode == "sigkill":
             os.kill(os.getpid(), 9)
