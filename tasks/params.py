@@ -7,6 +7,7 @@ closest valid one on a typo). The tile stage's form is `tasks.tile.TileParams`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -116,9 +117,9 @@ class StageOptions(BaseModel):
     )  # fmt: skip
 
 
-def merge_values(options: StageOptions, fields: dict[str, Any], where: str) -> dict[str, Any]:
-    """`options.overrides` plus every set field; a key set both ways with different values is an error."""
-    values = parse_overrides(options.overrides)
+def merge_values(overrides: Sequence[str], fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """`overrides` plus every set field; a key set both ways with different values is an error."""
+    values = parse_overrides(overrides)
     for key, value in fields.items():
         if value is None:
             continue
@@ -168,7 +169,7 @@ class PretrainParams(BaseModel):
             "student.pretrained_weights": self.pretrained_weights,
             **self.tracking.config_values(),
         }
-        return merge_values(self.stage, fields, "pretrain")
+        return merge_values(self.stage.overrides, fields, "pretrain")
 
 
 class GramParams(BaseModel):
@@ -208,7 +209,7 @@ class GramParams(BaseModel):
             "gram.teacher_path": self.teacher_path,
             **self.tracking.config_values(),
         }
-        return merge_values(self.stage, fields, "gram")
+        return merge_values(self.stage.overrides, fields, "gram")
 
 
 class ConvertParams(BaseModel):
@@ -231,7 +232,7 @@ class ConvertParams(BaseModel):
 
     def config_values(self) -> dict[str, Any]:
         fields = {"input": self.input, "output_dir": self.output_dir, **self.tracking.config_values()}
-        return merge_values(self.stage, fields, "convert")
+        return merge_values(self.stage.overrides, fields, "convert")
 
 
 class ExportParams(BaseModel):
@@ -261,7 +262,7 @@ class ExportParams(BaseModel):
             "register_alias": self.register_alias,
             **self.tracking.config_values(),
         }
-        return merge_values(self.stage, fields, "export")
+        return merge_values(self.stage.overrides, fields, "export")
 
 
 class ExtractParams(BaseModel):
@@ -282,7 +283,7 @@ class ExtractParams(BaseModel):
 
     def config_values(self) -> dict[str, Any]:
         fields = {"store": self.store, "model": self.model, "output": self.output, **self.tracking.config_values()}
-        return merge_values(self.stage, fields, "extract")
+        return merge_values(self.stage.overrides, fields, "extract")
 
 
 class PipelineParams(BaseModel):

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 from uuid import UUID
 
 from prefect import get_run_logger, task, unmapped
@@ -33,9 +33,9 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field
 
-from dinov3_core.config import ConfigError, flat_params, load_config, parse_overrides, save_config
+from dinov3_core.config import flat_params, load_config, save_config
 from dinov3_core.tiling import report
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
@@ -49,19 +49,14 @@ from dinov3_core.tiling.stage import (
     store_extras,
     tile_one_slide,
 )
+from tasks.params import Override, merge_values
+from tasks.params import ui as _ui
 from tasks.tracking import stage_mlflow_run
 
 STAGE = "tile"
 SUMMARY_ARTIFACT_KEY = "tile-summary"
 REPORT_ARTIFACT_KEY = "tile-report"
 PROGRESS_ARTIFACT_KEY = "tile-progress"
-
-Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
-
-
-def _ui(position: int) -> dict[str, Any]:
-    """Field order in the Prefect UI form (inside a model it is otherwise defaults-first alphabetical)."""
-    return {"position": position}
 
 
 class TileParams(BaseModel):
@@ -191,7 +186,6 @@ class TileParams(BaseModel):
         Raises:
             ConfigError: A key is given both as a field and in `overrides` with different values.
         """
-        values = parse_overrides(self.overrides)
         fields = {
             "input": self.input,
             "output": self.output,
@@ -206,15 +200,7 @@ class TileParams(BaseModel):
             "tracking.uri": self.tracking_uri,
             "tracking.experiment": self.experiment,
         }
-        for key, value in fields.items():
-            if value is None:
-                continue
-            if key in values and values[key] != value:
-                raise ConfigError(
-                    f"{key!r} is set both as a parameter ({value!r}) and in overrides ({values[key]!r}); set it once"
-                )
-            values[key] = value
-        return values
+        return merge_values(self.overrides, fields, "tile")
 
 
 @dataclass(frozen=True)

@@ -211,9 +211,9 @@ def test_pipeline_params_validate_the_stage_range():
 
 def test_a_key_set_twice_is_refused():
     options = StageOptions(overrides=["output=/a.onnx", "pooled=true"])
-    assert merge_values(options, {"weights": "/w.pth", "pooled": True}, "export")["pooled"] is True
-    with pytest.raises(ConfigError, match="'output' is set both as a parameter"):
-        merge_values(options, {"output": "/b.onnx"}, "export")
+    assert merge_values(options.overrides, {"weights": "/w.pth", "pooled": True}, "export")["pooled"] is True
+    with pytest.raises(ConfigError, match="export: 'output' is set both as a parameter"):
+        merge_values(options.overrides, {"output": "/b.onnx"}, "export")
 
 
 @pytest.mark.parametrize("name", ["pipeline", "pretrain", "gram", "convert", "export", "extract"])
