@@ -147,22 +147,23 @@ def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]])
         lineage=mf.lineage_of(paths),
         started_at=mf.now(),
     )
-    mf.write_manifest(path, m)
-    try:
-        yield m
-    except BaseException as err:
-        m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+    with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
         mf.write_manifest(path, m)
-        raise
-    m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
-    missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
-    if missing:
-        m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+        try:
+            yield m
+        except BaseException as err:
+            m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+            mf.write_manifest(path, m)
+            raise
+        m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
+        missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
+        if missing:
+            m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+            mf.write_manifest(path, m)
+            raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
+        m.status, m.finished_at = "complete", mf.now()
+        m.output_fingerprint = mf.completion_fingerprint(m)
         mf.write_manifest(path, m)
-        raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
-    m.status, m.finished_at = "complete", mf.now()
-    m.output_fingerprint = mf.completion_fingerprint(m)
-    mf.write_manifest(path, m)
 
 
 def run_once(

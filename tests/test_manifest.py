@@ -150,6 +150,24 @@ def test_up_to_date_decision(tmp_path: Path):
     assert mf.check_up_to_date(path, "h", inputs).reason == "outputs missing: pca"
 
 
+def test_one_run_per_output(tmp_path: Path):
+    from dinov3_core.stages import manifest_guard
+
+    spec = STAGE_SPECS["export"]
+    cfg = load_config(ExportConfig, None, {"weights": "/w.pth", "output": str(tmp_path / "model.onnx")})
+    busy = rf"{tmp_path} is being written by pid \d+ on .*cancel it"
+    with (
+        mf.output_lock(spec.manifest_path(cfg)),  # another run is exporting to the same file
+        pytest.raises(mf.ManifestError, match=busy),
+        manifest_guard(spec, cfg, {}),
+    ):
+        pytest.fail("must not run")
+    assert not spec.manifest_path(cfg).exists()  # the other run's manifest would not have been touched
+    with pytest.raises(RuntimeError, match="boom"), manifest_guard(spec, cfg, {}):  # released: runs, fails
+        raise RuntimeError("boom")
+    assert mf.read_manifest(spec.manifest_path(cfg)).error == "RuntimeError: boom"
+
+
 def test_unreadable_manifest_says_what_to_do(tmp_path: Path):
     path = tmp_path / mf.MANIFEST_NAME
     path.write_text("{not json")
