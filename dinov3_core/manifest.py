@@ -19,7 +19,6 @@ traced back to the model, the training runs and the tile store.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dinov3_core import locks
 from dinov3_core.errors import WsidinoError
 
 MANIFEST_NAME = "stage_manifest.json"
@@ -107,33 +107,20 @@ def write_manifest(path: str | os.PathLike[str], manifest: StageManifest) -> Pat
 
 @contextlib.contextmanager
 def output_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """One run per stage output at a time (a scheduled and a manual run must never train into one directory).
-
-    A `flock` on `.<manifest name>.lock` beside the manifest: released by the kernel even when the holder is
-    SIGKILLed, so a crashed run never leaves a stale lock.
+    """One run per stage output at a time (a scheduled and a manual run must never train into one directory):
+    a `flock` on `.<manifest name>.lock` beside the manifest.
 
     Raises:
         ManifestError: Another process holds the lock (its pid and host are named).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p.with_name(f".{p.name}.lock"), "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise ManifestError(
-                f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {now()}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def busy(holder: str) -> ManifestError:
+        return ManifestError(f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it")
+
+    with locks.exclusive(p.with_name(f".{p.name}.lock"), busy):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------- fingerprints

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import json
 import os
 import shutil
-import socket
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import numpy as np
 import zarr
 import zarr.codecs
 
+from dinov3_core import locks
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling.codecs import JpegCodec
 
@@ -105,24 +104,12 @@ def check_store(path: str | os.PathLike[str]) -> Path:
 @contextlib.contextmanager
 def store_lock(root: Path) -> Iterator[None]:
     """One tiling run per store at a time. flock is released by the kernel even on SIGKILL."""
-    lock_path = root / LOCK
-    with open(lock_path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise TileStoreError(
-                f"tile store {root} is being written by {holder}; wait for that run to finish"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def busy(holder: str) -> TileStoreError:
+        return TileStoreError(f"tile store {root} is being written by {holder}; wait for that run to finish")
+
+    with locks.exclusive(root / LOCK, busy):
+        yield
 
 
 def clear_incoming(root: Path) -> list[str]:
