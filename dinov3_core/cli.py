@@ -14,7 +14,7 @@ from typing import Any
 
 from dinov3_core.config import ConfigError, flat_params, load_config, parse_overrides
 from dinov3_core.errors import WsidinoError
-from dinov3_core.stages import run_once
+from dinov3_core.stages import IN_PROCESS, run_once
 
 EXIT_OK, EXIT_FAILED_ITEMS, EXIT_USAGE = 0, 1, 2
 
@@ -91,22 +91,27 @@ def _call(cmd: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+class _LaunchFailed(Exception):
+    """The training command exited non-zero (its own message is already on stderr)."""
+
+    def __init__(self, stage: str, code: int) -> None:
+        super().__init__(f"{stage} exited with code {code}; rerun the same command to resume")
+        self.code = code
+
+
 def _run_training(stage: str, cfg: Any, launch: Any, force: bool) -> int:
     """Training under the stage manifest: a complete, unchanged run is skipped; a failed one resumes."""
-    codes: list[int] = []
 
     def run() -> dict[str, Any]:
-        codes.append(launch())
-        if codes[-1] != 0:
-            raise WsidinoError(f"{stage} exited with code {codes[-1]}; rerun the same command to resume")
+        code = launch()
+        if code != 0:
+            raise _LaunchFailed(stage, code)  # inside the guard: the manifest records the failure
         return {}
 
     try:
         run_once(stage, cfg, run, force=force)
-    except WsidinoError:
-        if codes and codes[-1] != 0:
-            return codes[-1]
-        raise
+    except _LaunchFailed as failed:
+        return failed.code
     return EXIT_OK
 
 
@@ -135,14 +140,13 @@ def cmd_gram(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from dinov3_core.export.config import ConvertConfig
-    from dinov3_core.export.convert import run_convert
 
     cfg = _load(ConvertConfig, "convert", args, {"input": args.input, "output_dir": args.output_dir})
 
     def run() -> dict[str, Any]:
-        result = run_convert(cfg)
+        result, summary = IN_PROCESS["convert"](cfg)
         print(f"convert: {result.checkpoint} → {result.backbone}")
-        return {"iteration": result.iteration, "arch": result.arch}
+        return summary
 
     run_once("convert", cfg, run, force=args.force)
     return EXIT_OK
@@ -150,14 +154,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from dinov3_core.export.config import ExportConfig
-    from dinov3_core.export.onnx_export import run_export
 
     cfg = _load(ExportConfig, "export", args, {"weights": args.weights, "output": args.output})
 
     def run() -> dict[str, Any]:
-        result = run_export(cfg)
+        result, summary = IN_PROCESS["export"](cfg)
         print(f"export: {result.path} (ONNX Runtime vs PyTorch max abs error {result.max_abs_error:.2e})")
-        return {"max_abs_error": result.max_abs_error, "model_version": result.model_version}
+        return summary
 
     run_once("export", cfg, run, force=args.force)
     return EXIT_OK
@@ -165,14 +168,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from dinov3_core.export.config import ExtractConfig
-    from dinov3_core.export.extract import run_extract
 
     cfg = _load(ExtractConfig, "extract", args, {"store": args.store, "model": args.model, "output": args.output})
 
     def run() -> dict[str, Any]:
-        result = run_extract(cfg)
+        result, summary = IN_PROCESS["extract"](cfg)
         print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date → {result.output}")
-        return {"slides_extracted": len(result.extracted), "tiles": result.tiles}
+        return summary
 
     run_once("extract", cfg, run, force=args.force)
     return EXIT_OK

@@ -267,6 +267,8 @@ def check_up_to_date(path: Path, config_hash: str, inputs: Mapping[str, Mapping[
         return Decision(False, "no manifest (never run here)", None)
     if previous.status != "complete":
         return Decision(False, f"the last run is {previous.status}", previous)
+    if previous.summary.get("failed"):  # e.g. unreadable slides: a rerun retries just those items
+        return Decision(False, f"the last run had {previous.summary['failed']} failed item(s)", previous)
     if previous.config_hash != config_hash:
         return Decision(False, "the config changed", previous)
     changed = sorted(

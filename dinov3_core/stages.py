@@ -11,14 +11,13 @@ and decide whether a rerun may skip it, without knowing each stage's config layo
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dinov3_core import manifest as mf
-from dinov3_core.config import config_hash, resolve_config_path
+from dinov3_core.config import config_hash
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
 from dinov3_core.manifest import manifest_path
@@ -45,6 +44,11 @@ class StageSpec:
 
     def manifest_path(self, cfg: Any) -> Path:
         return manifest_path(self.output(cfg), is_dir=self.output_is_dir)
+
+    def decide(self, cfg: Any) -> tuple[dict[str, dict[str, str]], mf.Decision]:
+        """Fingerprint the inputs and compare them and the config with the manifest: (inputs, decision)."""
+        inputs = mf.fingerprint_inputs(self.inputs(cfg))
+        return inputs, mf.check_up_to_date(self.manifest_path(cfg), self.config_hash(cfg), inputs)
 
     def config_hash(self, cfg: Any) -> str:
         from dinov3_core.config import flat_params
@@ -176,19 +180,15 @@ def run_once(
 ) -> tuple[bool, mf.StageManifest]:
     """Run a stage under its manifest unless it is up to date (the CLI's path; Prefect tasks add MLflow nesting).
 
-    A previous run that recorded failed items (`summary["failed"]`, e.g. unreadable slides) is never up to date:
-    rerunning retries just those items.
-
     Returns:
         (ran, manifest): whether `run` was called, and the manifest now on disk.
     """
     spec = STAGE_SPECS[stage]
-    inputs = mf.fingerprint_inputs(spec.inputs(cfg))
-    decision = mf.check_up_to_date(spec.manifest_path(cfg), spec.config_hash(cfg), inputs)
-    previous = decision.previous
-    if decision.up_to_date and not force and previous is not None and not previous.summary.get("failed"):
+    inputs, decision = spec.decide(cfg)
+    if decision.up_to_date and not force:
         log(f"{stage}: up to date ({decision.reason}); skipped. Use --force to recompute.")
-        return False, previous
+        assert decision.previous is not None
+        return False, decision.previous
     with manifest_guard(spec, cfg, inputs) as m:
         m.summary = run() or {}
         m.mlflow_run_id = _last_mlflow_run_id(cfg)
@@ -204,8 +204,41 @@ def _last_mlflow_run_id(cfg: Any) -> str | None:
     return run.info.run_id if run is not None else None
 
 
-def named_config_exists(stage: str, name_or_path: str | os.PathLike[str] | None) -> bool:
-    return resolve_config_path(stage, name_or_path) is not None if name_or_path else True
+# ------------------------------------------------------------------------------ in-process stage runners
 
 
-__all__ = ["STAGE_SPECS", "StageSpec", "manifest_guard", "named_config_exists", "run_once"]
+def _convert(cfg: Any) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.convert import run_convert
+
+    r = run_convert(cfg)
+    mb = {"backbone_mb": round(r.backbone_bytes / 1e6, 2), "checkpoint_mb": round(r.checkpoint_bytes / 1e6, 2)}
+    return r, {"checkpoint": str(r.checkpoint), "iteration": r.iteration, "arch": r.arch, **mb}
+
+
+def _export(cfg: Any) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.onnx_export import run_export
+
+    r = run_export(cfg)
+    summary = {"onnx": str(r.path), "n_nodes": r.n_nodes, "max_abs_error": r.max_abs_error,
+               "model_uri": r.model_uri, "registered_model": cfg.register_name if r.model_version else None,
+               "model_version": r.model_version, "alias": cfg.register_alias if r.model_version else None}  # fmt: skip
+    return r, {k: v for k, v in summary.items() if v is not None}
+
+
+def _extract(cfg: Any) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.extract import run_extract
+
+    r = run_extract(cfg)
+    return r, {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
+               "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip
+
+
+# The stages that run in the calling process: stage function result and the summary kept in the manifest.
+IN_PROCESS: dict[str, Callable[[Any], tuple[Any, dict[str, Any]]]] = {
+    "convert": _convert,
+    "export": _export,
+    "extract": _extract,
+}
+
+
+__all__ = ["IN_PROCESS", "STAGE_SPECS", "StageSpec", "manifest_guard", "run_once"]

@@ -15,9 +15,8 @@ from typing import Any
 from prefect import flow
 
 from dinov3_core import faults
-from dinov3_core import manifest as mf
-from dinov3_core.stages import STAGE_SPECS
-from tasks.stages import manifest_guard, record_skip
+from dinov3_core.stages import STAGE_SPECS, manifest_guard
+from tasks.stages import record_skip
 from tasks.tile import (
     TileParams,
     finalize_tile_run,
@@ -46,10 +45,9 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
         Store path, slide counts per status, tile totals, failed slide ids and the MLflow run id.
     """
     store = prepare_tile_store(params)
-    inputs = mf.fingerprint_inputs(SPEC.inputs(store.cfg))
-    decision = mf.check_up_to_date(SPEC.manifest_path(store.cfg), SPEC.config_hash(store.cfg), inputs)
-    if decision.up_to_date and not params.force and decision.previous and not decision.previous.summary.get("failed"):
-        return {**decision.previous.summary, **record_skip(SPEC, store.cfg, decision)}
+    inputs, decision = SPEC.decide(store.cfg)
+    if decision.up_to_date and not params.force:
+        return {**decision.previous.summary, **record_skip(SPEC, store.cfg, decision)}  # type: ignore[union-attr]
     with hold_store_lock(store.root), manifest_guard(SPEC, store.cfg, inputs) as manifest:
         faults.maybe_fail("tile", store.root)
         plan = select_slides(store)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from dinov3_core import faults, tracking
 from dinov3_core import manifest as mf
 from dinov3_core.config import load_config, save_config, to_yaml
 from dinov3_core.errors import WsidinoError
-from dinov3_core.stages import STAGE_SPECS, StageSpec, manifest_guard
+from dinov3_core.stages import IN_PROCESS, STAGE_SPECS, StageSpec, manifest_guard
 from tasks.launch import TorchrunFailed, TorchrunJob, run_torchrun
 from tasks.params import LaunchParams
 from tasks.tracking import current_pipeline_run, find_stage_run, stage_mlflow_run
@@ -108,35 +108,6 @@ def outcome(stage: str, status: str, reason: str, path: Path, m: mf.StageManifes
 # ----------------------------------------------------------------------------------------- in-process stages
 
 
-def _convert(cfg: Any) -> dict[str, Any]:
-    from dinov3_core.export.convert import run_convert
-
-    r = run_convert(cfg)
-    mb = {"backbone_mb": round(r.backbone_bytes / 1e6, 2), "checkpoint_mb": round(r.checkpoint_bytes / 1e6, 2)}
-    return {"checkpoint": str(r.checkpoint), "iteration": r.iteration, "arch": r.arch, **mb}
-
-
-def _export(cfg: Any) -> dict[str, Any]:
-    from dinov3_core.export.onnx_export import run_export
-
-    r = run_export(cfg)
-    summary = {"onnx": str(r.path), "n_nodes": r.n_nodes, "max_abs_error": r.max_abs_error,
-               "model_uri": r.model_uri, "registered_model": cfg.register_name if r.model_version else None,
-               "model_version": r.model_version, "alias": cfg.register_alias if r.model_version else None}  # fmt: skip
-    return {k: v for k, v in summary.items() if v is not None}
-
-
-def _extract(cfg: Any) -> dict[str, Any]:
-    from dinov3_core.export.extract import run_extract
-
-    r = run_extract(cfg)
-    return {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
-            "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip
-
-
-IN_PROCESS: dict[str, Callable[[Any], dict[str, Any]]] = {"convert": _convert, "export": _export, "extract": _extract}
-
-
 def _log_stage_artifacts(stage: str, cfg: Any) -> None:
     """The resolved config, and pictures worth a look in MLflow, beyond what the stage logs itself."""
     import mlflow
@@ -209,18 +180,15 @@ def gpu_slots(launch: LaunchParams) -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     get_run_logger().info("waiting for %d slot(s) of %r", launch.nproc_per_node, launch.gpu_slots)
-    try:
-        slots = concurrency(launch.gpu_slots, occupy=launch.nproc_per_node, strict=True)
-        slots.__enter__()
-    except Exception as err:  # strict: a misspelled limit must not mean "unlimited"
-        raise WsidinoError(
-            f"launch.gpu_slots={launch.gpu_slots!r}: no such global concurrency limit on the Prefect server "
-            f"({err}); create it with `prefect gcl create {launch.gpu_slots} --limit <GPUs>` or leave it empty"
-        ) from err
-    try:
+    with contextlib.ExitStack() as stack:
+        try:  # strict: a misspelled limit must not mean "unlimited"
+            stack.enter_context(concurrency(launch.gpu_slots, occupy=launch.nproc_per_node, strict=True))
+        except Exception as err:
+            raise WsidinoError(
+                f"launch.gpu_slots={launch.gpu_slots!r}: no such global concurrency limit on the Prefect server "
+                f"({err}); create it with `prefect gcl create {launch.gpu_slots} --limit <GPUs>` or leave it empty"
+            ) from err
         yield
-    finally:
-        slots.__exit__(None, None, None)
 
 
 def _launch_training(stage: str, cfg: Any, launch: LaunchParams, run: Any) -> dict[str, Any]:
@@ -269,9 +237,8 @@ def run_stage(stage: str, cfg: Any, force: bool = False, launch: LaunchParams | 
     """
     spec = STAGE_SPECS[stage]
     logger = get_run_logger()
-    inputs = mf.fingerprint_inputs(spec.inputs(cfg))
     path = spec.manifest_path(cfg)
-    decision = mf.check_up_to_date(path, spec.config_hash(cfg), inputs)
+    inputs, decision = spec.decide(cfg)
     if decision.up_to_date and not force:
         return record_skip(spec, cfg, decision)
     reason = "forced" if decision.up_to_date else decision.reason
@@ -295,7 +262,7 @@ def run_stage(stage: str, cfg: Any, force: bool = False, launch: LaunchParams | 
                 m.summary = _launch_training(stage, cfg, launch or LaunchParams(), run)
             else:
                 faults.maybe_fail(stage, Path(spec.manifest_path(cfg)).parent)
-                m.summary = IN_PROCESS[stage](cfg)
+                _, m.summary = IN_PROCESS[stage](cfg)
                 if run is not None:
                     _log_stage_artifacts(stage, cfg)
             if run is not None and stage == "export":
@@ -322,12 +289,10 @@ def run_training_stage(stage: str, cfg: Any, launch: LaunchParams, force: bool =
 
 
 __all__ = [
-    "IN_PROCESS",
     "LAUNCH_CONFIG",
     "is_retriable",
     "lineage_tags",
     "load_stage_config",
-    "manifest_guard",
     "outcome",
     "record_skip",
     "run_stage",

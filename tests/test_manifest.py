@@ -141,6 +141,11 @@ def test_up_to_date_decision(tmp_path: Path):
     m.status = "complete"
     mf.write_manifest(path, m)
     assert mf.check_up_to_date(path, "h", inputs).up_to_date
+    m.summary = {"failed": 2}  # unreadable slides: a rerun must retry them
+    mf.write_manifest(path, m)
+    assert mf.check_up_to_date(path, "h", inputs).reason == "the last run had 2 failed item(s)"
+    m.summary = {"failed": 0}
+    mf.write_manifest(path, m)
     assert mf.check_up_to_date(path, "other", inputs).reason == "the config changed"
     changed = {"model": {"path": "/m.onnx", "fingerprint": "f2"}}
     assert mf.check_up_to_date(path, "h", changed).reason == "inputs changed: model"
