@@ -58,6 +58,9 @@ def distributed(mode: str) -> int:
     dist.all_reduce(total)
     print(f"rank-{rank} says hello (sum={int(total.item())})", flush=True)
     print(f"rank-{rank} on stderr", file=sys.stderr, flush=True)
+    if mode == "exit2" and rank == 0:  # bad input is found per rank; rank 0 must not be the one left hanging
+        dist.destroy_process_group()
+        return 0
     if mode != "ok" and rank == 1:
         if mode == "raise":
             raise ValueError("boom-rank1")
