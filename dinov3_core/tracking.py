@@ -122,3 +122,42 @@ def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
 
     if mlflow.active_run() is not None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+STAGE_TAG = "wsidino.stage"
+
+
+def find_stage_run(cfg: TrackingConfig, parent_run_id: str, stage: str, unfinished: bool = True) -> str | None:
+    """A child run of `stage` under the pipeline run `parent_run_id`: with `unfinished`, one left by a failed
+    attempt, which a retry resumes, so a stage keeps one MLflow run however often it is retried; otherwise any."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`{STAGE_TAG}` = '{stage}'",
+        max_results=10,
+    )
+    matching = [r for r in runs if r.info.status != "FINISHED" or not unfinished]
+    return matching[0].info.run_id if matching else None
+
+
+def run_env(run: Any, cfg: TrackingConfig) -> dict[str, str]:
+    """Environment that lets a launched subprocess (torchrun rank 0) log into `run` (empty when `run` is None)."""
+    if run is None:
+        return {}
+    return {
+        "MLFLOW_RUN_ID": run.info.run_id,
+        "MLFLOW_TRACKING_URI": tracking_uri(cfg),
+        "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+    }
+
+
+def log_artifact_to(cfg: TrackingConfig, run_id: str | None, path: str | os.PathLike[str], artifact_path: str) -> None:
+    """Log a file into a run that is no longer active (the final manifest, written after the run closed)."""
+    if not run_id or not Path(path).exists():
+        return
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=tracking_uri(cfg)).log_artifact(run_id, str(path), artifact_path)

@@ -28,16 +28,16 @@ def _prefect_env(output: Path) -> None:
 
 
 def demo_params(output: Path, nproc: int, tile_workers: int) -> Any:
-    from tasks.params import LaunchParams, PipelineParams, StageOptions, TrackingParams
+    from dinov3_core.launch.training import LaunchSettings
+    from tasks.params import PipelineParams, StageOptions, TrackingParams
 
     return PipelineParams(
         slides=str(output / "slides"),
         workdir=str(output),
-        tile_workers=tile_workers,
-        tile=StageOptions(config="default"),
+        tile=StageOptions(config="default", overrides=[f"workers={tile_workers}"]),
         pretrain=StageOptions(config="tiny"),
         gram=StageOptions(config="tiny"),
-        launch=LaunchParams(nproc_per_node=nproc, retries=1),
+        launch=LaunchSettings(nproc_per_node=nproc, retries=1),
         tracking=TrackingParams(tracking_uri=f"sqlite:///{output / 'mlflow.db'}", experiment=DEMO_EXPERIMENT),
     )
 

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ExtractParams
-from tasks.stages import load_stage_config, run_stage
+from tasks.run import load_stage_config, run_stage_task
 
 
 @flow(name="extract")
@@ -22,7 +22,7 @@ def extract_flow(params: ExtractParams) -> dict[str, Any]:
         The stage outcome (slides extracted / up to date, tiles, throughput).
     """
     cfg = load_stage_config("extract", params.stage.config, params.config_values())
-    return run_stage("extract", cfg, force=params.force)
+    return run_stage_task("extract", cfg, force=params.force)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import GramParams
-from tasks.stages import load_stage_config, run_training_stage
+from tasks.run import load_stage_config, run_training_stage
 
 
 @flow(name="gram")

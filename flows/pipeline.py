@@ -37,8 +37,8 @@ from tasks.params import (
     GramParams,
     PipelineParams,
     PretrainParams,
+    TileParams,
 )
-from tasks.tile import TileParams
 from tasks.tracking import pipeline_mlflow_run, record_pipeline
 
 
@@ -63,10 +63,8 @@ def stage_params(params: PipelineParams, stage: str) -> Any:
     force = stage in params.force
     if stage == "tile":
         return TileParams(
-            input=params.slides, output=str(paths["tile_store"]), workers=params.tile_workers,
-            config=params.tile.config, overrides=list(params.tile.overrides),
-            tracking_uri=tracking.tracking_uri, experiment=tracking.experiment, force=force,
-        )  # fmt: skip
+            input=params.slides, output=str(paths["tile_store"]), stage=params.tile, tracking=tracking, force=force
+        )
     if stage == "pretrain":
         return PretrainParams(
             stores=[str(paths["tile_store"])], output_dir=str(paths["pretrain"]),
@@ -152,7 +150,7 @@ def _markdown(summary: dict[str, Any]) -> str:
     lines = ["# Pipeline", "", f"Work directory: `{summary['workdir']}`", ""]
     lines += ["| stage | status | MLflow run |", "|---|---|---|"]
     for stage, o in summary["stages"].items():
-        lines.append(f"| {stage} | {o.get('status') or o.get('slides')} | `{o.get('mlflow_run_id')}` |")
+        lines.append(f"| {stage} | {o.get('status')} | `{o.get('mlflow_run_id')}` |")
     lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in summary["paths"].items()]]
     lines += ["", f"MLflow pipeline run: `{summary['mlflow_run_id']}`"]
     return "\n".join(lines) + "\n"

@@ -1,9 +1,13 @@
-"""The tile stage as a Prefect flow: whole-slide images → zarr tile store, one task per slide, one MLflow run.
+"""The tile stage as a Prefect flow: whole-slide images → zarr tile store, one MLflow run.
 
+The tile engine (`dinov3_core.tiling.stage.run_tile`) is the CLI's: slides and their shard ranges are spread over
+`workers` processes, so one large slide uses every worker. Progress and a per-slide table appear as artifacts.
 Call it without a server (Prefect starts a temporary local one)::
 
-    from flows.tile import TileParams, tile_flow
-    tile_flow(TileParams(input="slides/", output="out/tiles.zarr", workers=2))
+    from flows.tile import tile_flow
+    from tasks.params import StageOptions, TileParams
+    tile_flow(TileParams(input="slides/", output="out/tiles.zarr",
+                         stage=StageOptions(config="default", overrides=["workers=2"])))
 
 `python -m flows.tile` serves it against a running server; deployments: see deploy/README.md.
 """
@@ -14,19 +18,8 @@ from typing import Any
 
 from prefect import flow
 
-from dinov3_core import faults
-from dinov3_core.stages import STAGE_SPECS, manifest_guard
-from tasks.stages import record_skip
-from tasks.tile import (
-    TileParams,
-    finalize_tile_run,
-    hold_store_lock,
-    prepare_tile_store,
-    run_slide_tasks,
-    select_slides,
-)
-
-SPEC = STAGE_SPECS["tile"]
+from tasks.params import TileParams
+from tasks.run import load_stage_config, run_stage_task
 
 
 @flow(name="tile")
@@ -34,33 +27,18 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
     """Tile whole-slide images into a zarr tile store and log the run to MLflow.
 
     Slides already complete in the store with the same source file and tiling parameters are skipped; a slide
-    that cannot be read is recorded as failed (manifest, `tile-summary` artifact, MLflow metrics) without
+    that cannot be read is recorded as failed (store manifest, `tile-summary` artifact, MLflow metrics) without
     failing the run. When the stage manifest shows the same slides and settings and no failed slide, nothing
-    is opened at all (unless `force`). One run per store at a time (the store lock is held for the whole run).
+    is opened at all (unless `force`). One run per store at a time.
 
     Args:
-        params: Inputs, output store, tiling settings, config name/overrides and MLflow tracking.
+        params: Slides, tile store, config name/overrides and MLflow tracking.
 
     Returns:
-        Store path, slide counts per status, tile totals, failed slide ids and the MLflow run id.
+        The stage outcome: ran/skipped, why, the store, MLflow run id and per-status slide counts (`summary`).
     """
-    store = prepare_tile_store(params)
-    inputs, decision = SPEC.decide(store.cfg)
-    if decision.up_to_date and not params.force:
-        return {**decision.previous.summary, **record_skip(SPEC, store.cfg, decision)}  # type: ignore[union-attr]
-    with hold_store_lock(store.root), manifest_guard(SPEC, store.cfg, inputs) as manifest:
-        faults.maybe_fail("tile", store.root)
-        plan = select_slides(store)
-        outcomes = run_slide_tasks(plan)
-        summary = finalize_tile_run(plan, outcomes)
-        manifest.mlflow_run_id = summary["mlflow_run_id"]
-        manifest.summary = {
-            **summary["slides"],
-            "tiles_total": summary["tiles_total"],
-            "failed_slides": summary["failed_slides"],
-        }
-    reason = "forced" if decision.up_to_date else decision.reason
-    return {"stage": "tile", "status": "ran", "reason": reason, "summary": manifest.summary, **summary}
+    cfg = load_stage_config("tile", params.stage.config, params.config_values())
+    return run_stage_task("tile", cfg, force=params.force)
 
 
 if __name__ == "__main__":

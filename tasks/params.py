@@ -1,8 +1,9 @@
 """Flow parameters as pydantic models: what the Prefect UI renders as forms.
 
-Each form names the essentials (paths, config name, process counts); everything else is a `key=value` override
-on the stage's typed config (`dinov3_core.config.load_config` checks every key against the schema and names the
-closest valid one on a typo). The tile stage's form is `tasks.tile.TileParams`.
+Each form names only the required paths, a config name and `key=value` overrides (plus the launch settings of
+training stages, `dinov3_core.launch.training.LaunchSettings`): every config field is declared once, in its
+stage's dataclass, and `dinov3_core.config.load_config` checks every key against it (naming the closest valid key
+on a typo) and validates its values. So a bound can never differ between a form and the stage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from dinov3_core.config import ConfigError, parse_overrides
+from dinov3_core.launch.training import LaunchSettings
 
 STAGES = ("tile", "pretrain", "gram", "convert", "export", "extract")
 Stage = Literal["tile", "pretrain", "gram", "convert", "export", "extract"]
@@ -22,55 +24,6 @@ Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.
 def ui(position: int) -> dict[str, Any]:
     """Field order in the Prefect UI form (inside a model it is otherwise defaults-first alphabetical)."""
     return {"position": position}
-
-
-class LaunchParams(BaseModel):
-    """How a training stage is launched: torchrun processes, nodes, GPUs, wall-clock limit and retries."""
-
-    model_config = ConfigDict(extra="forbid", title="Launch")
-
-    nproc_per_node: int = Field(
-        1, ge=1, le=64, title="Processes per node", description="torchrun processes per node (one per GPU).",
-        json_schema_extra=ui(0),
-    )  # fmt: skip
-    nnodes: int = Field(
-        1, ge=1, le=1024, title="Nodes",
-        description="Nodes in the job; more than 1 needs a rendezvous endpoint, and the same flow run on every node.",
-        json_schema_extra=ui(1),
-    )  # fmt: skip
-    rdzv_endpoint: str | None = Field(
-        None, title="Rendezvous endpoint", pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
-        description="host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
-        json_schema_extra=ui(2),
-    )  # fmt: skip
-    cuda_visible_devices: str | None = Field(
-        None, title="CUDA_VISIBLE_DEVICES", pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
-        description="GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
-        json_schema_extra=ui(3),
-    )  # fmt: skip
-    timeout_hours: float | None = Field(
-        None, gt=0, le=24 * 30, title="Wall-clock limit (hours)",
-        description="Kill the whole job after this long (it resumes from its last checkpoint when rerun). "
-        "Empty: no limit.",
-        json_schema_extra=ui(4),
-    )  # fmt: skip
-    retries: int = Field(
-        1, ge=0, le=10, title="Retries",
-        description="Relaunches after a crash (not after bad input); each resumes from the last checkpoint.",
-        json_schema_extra=ui(5),
-    )  # fmt: skip
-    gpu_slots: str | None = Field(
-        None, title="GPU slot limit",
-        description="Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
-        "nproc_per_node slots while it runs. Empty: no limit.",
-        json_schema_extra=ui(6),
-    )  # fmt: skip
-
-    @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> LaunchParams:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
-        return self
 
 
 class TrackingParams(BaseModel):
@@ -132,6 +85,39 @@ def merge_values(overrides: Sequence[str], fields: dict[str, Any], where: str) -
     return values
 
 
+class TileParams(BaseModel):
+    """Tile whole-slide images into a zarr tile store (µm/px-exact tiles, tissue mask, QC pictures)."""
+
+    model_config = ConfigDict(extra="forbid", title="Tile stage parameters")
+
+    input: str = Field(
+        min_length=1, title="Slides",
+        description="A directory (searched recursively), a glob, one slide file, or a .txt/.csv list of slide paths.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    output: str = Field(
+        min_length=1, title="Tile store",
+        description="Tile store directory, e.g. /data/cohort/tiles.zarr (created if missing; reruns resume).",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    stage: StageOptions = Field(
+        default_factory=lambda: StageOptions(config="default"), title="Config",
+        description="e.g. overrides mpp=0.5, tile_size=224, workers=8, compressor=jpeg, filters.pen_filter=true.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
+    force: bool = Field(
+        False, title="Force",
+        description="Check every slide even when the stage manifest shows the same slides and settings "
+        "(complete slides are still skipped one by one).",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {"input": self.input, "output": self.output, **self.tracking.config_values()}
+        return merge_values(self.stage.overrides, fields, "tile")
+
+
 class PretrainParams(BaseModel):
     """DINOv3 self-supervised (continued) pretraining on tile stores, as a torchrun job."""
 
@@ -155,7 +141,7 @@ class PretrainParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
     )
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(4))
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Launch", json_schema_extra=ui(4))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
     force: bool = Field(
         False, title="Force", description="Run even when the stage manifest says the outputs are up to date.",
@@ -197,7 +183,7 @@ class GramParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
     )
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(5))
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Launch", json_schema_extra=ui(5))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
     force: bool = Field(False, title="Force", json_schema_extra=ui(7))
 
@@ -246,20 +232,17 @@ class ExportParams(BaseModel):
     )  # fmt: skip
     output: str = Field(min_length=1, title="ONNX file", description="e.g. /models/lab/model.onnx",
                         json_schema_extra=ui(1))  # fmt: skip
-    register_alias: str | None = Field(
-        None, title="Registry alias", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
-        description="MLflow registry alias set on the new version (e.g. candidate, champion). Empty: the config's.",
-        json_schema_extra=ui(2),
+    stage: StageOptions = Field(
+        default_factory=StageOptions, title="Config",
+        description="e.g. overrides register_alias=candidate, register_name=wsidino-backbone.", json_schema_extra=ui(2),
     )  # fmt: skip
-    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(4))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(5))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(4))
 
     def config_values(self) -> dict[str, Any]:
         fields = {
             "weights": self.weights,
             "output": self.output,
-            "register_alias": self.register_alias,
             **self.tracking.config_values(),
         }
         return merge_values(self.stage.overrides, fields, "export")
@@ -319,21 +302,22 @@ class PipelineParams(BaseModel):
         None, title="Released DINOv3 weights", description="Local .pth to warm-start pretraining from.",
         json_schema_extra=ui(6),
     )  # fmt: skip
-    tile_workers: int = Field(2, ge=1, le=64, title="Tiling processes", json_schema_extra=ui(7))
     tile: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="default"), title="Tile config", json_schema_extra=ui(8)
-    )
+        default_factory=lambda: StageOptions(config="default", overrides=["workers=2"]), title="Tile config",
+        description="workers=N: tiling processes (one large slide is spread over all of them).",
+        json_schema_extra=ui(7),
+    )  # fmt: skip
     pretrain: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(9)
+        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(8)
     )
     gram: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(10)
+        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(9)
     )
-    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(11))
-    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(12))
-    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(13))
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(14))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(15))
+    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(10))
+    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(11))
+    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(12))
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(13))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(14))
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
@@ -353,12 +337,13 @@ __all__ = [
     "ExportParams",
     "ExtractParams",
     "GramParams",
-    "LaunchParams",
+    "LaunchSettings",
     "Override",
     "PipelineParams",
     "PretrainParams",
     "Stage",
     "StageOptions",
+    "TileParams",
     "TrackingParams",
     "merge_values",
 ]

@@ -1,9 +1,8 @@
-"""MLflow ↔ Prefect glue shared by every stage's tasks.
+"""MLflow ↔ Prefect glue: the pipeline's parent MLflow run, and Prefect flow-run tags on every stage's run.
 
-One MLflow run per stage execution, opened through `dinov3_core.tracking.stage_run` (which joins
-`$MLFLOW_RUN_ID` or nests under `$WSIDINO_MLFLOW_PARENT_RUN_ID`) and tagged with the Prefect flow run that
-produced it, so either UI leads to the other: in MLflow search ``tags.`prefect.flow_run_id` = '…'``; in
-Prefect the stage's markdown artifact names the MLflow run id.
+The stage runner (`dinov3_core.run`) opens one MLflow run per stage execution; the Prefect task hands it the
+tags below and the pipeline's run id, so either UI leads to the other: in MLflow search
+``tags.`prefect.flow_run_id` = '…'``; in Prefect the stage's markdown artifact names the MLflow run id.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from contextvars import ContextVar
 from typing import Any
 
 from dinov3_core import tracking
-from dinov3_core.tracking import TrackingConfig
+from dinov3_core.tracking import STAGE_TAG, TrackingConfig
 
-STAGE_TAG = "wsidino.stage"
 PIPELINE_TAG = "wsidino.pipeline"
 
 # The MLflow run of the pipeline flow run that is executing (stage subflows run in its thread and nest under it).
@@ -62,61 +60,10 @@ def mlflow_run_name(stage: str) -> str:
     return f"{stage}/{name}" if name else stage
 
 
-@contextlib.contextmanager
-def stage_mlflow_run(
-    cfg: TrackingConfig,
-    stage: str,
-    params: Mapping[str, Any] | None = None,
-    tags: Mapping[str, str] | None = None,
-    resume_run_id: str | None = None,
-) -> Iterator[Any]:
-    """Open the MLflow run of one stage execution, tagged with the Prefect flow run.
-
-    Inside a pipeline run the stage nests under the pipeline's run and resumes the unfinished child a failed
-    attempt left; on its own it resumes `resume_run_id` (the run of the stage's last, failed attempt).
-
-    Call it from the task that logs (MLflow's active run is per thread). A failure inside the block marks the
-    run FAILED and re-raises.
-
-    Args:
-        cfg: The stage's tracking section (enabled, uri, experiment); `uri` null → `$MLFLOW_TRACKING_URI`,
-            else `sqlite:///mlflow.db` in the working directory.
-        stage: Stage name for the run name and the `wsidino.stage` tag.
-        params: MLflow params, usually `dinov3_core.config.flat_params(cfg)`.
-        tags: Extra tags; they win over the Prefect tags.
-
-    Yields:
-        The active `mlflow.ActiveRun`, or `None` when `cfg.enabled` is false.
-    """
-    all_tags = {**prefect_run_tags(stage), **dict(tags or {})}
-    parent = current_pipeline_run()
-    run_id = find_stage_run(cfg, parent, stage) if parent and cfg.enabled else resume_run_id
-    with tracking.stage_run(
-        cfg, mlflow_run_name(stage), params=params, tags=all_tags, run_id=run_id, parent_run_id=parent
-    ) as run:
-        yield run
-
-
 def current_pipeline_run() -> str | None:
     """The MLflow run id of the pipeline run this stage belongs to (None when the stage runs on its own)."""
     current = _PIPELINE_RUN.get()
     return current[0] if current else None
-
-
-def find_stage_run(cfg: TrackingConfig, parent_run_id: str, stage: str, unfinished: bool = True) -> str | None:
-    """A child run of `stage` under the pipeline run: with `unfinished`, one left by a failed attempt, which a
-    retry resumes, so a stage keeps one MLflow run however often it is retried; otherwise any."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg))
-    parent = client.get_run(parent_run_id)
-    runs = client.search_runs(
-        [parent.info.experiment_id],
-        filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`{STAGE_TAG}` = '{stage}'",
-        max_results=10,
-    )
-    matching = [r for r in runs if r.info.status != "FINISHED" or not unfinished]
-    return matching[0].info.run_id if matching else None
 
 
 @contextlib.contextmanager
@@ -163,25 +110,6 @@ def pipeline_mlflow_run(cfg: TrackingConfig, tags: Mapping[str, str] | None = No
         client.set_terminated(run_id, status="FINISHED")
     finally:
         _PIPELINE_RUN.reset(token)
-
-
-def mlflow_run_env(run: Any, cfg: TrackingConfig) -> dict[str, str]:
-    """Environment that lets a launched subprocess (torchrun rank 0, a CLI stage) resume `run`.
-
-    Args:
-        run: The `mlflow.ActiveRun` yielded by `stage_mlflow_run`.
-        cfg: The tracking config the run was opened with.
-
-    Returns:
-        `MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_ID`; empty when `run` is `None`.
-    """
-    if run is None:
-        return {}
-    return {
-        "MLFLOW_RUN_ID": run.info.run_id,
-        "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg),
-        "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
-    }
 
 
 def record_pipeline(cfg: TrackingConfig, run_id: str | None, params: Mapping[str, Any], summary: Any) -> None:

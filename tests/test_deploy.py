@@ -31,8 +31,8 @@ from tasks.params import (
     PipelineParams,
     PretrainParams,
     StageOptions,
+    TileParams,
 )
-from tasks.tile import TileParams
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

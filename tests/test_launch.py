@@ -1,4 +1,4 @@
-"""`tasks.launch`: real torchrun, 2 gloo/CPU ranks of tests/dist_scripts/launch_worker.py, no mocks.
+"""`dinov3_core.launch`: real torchrun, 2 gloo/CPU ranks of tests/dist_scripts/launch_worker.py, no mocks.
 
 What must hold in production: only local rank 0 reaches the Prefect log while every rank's output stays on disk; a
 failure names the failing rank and its own error (not torchrun's traceback, not a peer's "connection closed");
@@ -27,8 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dinov3_core.launch import TorchrunFailed, TorchrunJob, run_torchrun, torchrun_argv
 from dinov3_core.procutil import PARENT_PID_ENV
-from tasks.launch import TorchrunFailed, TorchrunJob, run_torchrun, torchrun_argv
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "tests.dist_scripts.launch_worker"
@@ -332,7 +332,7 @@ Root Cause (first observed failure):
 
 
 def test_root_cause_skips_a_failure_caused_by_a_dead_peer(tmp_path: Path) -> None:
-    from tasks.launch import _diagnose
+    from dinov3_core.launch.diagnose import diagnose_failure as _diagnose
 
     run = tmp_path / "f00d_abc"
     for rank in ("0", "1"):

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from dinov3_core import faults
 from dinov3_core import manifest as mf
 from dinov3_core.config import ConfigError, load_config
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.stages import STAGE_SPECS
-from tasks.params import LaunchParams, PipelineParams, StageOptions, merge_values
+from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.stage_specs import STAGE_SPECS
+from tasks.params import PipelineParams, StageOptions, merge_values
+from wsidino_dev import faults
 
 
 def complete(stage: str, outputs: dict[str, str], run_id: str, lineage: dict[str, str] | None = None,
@@ -156,7 +158,7 @@ def test_up_to_date_decision(tmp_path: Path):
 
 
 def test_one_run_per_output(tmp_path: Path):
-    from dinov3_core.stages import manifest_guard
+    from dinov3_core.run import manifest_guard
 
     spec = STAGE_SPECS["export"]
     cfg = load_config(ExportConfig, None, {"weights": "/w.pth", "output": str(tmp_path / "model.onnx")})
@@ -217,6 +219,27 @@ def test_fault_fires_once_per_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     faults.maybe_fail("convert", tmp_path)
 
 
+def test_fault_fires_through_the_runner_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The core only emits `stage.start`; the fault drill hooks in from outside through $WSIDINO_HOOKS."""
+    from dinov3_core import events
+    from dinov3_core.run import run_stage
+
+    weights = tmp_path / "w.pth"
+    weights.write_bytes(b"not a model")
+    cfg = load_config(ExportConfig, None, {"weights": str(weights), "output": str(tmp_path / "model.onnx"),
+                                           "tracking.enabled": False})  # fmt: skip
+    for key, value in faults.environment("export").items():
+        monkeypatch.setenv(key, value)
+    assert os.environ[events.HOOKS_ENV] == "wsidino_dev.faults"
+    with pytest.raises(faults.InjectedFault, match="injected fault in stage export"):
+        run_stage("export", cfg)
+    m = mf.read_manifest(tmp_path / "model.onnx.stage_manifest.json")
+    assert m.status == "failed" and "InjectedFault" in m.error  # recorded like a crash, so a retry reruns it
+    monkeypatch.setenv(events.HOOKS_ENV, "no_such_module_xyz")
+    with pytest.raises(RuntimeError, match="WSIDINO_HOOKS='no_such_module_xyz': cannot load"):
+        events.emit("stage.start", stage="export")
+
+
 # ------------------------------------------------------------------------------------------------ flow forms
 
 
@@ -228,8 +251,8 @@ def test_pipeline_params_validate_the_stage_range():
     with pytest.raises(ValidationError):
         PipelineParams(slides="s", workdir="w", force=["tiles"])  # not a stage
     with pytest.raises(ValidationError, match="rdzv_endpoint"):
-        LaunchParams(nnodes=2)
-    assert LaunchParams(nnodes=2, rdzv_endpoint="node001:29400").nnodes == 2
+        LaunchSettings(nnodes=2)
+    assert LaunchSettings(nnodes=2, rdzv_endpoint="node001:29400").nnodes == 2
 
 
 def test_a_key_set_twice_is_refused():

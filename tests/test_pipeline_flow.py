@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests import prefect_fixtures
+from wsidino_dev import faults
 
 orchestration_env = prefect_fixtures.orchestration_env
 orchestration_backends = prefect_fixtures.orchestration_backends
@@ -49,8 +50,7 @@ def pipeline_parameters(slides: Path, workdir: Path, tracking: prefect_fixtures.
     return {
         "slides": str(slides),
         "workdir": str(workdir),
-        "tile_workers": 1,
-        "tile": {"config": "default", "overrides": ["tile_size=64", "mpp=2.0"]},
+        "tile": {"config": "default", "overrides": ["tile_size=64", "mpp=2.0", "workers=1"]},
         "pretrain": {"config": "tiny", "overrides": TRAIN_OVERRIDES},
         "gram": {"config": "tiny", "overrides": TRAIN_OVERRIDES},
         "export": {"overrides": ["parity_sizes=[32]", "parity_batches=[2]"]},
@@ -199,7 +199,7 @@ def deployed_pipeline_run(
     deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")
     workdir = tmp_path_factory.mktemp("pipeline") / "run"
     params = pipeline_parameters(one_slide, workdir, mlflow_tracking)
-    run_id = trigger("pipeline/pipeline-test", params, env={"WSIDINO_FAULT": "pretrain@1,export"})
+    run_id = trigger("pipeline/pipeline-test", params, env=faults.environment("pretrain@1,export"))
     first = wait_final(run_id, timeout=600)
     first_logs = "\n".join(flow_logs(r) for r in [run_id, *(sub.id for sub in subflow_runs(run_id))])
     before_retry = manifests(workdir) if first.state.is_failed() else {}
@@ -367,10 +367,11 @@ def test_cancelling_a_training_flow_leaves_no_process_behind(
     }
     run_id = trigger("pretrain/pretrain-test", params)
     deadline = time.monotonic() + 180
-    while len(job_processes(str(run_dir))) < 3:  # torchrun + 2 ranks
-        assert time.monotonic() < deadline, "the training job never started"
-        time.sleep(1.0)
-    time.sleep(3.0)
+    metrics = run_dir / "training_metrics.json"
+    # Cancel once the job is training: its first metrics line is on disk (both ranks are past start-up).
+    while not (metrics.is_file() and metrics.read_text().strip()) or len(job_processes(str(run_dir))) < 3:
+        assert time.monotonic() < deadline, "the training job never started training"
+        time.sleep(0.2)
     procs = job_processes(str(run_dir))
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run_id, Cancelling(), force=True)

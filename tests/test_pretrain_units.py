@@ -28,7 +28,6 @@ from dinov3_core.train.optim import apply_schedules, build_optimizer, build_sche
 from dinov3_core.train.pipeline import augment_step, rank_masks
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
 from dinov3_core.train.ssl_model import build_ssl_model
-from dinov3_core.train.stage import torchrun_command
 
 
 @pytest.fixture(autouse=True)
@@ -259,17 +258,29 @@ def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
         C.validate(tiny(**overrides))
 
 
-def test_torchrun_command() -> None:
-    cmd = torchrun_command("cfg.yaml", 4, ["train.stop_at=10"])
+def test_training_job_argv(tmp_path) -> None:
+    """The one torchrun launcher builds every training command: the resolved config file, standalone or c10d."""
+    from dinov3_core.launch import torchrun_argv
+    from dinov3_core.launch.training import LAUNCH_CONFIG, LaunchSettings, training_job
+
+    cfg = tiny(output_dir=str(tmp_path / "run"))
+    job = training_job("pretrain", cfg, LaunchSettings(nproc_per_node=4), env={"MLFLOW_RUN_ID": "r1"})
+    cmd = torchrun_argv(job)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
-    assert cmd[-5:] == ["-m", "dinov3_core.train", "--config", "cfg.yaml", "train.stop_at=10"]
-    multi = torchrun_command("c.yaml", 8, nnodes=2, rdzv_endpoint="head:29400", rdzv_id="job1", log_dir="logs")
-    assert "--standalone" not in multi
-    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=job1"} <= set(multi)
-    assert "--log-dir=logs" in multi
+    saved = tmp_path / "run" / LAUNCH_CONFIG
+    assert cmd[-4:] == ["-m", "dinov3_core.train", "--config", str(saved.resolve())]
+    assert load_config(C.PretrainConfig, saved, {}) == cfg  # every rank loads exactly this config
+    multi = torchrun_argv(
+        training_job("gram", cfg, LaunchSettings(nproc_per_node=8, nnodes=2, rdzv_endpoint="head:29400"))
+    )
+    assert "--standalone" not in multi and "dinov3_core.gram" in multi
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=wsidino-gram-run"} <= set(
+        multi
+    )
+    assert f"--log-dir={tmp_path / 'run' / 'torchrun_logs'}" in multi
     with pytest.raises(ValueError, match="rdzv_endpoint"):
-        torchrun_command("c.yaml", 8, nnodes=2)
+        LaunchSettings(nproc_per_node=8, nnodes=2)
 
 
 def test_device_choice_refuses_more_processes_than_gpus() -> None:

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.slide import file_fingerprint
 from dinov3_core.tiling.stage import discover_slides, run_tile
+from tests import event_hooks
 
 
 def tile_config(input_: Path | str, output: Path, **overrides: object) -> TileConfig:
@@ -305,7 +305,7 @@ def test_a_second_concurrent_run_is_refused(sample_slides, tmp_path):
         run_tile(tile_config(sample_slides.slides[0], store))
 
 
-def test_sigkill_never_leaves_an_incomplete_slide_marked_complete(sample_slides, tmp_path):
+def test_sigkill_never_leaves_an_incomplete_slide_marked_complete(sample_slides, tmp_path, monkeypatch):
     """Kill the CLI with SIGKILL while it writes; whatever is under slides/ must be whole, and a rerun finishes."""
     slide = by_name(sample_slides, "tissue_40x.svs")
     store = tmp_path / "t.zarr"
@@ -323,17 +323,16 @@ def test_sigkill_never_leaves_an_incomplete_slide_marked_complete(sample_slides,
         "tracking.enabled=false",
         "compressor=none",
     ]
+    # The worker signals when its first shard is on disk and then holds still: the kill lands mid-write.
+    signals = event_hooks.arm(monkeypatch, "pause_after_first_shard", tmp_path / "events")
     proc = subprocess.Popen(args, start_new_session=True)
-    deadline = time.time() + 120
-    incoming = store / ts.INCOMING
-    while time.time() < deadline:  # kill the moment the first shard of tiles is on disk: mid-write
-        if incoming.is_dir() and any(incoming.glob("*/tiles/c/*")):
-            break
-        time.sleep(0.005)
+    event_hooks.wait_for(signals / "shard-written")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    # The kill landed mid-write: half a slide is on disk, and none of it is visible as a complete slide.
-    assert any(incoming.glob("*/tiles/c/*")), "the run finished before the kill; the test did not test anything"
+    monkeypatch.delenv(event_hooks.HOOKS_ENV)
+    incoming = store / ts.INCOMING
+    # Half a slide is on disk, and none of it is visible as a complete slide.
+    assert any(incoming.glob("*/tiles/c/*"))
     assert ts.complete_slide_ids(store) == []
     result = run_tile(tile_config(slide, store, tiles_per_shard=1, compressor="none"))
     assert result.counts["failed"] == 0

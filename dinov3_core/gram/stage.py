@@ -25,9 +25,7 @@ import copy
 import json
 import logging
 import math
-import os
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +53,7 @@ from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosi
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.stage import MLFLOW_METRICS, curated_params
 
-__all__ = ["GramResult", "GramSchedules", "run_gram", "torchrun_command"]
+__all__ = ["GramResult", "GramSchedules", "run_gram"]
 
 logger = logging.getLogger(__name__)
 
@@ -364,22 +362,3 @@ def _mlflow_run(cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelec
 def _log_to_mlflow(record: dict[str, Any]) -> None:
     values = {k: record[k] for k in (*MLFLOW_METRICS, *GRAM_METRICS) if isinstance(record.get(k), int | float)}
     tracking.log_metrics(values, step=int(record["iteration"]))
-
-
-def torchrun_command(
-    pretrain_dir: str | os.PathLike[str] | None,
-    nproc: int,
-    overrides: Sequence[str] = (),
-    *,
-    config: str | os.PathLike[str] | None = None,
-    python: str = sys.executable,
-) -> list[str]:
-    """argv for `nproc` gram-stage processes on one node (`--standalone`)."""
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "dinov3_core.gram"]
-    if pretrain_dir is not None:
-        cmd += ["--pretrain-dir", str(pretrain_dir)]
-    if config is not None:
-        cmd += ["--config", str(config)]
-    return [*cmd, *overrides]

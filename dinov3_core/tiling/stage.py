@@ -1,9 +1,10 @@
 """The tile stage: whole-slide images → zarr tile store.
 
-`run_tile(cfg)` is the stage function (CLI, demo, benchmarks). It spreads slide planning and shard-range writes
-over a process pool, so one large slide also uses every worker, commits each slide atomically when all of its
-shards are written, and records every slide's outcome in the manifest. `tile_one_slide` does the same for a single
-slide in the calling process (one Prefect task per slide).
+`run_tile(cfg)` is the one tile engine, behind the CLI and the Prefect tile flow alike (both through
+`dinov3_core.run.run_stage`). It spreads slide planning and shard-range writes over a process pool, so one large
+slide also uses every worker, commits each slide atomically when all of its shards are written, and records every
+slide's outcome in the store manifest. `progress` and `on_slide` callbacks (called in the calling thread) let the
+caller draw a progress bar, or publish Prefect progress and table artifacts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import logging
 import multiprocessing as mp
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -35,7 +35,7 @@ from dinov3_core.tiling.plan import (
 )
 from dinov3_core.tiling.qc import save_qc_pictures
 from dinov3_core.tiling.slide import file_fingerprint, load_mpp_overrides
-from dinov3_core.tiling.writer import WriteUnit, close_cached_readers, write_unit
+from dinov3_core.tiling.writer import WriteUnit, write_unit
 
 log = logging.getLogger("wsidino.tile")
 
@@ -54,6 +54,7 @@ class SlideOutcome:
     bytes_per_tile: float | None = None
     mpp_effective: float | None = None
     qc: dict[str, str] = field(default_factory=dict)
+    workers: int = 0  # worker processes that wrote this slide's tiles (a large slide is spread over all of them)
 
     def as_manifest_entry(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,7 +167,7 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-# ------------------------------------------------------------------------------------------- one slide, in-process
+# ----------------------------------------------------------------------------------------------- one slide
 
 
 def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:
@@ -224,27 +225,6 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
     )
 
 
-def tile_one_slide(task: SlideTask, root: Path, cfg: TileConfig, overrides: dict[str, float]) -> SlideOutcome:
-    """Plan, write and commit one slide in this process. Never raises for a bad slide: returns `failed`."""
-    start = time.perf_counter()
-    incoming = None
-    try:
-        if is_up_to_date(root, task, cfg, overrides):
-            return skipped_outcome(root, task)
-        plan = plan_slide(task, cfg, overrides)
-        incoming, units = begin_plan(root, plan, cfg)
-        for unit in units:
-            write_unit(unit)
-        return finish_plan(incoming, plan, cfg, time.perf_counter() - start)
-    except Exception as err:
-        if incoming is not None:
-            ts.abandon_slide(incoming)
-        log.debug("slide %s failed:\n%s", task.path, traceback.format_exc())
-        return SlideOutcome(task.slide_id, str(task.path), "failed", error=_error_text(err))
-    finally:
-        close_cached_readers()
-
-
 # -------------------------------------------------------------------------------------------------- whole stage
 
 
@@ -270,10 +250,17 @@ def store_extras(cfg: TileConfig) -> dict[str, Any]:
 
 
 ProgressFn = Callable[[int, int], None]  # (tiles done, tiles planned so far)
+SlideFn = Callable[[SlideOutcome], None]  # a slide finished: ok, skipped (already complete) or failed
 
 
-def run_tile(cfg: TileConfig, progress: ProgressFn | None = None) -> TileResult:
-    """Tile every input slide into the store at `cfg.output`; a bad slide is recorded, never fatal."""
+def run_tile(cfg: TileConfig, progress: ProgressFn | None = None, on_slide: SlideFn | None = None) -> TileResult:
+    """Tile every input slide into the store at `cfg.output`; a bad slide is recorded, never fatal.
+
+    Args:
+        cfg: The resolved tile config.
+        progress: Called with (tiles written, tiles planned so far) as shards finish.
+        on_slide: Called with each slide's outcome as soon as it is known (skipped ones first).
+    """
     start = time.perf_counter()
     root, tasks, overrides = prepare_store(cfg)
     with ts.store_lock(root):
@@ -285,6 +272,8 @@ def run_tile(cfg: TileConfig, progress: ProgressFn | None = None) -> TileResult:
             try:
                 if is_up_to_date(root, task, cfg, overrides):
                     outcomes[task.slide_id] = skipped_outcome(root, task)
+                    if on_slide is not None:
+                        on_slide(outcomes[task.slide_id])
                     continue
             except Exception as err:  # an unreadable file: let planning report it
                 log.debug("up-to-date check failed for %s: %s", task.path, err)
@@ -292,7 +281,7 @@ def run_tile(cfg: TileConfig, progress: ProgressFn | None = None) -> TileResult:
         if outcomes:
             ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
         timing = {"plan": 0.0, "write": 0.0}
-        written = _run_pool(root, todo, cfg, overrides, outcomes, progress, timing)
+        written = _run_pool(root, todo, cfg, overrides, outcomes, progress, on_slide, timing)
         ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
     ordered = [outcomes[t.slide_id] for t in tasks]
     return TileResult(
@@ -311,6 +300,7 @@ class _SlideState:
     incoming: ts.IncomingSlide
     remaining: int
     started: float
+    writers: set[int] = field(default_factory=set)  # pids of the worker processes that wrote its shards
 
 
 def _run_pool(
@@ -320,6 +310,7 @@ def _run_pool(
     overrides: dict[str, float],
     outcomes: dict[str, SlideOutcome],
     progress: ProgressFn | None,
+    on_slide: SlideFn | None,
     timing: dict[str, float],
 ) -> int:
     """Plan jobs first, then shard-range write jobs; survives worker crashes by rebuilding the pool."""
@@ -349,6 +340,16 @@ def _run_pool(
         outcomes[slide_id] = SlideOutcome(slide_id, path, "failed", error=message)
         ts.write_manifest(root, [outcomes[slide_id].as_manifest_entry()], store_extras(cfg))
         log.warning("slide failed: %s", message)
+        if on_slide is not None:
+            on_slide(outcomes[slide_id])
+
+    def commit(state: _SlideState) -> None:
+        outcome = finish_plan(state.incoming, state.plan, cfg, time.perf_counter() - state.started)
+        outcome.workers = len(state.writers)
+        outcomes[outcome.slide_id] = outcome
+        ts.write_manifest(root, [outcome.as_manifest_entry()], store_extras(cfg))
+        if on_slide is not None:
+            on_slide(outcome)
 
     for task in todo:
         submit("plan", task)
@@ -383,15 +384,17 @@ def _run_pool(
                     for unit in units:
                         submit("write", unit)
                     if not units:
-                        _commit(root, states.pop(slide_id), cfg, outcomes)
+                        commit(states.pop(slide_id))
                 else:
                     state = states[slide_id]
                     state.remaining -= 1
-                    done_tiles += result[1]
-                    timing["write"] += result[2]
+                    _, n_tiles, seconds, pid = result
+                    done_tiles += n_tiles
+                    timing["write"] += seconds
+                    state.writers.add(pid)
                     if state.remaining == 0:
                         try:
-                            _commit(root, states.pop(slide_id), cfg, outcomes)
+                            commit(states.pop(slide_id))
                         except Exception as err:
                             fail(slide_id, path, _error_text(err))
                 if progress:
@@ -430,9 +433,3 @@ def _init_worker() -> None:
     import zarr
 
     zarr.config.set({"threading.max_workers": 1})
-
-
-def _commit(root: Path, state: _SlideState, cfg: TileConfig, outcomes: dict[str, SlideOutcome]) -> None:
-    outcome = finish_plan(state.incoming, state.plan, cfg, time.perf_counter() - state.started)
-    outcomes[outcome.slide_id] = outcome
-    ts.write_manifest(root, [outcome.as_manifest_entry()], store_extras(cfg))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -13,6 +14,7 @@ from typing import Protocol
 import numpy as np
 from PIL import Image
 
+from dinov3_core import events
 from dinov3_core.tiling import slide as slide_io
 from dinov3_core.tiling.store import IncomingSlide
 from dinov3_core.tiling.tiff_reader import TiffLevelReader
@@ -149,9 +151,12 @@ def read_tiles(reader: RegionReader, read: slide_io.ReadPlan, coords: np.ndarray
     return out
 
 
-def write_unit(unit: WriteUnit) -> tuple[str, int, float]:
-    """Read and write one shard-aligned range; returns (slide_id, tiles written, seconds)."""
+def write_unit(unit: WriteUnit) -> tuple[str, int, float, int]:
+    """Read and write one shard-aligned range; returns (slide_id, tiles written, seconds, this process's pid)."""
     start = time.perf_counter()
     tiles = read_tiles(_region_reader(unit), unit.read, unit.coords)
     unit.incoming.write_tiles(unit.start, tiles)
-    return unit.incoming.slide_id, len(tiles), time.perf_counter() - start
+    slide_id = unit.incoming.slide_id
+    events.emit("tile.shard_written", store=str(unit.incoming.root), slide_id=slide_id,
+                start=unit.start, tiles=len(tiles))  # fmt: skip
+    return slide_id, len(tiles), time.perf_counter() - start, os.getpid()

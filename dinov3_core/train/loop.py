@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dinov3_core import config as core_config
-from dinov3_core import faults
+from dinov3_core import events
 from dinov3_core.data import TileDataset
 from dinov3_core.data.augment import MultiCropAugmentation
 from dinov3_core.data.masking import IBOTMasks, IBOTMaskSampler
@@ -112,7 +112,7 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
 class Trainer:
     # Stages that add losses (gram anchoring) subclass the meta-architecture and name it here.
     meta_arch: type[SSLMetaArch] = SSLMetaArch
-    stage = "pretrain"  # for logs and `faults.maybe_fail`
+    stage = "pretrain"  # for logs and events
 
     def __init__(self, cfg: C.PretrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
@@ -322,8 +322,8 @@ class Trainer:
                     )
                 if (iteration + 1) % cfg.checkpointing.period == 0 or last:
                     result.last_checkpoint = self.save(iteration)
-                    if env.is_main:
-                        faults.maybe_fail(self.stage, self.output_dir, iteration)
+                    events.emit("train.checkpoint", stage=self.stage, output_dir=str(self.output_dir),
+                                iteration=iteration, rank=env.rank)  # fmt: skip
         finally:
             del data_iter  # stops loader workers
             gc.unfreeze()  # in-process callers (tests, notebooks) get their collector back as it was

@@ -1,11 +1,11 @@
-"""The pretrain stage as one plain function, `run_pretrain(cfg) -> PretrainResult`, and its torchrun command.
+"""The pretrain stage as one plain function, `run_pretrain(cfg) -> PretrainResult`.
 
     cfg = load_config(PretrainConfig, "tiny", {"data.stores": ["out/tiles.zarr"], "output_dir": "out/pt"},
                       stage="pretrain")
     result = run_pretrain(cfg)            # one process: runs right here
 
-    # several processes: the orchestration layer launches (and the CLI entry point calls run_pretrain per rank)
-    subprocess.run(torchrun_command("out/pt.yaml", nproc=8, overrides=["train.stop_at=1000"]), check=True)
+    # several processes: `dinov3_core.run.run_stage("pretrain", cfg, launch=…)` starts torchrun on
+    # `python -m dinov3_core.train`, and every rank calls run_pretrain
 
 MLflow (rank 0 only): joins $MLFLOW_RUN_ID when set, otherwise opens its own run; curated params, the resolved
 config as artifact, metrics at every log line, and the metrics file and loss curve at the end.
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from dinov3_core.train import config as C
 from dinov3_core.train.distributed import init_distributed, shutdown
 from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
 
-__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain", "torchrun_command"]
+__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,35 +125,3 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
 def _log_to_mlflow(record: dict[str, Any]) -> None:
     values = {k: record[k] for k in MLFLOW_METRICS if isinstance(record.get(k), int | float)}
     tracking.log_metrics(values, step=int(record["iteration"]))
-
-
-def torchrun_command(
-    cfg_path: str | os.PathLike[str],
-    nproc: int,
-    overrides: Sequence[str] = (),
-    *,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-    python: str = sys.executable,
-) -> list[str]:
-    """argv that launches `nproc` training processes per node on `cfg_path` (a YAML file or a config name).
-
-    One node: `--standalone`. Several: c10d rendezvous at `rdzv_endpoint` (host:port) with `rdzv_id`; run the
-    same command on every node. `log_dir`: torchrun's per-rank logs and error.json files (root cause).
-    """
-    if nproc < 1 or nnodes < 1:
-        raise ValueError(f"nproc ({nproc}) and nnodes ({nnodes}) must be >= 1")
-    cmd = [python, "-m", "torch.distributed.run"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise ValueError("multi-node runs need rdzv_endpoint (host:port of the rendezvous)")
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-        cmd.append(f"--rdzv-id={rdzv_id or 'wsidino-pretrain'}")
-    cmd.append(f"--nproc-per-node={nproc}")
-    if log_dir is not None:
-        cmd += [f"--log-dir={log_dir}", "--tee=3"]
-    return [*cmd, "-m", "dinov3_core.train", "--config", str(cfg_path), *overrides]

@@ -2,7 +2,7 @@
 
     python -m tests.dist_scripts.launch_driver PID_DIR LOG_DIR
 
-Calls `tasks.launch.run_torchrun` in the main thread on 2 ranks of ``launch_worker hang PID_DIR``, which never
+Calls `dinov3_core.launch.run_torchrun` in the main thread on 2 ranks of ``launch_worker hang PID_DIR``, which never
 end. Like Prefect's engine, SIGTERM raises an exception in the main thread (Prefect's ``TerminationSignal``), so
 `run_torchrun`'s cleanup runs; the test also sends SIGKILL, where no cleanup runs at all.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from tasks.launch import TorchrunJob, run_torchrun
+from dinov3_core.launch import TorchrunJob, run_torchrun
 
 
 class Terminated(BaseException):

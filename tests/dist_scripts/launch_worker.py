@@ -1,4 +1,4 @@
-"""A torchrun rank with a chosen behaviour (run by tests/test_launch.py through `tasks.launch.run_torchrun`).
+"""A torchrun rank with a chosen behaviour (run by tests/test_launch.py through `dinov3_core.launch.run_torchrun`).
 
     python -m tests.dist_scripts.launch_worker MODE [PID_DIR]
 

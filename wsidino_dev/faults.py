@@ -1,21 +1,41 @@
-"""Deliberate failures for resilience tests and chaos drills.
+"""Deliberate failures for resilience tests and chaos drills, hooked into the stages' events.
 
 `WSIDINO_FAULT=<stage>[@<iteration>][,…]` makes each named stage fail once: a training stage right after its
 checkpoint of that iteration (or its first checkpoint), on rank 0 only, as a crashed GPU would; any other stage
 as it starts. A marker file in the stage's output directory records that the fault fired, so the retry (or
-rerun) succeeds. Unset, this costs one environment lookup.
+rerun) succeeds.
+
+The ML core knows nothing of this module: `environment("pretrain@1,export")` returns the variables that make
+`dinov3_core.events` call `on_event` here (`WSIDINO_HOOKS`) together with the fault list; set them on the
+process that runs the stage (a Prefect worker, the CLI) and every torchrun rank inherits them.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+from dinov3_core.events import HOOKS_ENV
 
 ENV = "WSIDINO_FAULT"
 
 
 class InjectedFault(RuntimeError):
     """Raised by `maybe_fail`; deliberately not a WsidinoError, so it counts as a crash and is retried."""
+
+
+def environment(faults: str) -> dict[str, str]:
+    """The environment that arms `faults` (e.g. ``"pretrain@1,export"``) in every process of a run."""
+    return {ENV: faults, HOOKS_ENV: __name__}
+
+
+def on_event(event: str, **fields: Any) -> None:
+    """The `dinov3_core.events` listener: a stage's start, and each training checkpoint on rank 0."""
+    if event == "stage.start":
+        maybe_fail(fields["stage"], fields["output"])
+    elif event == "train.checkpoint" and fields.get("rank", 0) == 0:
+        maybe_fail(fields["stage"], fields["output_dir"], fields["iteration"])
 
 
 def maybe_fail(stage: str, marker_dir: str | os.PathLike[str], iteration: int | None = None) -> None:

@@ -1,7 +1,8 @@
 """The six stages as data: typed config schema, inputs, output location and outputs of each.
 
-The orchestration layer (Prefect tasks, the CLI) uses this to fingerprint a stage's inputs, find its manifest
-and decide whether a rerun may skip it, without knowing each stage's config layout:
+The stage runner (`dinov3_core.run`, behind both the CLI and the Prefect tasks) uses this to fingerprint a
+stage's inputs, find its manifest and decide whether a rerun may skip it, without knowing each stage's config
+layout:
 
     spec = STAGE_SPECS["export"]
     spec.inputs(cfg)        # {"weights": "/run/model/backbone.pth"}
@@ -10,15 +11,13 @@ and decide whether a rerun may skip it, without knowing each stage's config layo
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dinov3_core import manifest as mf
 from dinov3_core.config import config_hash
-from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
 from dinov3_core.manifest import manifest_path
 from dinov3_core.tiling.config import TileConfig
@@ -41,6 +40,8 @@ class StageSpec:
     inputs: Callable[[Any], dict[str, str | None]]  # input name → path (None: not used by this config)
     outputs: Callable[[Any], dict[str, str]]  # after a successful run: name → path that must exist
     volatile: tuple[str, ...] = ("tracking.", "progress")  # config keys (prefixes) that do not change outputs
+    # Checks that must pass before the manifest is written into the output (tile: the output is a tile store).
+    check: Callable[[Any], None] | None = None
 
     def manifest_path(self, cfg: Any) -> Path:
         return manifest_path(self.output(cfg), is_dir=self.output_is_dir)
@@ -97,6 +98,13 @@ def _slides_input(cfg: TileConfig) -> dict[str, Any]:
     return inputs
 
 
+def _check_tile_output(cfg: TileConfig) -> None:
+    """A bad output path or an input without slides fails here, before a stage manifest is written."""
+    from dinov3_core.tiling.stage import prepare_store
+
+    prepare_store(cfg)
+
+
 def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
     out = {"onnx": cfg.output}
     data = Path(f"{cfg.output}.data")
@@ -109,7 +117,7 @@ STAGE_SPECS: dict[str, StageSpec] = {
     "tile": StageSpec(
         "tile", lambda: TileConfig, False, True, lambda c: c.output, _slides_input,
         lambda c: {"store": c.output},  # fingerprinted by its slides' tile counts (dinov3_core.manifest)
-        volatile=("tracking.", "progress", "workers"),
+        volatile=("tracking.", "progress", "workers"), check=_check_tile_output,
     ),
     "pretrain": StageSpec(
         "pretrain", lambda: PretrainConfig, True, True, lambda c: c.output_dir,
@@ -137,108 +145,4 @@ STAGE_SPECS: dict[str, StageSpec] = {
 }  # fmt: skip
 
 
-@contextlib.contextmanager
-def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
-    """`running` manifest while the block runs; `complete` (with outputs and a new output fingerprint) after it,
-    `failed` with the error when it raises. The caller fills `run_id` and `summary` on the yielded manifest."""
-    path = spec.manifest_path(cfg)
-    paths = [i["path"] for i in inputs.values()]
-    m = mf.StageManifest(
-        stage=spec.name,
-        status="running",
-        config_hash=spec.config_hash(cfg),
-        inputs=inputs,
-        lineage=mf.lineage_of(paths),
-        started_at=mf.now(),
-    )
-    with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
-        mf.write_manifest(path, m)
-        try:
-            yield m
-        except BaseException as err:
-            m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
-            mf.write_manifest(path, m)
-            raise
-        m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
-        missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
-        if missing:
-            m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
-            mf.write_manifest(path, m)
-            raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
-        m.status, m.finished_at = "complete", mf.now()
-        m.output_fingerprint = mf.completion_fingerprint(m)
-        mf.write_manifest(path, m)
-
-
-def run_once(
-    stage: str,
-    cfg: Any,
-    run: Callable[[], dict[str, Any] | None],
-    *,
-    force: bool = False,
-    log: Callable[[str], None] = print,
-) -> tuple[bool, mf.StageManifest]:
-    """Run a stage under its manifest unless it is up to date (the CLI's path; Prefect tasks add MLflow nesting).
-
-    Returns:
-        (ran, manifest): whether `run` was called, and the manifest now on disk.
-    """
-    spec = STAGE_SPECS[stage]
-    inputs, decision = spec.decide(cfg)
-    if decision.up_to_date and not force:
-        log(f"{stage}: up to date ({decision.reason}); skipped. Use --force to recompute.")
-        assert decision.previous is not None
-        return False, decision.previous
-    with manifest_guard(spec, cfg, inputs) as m:
-        m.summary = run() or {}
-        m.mlflow_run_id = _last_mlflow_run_id(cfg)
-    return True, m
-
-
-def _last_mlflow_run_id(cfg: Any) -> str | None:
-    if not cfg.tracking.enabled:
-        return None
-    import mlflow
-
-    run = mlflow.last_active_run()
-    return run.info.run_id if run is not None else None
-
-
-# ------------------------------------------------------------------------------ in-process stage runners
-
-
-def _convert(cfg: Any) -> tuple[Any, dict[str, Any]]:
-    from dinov3_core.export.convert import run_convert
-
-    r = run_convert(cfg)
-    mb = {"backbone_mb": round(r.backbone_bytes / 1e6, 2), "checkpoint_mb": round(r.checkpoint_bytes / 1e6, 2)}
-    return r, {"checkpoint": str(r.checkpoint), "iteration": r.iteration, "arch": r.arch, **mb}
-
-
-def _export(cfg: Any) -> tuple[Any, dict[str, Any]]:
-    from dinov3_core.export.onnx_export import run_export
-
-    r = run_export(cfg)
-    summary = {"onnx": str(r.path), "n_nodes": r.n_nodes, "max_abs_error": r.max_abs_error,
-               "model_uri": r.model_uri, "registered_model": cfg.register_name if r.model_version else None,
-               "model_version": r.model_version, "alias": cfg.register_alias if r.model_version else None}  # fmt: skip
-    return r, {k: v for k, v in summary.items() if v is not None}
-
-
-def _extract(cfg: Any) -> tuple[Any, dict[str, Any]]:
-    from dinov3_core.export.extract import run_extract
-
-    r = run_extract(cfg)
-    return r, {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
-               "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip
-
-
-# The stages that run in the calling process: stage function result and the summary kept in the manifest.
-IN_PROCESS: dict[str, Callable[[Any], tuple[Any, dict[str, Any]]]] = {
-    "convert": _convert,
-    "export": _export,
-    "extract": _extract,
-}
-
-
-__all__ = ["IN_PROCESS", "STAGE_SPECS", "StageSpec", "manifest_guard", "run_once"]
+__all__ = ["STAGE_SPECS", "StageSpec"]

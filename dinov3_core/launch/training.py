@@ -1,0 +1,103 @@
+"""How a training stage is launched: `LaunchSettings` (processes, nodes, GPUs, limits) → one `TorchrunJob`.
+
+The same settings come from `wsidino pretrain --nproc-per-node …` and from the Prefect forms (this pydantic model
+is the form's "Launch" section), so every bound is declared here once. The resolved stage config is written to
+`<output_dir>/launch_config.yaml` and every rank loads it: ranks, retries and the stage manifest all see one
+config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dinov3_core.launch.job import TorchrunJob
+
+LAUNCH_CONFIG = "launch_config.yaml"
+TRAINING_MODULES = {"pretrain": "dinov3_core.train", "gram": "dinov3_core.gram"}  # `python -m` on every rank
+
+
+def _ui(position: int) -> dict[str, Any]:
+    return {"position": position}  # field order in the Prefect UI form
+
+
+class LaunchSettings(BaseModel):
+    """How a training stage is launched: torchrun processes, nodes, GPUs, wall-clock limit and retries."""
+
+    model_config = ConfigDict(extra="forbid", title="Launch")
+
+    nproc_per_node: int = Field(
+        1, ge=1, le=64, title="Processes per node", description="torchrun processes per node (one per GPU).",
+        json_schema_extra=_ui(0),
+    )  # fmt: skip
+    nnodes: int = Field(
+        1, ge=1, le=1024, title="Nodes",
+        description="Nodes in the job; more than 1 needs a rendezvous endpoint, and the same launch on every node.",
+        json_schema_extra=_ui(1),
+    )  # fmt: skip
+    rdzv_endpoint: str | None = Field(
+        None, title="Rendezvous endpoint", pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
+        description="host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
+        json_schema_extra=_ui(2),
+    )  # fmt: skip
+    cuda_visible_devices: str | None = Field(
+        None, title="CUDA_VISIBLE_DEVICES", pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
+        description="GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
+        json_schema_extra=_ui(3),
+    )  # fmt: skip
+    timeout_hours: float | None = Field(
+        None, gt=0, le=24 * 30, title="Wall-clock limit (hours)",
+        description="Kill the whole job after this long (it resumes from its last checkpoint when rerun). "
+        "Empty: no limit.",
+        json_schema_extra=_ui(4),
+    )  # fmt: skip
+    retries: int = Field(
+        1, ge=0, le=10, title="Retries",
+        description="Relaunches after a crash (not after bad input); each resumes from the last checkpoint. "
+        "Prefect runs only: on the command line, rerun the same command.",
+        json_schema_extra=_ui(5),
+    )  # fmt: skip
+    gpu_slots: str | None = Field(
+        None, title="GPU slot limit",
+        description="Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
+        "nproc_per_node slots while it runs. Empty: no limit.",
+        json_schema_extra=_ui(6),
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> LaunchSettings:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+        return self
+
+
+def training_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
+    """The torchrun job of a training stage (`pretrain`, `gram`) for its resolved config.
+
+    Args:
+        stage: The stage name; picks the module every rank runs.
+        cfg: The stage's typed config; written to `<output_dir>/launch_config.yaml` for the ranks.
+        launch: Processes, nodes, rendezvous, GPUs and the wall-clock limit.
+        env: Extra environment for every rank (the MLflow run to join).
+    """
+    from dinov3_core.config import save_config
+
+    out = Path(cfg.output_dir)
+    cfg_path = save_config(cfg, out / LAUNCH_CONFIG)
+    return TorchrunJob(
+        module=TRAINING_MODULES[stage],
+        args=["--config", str(cfg_path.resolve())],
+        nproc_per_node=launch.nproc_per_node,
+        nnodes=launch.nnodes,
+        rdzv_endpoint=launch.rdzv_endpoint,
+        rdzv_id=f"wsidino-{stage}-{out.name}",
+        cuda_visible_devices=launch.cuda_visible_devices,
+        env=dict(env or {}),
+        log_dir=out / "torchrun_logs",
+        timeout_s=launch.timeout_hours * 3600 if launch.timeout_hours else None,
+    )
+
+
+__all__ = ["LAUNCH_CONFIG", "TRAINING_MODULES", "LaunchSettings", "training_job"]

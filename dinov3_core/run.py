@@ -1,0 +1,322 @@
+"""The stage runner: one stage, under its stage manifest, in its MLflow run. The CLI and the Prefect tasks both
+call `run_stage`; neither has a skip rule, a launcher or an MLflow nesting rule of its own.
+
+    outcome = run_stage("export", cfg)                                    # in this process
+    outcome = run_stage("pretrain", cfg, launch=LaunchSettings(nproc_per_node=2))   # a torchrun job
+
+What every stage gets from here (the stage functions know nothing of it):
+
+* **skip**: the manifest (`dinov3_core.manifest`) shows the same config hash and input fingerprints and the
+  outputs exist → nothing runs (unless `force`); inside a pipeline the skip is recorded as a child run that
+  points at the reused one;
+* **one MLflow run per stage**: nested under the pipeline's run when there is one (`RunHooks.parent_run_id`),
+  tagged with its lineage (`wsidino.lineage.<stage>_run_id`), its inputs and output, and carrying the manifest;
+  a retry of a failed attempt reopens that attempt's run;
+* **the manifest**: `running` while the stage runs, `failed` with the error, `complete` with outputs and an output
+  fingerprint after it; one run per output at a time (a lock beside the manifest);
+* **training stages** run as a torchrun job (`dinov3_core.launch`) with the launch settings; rank 0 logs into the
+  stage's MLflow run; everything else runs in this process;
+* the ``stage.start`` event (`dinov3_core.events`) for fault drills.
+
+`RunHooks` is what a caller adds: where log lines go, the Prefect tags, a GPU-slot guard, tile progress callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dinov3_core import events, tracking
+from dinov3_core import manifest as mf
+from dinov3_core.config import flat_params, to_yaml
+from dinov3_core.errors import WsidinoError
+from dinov3_core.launch import run_torchrun
+from dinov3_core.launch.training import LaunchSettings, training_job
+from dinov3_core.stage_specs import STAGE_SPECS, StageSpec
+
+GuardFactory = Callable[[LaunchSettings], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass
+class RunHooks:
+    """What the caller adds around a stage run (the CLI and the Prefect task fill different parts)."""
+
+    log: Callable[[str], None] = print
+    parent_run_id: str | None = None  # the pipeline's MLflow run: the stage's run nests under it
+    tags: Mapping[str, str] = field(default_factory=dict)  # extra MLflow tags (the Prefect flow run)
+    run_name: str | None = None  # MLflow run name; default: the stage name
+    hold_resources: GuardFactory | None = None  # entered around a torchrun job (Prefect GPU slots)
+    progress: Callable[[int, int], None] | None = None  # tile: (tiles done, tiles planned so far)
+    on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
+
+
+@dataclass
+class StageOutcome:
+    """What one `run_stage` call did: ran or skipped, why, and the manifest now on disk."""
+
+    stage: str
+    status: Literal["ran", "skipped"]
+    reason: str
+    manifest_path: Path
+    manifest: mf.StageManifest
+    result: Any = None  # the stage function's own result object (in-process stages that ran)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able: what the Prefect tasks and flows return, and the UI shows."""
+        m = self.manifest
+        return {
+            "stage": self.stage,
+            "status": self.status,
+            "reason": self.reason,
+            "manifest": str(self.manifest_path),
+            "outputs": dict(m.outputs),
+            "mlflow_run_id": m.mlflow_run_id,
+            "lineage": dict(m.lineage),
+            "summary": dict(m.summary),
+        }
+
+
+def lineage_tags(lineage: Mapping[str, str]) -> dict[str, str]:
+    return {f"wsidino.lineage.{stage}_run_id": run_id for stage, run_id in lineage.items()}
+
+
+def run_stage(
+    stage: str,
+    cfg: Any,
+    *,
+    force: bool = False,
+    launch: LaunchSettings | None = None,
+    hooks: RunHooks | None = None,
+) -> StageOutcome:
+    """Run one stage under its manifest unless it is up to date, in its own MLflow run.
+
+    Args:
+        stage: tile, pretrain, gram, convert, export or extract.
+        cfg: The stage's typed config (`dinov3_core.config.load_config`).
+        force: Run even when the manifest says the outputs are up to date.
+        launch: torchrun settings (training stages; default: one process on this node).
+        hooks: Logging, MLflow nesting and callbacks from the caller.
+
+    Raises:
+        WsidinoError: Bad input (naming the key or file); `TorchrunFailed`: a training job failed.
+    """
+    spec = STAGE_SPECS[stage]
+    hooks = hooks or RunHooks()
+    if spec.check is not None:
+        spec.check(cfg)
+    inputs, decision = spec.decide(cfg)
+    if decision.up_to_date and not force:
+        return _record_skip(spec, cfg, decision, hooks)
+    reason = "forced" if decision.up_to_date else decision.reason
+    hooks.log(f"{stage}: running ({reason})")
+    path = spec.manifest_path(cfg)
+    result = None
+    with manifest_guard(spec, cfg, inputs) as m:
+        previous = decision.previous
+        retry_of = (
+            previous.mlflow_run_id
+            if previous is not None and previous.status != "complete" and previous.config_hash == m.config_hash
+            else None
+        )  # a retry of a failed attempt keeps its MLflow run
+        tags = {
+            "wsidino.output": str(Path(spec.output(cfg)).resolve()),
+            **lineage_tags(m.lineage),
+            **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
+        }
+        with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of) as run:
+            m.mlflow_run_id = run.info.run_id if run is not None else None
+            mf.write_manifest(path, m)  # a crash mid-run still leaves the run id on record
+            events.emit("stage.start", stage=stage, output=str(path.parent), rank=0)
+            if spec.distributed:
+                m.summary = _launch_training(stage, cfg, launch or LaunchSettings(), run, hooks)
+            else:
+                result, m.summary = IN_PROCESS[stage](cfg, hooks)
+                if run is not None:
+                    _log_stage_artifacts(stage, cfg)
+            if run is not None and stage == "export":
+                _tag_model_version(m.summary, m.lineage, cfg)
+    tracking.log_artifact_to(cfg.tracking, m.mlflow_run_id if cfg.tracking.enabled else None, path, "manifest")
+    return StageOutcome(stage, "ran", reason, path, m, result)
+
+
+@contextlib.contextmanager
+def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
+    """`running` manifest while the block runs; `complete` (with outputs and a new output fingerprint) after it,
+    `failed` with the error when it raises. The caller fills `run_id` and `summary` on the yielded manifest."""
+    path = spec.manifest_path(cfg)
+    paths = [i["path"] for i in inputs.values()]
+    m = mf.StageManifest(
+        stage=spec.name,
+        status="running",
+        config_hash=spec.config_hash(cfg),
+        inputs=inputs,
+        lineage=mf.lineage_of(paths),
+        started_at=mf.now(),
+    )
+    with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
+        mf.write_manifest(path, m)
+        try:
+            yield m
+        except BaseException as err:
+            m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+            mf.write_manifest(path, m)
+            raise
+        m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
+        missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
+        if missing:
+            m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+            mf.write_manifest(path, m)
+            raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
+        m.status, m.finished_at = "complete", mf.now()
+        m.output_fingerprint = mf.completion_fingerprint(m)
+        mf.write_manifest(path, m)
+
+
+@contextlib.contextmanager
+def _stage_mlflow_run(
+    cfg: tracking.TrackingConfig, stage: str, hooks: RunHooks, tags: Mapping[str, str], resume: str | None
+) -> Iterator[Any]:
+    """Inside a pipeline: the unfinished child a failed attempt left, or a new child; alone: `resume` or new."""
+    parent = hooks.parent_run_id if cfg.enabled else None
+    run_id = tracking.find_stage_run(cfg, parent, stage) if parent else resume
+    all_tags = {tracking.STAGE_TAG: stage, **hooks.tags, **tags}
+    with tracking.stage_run(
+        cfg, hooks.run_name or stage, tags=all_tags, run_id=run_id, parent_run_id=parent
+    ) as run:  # fmt: skip
+        yield run
+
+
+def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHooks) -> StageOutcome:
+    """Up to date: log it; inside a pipeline give its run a FINISHED child that points at the reused run."""
+    previous = decision.previous
+    assert previous is not None
+    hooks.log(f"{spec.name}: up to date ({decision.reason}); skipped. Force it to recompute.")
+    path = spec.manifest_path(cfg)
+    parent = hooks.parent_run_id if cfg.tracking.enabled else None
+    # A retried pipeline run already has this stage's child run (it completed in an earlier attempt).
+    if parent and not tracking.find_stage_run(cfg.tracking, parent, spec.name, unfinished=False):
+        tags = {
+            "wsidino.status": "skipped",
+            "wsidino.reused_run_id": previous.mlflow_run_id or "",
+            **lineage_tags(previous.lineage),
+        }
+        with _stage_mlflow_run(cfg.tracking, spec.name, hooks, tags, None) as run:
+            if run is not None:
+                tracking.log_artifact(path, "manifest")
+    return StageOutcome(spec.name, "skipped", decision.reason, path, previous)
+
+
+# ------------------------------------------------------------------------------------------- training stages
+
+
+def _launch_training(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hooks: RunHooks) -> dict[str, Any]:
+    job = training_job(stage, cfg, launch, env=tracking.run_env(run, cfg.tracking))
+    hooks.log(f"{stage}: torchrun {job.nproc_per_node} process(es) × {job.nnodes} node(s), logs in {job.log_dir}")
+    guard = hooks.hold_resources(launch) if hooks.hold_resources is not None else contextlib.nullcontext()
+    with guard:
+        run_torchrun(job, log=hooks.log)
+    return training_summary(stage, cfg)
+
+
+def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
+    """The last metrics line (iteration, losses, throughput, memory) and, for gram, the chosen teacher."""
+    out = Path(cfg.output_dir)
+    summary: dict[str, Any] = {}
+    metrics = out / "training_metrics.json"
+    if metrics.is_file():
+        lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
+        if lines:
+            last = json.loads(lines[-1])
+            summary["iteration"] = last.get("iteration")
+            for key in ("total_loss", "images_per_s", "max_rss_mb", "gram_loss"):
+                if isinstance(last.get(key), int | float):
+                    summary[key] = round(float(last[key]), 4)
+    selection = out / "gram_teacher_selection.json"
+    if stage == "gram" and selection.is_file():
+        chosen = json.loads(selection.read_text()).get("chosen", {})
+        summary["gram_teacher"] = chosen.get("path")
+        summary["gram_teacher_iteration"] = chosen.get("iteration")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------- in-process stages
+
+
+def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.tiling import report
+    from dinov3_core.tiling.stage import run_tile
+
+    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide)
+    if cfg.tracking.enabled:
+        tracking.log_params(flat_params(cfg))
+        report.log_to_mlflow(result)
+    failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
+    return result, {**result.counts, "tiles_total": result.total_tiles, "failed_slides": failed}
+
+
+def _convert(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.convert import run_convert
+
+    r = run_convert(cfg)
+    hooks.log(f"convert: {r.checkpoint} → {r.backbone}")
+    mb = {"backbone_mb": round(r.backbone_bytes / 1e6, 2), "checkpoint_mb": round(r.checkpoint_bytes / 1e6, 2)}
+    return r, {"checkpoint": str(r.checkpoint), "iteration": r.iteration, "arch": r.arch, **mb}
+
+
+def _export(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.onnx_export import run_export
+
+    r = run_export(cfg)
+    hooks.log(f"export: {r.path} (ONNX Runtime vs PyTorch max abs error {r.max_abs_error:.2e})")
+    summary = {"onnx": str(r.path), "n_nodes": r.n_nodes, "max_abs_error": r.max_abs_error,
+               "model_uri": r.model_uri, "registered_model": cfg.register_name if r.model_version else None,
+               "model_version": r.model_version, "alias": cfg.register_alias if r.model_version else None}  # fmt: skip
+    return r, {k: v for k, v in summary.items() if v is not None}
+
+
+def _extract(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.extract import run_extract
+
+    r = run_extract(cfg)
+    hooks.log(f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date → {r.output}")
+    return r, {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
+               "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip
+
+
+# The stages that run in the calling process: (stage function result, summary kept in the manifest).
+IN_PROCESS: dict[str, Callable[[Any, RunHooks], tuple[Any, dict[str, Any]]]] = {
+    "tile": _tile,
+    "convert": _convert,
+    "export": _export,
+    "extract": _extract,
+}
+
+
+def _log_stage_artifacts(stage: str, cfg: Any) -> None:
+    """The resolved config, and pictures worth a look in MLflow, beyond what the stage logs itself."""
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    mlflow.log_text(to_yaml(cfg), f"config/{stage}.yaml")
+    if stage == "extract":
+        for png in sorted(Path(cfg.output).glob("slides/*/pca.png"))[:50]:
+            tracking.log_artifact(png, f"pca/{png.parent.name}")
+
+
+def _tag_model_version(summary: Mapping[str, Any], lineage: Mapping[str, str], cfg: Any) -> None:
+    """The registered ONNX model version carries the run ids it came from (registry → training → tiles)."""
+    if not summary.get("model_version"):
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+    for key, value in {**lineage_tags(lineage), "wsidino.weights": str(cfg.weights)}.items():
+        client.set_model_version_tag(summary["registered_model"], summary["model_version"], key, value)
+
+
+__all__ = ["IN_PROCESS", "RunHooks", "StageOutcome", "lineage_tags", "manifest_guard", "run_stage", "training_summary"]

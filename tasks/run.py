@@ -1,0 +1,170 @@
+"""The Prefect task that runs one stage: `dinov3_core.run.run_stage` plus what only Prefect has.
+
+    run_stage_task("export", cfg)                        # in the flow-run process
+    run_training_stage("pretrain", cfg, launch)          # torchrun job, retried after crashes
+
+The skip decision, the manifest, the MLflow run and the torchrun launch are `dinov3_core.run`'s; this module adds:
+
+* the Prefect run logger as the log, the flow run's tags on the MLflow run, nesting under the pipeline's run;
+* GPU slots: a strict Prefect global concurrency limit held while a torchrun job runs;
+* a markdown artifact per stage; for tile, a progress artifact that follows the tiles and a per-slide table;
+* retries of training stages after crashes (not after bad input or the wall-clock limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+
+from dinov3_core.config import load_config
+from dinov3_core.errors import WsidinoError
+from dinov3_core.launch import TorchrunFailed
+from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.run import RunHooks, StageOutcome, run_stage
+from dinov3_core.stage_specs import STAGE_SPECS
+from tasks.tracking import current_pipeline_run, mlflow_run_name, prefect_run_tags
+
+
+def load_stage_config(stage: str, config: str | None, values: Mapping[str, Any]) -> Any:
+    """The stage's typed config: schema defaults ← named config or YAML ← `values` (checked key by key)."""
+    return load_config(STAGE_SPECS[stage].schema(), config, dict(values), stage=stage)
+
+
+@contextlib.contextmanager
+def gpu_slots(launch: LaunchSettings) -> Iterator[None]:
+    """Occupy `nproc_per_node` slots of the named global concurrency limit while the job runs (queue otherwise)."""
+    if not launch.gpu_slots:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    get_run_logger().info("waiting for %d slot(s) of %r", launch.nproc_per_node, launch.gpu_slots)
+    with contextlib.ExitStack() as stack:
+        try:  # strict: a misspelled limit must not mean "unlimited"
+            stack.enter_context(concurrency(launch.gpu_slots, occupy=launch.nproc_per_node, strict=True))
+        except Exception as err:
+            raise WsidinoError(
+                f"launch.gpu_slots={launch.gpu_slots!r}: no such global concurrency limit on the Prefect server "
+                f"({err}); create it with `prefect gcl create {launch.gpu_slots} --limit <GPUs>` or leave it empty"
+            ) from err
+        yield
+
+
+class _TileArtifacts:
+    """Prefect artifacts of a tile run: a progress bar over planned tiles and, at the end, one row per slide."""
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+        self.progress_id: Any = None
+        self.last = -1.0
+
+    def progress(self, done: int, planned: int) -> None:
+        percent = round(100.0 * done / planned, 1) if planned else 0.0
+        if percent == self.last:
+            return
+        self.last = percent
+        with contextlib.suppress(Exception):  # a failed artifact update must never fail the tiling
+            if self.progress_id is None:
+                self.progress_id = create_progress_artifact(
+                    percent, key="tile-progress", description=f"Tiles written into {self.store}"
+                )
+            else:
+                update_progress_artifact(self.progress_id, percent)
+
+    def on_slide(self, outcome: Any) -> None:
+        logger = get_run_logger()
+        if outcome.status == "failed":
+            logger.warning("slide %s failed: %s", outcome.slide_id, outcome.error)
+        else:
+            logger.info("slide %s %s: %d tiles in %.1f s, %d worker(s)", outcome.slide_id, outcome.status,
+                        outcome.tile_count, outcome.seconds, outcome.workers)  # fmt: skip
+
+    def finish(self, result: Any) -> None:
+        from dinov3_core.tiling import report
+
+        self.progress(1, 1)
+        create_table_artifact(
+            report.summary_rows(result), key="tile-summary", description=f"Slides of tile store {self.store}"
+        )
+        for line in report.format_summary(result).splitlines():
+            get_run_logger().info(line)
+
+
+def _markdown(o: StageOutcome) -> str:
+    m = o.manifest
+    lines = [f"# {o.stage}: {o.status}", "", o.reason, "", f"Manifest: `{o.manifest_path}`"]
+    if m.mlflow_run_id:
+        lines.append(f"MLflow run: `{m.mlflow_run_id}`")
+    if m.outputs:
+        lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in m.outputs.items()]]
+    if m.summary:
+        lines += ["", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in m.summary.items()]]
+    if m.lineage:
+        lines += ["", "Lineage: " + ", ".join(f"{k} `{v}`" for k, v in m.lineage.items())]
+    return "\n".join(lines) + "\n"
+
+
+@task(name="run-stage", task_run_name="{stage}", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=5)
+def run_stage_task(
+    stage: str, cfg: Any, force: bool = False, launch: LaunchSettings | None = None
+) -> dict[str, Any]:  # fmt: skip
+    """Run one stage under its manifest (skip when up to date), in its own MLflow run.
+
+    Args:
+        stage: tile, pretrain, gram, convert, export or extract.
+        cfg: The stage's typed config (`load_stage_config`).
+        force: Run even when the manifest says the outputs are up to date.
+        launch: torchrun settings (training stages).
+
+    Returns:
+        The outcome: status (ran / skipped), why, outputs, MLflow run id, lineage and summary figures.
+    """
+    logger = get_run_logger()
+    tile = _TileArtifacts(str(cfg.output)) if stage == "tile" else None
+    hooks = RunHooks(
+        log=logger.info,
+        parent_run_id=current_pipeline_run(),
+        tags=prefect_run_tags(stage),
+        run_name=mlflow_run_name(stage),
+        hold_resources=gpu_slots,
+        progress=tile.progress if tile else None,
+        on_slide=tile.on_slide if tile else None,
+    )
+    outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
+    if tile is not None and outcome.result is not None:
+        tile.finish(outcome.result)
+    with contextlib.suppress(Exception):  # outside a Prefect run (plain Python) there is nowhere to publish
+        create_markdown_artifact(_markdown(outcome), key=f"{stage}-stage", description=f"{stage} stage outcome")
+    return outcome.as_dict()
+
+
+def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry crashes (a killed rank, a lost node, NCCL errors); not bad input and not the wall-clock limit."""
+    try:
+        state.result()
+    except TorchrunFailed as err:
+        return not err.timed_out and err.rank_exit_code != 2  # torchrun itself always exits 1
+    except WsidinoError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def run_training_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:
+    """`run_stage_task` for pretrain / gram with the launch's retries (crashes only; each retry resumes)."""
+    retrying = run_stage_task.with_options(retries=launch.retries, retry_condition_fn=is_retriable)
+    return retrying(stage, cfg, force=force, launch=launch)
+
+
+__all__ = ["gpu_slots", "is_retriable", "load_stage_config", "run_stage_task", "run_training_stage"]

@@ -1,0 +1,55 @@
+"""Listeners for `dinov3_core.events` that let a test act at an exact point of a real run.
+
+Armed with `arm(monkeypatch, "name", directory)`, which sets `$WSIDINO_HOOKS=tests.event_hooks:<name>` and the
+directory the listener signals through; tile worker processes and torchrun ranks inherit both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.events import HOOKS_ENV
+
+DIR_ENV = "WSIDINO_TEST_EVENTS_DIR"
+WAIT_S = 120.0
+
+
+def arm(monkeypatch: Any, name: str, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv(HOOKS_ENV, f"{__name__}:{name}")
+    monkeypatch.setenv(DIR_ENV, str(directory))
+    return directory
+
+
+def wait_for(path: Path, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+def _dir() -> Path:
+    return Path(os.environ[DIR_ENV])
+
+
+def shards_from_two_workers(event: str, **fields: Any) -> None:
+    """Each writer of a shard waits until a second process has written one too: the slide's shards are then
+    provably spread over (at least) two workers, however fast the first worker would have been alone."""
+    if event != "tile.shard_written":
+        return
+    (_dir() / f"writer-{os.getpid()}").touch()
+    deadline = time.monotonic() + WAIT_S
+    while len(list(_dir().glob("writer-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def pause_after_first_shard(event: str, **fields: Any) -> None:
+    """Signal that a shard is on disk, then hold the worker there (the test kills the run mid-write)."""
+    if event != "tile.shard_written":
+        return
+    (_dir() / "shard-written").touch()
+    time.sleep(WAIT_S)
