@@ -244,6 +244,16 @@ def test_damaged_file_is_regenerated_identically(sample_slides: SampleSet, tmp_p
     assert (copy / MARKER_NAME).stat().st_mtime_ns == marker_mtime
 
 
+def test_dev_command_writes_and_lists_the_set(sample_slides: SampleSet, capsys: pytest.CaptureFixture[str]) -> None:
+    from wsidino_dev.__main__ import main
+
+    marker_mtime = (sample_slides.root / MARKER_NAME).stat().st_mtime_ns
+    assert main(["samples", str(sample_slides.root), "--preset", "test"]) == 0
+    negatives = [f"{path}  (negative case: {name})" for name, path in sample_slides.negatives.items()]
+    assert capsys.readouterr().out.splitlines() == [*map(str, sample_slides.slides), *negatives]
+    assert (sample_slides.root / MARKER_NAME).stat().st_mtime_ns == marker_mtime  # the same set: reused
+
+
 # ----------------------------------------------------------------------------------------------------
 # Canvas and writers on their own
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`wsidino-dev` (or ``python -m wsidino_dev``): development commands.
 
 * ``samples OUT_DIR [--preset demo|test] [--seed N] [--no-negatives]``: write sample slides.
+* ``serve [--prefect-port N] [--mlflow-port M] [--serve-dir DIR] ...``: what `make serve` runs (`wsidino_dev.serve`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ def cmd_samples(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from wsidino_dev.serve.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from wsidino_dev.serve.cli import DESCRIPTION
+    from wsidino_dev.serve.cli import build_parser as serve_parser
+
     parser = argparse.ArgumentParser(prog="wsidino-dev", description="wsidino development tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -37,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     samples.add_argument("--seed", type=int, default=0)
     samples.add_argument("--no-negatives", dest="negatives", action="store_false", help="skip the bad-input files")
     samples.set_defaults(func=cmd_samples)
+
+    serve = sub.add_parser(
+        "serve",
+        parents=[serve_parser(add_help=False)],
+        help="local Prefect + MLflow servers, pools, deployments and a worker (make serve); Ctrl-C stops",
+        description=DESCRIPTION,
+    )
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
