@@ -35,7 +35,7 @@ demo: venv
 
 # SERVE_ARGS, e.g. SERVE_ARGS="--prefect-port 4300 --mlflow-port 5001 --serve-dir /tmp/wsidino-serve"
 serve: venv
-	$(BIN)/python deploy/serve.py $(SERVE_ARGS)
+	$(BIN)/python -m wsidino_dev serve $(SERVE_ARGS)
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --output bench-output

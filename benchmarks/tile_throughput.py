@@ -155,7 +155,7 @@ def _benchmark_slide(path: Path) -> Path:
         return path
     import numpy as np
 
-    from dinov3_core.sample_slides import TissueCanvas, write_svs
+    from wsidino_dev.sample_slides import TissueCanvas, write_svs
 
     rng = np.random.default_rng(7)
     canvas = TissueCanvas.plan(32768, 32768, rng=rng, mpp=0.25, tissue=True, pen_mark=True, tissue_fraction=(0.4, 0.5))
@@ -193,7 +193,7 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    from dinov3_core.sample_slides import make_sample_slides
+    from wsidino_dev.sample_slides import make_sample_slides
 
     out = Path(args.output).resolve()
     work = out / "tile_throughput"

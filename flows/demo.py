@@ -46,8 +46,8 @@ def run_demo(output: Path, nproc: int, tile_workers: int) -> int:
     output = output.resolve()
     output.mkdir(parents=True, exist_ok=True)
     _prefect_env(output)
-    from dinov3_core.sample_slides import make_sample_slides
     from flows.pipeline import pipeline_flow
+    from wsidino_dev.sample_slides import make_sample_slides
 
     start = time.perf_counter()
     print(f"=== sample slides → {output / 'slides'}", flush=True)

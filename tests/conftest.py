@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from dinov3_core.sample_slides import SampleSet
+    from wsidino_dev.sample_slides import SampleSet
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def sample_slides(tmp_path_factory: pytest.TempPathFactory) -> SampleSet:
     Generating them takes a few seconds. Treat the files as read-only: other tests share them.
     """
     # Imported here so a problem in the generator only fails the tests that use it, not collection.
-    from dinov3_core.sample_slides import make_sample_slides
+    from wsidino_dev.sample_slides import make_sample_slides
 
     return make_sample_slides(tmp_path_factory.mktemp("sample_slides"), "test")
 

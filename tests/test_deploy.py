@@ -1,4 +1,4 @@
-"""Deployment files: prefect.yaml parameters against the flow models, job templates, sbatch scripts, deploy/serve.py.
+"""Deployment files: prefect.yaml parameters against the flow models, job templates, sbatch scripts, `make serve`.
 
 Nothing here runs a flow or a server: the checks read the files and use the real models, Prefect's templating,
 docker-py's argument handling and bash.
@@ -7,7 +7,6 @@ docker-py's argument handling and bash.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 import shutil
@@ -16,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -33,6 +31,7 @@ from tasks.params import (
     StageOptions,
     TileParams,
 )
+from wsidino_dev import serve
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -55,19 +54,6 @@ FLOWS: dict[str, tuple[str, type[BaseModel]]] = {
 CPU_DEPLOYMENTS = {"tile", "convert", "export", "extract", "pipeline"}
 GPU_DEPLOYMENTS = {"pretrain", "gram", "pipeline-gpu"}
 PLACEHOLDER = re.compile(r"{{\s*([A-Za-z_][A-Za-z0-9_]*)\s*}}")
-
-
-def load_serve() -> ModuleType:
-    """deploy/serve.py as a module (deploy/ is not a package)."""
-    name = "wsidino_deploy_serve"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, DEPLOY / "serve.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -312,11 +298,10 @@ def test_sbatch_scripts_parse() -> None:
     assert "--pool wsidino-gpu" in (DEPLOY / "slurm" / "prefect-gpu-worker.sbatch").read_text()
 
 
-# ------------------------------------------------------------------------------------------------ serve.py
+# ------------------------------------------------------------------------------------ make serve (wsidino_dev.serve)
 
 
 def test_port_in_use_is_a_clear_error() -> None:
-    serve = load_serve()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -329,7 +314,6 @@ def test_port_in_use_is_a_clear_error() -> None:
 
 
 def test_serve_ports_and_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    serve = load_serve()
     defaults = serve.build_parser().parse_args([])
     assert (defaults.prefect_port, defaults.mlflow_port) == (4200, 5000)
     assert defaults.serve_dir == REPO / ".wsidino-serve"
@@ -341,7 +325,6 @@ def test_serve_ports_and_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 def test_serve_demo_params_point_into_the_serve_dir(tmp_path: Path, deployments: dict[str, Any]) -> None:
-    serve = load_serve()
     params = serve.demo_pipeline_params(tmp_path)
     assert params["slides"] == str(tmp_path / "slides")
     assert params["workdir"] == str(tmp_path / "runs" / "pipeline")
@@ -350,7 +333,6 @@ def test_serve_demo_params_point_into_the_serve_dir(tmp_path: Path, deployments:
 
 
 def test_serve_child_stops_with_its_whole_group(tmp_path: Path) -> None:
-    serve = load_serve()
     # A leader that ignores SIGTERM and a grandchild in its group: stop() must SIGKILL both.
     script = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     script += "subprocess.Popen(['sleep', '60']); time.sleep(60)"
@@ -367,6 +349,30 @@ def test_serve_child_stops_with_its_whole_group(tmp_path: Path) -> None:
     assert env["PREFECT_HOME"] == str(tmp_path / "prefect-home") and env["PREFECT_API_URL"].endswith(":1/api")
 
 
+def test_serve_writes_sample_slides_with_the_dev_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr(serve.servers, "spawn", lambda name, cmd, env, log, url=None: commands.append(list(cmd)))
+    serve.start_sample_slides(tmp_path, "test")
+    slides = tmp_path / "slides"
+    assert commands == [
+        [sys.executable, "-m", "wsidino_dev", "samples", str(slides), "--preset", "test", "--no-negatives"]
+    ]
+    slides.mkdir()
+    (slides / "sample_slides.json").write_text("{}")
+    assert serve.start_sample_slides(tmp_path) is None  # already written: nothing to start
+
+
+def test_dev_command_line_serve_takes_the_serve_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wsidino_dev.__main__ import build_parser, cmd_serve
+
+    for name in ("WSIDINO_PREFECT_PORT", "WSIDINO_MLFLOW_PORT", "WSIDINO_SERVE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["serve", "--prefect-port", "4301", "--gpu-worker"])
+    assert args.func is cmd_serve
+    assert (args.prefect_port, args.mlflow_port, args.gpu_worker) == (4301, 5000, True)
+    assert args.serve_dir == REPO / ".wsidino-serve" and args.sample_preset == "test"
+
+
 def test_makefile_serve_target() -> None:
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^serve: venv\n\t\$\(BIN\)/python deploy/serve.py", makefile, re.MULTILINE)
+    assert re.search(r"^serve: venv\n\t\$\(BIN\)/python -m wsidino_dev serve \$\(SERVE_ARGS\)$", makefile, re.MULTILINE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import openslide
 import pytest
 import tifffile
 
-from dinov3_core.sample_slides import (
+from wsidino_dev.sample_slides import (
     MARKER_NAME,
     PRESETS,
     SampleSet,
@@ -243,6 +244,16 @@ def test_damaged_file_is_regenerated_identically(sample_slides: SampleSet, tmp_p
     assert (copy / MARKER_NAME).stat().st_mtime_ns == marker_mtime
 
 
+def test_dev_command_writes_and_lists_the_set(sample_slides: SampleSet, capsys: pytest.CaptureFixture[str]) -> None:
+    from wsidino_dev.__main__ import main
+
+    marker_mtime = (sample_slides.root / MARKER_NAME).stat().st_mtime_ns
+    assert main(["samples", str(sample_slides.root), "--preset", "test"]) == 0
+    negatives = [f"{path}  (negative case: {name})" for name, path in sample_slides.negatives.items()]
+    assert capsys.readouterr().out.splitlines() == [*map(str, sample_slides.slides), *negatives]
+    assert (sample_slides.root / MARKER_NAME).stat().st_mtime_ns == marker_mtime  # the same set: reused
+
+
 # ----------------------------------------------------------------------------------------------------
 # Canvas and writers on their own
 # ----------------------------------------------------------------------------------------------------
@@ -312,7 +323,27 @@ def test_writer_rejects_bad_arguments(tmp_path: Path) -> None:
 
 def test_module_does_not_import_orchestration() -> None:
     code = (
-        "import sys, dinov3_core.sample_slides\n"
+        "import sys, wsidino_dev.sample_slides\n"
         "sys.exit(any(m.split('.')[0] in {'prefect', 'flows', 'tasks'} for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_ml_code_never_imports_the_dev_tools() -> None:
+    """wsidino_dev may import dinov3_core, tasks and flows, never the other way round (flows/demo.py excepted)."""
+    repo = Path(__file__).resolve().parents[1]
+    offenders = []
+    for package in ("dinov3_core", "tasks", "flows"):
+        for path in sorted((repo / package).rglob("*.py")):
+            if path == repo / "flows" / "demo.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                else:
+                    continue
+                if any(name.split(".")[0] == "wsidino_dev" for name in names):
+                    offenders.append(f"{path.relative_to(repo)}:{node.lineno}")
+    assert offenders == []

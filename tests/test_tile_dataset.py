@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from dinov3_core.data import TileDataset, TileSample
 from dinov3_core.data.tile_dataset import _ShardFileTiles, _ZarrTiles
-from dinov3_core.sample_slides import SampleSet
 from dinov3_core.tiling import store as ts
+from wsidino_dev.sample_slides import SampleSet
 
 T = 16  # tile size of the synthetic stores: small, so every tile can be checked in a few seconds
 SHARD = 64

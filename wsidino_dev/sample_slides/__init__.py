@@ -1,0 +1,64 @@
+"""Realistic sample whole-slide images built from a real tissue image, for demos and tests.
+
+Nothing is downloaded: the tissue texture is scikit-image's ``immunohistochemistry()`` image (a 512×512 IHC
+crop shipped inside the package). Slides are synthesised as "glass + tissue sections + a pen mark" and written
+as real pyramidal files that OpenSlide opens with its normal vendor drivers:
+
+* Aperio SVS (``write_svs``): tiled JPEG (YCbCr 4:2:0, as scanners write it) level 0, a stripped thumbnail as
+  the second IFD, ×4 reduced levels, optional label and macro images, and an ImageDescription in Aperio's
+  ``Aperio Image Library …|AppMag = 40|MPP = 0.2500`` format, so OpenSlide reports vendor ``aperio`` with
+  ``openslide.mpp-x/y`` and ``openslide.objective-power``.
+* Generic tiled TIFF (``write_generic_tiff``): ×2 reduced levels marked ``subfiletype=1`` and resolution
+  tags in centimetres, which OpenSlide opens as ``generic-tiff`` with ``openslide.mpp-x/y``.
+
+Slides of any size are rendered strip by strip (``TissueCanvas.rows``) and written tile by tile, so peak
+memory is a few strips plus the first reduced level, never a full-resolution copy. ``make_sample_slides``
+writes a preset set of good slides plus negative examples (no MPP, truncated, not a slide, no tissue) and is
+idempotent.
+
+Modules, each importing only the ones above it:
+
+========== ==================================================================================================
+texture    the periodic tissue atlas quilted from the IHC image
+fields     coarse planning fields: section shapes, stain density, atlas readings, the pen stroke
+canvas     `TissueCanvas` (plan once, render any strip), `synthesize_tissue_canvas`, `synthesize_background`
+pyramid    streamed level 0 and reduced levels shared by both writers; `write_generic_tiff`
+svs        `write_svs` (Aperio layout, label and macro images)
+negatives  the truncated slide and the text file with a slide extension
+presets    `SlideSpec` and the "demo" and "test" presets
+generate   `make_sample_slides` (idempotent, marker file) and `SampleSet`
+========== ==================================================================================================
+"""
+
+from wsidino_dev.sample_slides.canvas import (
+    ImageSource,
+    TissueCanvas,
+    synthesize_background,
+    synthesize_tissue_canvas,
+)
+from wsidino_dev.sample_slides.generate import (
+    GENERATOR_VERSION,
+    MARKER_NAME,
+    SampleSet,
+    make_sample_slides,
+    sample_canvas,
+)
+from wsidino_dev.sample_slides.presets import PRESETS, SlideSpec
+from wsidino_dev.sample_slides.pyramid import write_generic_tiff
+from wsidino_dev.sample_slides.svs import write_svs
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "MARKER_NAME",
+    "PRESETS",
+    "ImageSource",
+    "SampleSet",
+    "SlideSpec",
+    "TissueCanvas",
+    "make_sample_slides",
+    "sample_canvas",
+    "synthesize_background",
+    "synthesize_tissue_canvas",
+    "write_generic_tiff",
+    "write_svs",
+]

@@ -1,0 +1,181 @@
+"""`make_sample_slides`: write a preset's files idempotently (marker file, atomic renames) and describe them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from wsidino_dev.sample_slides.canvas import TissueCanvas
+from wsidino_dev.sample_slides.negatives import truncate, write_not_a_slide
+from wsidino_dev.sample_slides.presets import PRESETS, SlideSpec
+from wsidino_dev.sample_slides.pyramid import write_generic_tiff
+from wsidino_dev.sample_slides.svs import write_svs
+
+# Bumped whenever generated pixels or file layout change: markers written by older code are not trusted.
+GENERATOR_VERSION = 1
+MARKER_NAME = "sample_slides.json"
+
+
+@dataclass(frozen=True)
+class SampleSet:
+    """Files written by `make_sample_slides`.
+
+    `slides`: the good slides; `negatives`: ``no_mpp``, ``truncated``, ``not_a_slide``, ``no_tissue`` (empty
+    when not requested); `info`: per file, keyed by path relative to `root`: ``format``, ``size`` (level-0
+    width, height), ``mpp``, ``levels`` (width, height per level), ``bytes``, ``expect`` and more.
+    """
+
+    slides: list[Path]
+    negatives: dict[str, Path]
+    info: dict[str, dict[str, Any]]
+    root: Path = field(default=Path())
+    preset: str = "demo"
+    seed: int = 0
+
+
+@contextmanager
+def _atomic(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path and rename it onto `final` only if the block succeeds."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _spec_rng(seed: int, index: int) -> np.random.Generator:
+    # One independent stream per file: changing one spec does not change the others' pixels.
+    return np.random.default_rng([seed, index])
+
+
+def _canvas(spec: SlideSpec, rng: np.random.Generator) -> TissueCanvas:
+    return TissueCanvas.plan(
+        spec.height,
+        spec.width,
+        rng=rng,
+        mpp=spec.mpp or 0.25,
+        tissue=spec.content == "tissue",
+        pen_mark=spec.content == "tissue",
+        pen_color=spec.pen_color,
+    )
+
+
+def sample_canvas(preset: Literal["demo", "test"], name: str, *, seed: int = 0) -> TissueCanvas:
+    """The canvas behind a preset's image file, for comparing what a reader returns with the source pixels."""
+    for index, spec in enumerate(PRESETS[preset]):
+        if spec.name == name and spec.kind != "text":
+            return _canvas(spec, _spec_rng(seed, index))
+    raise KeyError(f"preset {preset!r} has no image named {name!r}")
+
+
+def _write_spec(spec: SlideSpec, target: Path, rng: np.random.Generator) -> dict[str, Any]:
+    info: dict[str, Any] = {"size": [spec.width, spec.height], "mpp": spec.mpp}
+    if spec.kind == "text":
+        write_not_a_slide(target)
+        return {"format": "text", "size": None, "mpp": None, "levels": []}
+    canvas = _canvas(spec, rng)
+    if spec.kind in ("svs", "truncated"):
+        # `name` explicitly: `target` is a temporary path, and the output must not depend on it.
+        name = Path(spec.name).stem
+        dims = write_svs(
+            target, canvas, mpp=spec.mpp, app_mag=spec.app_mag, levels=spec.levels, name=name, label_rng=rng
+        )
+        info |= {"format": "aperio-svs", "app_mag": spec.app_mag, "compression": "jpeg"}
+        if spec.kind == "truncated":
+            truncate(target)
+            info["format"] = "aperio-svs (truncated)"
+    else:
+        dims = write_generic_tiff(target, canvas, mpp=spec.mpp, levels=spec.levels, compression=spec.compression)
+        info |= {"format": "generic-tiff", "compression": spec.compression}
+    return info | {"levels": [list(d) for d in dims], "content": spec.content, "pen_color": spec.pen_color}
+
+
+def _reusable_files(root: Path, preset: str, seed: int) -> dict[str, dict[str, Any]]:
+    """Marker entries, for this generator version, preset and seed, whose file is there with its size."""
+    try:
+        marker = json.loads((root / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    wanted = {"version": GENERATOR_VERSION, "preset": preset, "seed": seed}
+    if not isinstance(marker, dict) or any(marker.get(key) != value for key, value in wanted.items()):
+        return {}
+    files: dict[str, dict[str, Any]] = marker.get("files", {})
+    return {
+        name: meta
+        for name, meta in files.items()
+        if (root / name).is_file() and (root / name).stat().st_size == meta.get("bytes")
+    }
+
+
+def _sample_set(root: Path, preset: str, seed: int, files: dict[str, dict[str, Any]]) -> SampleSet:
+    slides = [root / name for name, meta in files.items() if meta.get("negative") is None]
+    negs = {meta["negative"]: root / name for name, meta in files.items() if meta.get("negative") is not None}
+    return SampleSet(slides=slides, negatives=negs, info=files, root=root, preset=preset, seed=seed)
+
+
+def make_sample_slides(
+    out_dir: str | Path,
+    preset: Literal["demo", "test"] = "demo",
+    *,
+    seed: int = 0,
+    negatives: bool = True,
+) -> SampleSet:
+    """Write a preset set of sample slides into `out_dir` (negatives under ``negatives/``) and describe them.
+
+    "demo": a 16384×16384 SVS at 0.25 µm/px (AppMag 40, 4 levels), an 8192×6144 SVS at 0.5 µm/px
+    (AppMag 20), a 6144×8192 zlib generic TIFF at 0.25 µm/px (5 levels). "test": the same slides at a
+    quarter of the size per side (≥ 3 levels each). Negatives: ``no_mpp.tiff``, ``truncated.svs``,
+    ``not_a_slide.svs``, ``no_tissue.svs``. Files are byte-for-byte deterministic for a seed.
+
+    Idempotent: ``sample_slides.json`` (written last, after every file was written under a temporary name
+    and renamed) records what was generated. Files it lists for the same preset and seed that are still
+    there with their recorded size are reused; if that covers the request, nothing at all is written.
+    Otherwise only the missing or damaged files are regenerated.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    root = Path(out_dir)
+    wanted = [(i, spec) for i, spec in enumerate(PRESETS[preset]) if negatives or spec.negative is None]
+    reusable = _reusable_files(root, preset, seed)
+    if all(spec.name in reusable for _, spec in wanted):
+        return _sample_set(root, preset, seed, {spec.name: reusable[spec.name] for _, spec in wanted})
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER_NAME).unlink(missing_ok=True)  # a half-rewritten set must not look complete
+    files: dict[str, dict[str, Any]] = {}
+    for index, spec in wanted:
+        if spec.name in reusable:
+            files[spec.name] = reusable[spec.name]
+            continue
+        final = root / spec.name
+        started = time.perf_counter()
+        with _atomic(final) as tmp:
+            meta = _write_spec(spec, tmp, _spec_rng(seed, index))
+        meta |= {
+            "bytes": final.stat().st_size,
+            "negative": spec.negative,
+            "expect": spec.expect,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        files[spec.name] = meta
+
+    marker = {
+        "generator": "wsidino_dev.sample_slides",
+        "version": GENERATOR_VERSION,
+        "preset": preset,
+        "seed": seed,
+        "files": files,
+    }
+    with _atomic(root / MARKER_NAME) as tmp:
+        tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    return _sample_set(root, preset, seed, files)

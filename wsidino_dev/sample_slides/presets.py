@@ -1,0 +1,54 @@
+"""The files of each preset ("demo", "test"): good slides first, then the negative cases, in a fixed order.
+
+A file's index in its preset seeds its random stream (`generate.make_sample_slides`): append, never reorder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SlideSpec:
+    """One file of a preset. `kind`: svs | tiff | truncated | text; `content`: tissue | blank."""
+
+    name: str  # path relative to the output directory
+    kind: Literal["svs", "tiff", "truncated", "text"]
+    width: int = 0
+    height: int = 0
+    mpp: float | None = None
+    app_mag: int | None = None
+    levels: int = 3
+    compression: Literal["jpeg", "zlib"] = "jpeg"
+    content: Literal["tissue", "blank"] = "tissue"
+    pen_color: Literal["blue", "green", "black"] | None = None
+    negative: str | None = None  # key in SampleSet.negatives
+    expect: str = ""  # how readers should behave, recorded in the marker for humans
+
+
+def _preset(big: bool) -> list[SlideSpec]:
+    # The test preset is the demo at a quarter of the size per side (the same layout, ~3k×4k px, still
+    # ≥ 3 levels), so tests exercise exactly the code paths a demo run uses.
+    if big:
+        svs40, svs20, generic, negative = (16384, 16384, 4), (8192, 6144, 3), (6144, 8192, 5), (4096, 3072)
+    else:
+        svs40, svs20, generic, negative = (4096, 3072, 3), (2048, 1536, 3), (2048, 3072, 4), (2048, 1536)
+    nw, nh = negative
+    return [
+        SlideSpec("tissue_40x.svs", "svs", svs40[0], svs40[1], 0.25, 40, levels=svs40[2], pen_color="blue"),
+        SlideSpec("tissue_20x.svs", "svs", svs20[0], svs20[1], 0.5, 20, levels=svs20[2], pen_color="green"),
+        SlideSpec("tissue_generic.tiff", "tiff", generic[0], generic[1], 0.25, levels=generic[2],
+                  compression="zlib", pen_color="black"),
+        SlideSpec("negatives/no_mpp.tiff", "tiff", nw, nh, None, levels=3, pen_color="blue",
+                  negative="no_mpp", expect="opens as generic-tiff; no openslide.mpp-x/y"),
+        SlideSpec("negatives/truncated.svs", "truncated", nw, nh, 0.25, 40, levels=3,
+                  negative="truncated", expect="valid SVS cut to 60 % of its bytes; see negatives.truncate"),
+        SlideSpec("negatives/not_a_slide.svs", "text", negative="not_a_slide",
+                  expect="text with a slide extension; OpenSlideUnsupportedFormatError"),
+        SlideSpec("negatives/no_tissue.svs", "svs", nw, nh, 0.25, 40, levels=3, content="blank",
+                  negative="no_tissue", expect="opens with MPP; blank glass only"),
+    ]  # fmt: skip
+
+
+PRESETS: dict[str, list[SlideSpec]] = {"demo": _preset(big=True), "test": _preset(big=False)}

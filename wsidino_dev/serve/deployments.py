@@ -1,0 +1,173 @@
+"""What `make serve` sets up on the Prefect server: process work pools, the `gpu-slots` limit, the deployments."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from wsidino_dev.serve.children import REPO_ROOT, ServeError, child_env, prefect_cli
+
+PREFECT_FILE = REPO_ROOT / "deploy" / "prefect.yaml"
+CPU_POOL = "wsidino-cpu"
+GPU_POOL = "wsidino-gpu"
+GPU_SLOTS_LIMIT = "gpu-slots"
+DEMO_DEPLOYMENT = "pipeline"  # deployment name in prefect.yaml; full name pipeline/pipeline
+DEMO_FLOW = "pipeline"
+
+
+def count_local_gpus() -> int:
+    """NVIDIA GPUs this process may use: `nvidia-smi -L`, narrowed by CUDA_VISIBLE_DEVICES when set."""
+    smi = shutil.which("nvidia-smi")
+    count = 0
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
+            count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.TimeoutExpired):
+            count = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def ensure_work_pools(api_url: str, names: Sequence[str] = (CPU_POOL, GPU_POOL)) -> list[str]:
+    """Create the process work pools that do not exist yet (existing ones are left as they are)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    created = []
+    with SyncPrefectClient(api_url) as client:
+        for name in names:
+            try:
+                client.read_work_pool(name)
+                continue
+            except ObjectNotFound:
+                pass
+            try:
+                client.create_work_pool(
+                    WorkPoolCreate(
+                        name=name,
+                        type="process",
+                        base_job_template=ProcessWorker.get_default_base_job_template(),
+                        description=f"wsidino {'GPU hosts' if name == GPU_POOL else 'CPU work'} (make serve)",
+                    )
+                )
+                created.append(name)
+            except ObjectAlreadyExists:
+                pass
+    return created
+
+
+def ensure_gpu_slots(api_url: str, limit: int | None = None, name: str = GPU_SLOTS_LIMIT) -> int:
+    """Create (or resize) the global concurrency limit GPU jobs occupy `nproc_per_node` slots of; returns its size."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    size = max(1, count_local_gpus() if limit is None else limit)
+    with SyncPrefectClient(api_url) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=size))
+        except ObjectAlreadyExists:
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=size))
+    return size
+
+
+# ----------------------------------------------------------------------------------------------- deployments
+
+
+def load_deployment_specs(prefect_file: Path = PREFECT_FILE) -> list[dict[str, Any]]:
+    return list(yaml.safe_load(prefect_file.read_text())["deployments"])
+
+
+def entrypoint_path(spec: dict[str, Any]) -> Path:
+    return REPO_ROOT / spec["entrypoint"].split(":", 1)[0]
+
+
+def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> dict[str, Any]:
+    """The CPU pipeline deployment's `params` from prefect.yaml with slides and workdir under `serve_dir`.
+
+    Validated against `PipelineParams`; complete (a run's `--params` replaces the whole object).
+    """
+    from tasks.params import PipelineParams
+
+    spec = next(s for s in load_deployment_specs(prefect_file) if s["name"] == DEMO_DEPLOYMENT)
+    params = dict(spec["parameters"]["params"])
+    params["slides"] = str(serve_dir / "slides")
+    params["workdir"] = str(serve_dir / "runs" / "pipeline")
+    PipelineParams.model_validate(params)
+    return params
+
+
+@dataclass
+class Registration:
+    """What `register_deployments` registered: full names (`flow/deployment`) and what it skipped and why."""
+
+    deployments: list[str]
+    skipped: dict[str, str]
+    log: Path
+    demo_params_file: Path | None = None
+
+
+def _deploy(serve_dir: Path, api_url: str, args: Sequence[str], prefect_file: Path, log: Path) -> bool:
+    cmd = prefect_cli("--no-prompt", "deploy", "--prefect-file", str(prefect_file.relative_to(REPO_ROOT)), *args)
+    with log.open("ab") as out:
+        out.write(f"\n--- {' '.join(cmd)}\n".encode())
+        out.flush()
+        result = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=child_env(serve_dir, api_url), stdout=out, stderr=subprocess.STDOUT, check=False
+        )
+    return result.returncode == 0
+
+
+def register_deployments(
+    api_url: str,
+    serve_dir: Path,
+    prefect_file: Path = PREFECT_FILE,
+    demo_params: dict[str, Any] | None = None,
+) -> Registration:
+    """`prefect --no-prompt deploy --all --prefect-file deploy/prefect.yaml`, run in the repository root.
+
+    Deployments whose entrypoint file does not exist are skipped (named in the result); if the batch fails
+    (a flow module that does not import), each deployment is retried alone and the failures are skipped.
+    `demo_params`: set as the `pipeline/pipeline` deployment's default `params` after registering.
+    """
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    log = serve_dir / "logs" / "deploy.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    specs = load_deployment_specs(prefect_file)
+    skipped = {s["name"]: f"{s['entrypoint']}: no such file yet" for s in specs if not entrypoint_path(s).exists()}
+    names = [s["name"] for s in specs if s["name"] not in skipped]
+    if not names:
+        raise ServeError(f"no deployment of {prefect_file} has an existing entrypoint")
+    batch = ["--all"] if not skipped else [arg for name in names for arg in ("--name", name)]
+    if not _deploy(serve_dir, api_url, batch, prefect_file, log):
+        for name in names:
+            if not _deploy(serve_dir, api_url, ["--name", name], prefect_file, log):
+                skipped[name] = f"`prefect deploy` failed (see {log})"
+    with SyncPrefectClient(api_url) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        registered = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
+        params_file = None
+        wanted = f"{DEMO_FLOW}/{DEMO_DEPLOYMENT}"
+        if demo_params is not None and wanted in registered and DEMO_DEPLOYMENT not in skipped:
+            deployment = client.read_deployment_by_name(wanted)
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"params": demo_params}))
+            params_file = serve_dir / "pipeline-params.json"
+            params_file.write_text(json.dumps({"params": demo_params}, indent=2) + "\n")
+    if not registered:
+        raise ServeError(f"no deployment was registered; see {log}")
+    return Registration(deployments=registered, skipped=skipped, log=log, demo_params_file=params_file)
