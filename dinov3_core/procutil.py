@@ -18,7 +18,7 @@ __all__ = ["PARENT_PID_ENV", "die_with_parent"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-#: Set by `tasks.launch.run_torchrun` to torchrun's pid: the exact parent a rank must have. `die_with_parent` reads
+#: Set by `dinov3_core.launch.run_torchrun` to torchrun's pid: the exact parent a rank must have. `die_with_parent` reads
 #: and removes it, so processes the rank starts later (DataLoader workers, …) do not mistake it for theirs.
 PARENT_PID_ENV = "WSIDINO_TORCHRUN_PID"
 
@@ -31,7 +31,7 @@ def die_with_parent(sig: int = signal.SIGTERM, expected_parent: int | None = Non
 
     The race: if the parent died before ``prctl`` ran, the signal never comes (the process was already adopted
     by init or a subreaper). So after ``prctl`` the parent is compared with the expected one — `expected_parent`,
-    else ``$WSIDINO_TORCHRUN_PID`` (set by `tasks.launch.run_torchrun`), else the parent seen just before
+    else ``$WSIDINO_TORCHRUN_PID`` (set by `dinov3_core.launch.run_torchrun`), else the parent seen just before
     ``prctl`` — and on a mismatch `sig` is sent to this process at once, as the kernel would have done; if the
     process survives it (a handler, or an ignored signal) it exits with status ``128 + sig``. "Parent id is 1" is
     deliberately *not* treated as orphaned: torchrun is PID 1 when a container runs it as its entry point.

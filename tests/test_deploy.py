@@ -101,8 +101,6 @@ def check_params(deployment: dict[str, Any], parameters: dict[str, Any], where: 
 
 def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
     """(stage, config name) of every named config in a parameter object."""
-    if isinstance(params, TileParams):
-        return [("tile", params.config)] if params.config else []
     if isinstance(params, PipelineParams):
         return [
             (stage, options.config)
@@ -110,6 +108,7 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
             if (options := getattr(params, stage)).config
         ]
     stage = {
+        TileParams: "tile",
         PretrainParams: "pretrain",
         GramParams: "gram",
         ConvertParams: "convert",
