@@ -18,8 +18,8 @@ __all__ = ["PARENT_PID_ENV", "die_with_parent"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-#: Set by `dinov3_core.launch.run_torchrun` to torchrun's pid: the exact parent a rank must have. `die_with_parent` reads
-#: and removes it, so processes the rank starts later (DataLoader workers, …) do not mistake it for theirs.
+#: Set by `dinov3_core.launch.run_torchrun` to torchrun's pid: the exact parent a rank must have. `die_with_parent`
+#: reads and removes it, so processes the rank starts later (DataLoader workers, …) do not mistake it for theirs.
 PARENT_PID_ENV = "WSIDINO_TORCHRUN_PID"
 
 

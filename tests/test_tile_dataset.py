@@ -19,7 +19,7 @@ import zarr
 from torch.utils.data import DataLoader
 
 from dinov3_core.data import TileDataset, TileSample
-from dinov3_core.data.tile_dataset import _ShardFileTiles, _ZarrTiles
+from dinov3_core.data.tile_readers import ShardFileTiles, ZarrTiles
 from dinov3_core.tiling import store as ts
 from wsidino_dev.sample_slides import SampleSet
 
@@ -159,7 +159,7 @@ def test_zarr_reader_reads_the_same_pixels(stores: dict[str, Path]) -> None:
     everything = np.arange(len(fast))
     np.testing.assert_array_equal(fast.read_batch(everything), slow.read_batch(everything))
     np.testing.assert_array_equal(fast[100].image, slow[100].image)
-    assert isinstance(fast._tiles(0), _ShardFileTiles) and isinstance(slow._tiles(0), _ZarrTiles)
+    assert isinstance(fast._tiles(0), ShardFileTiles) and isinstance(slow._tiles(0), ZarrTiles)
 
 
 def test_unstored_chunks_read_as_fill_value(tmp_path: Path) -> None:
@@ -186,7 +186,7 @@ def test_other_compressors_are_readable(tmp_path: Path, compressor: ts.Compresso
         tiles[r] = np.stack([40 + 10 * r + xx, 200 - yy, np.full_like(xx, 120 + 5 * r)], axis=-1)
     write_slide(root, "s", 1, 10, tile_size=size, compressor=compressor, tiles=tiles)
     fast, slow = TileDataset(root), TileDataset(root, reader="zarr")
-    assert isinstance(fast._tiles(0), _ShardFileTiles)
+    assert isinstance(fast._tiles(0), ShardFileTiles)
     got = fast.read_batch(np.arange(10))
     np.testing.assert_array_equal(got, slow.read_batch(np.arange(10)))  # same decoder: bit-identical
     np.testing.assert_array_equal(fast[3].image.numpy(), got[3])
@@ -207,7 +207,7 @@ def test_unknown_layout_falls_back_to_zarr(tmp_path: Path) -> None:
     plain[...] = np.stack([expected_tile(3, r) for r in range(4)])
     ts.commit_slide(incoming, {"tile_size": T})
     ds = TileDataset(root)
-    assert isinstance(ds._tiles(0), _ZarrTiles)
+    assert isinstance(ds._tiles(0), ZarrTiles)
     np.testing.assert_array_equal(ds.read_batch([3, 1]), np.stack([expected_tile(3, 3), expected_tile(3, 1)]))
 
 
@@ -236,7 +236,7 @@ def test_min_tissue_fraction_filter(stores: dict[str, Path]) -> None:
     assert ds.slide_ids == ["a0", "a3", "b0"]  # a2 (rows 0–4) and b1 (row 0) have no tile with ≥ 50 % tissue
     kept = {sid: [r for r in range(n) if r % 10 >= 5] for sid, _, n in LAYOUT["A"] + LAYOUT["B"]}
     assert ds.tile_counts.tolist() == [len(kept["a0"]), len(kept["a3"]), len(kept["b0"])]
-    assert ds._rows is not None and ds._rows.dtype == np.int32 and len(ds._rows) == len(ds)
+    assert ds._index.rows is not None and ds._index.rows.dtype == np.int32 and len(ds._index.rows) == len(ds)
 
     expected = [(sid, r) for sid in ds.slide_ids for r in kept[sid]]
     for i, (sid, row) in enumerate(expected):
@@ -430,7 +430,7 @@ def test_index_memory_is_bytes_per_tile_not_objects(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert len(ds) == n_per_slide * n_slides == 10**8
-    assert ds._rows is None and ds._coords is None  # no per-tile array at all
+    assert ds._index.rows is None and ds._coords is None  # no per-tile array at all
     assert ds.index_nbytes == 8 * (n_slides + 1) + 8 * n_slides + 4 * n_slides
     assert retained / len(ds) < 0.01 and peak / len(ds) < 0.01  # ~10⁻⁴ bytes per tile
     # O(1) lookups at the far end of the index, and a real read of a never-written (fill value) tile.
@@ -451,7 +451,7 @@ def test_index_memory_is_bytes_per_tile_not_objects(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert len(ds) == n_per_slide  # every other tile of two slides
-    assert ds._rows is not None and ds._rows.dtype == np.int32
+    assert ds._index.rows is not None and ds._index.rows.dtype == np.int32
     assert ds.index_nbytes / len(ds) < 4.01
     assert retained / len(ds) < 16, f"{retained / len(ds):.1f} bytes per tile retained"
     assert ds.locate(len(ds) - 1) == (1, n_per_slide - 1)

@@ -33,7 +33,7 @@ from dinov3_core.config import load_config, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
 from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
-from dinov3_core.models.released import check_backbone_state_dict
+from dinov3_core.models.state_dict_check import check_backbone_state_dict
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
 

@@ -2,7 +2,8 @@
 
 Order of setup, chosen so that bad input fails before anything in output_dir is written or overwritten:
 config checks → tile stores → model (fresh or warm start) → batch plan → sharding + optimizer → checkpoint
-compatibility → (now writing) config.yaml, logs → resume → data loader.
+compatibility → (now writing) config.yaml, logs → resume → data loader. The steps themselves live in
+`trainer_setup`; what a metrics line holds lives in `metrics`.
 
 One iteration (`train_step`): crops on the device → teacher targets over the whole step → [KoLeo neighbour
 set] → per micro-batch forward/backward (loss × 1/n, FSDP gradient sync on the last one only) → all-reduced
@@ -24,19 +25,25 @@ import torch.distributed as dist
 
 from dinov3_core import config as core_config
 from dinov3_core import events
-from dinov3_core.data import TileDataset
 from dinov3_core.data.augment import MultiCropAugmentation
-from dinov3_core.data.masking import IBOTMasks, IBOTMaskSampler
+from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import metrics as M
 from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
-from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
-from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, StepTileSource, augment_step, build_loader, derive_seed
-from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
+from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
+from dinov3_core.train.sampler import SamplerState
 from dinov3_core.train.ssl_model import LOSS_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
+from dinov3_core.train.trainer_setup import (
+    build_step_loader,
+    check_batch,
+    checkpoint_to_resume,
+    load_training_state,
+    open_tiles,
+    resolve_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,51 +69,6 @@ class PretrainResult:
     loss_curve: Path | None = None
     final_losses: dict[str, float] = field(default_factory=dict)
     images_per_second: float = 0.0  # mean over this invocation's iterations (global batch / iteration time)
-
-
-def open_tiles(cfg: C.PretrainConfig) -> TileDataset:
-    try:
-        return TileDataset(
-            cfg.data.stores, slide_ids=cfg.data.slide_ids, min_tissue_fraction=cfg.data.min_tissue_fraction
-        )
-    except ValueError as err:  # unknown slide ids, nothing left after filtering, duplicate stores
-        raise WsidinoError(f"data.stores / data.slide_ids / data.min_tissue_fraction: {err}") from None
-
-
-def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_size: int) -> BatchPlan:
-    """Micro-batch per rank and accumulation steps: fixed by the config, or planned to fit memory ("auto")."""
-    train = cfg.train
-    shape = shape_of(model.student, cfg)
-    budget = memory_budget_bytes(cfg, env.device, env.local_world_size)
-    if train.batch_size_per_gpu == "auto":
-        return plan_batch(
-            cfg, shape, world_size=env.world_size, budget_bytes=budget, device_type=env.device.type, tile_size=tile_size
-        )
-    micro = int(train.batch_size_per_gpu)
-    if train.global_batch_size is None:
-        accum = train.accumulation_steps
-    else:
-        if train.global_batch_size % (micro * env.world_size):
-            raise core_config.ConfigError(
-                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                f"train.batch_size_per_gpu × processes = {micro} × {env.world_size}"
-            )
-        accum = train.global_batch_size // (micro * env.world_size)
-        if train.accumulation_steps not in (1, accum):
-            raise core_config.ConfigError(
-                f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
-                f"(batch_size_per_gpu × processes) = {accum}; set only one of them"
-            )
-    estimate = estimate_memory(
-        cfg,
-        shape,
-        micro_batch=micro,
-        step_batch=micro * accum,
-        world_size=env.world_size,
-        device_type=env.device.type,
-        tile_size=tile_size,
-    )
-    return BatchPlan(micro, accum, micro * accum * env.world_size, estimate, budget)
 
 
 class Trainer:
@@ -137,7 +99,7 @@ class Trainer:
         self.micro_batch, self.accumulation_steps = self.plan.micro_batch, self.plan.accumulation_steps
         self.global_batch = self.plan.global_batch
         self.rank_batch = self.micro_batch * self.accumulation_steps
-        self._check_batch()
+        check_batch(cfg, len(self.tiles), self.plan)
 
         parallelize(
             self.model.student,
@@ -150,14 +112,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.student, cfg)
         self.schedules = build_schedules(cfg, self.global_batch)
 
-        latest = ckpt.latest_checkpoint(self.ckpt_root)
-        if latest is not None and not cfg.checkpointing.resume:
-            raise WsidinoError(
-                f"{self.ckpt_root} already holds checkpoints but checkpointing.resume=false: choose a new "
-                "output_dir (nothing was changed)"
-            )
-        if latest is not None:
-            ckpt.check_compatible(latest, self.model)
+        latest = checkpoint_to_resume(cfg, self.ckpt_root, self.model)
 
         # ---- from here on, output_dir is written
         if env.is_main:
@@ -186,68 +141,32 @@ class Trainer:
         try:
             if latest is not None:
                 self._resume(latest)
-            self.loader = self._build_loader()
+            self.sampler, self.loader = build_step_loader(
+                cfg,
+                env,
+                self.tiles,
+                patch_size=self.model.student["backbone"].patch_size,
+                global_batch=self.global_batch,
+                start_iteration=self.start_iteration,
+                start_sample=self.start_sample,
+                stop_iteration=self.stop_iteration,
+            )
         except BaseException:
             self.close()  # in-process callers keep no dangling log handler
             raise
         self.augmentation = MultiCropAugmentation(C.augmentation_config(cfg))
         self.nonfinite_streak = 0
 
-    def _check_batch(self) -> None:
-        cfg = self.cfg
-        check_dataset_size(len(self.tiles), self.global_batch)
-        koleo_set = self.global_batch if cfg.losses.koleo_scope == "global" else self.rank_batch
-        if cfg.losses.koleo_weight and koleo_set < 2:
-            raise core_config.ConfigError(
-                f"KoLeo needs at least 2 images in its neighbour set, got {koleo_set} (losses.koleo_scope="
-                f"{cfg.losses.koleo_scope}): raise the batch, set losses.koleo_scope=global, or losses.koleo_weight=0"
-            )
-        if self.rank_batch % cfg.crops.rng_group_size:
-            raise core_config.ConfigError(
-                f"crops.rng_group_size={cfg.crops.rng_group_size} must divide the per-process step batch "
-                f"{self.rank_batch} (micro-batch {self.micro_batch} × {self.accumulation_steps} accumulation steps)"
-            )
-
     def _resume(self, latest: Path) -> None:
         """Model, optimizer and sampler position from `latest` (resharded to this run's processes)."""
         template = self.train_state(-1, SamplerState(0, 1, 0))
-        multipliers = [
-            {k: g[k] for k in ("lr_multiplier", "wd_multiplier", "is_last_layer")} for g in self.optimizer.param_groups
-        ]
-        state = ckpt.load_checkpoint(latest, self.model, self.optimizer, template, self.env)
-        for group, own in zip(self.optimizer.param_groups, multipliers, strict=True):
-            group.update(own)  # the config's layer decay etc. win over the checkpoint's param groups
-        sampler_state = SamplerState.from_dict(state["sampler"], len(self.tiles))
-        self.start_iteration, self.start_sample = int(state["iteration"]) + 1, sampler_state.consumed_samples
+        iteration, sampler_state = load_training_state(
+            latest, self.model, self.optimizer, template, self.env, len(self.tiles)
+        )
+        self.start_iteration, self.start_sample = iteration + 1, sampler_state.consumed_samples
         logger.info("resumed from %s: iteration %d, %s", latest, self.start_iteration, sampler_state.to_dict())
         if self.env.is_main:
             M.truncate_metrics(self.metrics.path, self.start_iteration)
-
-    def _build_loader(self) -> Any:
-        cfg, env = self.cfg, self.env
-        self.sampler = StepSampler(
-            len(self.tiles),
-            self.global_batch,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=cfg.train.seed,
-            start_iteration=self.start_iteration,
-            start_sample=self.start_sample,
-            stop_iteration=self.stop_iteration,
-        )
-        n_patches = cfg.crops.global_size // self.model.student["backbone"].patch_size
-        masks = IBOTMaskSampler(
-            n_patches, mask_ratio=tuple(cfg.crops.mask_ratio), mask_probability=cfg.crops.mask_probability
-        )
-        source = StepTileSource(self.tiles, masks, seed=cfg.train.seed, n_global_crops=cfg.crops.n_global_crops)
-        return build_loader(
-            source,
-            self.sampler,
-            num_workers=cfg.data.num_workers,
-            prefetch_factor=cfg.data.prefetch_factor,
-            pin_memory=env.device.type == "cuda",
-            multiprocessing_context=cfg.data.multiprocessing_context,
-        )
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -398,7 +317,7 @@ class Trainer:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_sum /= env.world_size
         losses = dict(zip(LOSS_NAMES, loss_sum.tolist(), strict=True))
-        values: dict[str, float] = {**losses, **self._schedule_values(sched)}
+        values: dict[str, float] = {**losses, **M.schedule_values(sched)}
 
         finite = all(math.isfinite(v) for v in losses.values())
         if finite:
@@ -423,57 +342,22 @@ class Trainer:
         values["skipped_step"] = float(not finite)
         return values
 
-    @staticmethod
-    def _schedule_values(sched: Any) -> dict[str, float]:
-        return {
-            "lr": sched.lr,
-            "last_layer_lr": sched.last_layer_lr,
-            "wd": sched.wd,
-            "momentum": sched.momentum,
-            "teacher_temp": sched.teacher_temp,
-        }
-
     # ----------------------------------------------------------------------------------------- metrics
 
     def log_metrics(self, iteration: int, means: dict[str, float]) -> dict[str, Any]:
-        env = self.env
-        rss = torch.tensor([M.rss_mb()], dtype=torch.float64)
-        if env.distributed:  # collective: every rank logs at the same iterations
-            rss_max = rss.to(env.device) if env.device.type == "cuda" else rss
-            dist.all_reduce(rss_max, op=dist.ReduceOp.MAX)
-            max_rss = float(rss_max.item())
-        else:
-            max_rss = float(rss.item())
-        record: dict[str, Any] = {
-            "iteration": iteration,
-            **{k: v for k, v in means.items() if k not in ("lr", "last_layer_lr", "wd", "momentum", "teacher_temp")},
-            **self._schedule_values(self.schedules.at(iteration)),
-            "images_per_s": self.global_batch / means["iter_time"] if means.get("iter_time") else 0.0,
-            "global_batch_size": self.global_batch,
-            "local_batch_size": self.micro_batch,
-            "accumulation_steps": self.accumulation_steps,
-            "rss_mb": float(rss.item()),
-            "loader_rss_mb": M.children_rss_mb(),
-            "max_rss_mb": max_rss,
-            "peak_memory_mb": M.peak_memory_mb(env.device),
-        }
+        """Write one metrics line (collective: every rank calls it at the same iterations) and log it on rank 0."""
+        record = M.step_record(
+            iteration,
+            means,
+            self.schedules.at(iteration),
+            self.env,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            accumulation_steps=self.accumulation_steps,
+        )
         self.metrics.write(record)
-        if env.is_main:
-            logger.info(
-                "it %d/%d  loss %.4f (dino g %.4f l %.4f, ibot %.4f, koleo %.4f)  lr %.2e  %.1f img/s  data %.3fs  "
-                "rss %.0f MiB",
-                iteration,
-                self.total_iterations,
-                record.get("total_loss", math.nan),
-                record.get("dino_global_loss", math.nan),
-                record.get("dino_local_loss", math.nan),
-                record.get("ibot_loss", math.nan),
-                record.get("koleo_loss", math.nan),
-                record["lr"],
-                record["images_per_s"],
-                record.get("data_time", math.nan),
-                record["rss_mb"],
-            )
+        if self.env.is_main:
+            logger.info("%s", M.progress_line(record, self.total_iterations))
         return record
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 Every `log_period` iterations rank 0 appends one line: the iteration, the MEAN over the iterations since the
 previous line of each loss, grad norm and timing (so no step goes unrecorded), the current schedule values,
 images/s of the effective (global) batch, and memory (RSS of this rank and of its loader workers, max RSS over
-ranks, peak memory).
+ranks, peak memory). `step_record` builds that line and `progress_line` its human-readable summary.
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ import resource
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dinov3_core.train.distributed import DistEnv
+    from dinov3_core.train.optim import ScheduleValues
 
 METRICS_FILE = "training_metrics.json"
 LOSS_CURVE_FILE = "loss_curve.png"
 LOG_DIR = "logs"
+SCHEDULE_KEYS = ("lr", "last_layer_lr", "wd", "momentum", "teacher_temp")
 
 
 def setup_logging(output_dir: Path, rank: int) -> logging.Handler:
@@ -99,6 +105,58 @@ class MetricsWriter:
             f.write(json.dumps(clean) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def schedule_values(sched: ScheduleValues) -> dict[str, float]:
+    """One iteration's schedule values as metrics."""
+    return {key: getattr(sched, key) for key in SCHEDULE_KEYS}
+
+
+def step_record(
+    iteration: int,
+    means: Mapping[str, float],
+    sched: ScheduleValues,
+    env: DistEnv,
+    *,
+    global_batch: int,
+    micro_batch: int,
+    accumulation_steps: int,
+) -> dict[str, Any]:
+    """One `training_metrics.json` line: the window's means, this iteration's schedule, throughput, memory.
+
+    A collective under torch.distributed (max RSS over ranks): every rank calls it at the same iterations.
+    """
+    rss = torch.tensor([rss_mb()], dtype=torch.float64)
+    if env.distributed:
+        rss_max = rss.to(env.device) if env.device.type == "cuda" else rss
+        dist.all_reduce(rss_max, op=dist.ReduceOp.MAX)
+        max_rss = float(rss_max.item())
+    else:
+        max_rss = float(rss.item())
+    return {
+        "iteration": iteration,
+        **{k: v for k, v in means.items() if k not in SCHEDULE_KEYS},
+        **schedule_values(sched),
+        "images_per_s": global_batch / means["iter_time"] if means.get("iter_time") else 0.0,
+        "global_batch_size": global_batch,
+        "local_batch_size": micro_batch,
+        "accumulation_steps": accumulation_steps,
+        "rss_mb": float(rss.item()),
+        "loader_rss_mb": children_rss_mb(),
+        "max_rss_mb": max_rss,
+        "peak_memory_mb": peak_memory_mb(env.device),
+    }
+
+
+def progress_line(record: Mapping[str, Any], total_iterations: int) -> str:
+    """The log line of a `step_record`: losses, learning rate, throughput, data wait, RSS."""
+    return (
+        f"it {record['iteration']}/{total_iterations}  loss {record.get('total_loss', math.nan):.4f} "
+        f"(dino g {record.get('dino_global_loss', math.nan):.4f} l {record.get('dino_local_loss', math.nan):.4f}, "
+        f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f})  "
+        f"lr {record['lr']:.2e}  {record['images_per_s']:.1f} img/s  data {record.get('data_time', math.nan):.3f}s  "
+        f"rss {record['rss_mb']:.0f} MiB"
+    )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,173 @@
+"""The set-up steps `Trainer.__init__` runs, one function each, so the trainer reads as their order alone.
+
+Each step checks its own input and raises with the fix before anything is written: `open_tiles` (tile stores,
+slide selection), `resolve_batch` (micro-batch and accumulation from the config or a memory plan) and
+`check_batch` (dataset size, KoLeo neighbour set, crop RNG groups), `checkpoint_to_resume` (existing
+checkpoints must be wanted and fit the model), then `load_training_state` (model, optimizer and sampler
+position from a checkpoint, keeping this config's param-group multipliers) and `build_step_loader` (sampler,
+iBOT masks and the step-batch DataLoader, starting where the run left off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dinov3_core import config as core_config
+from dinov3_core.data import TileDataset
+from dinov3_core.data.masking import IBOTMaskSampler
+from dinov3_core.errors import WsidinoError
+from dinov3_core.train import checkpoint as ckpt
+from dinov3_core.train import config as C
+from dinov3_core.train.distributed import DistEnv
+from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
+from dinov3_core.train.pipeline import StepTileSource, build_loader
+from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
+from dinov3_core.train.ssl_model import SSLMetaArch
+
+__all__ = [
+    "build_step_loader",
+    "check_batch",
+    "checkpoint_to_resume",
+    "load_training_state",
+    "open_tiles",
+    "resolve_batch",
+]
+
+# Param-group settings that come from this run's config (layer decay, last-layer freezing), not the checkpoint.
+_CONFIG_GROUP_KEYS = ("lr_multiplier", "wd_multiplier", "is_last_layer")
+
+
+def open_tiles(cfg: C.PretrainConfig) -> TileDataset:
+    try:
+        return TileDataset(
+            cfg.data.stores, slide_ids=cfg.data.slide_ids, min_tissue_fraction=cfg.data.min_tissue_fraction
+        )
+    except ValueError as err:  # unknown slide ids, nothing left after filtering, duplicate stores
+        raise WsidinoError(f"data.stores / data.slide_ids / data.min_tissue_fraction: {err}") from None
+
+
+def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_size: int) -> BatchPlan:
+    """Micro-batch per rank and accumulation steps: fixed by the config, or planned to fit memory ("auto")."""
+    train = cfg.train
+    shape = shape_of(model.student, cfg)
+    budget = memory_budget_bytes(cfg, env.device, env.local_world_size)
+    if train.batch_size_per_gpu == "auto":
+        return plan_batch(
+            cfg, shape, world_size=env.world_size, budget_bytes=budget, device_type=env.device.type, tile_size=tile_size
+        )
+    micro = int(train.batch_size_per_gpu)
+    if train.global_batch_size is None:
+        accum = train.accumulation_steps
+    else:
+        if train.global_batch_size % (micro * env.world_size):
+            raise core_config.ConfigError(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                f"train.batch_size_per_gpu × processes = {micro} × {env.world_size}"
+            )
+        accum = train.global_batch_size // (micro * env.world_size)
+        if train.accumulation_steps not in (1, accum):
+            raise core_config.ConfigError(
+                f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
+                f"(batch_size_per_gpu × processes) = {accum}; set only one of them"
+            )
+    estimate = estimate_memory(
+        cfg,
+        shape,
+        micro_batch=micro,
+        step_batch=micro * accum,
+        world_size=env.world_size,
+        device_type=env.device.type,
+        tile_size=tile_size,
+    )
+    return BatchPlan(micro, accum, micro * accum * env.world_size, estimate, budget)
+
+
+def check_batch(cfg: C.PretrainConfig, n_tiles: int, plan: BatchPlan) -> None:
+    """The batch plan against the data and the losses: enough tiles, a KoLeo neighbour set, whole RNG groups."""
+    rank_batch = plan.micro_batch * plan.accumulation_steps
+    check_dataset_size(n_tiles, plan.global_batch)
+    koleo_set = plan.global_batch if cfg.losses.koleo_scope == "global" else rank_batch
+    if cfg.losses.koleo_weight and koleo_set < 2:
+        raise core_config.ConfigError(
+            f"KoLeo needs at least 2 images in its neighbour set, got {koleo_set} (losses.koleo_scope="
+            f"{cfg.losses.koleo_scope}): raise the batch, set losses.koleo_scope=global, or losses.koleo_weight=0"
+        )
+    if rank_batch % cfg.crops.rng_group_size:
+        raise core_config.ConfigError(
+            f"crops.rng_group_size={cfg.crops.rng_group_size} must divide the per-process step batch "
+            f"{rank_batch} (micro-batch {plan.micro_batch} × {plan.accumulation_steps} accumulation steps)"
+        )
+
+
+def checkpoint_to_resume(cfg: C.PretrainConfig, ckpt_root: Path, model: SSLMetaArch) -> Path | None:
+    """The latest complete checkpoint under `ckpt_root`, checked against `model`; None for a fresh run."""
+    latest = ckpt.latest_checkpoint(ckpt_root)
+    if latest is not None and not cfg.checkpointing.resume:
+        raise WsidinoError(
+            f"{ckpt_root} already holds checkpoints but checkpointing.resume=false: choose a new "
+            "output_dir (nothing was changed)"
+        )
+    if latest is not None:
+        ckpt.check_compatible(latest, model)
+    return latest
+
+
+def load_training_state(
+    latest: Path,
+    model: SSLMetaArch,
+    optimizer: torch.optim.Optimizer,
+    template: dict[str, Any],
+    env: DistEnv,
+    n_tiles: int,
+) -> tuple[int, SamplerState]:
+    """Model, optimizer and sampler position from `latest` (resharded to this run's processes).
+
+    `template` is the trainer's `train_state` layout (DCP loads non-tensor entries into it). Returns the
+    checkpoint's iteration and the sampler state mapped onto a dataset of `n_tiles` tiles.
+    """
+    multipliers = [{k: g[k] for k in _CONFIG_GROUP_KEYS} for g in optimizer.param_groups]
+    state = ckpt.load_checkpoint(latest, model, optimizer, template, env)
+    for group, own in zip(optimizer.param_groups, multipliers, strict=True):
+        group.update(own)  # the config's layer decay etc. win over the checkpoint's param groups
+    return int(state["iteration"]), SamplerState.from_dict(state["sampler"], n_tiles)
+
+
+def build_step_loader(
+    cfg: C.PretrainConfig,
+    env: DistEnv,
+    tiles: TileDataset,
+    *,
+    patch_size: int,
+    global_batch: int,
+    start_iteration: int,
+    start_sample: int,
+    stop_iteration: int,
+) -> tuple[StepSampler, Any]:
+    """This rank's step sampler and the DataLoader of its `StepBatch`es, from `start_iteration` on."""
+    sampler = StepSampler(
+        len(tiles),
+        global_batch,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=cfg.train.seed,
+        start_iteration=start_iteration,
+        start_sample=start_sample,
+        stop_iteration=stop_iteration,
+    )
+    n_patches = cfg.crops.global_size // patch_size
+    masks = IBOTMaskSampler(
+        n_patches, mask_ratio=tuple(cfg.crops.mask_ratio), mask_probability=cfg.crops.mask_probability
+    )
+    source = StepTileSource(tiles, masks, seed=cfg.train.seed, n_global_crops=cfg.crops.n_global_crops)
+    loader = build_loader(
+        source,
+        sampler,
+        num_workers=cfg.data.num_workers,
+        prefetch_factor=cfg.data.prefetch_factor,
+        pin_memory=env.device.type == "cuda",
+        multiprocessing_context=cfg.data.multiprocessing_context,
+    )
+    return sampler, loader
