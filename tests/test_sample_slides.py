@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import shutil
 import subprocess
@@ -327,23 +326,3 @@ def test_module_does_not_import_orchestration() -> None:
         "sys.exit(any(m.split('.')[0] in {'prefect', 'flows', 'tasks'} for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
-def test_ml_code_never_imports_the_dev_tools() -> None:
-    """wsidino_dev may import dinov3_core, tasks and flows, never the other way round (flows/demo.py excepted)."""
-    repo = Path(__file__).resolve().parents[1]
-    offenders = []
-    for package in ("dinov3_core", "tasks", "flows"):
-        for path in sorted((repo / package).rglob("*.py")):
-            if path == repo / "flows" / "demo.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom):
-                    names = [node.module or ""]
-                else:
-                    continue
-                if any(name.split(".")[0] == "wsidino_dev" for name in names):
-                    offenders.append(f"{path.relative_to(repo)}:{node.lineno}")
-    assert offenders == []
