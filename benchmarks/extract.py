@@ -30,7 +30,7 @@ from dinov3_core.export.extract import run_extract
 from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES, run_export
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.stage import run_tile
+from dinov3_core.tiling.engine import run_tile
 from wsidino_dev.sample_slides import make_sample_slides
 
 

@@ -80,7 +80,7 @@ def _config(slides: list[str], out: Path, **kw: object):
 
 
 def measure_stage(slides: list[str], out: Path, workers: int, compressor: str) -> dict:
-    from dinov3_core.tiling.stage import run_tile
+    from dinov3_core.tiling.engine import run_tile
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = _config(slides, out, workers=workers, compressor=compressor)

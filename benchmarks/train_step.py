@@ -45,7 +45,7 @@ def make_store(work: Path) -> Path:
         return store
     from dinov3_core.config import load_config
     from dinov3_core.tiling.config import TileConfig
-    from dinov3_core.tiling.stage import run_tile
+    from dinov3_core.tiling.engine import run_tile
     from wsidino_dev.sample_slides import make_sample_slides
 
     slides = make_sample_slides(work / "slides", "test", negatives=False)

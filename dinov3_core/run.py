@@ -248,7 +248,7 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
 
 def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.tiling import report
-    from dinov3_core.tiling.stage import run_tile
+    from dinov3_core.tiling.engine import run_tile
 
     result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide)
     if cfg.tracking.enabled:

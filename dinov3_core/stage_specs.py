@@ -90,7 +90,7 @@ def _gram_outputs(cfg: Any) -> dict[str, str]:
 
 def _slides_input(cfg: TileConfig) -> dict[str, Any]:
     """A slide list (.txt/.csv) is fingerprinted with the files it names, so a replaced slide counts."""
-    from dinov3_core.tiling.stage import discover_slides
+    from dinov3_core.tiling.engine import discover_slides
 
     inputs: dict[str, Any] = {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
     if Path(cfg.input).suffix.lower() in {".txt", ".csv"} and Path(cfg.input).is_file():
@@ -100,7 +100,7 @@ def _slides_input(cfg: TileConfig) -> dict[str, Any]:
 
 def _check_tile_output(cfg: TileConfig) -> None:
     """A bad output path or an input without slides fails here, before a stage manifest is written."""
-    from dinov3_core.tiling.stage import prepare_store
+    from dinov3_core.tiling.engine import prepare_store
 
     prepare_store(cfg)
 

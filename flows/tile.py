@@ -1,6 +1,6 @@
 """The tile stage as a Prefect flow: whole-slide images → zarr tile store, one MLflow run.
 
-The tile engine (`dinov3_core.tiling.stage.run_tile`) is the CLI's: slides and their shard ranges are spread over
+The tile engine (`dinov3_core.tiling.engine.run_tile`) is the CLI's: slides and their shard ranges are spread over
 `workers` processes, so one large slide uses every worker. Progress and a per-slide table appear as artifacts.
 Call it without a server (Prefect starts a temporary local one)::
 

@@ -41,7 +41,7 @@ def small_tile_store(sample_slides: SampleSet, tmp_path_factory: pytest.TempPath
     """A real tile store for training tests: the 20× sample slide tiled at 64 px (~260 tiles). Read-only."""
     from dinov3_core.config import load_config
     from dinov3_core.tiling.config import TileConfig
-    from dinov3_core.tiling.stage import run_tile
+    from dinov3_core.tiling.engine import run_tile
 
     slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
     store = tmp_path_factory.mktemp("small_store") / "tiles.zarr"

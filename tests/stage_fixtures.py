@@ -19,9 +19,9 @@ import torch
 
 from dinov3_core.config import load_config
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.stage import run_tile
+from dinov3_core.tiling.engine import run_tile
 from dinov3_core.train.config import PretrainConfig
-from dinov3_core.train.stage import run_pretrain
+from dinov3_core.train.pretrain import run_pretrain
 
 DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "pretrain_runs.py"
 _CACHE: dict[str, Any] = {}

@@ -18,14 +18,14 @@ import torch
 from dinov3_core.config import load_config
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.gram import teacher as T
+from dinov3_core.gram.anchoring import GramMetaArch, GramSchedules, _GramState, run_gram
 from dinov3_core.gram.config import GramConfig
-from dinov3_core.gram.stage import GramMetaArch, GramSchedules, _GramState, run_gram
 from dinov3_core.losses.gram import GramLoss
 from dinov3_core.models import build_backbone, save_backbone
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.pretrain import run_pretrain
 from dinov3_core.train.ssl_model import TeacherTargets, build_ssl_model
-from dinov3_core.train.stage import run_pretrain
 
 ROOT = Path(__file__).parents[1]
 TOL = 1e-5

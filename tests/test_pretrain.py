@@ -31,8 +31,8 @@ from dinov3_core.train.checkpoint import CheckpointError
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.memory import estimate_memory, model_shape
 from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.pretrain import TrainingDivergedError, run_pretrain
 from dinov3_core.train.ssl_model import build_ssl_model
-from dinov3_core.train.stage import TrainingDivergedError, run_pretrain
 
 ROOT = Path(__file__).parents[1]
 DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "pretrain_runs.py"

@@ -466,7 +466,7 @@ def test_tiles_from_the_real_stage_equal_openslide_reads(sample_slides: SampleSe
 
     from dinov3_core.config import load_config
     from dinov3_core.tiling.config import TileConfig
-    from dinov3_core.tiling.stage import run_tile
+    from dinov3_core.tiling.engine import run_tile
 
     slide_path = next((p for p in sample_slides.slides if p.name == "tissue_20x.svs"), None)
     if slide_path is None:

@@ -20,8 +20,8 @@ from dinov3_core.cli import main as cli_main
 from dinov3_core.config import ConfigError, load_config
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.engine import discover_slides, run_tile
 from dinov3_core.tiling.slide import file_fingerprint
-from dinov3_core.tiling.stage import discover_slides, run_tile
 from tests import event_hooks
 
 

@@ -36,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
         die_with_parent()
     args = build_parser().parse_args(argv)
+    from dinov3_core.gram.anchoring import run_gram
     from dinov3_core.gram.config import GramConfig
-    from dinov3_core.gram.stage import run_gram
 
     overrides = list(args.overrides)
     if args.pretrain_dir is not None:

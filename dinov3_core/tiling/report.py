@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dinov3_core import tracking
-from dinov3_core.tiling.stage import TileResult
+from dinov3_core.tiling.engine import TileResult
 
 
 def summary_metrics(result: TileResult) -> dict[str, float]:

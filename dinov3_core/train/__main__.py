@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         die_with_parent()
     args = build_parser().parse_args(argv)
     from dinov3_core.train.config import PretrainConfig
-    from dinov3_core.train.stage import run_pretrain
+    from dinov3_core.train.pretrain import run_pretrain
 
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides, stage="pretrain")

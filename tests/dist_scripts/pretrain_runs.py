@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dinov3_core.config import load_config
 from dinov3_core.train.config import PretrainConfig
-from dinov3_core.train.stage import run_pretrain
+from dinov3_core.train.pretrain import run_pretrain
 
 
 def main() -> None:

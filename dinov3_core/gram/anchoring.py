@@ -49,9 +49,9 @@ from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
 from dinov3_core.train.loop import PretrainResult, Trainer
 from dinov3_core.train.pipeline import StepBatch
+from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
-from dinov3_core.train.stage import MLFLOW_METRICS, curated_params
 
 __all__ = ["GramResult", "GramSchedules", "run_gram"]
 
