@@ -66,6 +66,21 @@ def pretrain_dir(tile_store, tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------------------ teacher choice
 
 
+def copy_eval_checkpoints(pretrain_dir: Path, run: Path) -> dict[int, Path]:
+    """The run's eval checkpoints copied to `run/eval` (a pretrain dir to select from): iteration → teacher file."""
+    shutil.copytree(pretrain_dir / "eval", run / "eval")
+    return {c.iteration: c.path for c in T.find_eval_checkpoints(run)}
+
+
+def collapse(teacher_file: Path) -> None:
+    """Zero the patch embedding and every block of an eval teacher: every patch token becomes the same."""
+    state = torch.load(teacher_file, weights_only=True)
+    for k, v in state["teacher"].items():
+        if k.startswith(("backbone.patch_embed", "backbone.blocks")):
+            v.zero_()
+    torch.save(state, teacher_file)
+
+
 def test_find_eval_checkpoints(pretrain_dir) -> None:
     found = T.find_eval_checkpoints(pretrain_dir)
     assert [c.iteration for c in found] == [2, 5, 8]
@@ -95,14 +110,8 @@ def test_iteration_policy(pretrain_dir) -> None:
 
 def test_best_dense_policy(pretrain_dir, tile_store, tmp_path) -> None:
     run = tmp_path / "run"
-    shutil.copytree(pretrain_dir / "eval", run / "eval")
-    # A collapsed candidate: patch embedding and all blocks zeroed → every patch token is the same.
-    collapsed = run / "eval" / "training_5" / "teacher_checkpoint.pth"
-    state = torch.load(collapsed, weights_only=True)
-    for k, v in state["teacher"].items():
-        if k.startswith(("backbone.patch_embed", "backbone.blocks")):
-            v.zero_()
-    torch.save(state, collapsed)
+    teachers = copy_eval_checkpoints(pretrain_dir, run)
+    collapse(teachers[5])  # a collapsed candidate
 
     sel = T.select_gram_teacher(run, "best_dense", stores=[str(tile_store)], n_tiles=8, output_dir=tmp_path)
     scores = {it: s["score"] for it, s in sel.scores.items()}
@@ -116,10 +125,21 @@ def test_best_dense_policy(pretrain_dir, tile_store, tmp_path) -> None:
     assert {c["iteration"]: c["score"] for c in saved["candidates"]} == pytest.approx(scores)
 
 
-def test_best_dense_ties_go_to_earliest(pretrain_dir, tile_store, monkeypatch) -> None:
-    monkeypatch.setattr(T, "dense_scores", lambda backbone, images: {"effective_rank": 1, "agreement": 1, "score": 1})
-    sel = T.select_gram_teacher(pretrain_dir, "best_dense", stores=[str(tile_store)], n_tiles=2)
-    assert sel.chosen.iteration == 2
+def test_best_dense_ties_go_to_earliest(pretrain_dir, tile_store, tmp_path) -> None:
+    """Real checkpoints, really scored: training_5 becomes a byte copy of training_8 and training_2 collapses,
+    so 5 and 8 tie for the best score. The earlier of the tied (5) wins: not the latest (8), and not simply
+    the first candidate (2)."""
+    run = tmp_path / "run"
+    teachers = copy_eval_checkpoints(pretrain_dir, run)
+    shutil.copyfile(teachers[8], teachers[5])
+    collapse(teachers[2])
+    assert teachers[5].read_bytes() == teachers[8].read_bytes()
+
+    sel = T.select_gram_teacher(run, "best_dense", stores=[str(tile_store)], n_tiles=4, output_dir=tmp_path)
+    assert sel.scores[5] == sel.scores[8]  # exactly: same weights, same held-out tiles, one thread
+    assert sel.scores[2]["score"] < sel.scores[5]["score"]
+    assert (sel.chosen.iteration, sel.chosen.path) == (5, teachers[5])
+    assert json.loads((tmp_path / T.SELECTION_FILE).read_text())["chosen"]["iteration"] == 5
 
 
 def test_agreement_is_exact_for_equivariant_features() -> None:
