@@ -21,21 +21,10 @@ from dinov3_core.tiling.config import TileConfig
 from flows.tile import tile_flow
 from tasks import tile as tile_tasks
 from tasks.tile import TileParams, slide_task_runner
-from tests import prefect_fixtures
-
-# Session fixtures: one Prefect server and one MLflow back end for every test that asks for them.
-orchestration_env = prefect_fixtures.orchestration_env
-orchestration_backends = prefect_fixtures.orchestration_backends
-prefect_api = prefect_fixtures.prefect_api
-mlflow_tracking = prefect_fixtures.mlflow_tracking
-
+from tests.helpers import slide_list
+from tests.prefect_fixtures import MlflowTracking
 
 # --------------------------------------------------------------------------------------------------- helpers
-
-
-def slide_list(path: Path, slides: list[Path]) -> Path:
-    path.write_text("".join(f"{p}\n" for p in slides))
-    return path
 
 
 def tree_mtimes(root: Path) -> dict[str, int]:
@@ -93,7 +82,7 @@ def artifacts(flow_run_id: UUID) -> dict[str, Any]:
     return {a.key: a for a in found if a.key}
 
 
-def mlflow_runs(tracking: prefect_fixtures.MlflowTracking, flow_run_id: UUID) -> list[Any]:
+def mlflow_runs(tracking: MlflowTracking, flow_run_id: UUID) -> list[Any]:
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking.uri).search_runs(
@@ -193,7 +182,7 @@ def test_slide_task_runner_choice() -> None:
 @pytest.fixture(scope="module")
 def first_run(
     prefect_api: str,
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[FlowRun, TileParams]:
@@ -234,7 +223,7 @@ def test_flow_tiles_good_slides_and_records_failures(first_run: tuple[FlowRun, T
 
 def test_flow_logs_one_mlflow_run(
     first_run: tuple[FlowRun, TileParams],
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
 ):
     from mlflow.tracking import MlflowClient
@@ -290,7 +279,7 @@ def test_flow_publishes_prefect_artifacts_and_task_runs(first_run: tuple[FlowRun
 
 def test_second_run_skips_without_rewriting(
     first_run: tuple[FlowRun, TileParams],
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
 ):
     run, params = first_run
@@ -312,7 +301,7 @@ def test_second_run_skips_without_rewriting(
 
 def test_process_pool_workers(
     prefect_api: str,
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
     tmp_path: Path,
 ):
