@@ -1,12 +1,7 @@
 """Real orchestration back ends for tests: one Prefect API server per session, MLflow on temporary SQLite.
 
-Expose the fixtures in a test module by assignment (pytest finds fixtures in the module namespace)::
-
-    from tests import prefect_fixtures
-    orchestration_env = prefect_fixtures.orchestration_env
-    orchestration_backends = prefect_fixtures.orchestration_backends
-    prefect_api = prefect_fixtures.prefect_api
-    mlflow_tracking = prefect_fixtures.mlflow_tracking
+A pytest plugin (`pytest_plugins` in tests/conftest.py): every test module can ask for `prefect_api` and
+`mlflow_tracking`; nothing starts unless a test does.
 
 `prefect_api` enters `prefect_test_harness` (a real Prefect API server subprocess on 127.0.0.1 with a
 temporary SQLite database) once per session, with an isolated `PREFECT_HOME`, analytics off and a 120 s
@@ -24,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import sqlite_uri
 
 # Variables that would point runs at another server, MLflow run or profile than the test's own.
 _CLEARED_ENV = (
@@ -73,7 +70,7 @@ def _create_mlflow_backend(root: Path) -> MlflowTracking:
     artifact root for a SQLite back end is `./mlruns` in the working directory)."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_uri(root)
     artifacts = root / "artifacts"
     name = "wsidino-flow-tests"
     experiment_id = MlflowClient(uri).create_experiment(name, artifact_location=artifacts.as_uri())

@@ -13,13 +13,6 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
 from dinov3_core.export.convert import find_checkpoint, run_convert
 from dinov3_core.models import load_released_backbone, read_backbone_state_dict
-from tests import stage_fixtures
-
-# Shared session fixtures (built once per session, see tests/stage_fixtures.py).
-converted = stage_fixtures.converted
-pretrain_run = stage_fixtures.pretrain_run
-pretrain_run_2ranks = stage_fixtures.pretrain_run_2ranks
-stage_tile_store = stage_fixtures.stage_tile_store
 
 
 def cfg(**values) -> ConvertConfig:

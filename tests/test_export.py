@@ -10,13 +10,7 @@ from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.export.onnx_export import FORBIDDEN_OPS, BackboneFeatures, load_backbone, ort_session, run_export
-from tests import stage_fixtures
-
-# Shared session fixtures (built once per session, see tests/stage_fixtures.py).
-converted = stage_fixtures.converted
-exported = stage_fixtures.exported
-pretrain_run = stage_fixtures.pretrain_run
-stage_tile_store = stage_fixtures.stage_tile_store
+from tests.helpers import sqlite_uri
 
 
 def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted) -> None:
@@ -46,7 +40,7 @@ def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted
 
 
 def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path)
     values = {
         "weights": str(converted),
         "output": str(tmp_path / "onnx" / "pooled.onnx"),

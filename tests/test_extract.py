@@ -15,14 +15,6 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
 from dinov3_core.export.extract import ATTRS_KEY, normalise, run_extract
 from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
-from tests import stage_fixtures
-
-# Shared session fixtures (built once per session, see tests/stage_fixtures.py).
-converted = stage_fixtures.converted
-exported = stage_fixtures.exported
-pretrain_run = stage_fixtures.pretrain_run
-stage_extract_store = stage_fixtures.stage_extract_store
-stage_tile_store = stage_fixtures.stage_tile_store
 
 
 def cfg(**values) -> ExtractConfig:

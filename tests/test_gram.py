@@ -4,10 +4,7 @@ slide, vit_test, CPU). One pretraining run per session (9 iterations, eval check
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,19 +19,17 @@ from dinov3_core.gram.anchoring import GramMetaArch, GramSchedules, _GramState, 
 from dinov3_core.gram.config import GramConfig
 from dinov3_core.losses.gram import GramLoss
 from dinov3_core.models import build_backbone, save_backbone
-from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
 from dinov3_core.train.ssl_model import TeacherTargets, build_ssl_model
+from tests.helpers import flat_tensors, load_dcp, max_diff, pretrain_config, sqlite_uri, torchrun
 
-ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = 1e-5
 
+# The pretraining run the gram teacher is chosen from: 9 iterations, eval checkpoints after 2, 5 and 8.
 PRETRAIN: dict[str, Any] = {
-    "tracking.enabled": False,
-    "optim.warmup_epochs": 0,
-    "optim.freeze_last_layer_epochs": 0,
-    "train.global_batch_size": 8,
     "train.batch_size_per_gpu": 8,
     "train.stop_at": 9,
     "checkpointing.period": 3,
@@ -43,27 +38,31 @@ PRETRAIN: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 @pytest.fixture(scope="module")
-def tile_store(small_tile_store) -> Path:
-    return small_tile_store
-
-
-@pytest.fixture(scope="module")
-def pretrain_dir(tile_store, tmp_path_factory) -> Path:
+def pretrain_dir(small_tile_store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gram_pretrain") / "run"
-    values = {**PRETRAIN, "data.stores": [str(tile_store)], "output_dir": str(out)}
     start = time.perf_counter()
-    run_pretrain(load_config(PretrainConfig, "tiny", values, stage="pretrain"))
+    run_pretrain(pretrain_config(small_tile_store, out, **PRETRAIN))
     print(f"tiny pretrain: {time.perf_counter() - start:.1f}s")
     return out
 
 
 # ------------------------------------------------------------------------------------------ teacher choice
+
+
+def copy_eval_checkpoints(pretrain_dir: Path, run: Path) -> dict[int, Path]:
+    """The run's eval checkpoints copied to `run/eval` (a pretrain dir to select from): iteration → teacher file."""
+    shutil.copytree(pretrain_dir / "eval", run / "eval")
+    return {c.iteration: c.path for c in T.find_eval_checkpoints(run)}
+
+
+def collapse(teacher_file: Path) -> None:
+    """Zero the patch embedding and every block of an eval teacher: every patch token becomes the same."""
+    state = torch.load(teacher_file, weights_only=True)
+    for k, v in state["teacher"].items():
+        if k.startswith(("backbone.patch_embed", "backbone.blocks")):
+            v.zero_()
+    torch.save(state, teacher_file)
 
 
 def test_find_eval_checkpoints(pretrain_dir) -> None:
@@ -93,18 +92,12 @@ def test_iteration_policy(pretrain_dir) -> None:
         T.select_gram_teacher(pretrain_dir, "iteration")
 
 
-def test_best_dense_policy(pretrain_dir, tile_store, tmp_path) -> None:
+def test_best_dense_policy(pretrain_dir, small_tile_store, tmp_path) -> None:
     run = tmp_path / "run"
-    shutil.copytree(pretrain_dir / "eval", run / "eval")
-    # A collapsed candidate: patch embedding and all blocks zeroed → every patch token is the same.
-    collapsed = run / "eval" / "training_5" / "teacher_checkpoint.pth"
-    state = torch.load(collapsed, weights_only=True)
-    for k, v in state["teacher"].items():
-        if k.startswith(("backbone.patch_embed", "backbone.blocks")):
-            v.zero_()
-    torch.save(state, collapsed)
+    teachers = copy_eval_checkpoints(pretrain_dir, run)
+    collapse(teachers[5])  # a collapsed candidate
 
-    sel = T.select_gram_teacher(run, "best_dense", stores=[str(tile_store)], n_tiles=8, output_dir=tmp_path)
+    sel = T.select_gram_teacher(run, "best_dense", stores=[str(small_tile_store)], n_tiles=8, output_dir=tmp_path)
     scores = {it: s["score"] for it, s in sel.scores.items()}
     assert set(scores) == {2, 5, 8}
     assert scores[5] < min(scores[2], scores[8])
@@ -116,10 +109,21 @@ def test_best_dense_policy(pretrain_dir, tile_store, tmp_path) -> None:
     assert {c["iteration"]: c["score"] for c in saved["candidates"]} == pytest.approx(scores)
 
 
-def test_best_dense_ties_go_to_earliest(pretrain_dir, tile_store, monkeypatch) -> None:
-    monkeypatch.setattr(T, "dense_scores", lambda backbone, images: {"effective_rank": 1, "agreement": 1, "score": 1})
-    sel = T.select_gram_teacher(pretrain_dir, "best_dense", stores=[str(tile_store)], n_tiles=2)
-    assert sel.chosen.iteration == 2
+def test_best_dense_ties_go_to_earliest(pretrain_dir, small_tile_store, tmp_path) -> None:
+    """Real checkpoints, really scored: training_5 becomes a byte copy of training_8 and training_2 collapses,
+    so 5 and 8 tie for the best score. The earlier of the tied (5) wins: not the latest (8), and not simply
+    the first candidate (2)."""
+    run = tmp_path / "run"
+    teachers = copy_eval_checkpoints(pretrain_dir, run)
+    shutil.copyfile(teachers[8], teachers[5])
+    collapse(teachers[2])
+    assert teachers[5].read_bytes() == teachers[8].read_bytes()
+
+    sel = T.select_gram_teacher(run, "best_dense", stores=[str(small_tile_store)], n_tiles=4, output_dir=tmp_path)
+    assert sel.scores[5] == sel.scores[8]  # exactly: same weights, same held-out tiles, one thread
+    assert sel.scores[2]["score"] < sel.scores[5]["score"]
+    assert (sel.chosen.iteration, sel.chosen.path) == (5, teachers[5])
+    assert json.loads((tmp_path / T.SELECTION_FILE).read_text())["chosen"]["iteration"] == 5
 
 
 def test_agreement_is_exact_for_equivariant_features() -> None:
@@ -196,26 +200,15 @@ def gram_config(store: Path, pretrain: Path, out: Path, **extra: Any) -> GramCon
 
 
 @pytest.fixture(scope="module")
-def gram_run(tile_store, pretrain_dir, tmp_path_factory) -> dict[str, Any]:
+def gram_run(small_tile_store, pretrain_dir, tmp_path_factory) -> dict[str, Any]:
     """Uninterrupted tiny gram stage (10 iterations, refreshes after 3 and 7), tracked to a temporary MLflow db."""
     root = tmp_path_factory.mktemp("gram_run")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    cfg = gram_config(tile_store, pretrain_dir, root / "run", **{"tracking.enabled": True, "tracking.uri": uri})
+    uri = sqlite_uri(root)
+    cfg = gram_config(small_tile_store, pretrain_dir, root / "run", **{"tracking.enabled": True, "tracking.uri": uri})
     start = time.perf_counter()
     result = run_gram(cfg)
     print(f"tiny gram run: {time.perf_counter() - start:.1f}s")
     return {"out": root / "run", "result": result, "uri": uri}
-
-
-def load_ckpt(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(path, target)
-    try:
-        return torch.load(target, weights_only=False)
-    finally:
-        target.unlink()
 
 
 def test_gram_schedules_count_from_stage_start(gram_run) -> None:
@@ -258,40 +251,27 @@ def test_schedule_units() -> None:
                     done += sch.update_due(it, done)
 
 
-def test_resume_matches_uninterrupted(tile_store, pretrain_dir, gram_run, tmp_path) -> None:
+def test_resume_matches_uninterrupted(small_tile_store, pretrain_dir, gram_run, tmp_path) -> None:
     out = tmp_path / "run"
-    first = run_gram(gram_config(tile_store, pretrain_dir, out, **{"train.stop_at": 6}))
+    first = run_gram(gram_config(small_tile_store, pretrain_dir, out, **{"train.stop_at": 6}))
     assert (first.end_iteration, first.gram_updates) == (6, 1)
-    second = run_gram(gram_config(tile_store, pretrain_dir, out))
+    second = run_gram(gram_config(small_tile_store, pretrain_dir, out))
     assert (second.start_iteration, second.end_iteration, second.gram_updates) == (6, 10, 2)
-    got, ref = load_ckpt(out / "ckpt" / "9"), load_ckpt(gram_run["out"] / "ckpt" / "9")
+    got, ref = load_dcp(out / "ckpt" / "9"), load_dcp(gram_run["out"] / "ckpt" / "9")
     for section, prefix in (("model", "student."), ("model", "teacher."), ("train_state", "gram_teacher.")):
-        a = {k: v for k, v in _flat(got[section]).items() if k.startswith(prefix)}
-        b = {k: v for k, v in _flat(ref[section]).items() if k.startswith(prefix)}
-        assert a and a.keys() == b.keys()
-        assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) < TOL, prefix
+        assert max_diff(flat_tensors(got[section]), flat_tensors(ref[section]), prefix) < TOL, prefix
     rows = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
     ref_rows = {r["iteration"]: r for r in read_metrics(gram_run["out"] / "training_metrics.json")}
     for it in range(10):
         assert rows[it]["gram_loss"] == pytest.approx(ref_rows[it]["gram_loss"], rel=TOL, abs=1e-7)
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 @pytest.mark.parametrize(("img_level", "teacher_size"), [(True, None), (False, None), (True, 128)])
-def test_stage_gram_loss_equals_gram_loss(tile_store, img_level, teacher_size) -> None:
+def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_size) -> None:
     """The stage adds exactly weight × GramLoss(student global patch tokens, gram teacher's on the same crops)."""
     small = {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32}
-    values = {"output_dir": "x", "data.stores": [str(tile_store)], "student.arch": "vit_test", "heads.dino": small}
-    cfg = load_config(GramConfig, "tiny", {**values, "heads.ibot": small}, stage="gram")
+    values = {"output_dir": "x", "data.stores": [str(small_tile_store)], "student.arch": "vit_test"}
+    cfg = load_config(GramConfig, "tiny", {**values, "heads.dino": small, "heads.ibot": small}, stage="gram")
     torch.manual_seed(0)
     model = build_ssl_model(cfg).model
     teacher = build_backbone("vit_test").eval()
@@ -327,16 +307,13 @@ def test_stage_gram_loss_equals_gram_loss(tile_store, img_level, teacher_size) -
     assert state.losses and state.losses[0].item() == pytest.approx(expected.item())
 
 
-def test_two_processes_gloo(tile_store, pretrain_dir, tmp_path) -> None:
+def test_two_processes_gloo(small_tile_store, pretrain_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dinov3_core.gram",
-        "--pretrain-dir", str(pretrain_dir), "--config", "tiny", "tracking.enabled=false",
-        f"data.stores=[{tile_store}]", f"output_dir={out}", "train.stop_at=5", "train.batch_size_per_gpu=4",
+    args = [
+        "-m", "dinov3_core.gram", "--pretrain-dir", str(pretrain_dir), "--config", "tiny", "tracking.enabled=false",
+        f"data.stores=[{small_tile_store}]", f"output_dir={out}", "train.stop_at=5", "train.batch_size_per_gpu=4",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(*args, timeout=180)
     assert "gram: iterations 0…4 of 10" in proc.stdout
     assert (out / "ckpt" / "4" / ".metadata").is_file()
     rows = read_metrics(out / "training_metrics.json")
@@ -351,12 +328,12 @@ def test_cli_reports_bad_pretrain_dir(tmp_path) -> None:
     assert code == 2
 
 
-def test_start_from_released_backbone(tile_store, tmp_path) -> None:
+def test_start_from_released_backbone(small_tile_store, tmp_path) -> None:
     """No pretraining run: student (fresh heads) and gram teacher from a released-layout backbone file."""
     weights = save_backbone(build_backbone("vit_test"), tmp_path / "backbone.pth")
     values = {
         "tracking.enabled": False,
-        "data.stores": [str(tile_store)],
+        "data.stores": [str(small_tile_store)],
         "output_dir": str(tmp_path / "run"),
         "student.arch": "vit_test",
         "student.pretrained_weights": str(weights),
@@ -382,25 +359,25 @@ def test_named_configs_load() -> None:
     )
 
 
-def test_config_errors_name_the_key(tile_store, pretrain_dir, tmp_path) -> None:
+def test_config_errors_name_the_key(small_tile_store, pretrain_dir, tmp_path) -> None:
     from dinov3_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="pretrain_dir"):
         run_gram(load_config(GramConfig, "tiny", {"output_dir": str(tmp_path), "data.stores": ["s"]}, stage="gram"))
-    bad = gram_config(tile_store, pretrain_dir, tmp_path / "o", **{"gram.teacher_crop_size": 100})
+    bad = gram_config(small_tile_store, pretrain_dir, tmp_path / "o", **{"gram.teacher_crop_size": 100})
     with pytest.raises(ConfigError, match=r"gram\.teacher_crop_size"):
         run_gram(bad)
 
 
-def test_best_dense_selection_is_logged_to_mlflow(pretrain_dir, tile_store, tmp_path) -> None:
+def test_best_dense_selection_is_logged_to_mlflow(pretrain_dir, small_tile_store, tmp_path) -> None:
     import mlflow
 
     from dinov3_core.tracking import TrackingConfig, stage_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path)
     with stage_run(TrackingConfig(uri=uri, experiment="gram-select", system_metrics=False), "select") as run:
         sel = T.select_gram_teacher(
-            pretrain_dir, "best_dense", stores=[str(tile_store)], n_tiles=4, output_dir=tmp_path
+            pretrain_dir, "best_dense", stores=[str(small_tile_store)], n_tiles=4, output_dir=tmp_path
         )
     client = mlflow.MlflowClient(tracking_uri=uri)
     data = client.get_run(run.info.run_id).data

@@ -4,10 +4,6 @@ gradient-accumulation contract (targets once per step, micro-batch losses ÷ n_m
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +22,7 @@ from dinov3_core.losses import (
     resize_patch_tokens,
     sinkhorn_knopp,
 )
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import DIST_SCRIPTS, torchrun
 
 
 def reference_sinkhorn(logits: torch.Tensor, temp: float, n_iterations: int = 3) -> torch.Tensor:
@@ -112,11 +107,7 @@ def test_dino_teacher_targets_is_joint_over_crops() -> None:
 
 def test_sinkhorn_allreduce_two_processes() -> None:
     """2 gloo ranks, each holding a slice, give the single-process result on the concatenated batch."""
-    script = REPO / "tests" / "dist_scripts" / "ssl_sinkhorn.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun(str(DIST_SCRIPTS / "ssl_sinkhorn.py"), timeout=180)
     assert "SSL_SINKHORN_OK" in result.stdout
 
 

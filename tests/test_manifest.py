@@ -16,6 +16,7 @@ from dinov3_core.export.config import ExportConfig
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.stage_specs import STAGE_SPECS
 from tasks.params import PipelineParams, StageOptions, merge_values
+from tests.helpers import by_name, read_json, slide_list
 from wsidino_dev import faults
 
 
@@ -65,8 +66,7 @@ def test_a_slide_list_is_fingerprinted_with_its_slides(tmp_path: Path):
 
     slide = tmp_path / "a.svs"
     slide.write_bytes(b"1")
-    listing = tmp_path / "slides.txt"
-    listing.write_text(f"{slide}\n")
+    listing = slide_list(tmp_path / "slides.txt", [slide])
     cfg = load_config(TileConfig, None, {"input": str(listing), "output": str(tmp_path / "t.zarr")})
     first = mf.fingerprint_inputs(STAGE_SPECS["tile"].inputs(cfg))
     assert first["listed_slides"]["path"].endswith("a.svs (+0 more)")
@@ -284,23 +284,23 @@ def test_every_flow_form_is_titled_and_ordered(name: str):
 def test_cli_rerun_skips_an_up_to_date_stage(sample_slides: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     from dinov3_core.cli import main as cli_main
 
-    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
+    slide = by_name(sample_slides, "tissue_20x.svs")
     store = tmp_path / "tiles.zarr"
     argv = ["tile", "--input", str(slide), "--output", str(store), "tile_size=64", "mpp=2.0", "progress=false",
             "tracking.enabled=false"]  # fmt: skip
     assert cli_main(argv) == 0
-    first = json.loads((store / mf.MANIFEST_NAME).read_text())
+    first = read_json(store / mf.MANIFEST_NAME)
     assert first["status"] == "complete" and first["summary"]["ok"] == 1
     capsys.readouterr()
     assert cli_main(argv) == 0
     assert "tile: up to date" in capsys.readouterr().out
-    assert json.loads((store / mf.MANIFEST_NAME).read_text()) == first  # nothing was rewritten
+    assert read_json(store / mf.MANIFEST_NAME) == first  # nothing was rewritten
     assert cli_main([*argv, "tile_size=32"]) == 0  # a new config is a new run (the slide is re-tiled)
-    changed = json.loads((store / mf.MANIFEST_NAME).read_text())
+    changed = read_json(store / mf.MANIFEST_NAME)
     assert changed["config_hash"] != first["config_hash"]
     assert changed["output_fingerprint"] != first["output_fingerprint"]  # downstream stages will rerun
     written = (store / mf.MANIFEST_NAME).stat().st_mtime_ns
     assert cli_main([*argv, "tile_size=32", "--force"]) == 0
     assert (store / mf.MANIFEST_NAME).stat().st_mtime_ns != written  # forced: ran (and found the slide done)
-    forced = json.loads((store / mf.MANIFEST_NAME).read_text())
+    forced = read_json(store / mf.MANIFEST_NAME)
     assert forced["output_fingerprint"] == changed["output_fingerprint"]  # same tiles: downstream stays valid

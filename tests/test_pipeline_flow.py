@@ -22,15 +22,10 @@ from uuid import UUID
 import psutil
 import pytest
 
-from tests import prefect_fixtures
+from tests.helpers import REPO, by_name, read_json, slide_list
+from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
 
-orchestration_env = prefect_fixtures.orchestration_env
-orchestration_backends = prefect_fixtures.orchestration_backends
-prefect_api = prefect_fixtures.prefect_api
-mlflow_tracking = prefect_fixtures.mlflow_tracking
-
-REPO = Path(__file__).resolve().parents[1]
 POOL = "wsidino-test-cpu"
 STAGES = ["tile", "pretrain", "gram", "convert", "export", "extract"]
 
@@ -45,7 +40,7 @@ TRAIN_OVERRIDES = [
 ]
 
 
-def pipeline_parameters(slides: Path, workdir: Path, tracking: prefect_fixtures.MlflowTracking) -> dict[str, Any]:
+def pipeline_parameters(slides: Path, workdir: Path, tracking: MlflowTracking) -> dict[str, Any]:
     """A small but complete pipeline: one 20× test slide at 64 px / 2 µm/px, 2 training processes."""
     return {
         "slides": str(slides),
@@ -120,10 +115,6 @@ def subflow_runs(parent: UUID) -> list[Any]:
         )
 
 
-def manifest(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 MANIFESTS = {
     "tile": "tiles.zarr/stage_manifest.json",
     "pretrain": "pretrain/stage_manifest.json",
@@ -136,7 +127,7 @@ MANIFESTS = {
 
 def manifests(workdir: Path) -> dict[str, dict[str, Any]]:
     """Each stage's manifest under the pipeline work directory ({} where the stage never ran)."""
-    return {stage: manifest(workdir / rel) for stage, rel in MANIFESTS.items()}
+    return {stage: read_json(workdir / rel) for stage, rel in MANIFESTS.items()}
 
 
 def job_processes(marker: str) -> list[psutil.Process]:
@@ -179,17 +170,14 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def one_slide(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    slide = next(p for p in sample_slides.slides if p.name.startswith("tissue_20x"))
-    listing = tmp_path_factory.mktemp("slides") / "slides.txt"
-    listing.write_text(f"{slide}\n")
-    return listing
+    return slide_list(tmp_path_factory.mktemp("slides") / "slides.txt", [by_name(sample_slides, "tissue_20x.svs")])
 
 
 @pytest.fixture(scope="module")
 def deployed_pipeline_run(
     worker: subprocess.Popen[str],
     one_slide: Path,
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     """The deployed pipeline with two faults, then its retry: the run's id, work dir and first-attempt facts."""
@@ -244,7 +232,7 @@ def test_deployed_pipeline_survives_a_crash_and_resumes_after_retry(deployed_pip
 
 @pytest.mark.timeout(120)
 def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
-    deployed_pipeline_run: dict[str, Any], mlflow_tracking: prefect_fixtures.MlflowTracking
+    deployed_pipeline_run: dict[str, Any], mlflow_tracking: MlflowTracking
 ):
     from mlflow import MlflowClient
 
@@ -289,7 +277,7 @@ def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
     assert version.tags["wsidino.lineage.pretrain_run_id"] == runs["pretrain"].info.run_id
 
 
-def pipeline_summary(tracking: prefect_fixtures.MlflowTracking, flow_run_id: UUID) -> dict[str, Any]:
+def pipeline_summary(tracking: MlflowTracking, flow_run_id: UUID) -> dict[str, Any]:
     """The pipeline_summary.json artifact of a pipeline flow run's MLflow parent run."""
     from mlflow import MlflowClient
 
@@ -305,7 +293,7 @@ def statuses(summary: dict[str, Any]) -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
-    deployed_pipeline_run: dict[str, Any], mlflow_tracking: prefect_fixtures.MlflowTracking
+    deployed_pipeline_run: dict[str, Any], mlflow_tracking: MlflowTracking
 ):
     """Everything through the worker, as from the UI (a run of the same deployment; the export deployment)."""
     from mlflow import MlflowClient
@@ -350,7 +338,7 @@ def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
 def test_cancelling_a_training_flow_leaves_no_process_behind(
     worker: subprocess.Popen[str],
     deployed_pipeline_run: dict[str, Any],
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     tmp_path: Path,
 ):
     from prefect.client.orchestration import get_client
@@ -380,5 +368,5 @@ def test_cancelling_a_training_flow_leaves_no_process_behind(
     _gone, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
     assert not job_processes(str(run_dir))
-    m = manifest(run_dir / "stage_manifest.json")
+    m = read_json(run_dir / "stage_manifest.json")
     assert m["status"] in {"running", "failed"}  # never `complete`: a rerun resumes from the last checkpoint

@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dinov3_core.config import ConfigError, load_config
+from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import build_backbone, save_backbone
 from dinov3_core.tiling import store as ts
@@ -33,21 +32,27 @@ from dinov3_core.train.memory import estimate_memory, model_shape
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import TrainingDivergedError, run_pretrain
 from dinov3_core.train.ssl_model import build_ssl_model
+from tests.helpers import (
+    PRETRAIN_RUNS_SCRIPT,
+    REPO,
+    load_dcp,
+    max_diff,
+    pretrain_config,
+    pretrain_values,
+    sqlite_uri,
+    torchrun,
+)
 
-ROOT = Path(__file__).parents[1]
-DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "pretrain_runs.py"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = 1e-5
 LOSSES = ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss")
 NORMS = ("backbone_grad_norm", "dino_head_grad_norm", "ibot_head_grad_norm")
 
-# On top of configs/pretrain/tiny.yaml. No lr warmup and no frozen last layer, so every compared step moves
-# every weight; checkpoints every 2 iterations so runs can be compared (and resumed) mid-way.
+# On top of tests.helpers.TINY_PRETRAIN (no lr warmup, no frozen last layer: every compared step moves every
+# weight): checkpoints every 2 iterations so runs can be compared (and resumed) mid-way.
 BASE: dict[str, Any] = {
-    "tracking.enabled": False,
-    "optim.warmup_epochs": 0,
-    "optim.freeze_last_layer_epochs": 0,
     "losses.koleo_scope": "global",
-    "train.global_batch_size": 8,
     "train.batch_size_per_gpu": 8,
     "train.stop_at": 8,
     "checkpointing.period": 2,
@@ -56,42 +61,16 @@ BASE: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def tile_store(small_tile_store) -> Path:
-    return small_tile_store
-
-
 def overrides(store: Path, out: Path, **extra: Any) -> dict[str, Any]:
-    return {**BASE, "data.stores": [str(store)], "output_dir": str(out), **extra}
+    return pretrain_values(store, out, **{**BASE, **extra})
 
 
 def config(store: Path, out: Path, **extra: Any) -> PretrainConfig:
-    return load_config(PretrainConfig, "tiny", overrides(store, out, **extra), stage="pretrain")
-
-
-def load_ckpt(path: Path) -> dict[str, Any]:
-    """A DCP checkpoint directory as one plain state dict (offline, one process, like `dcp_to_torch`)."""
-    target = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(path, target)
-    try:
-        return torch.load(target, weights_only=False)
-    finally:
-        target.unlink()
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
-    keys = [k for k in a if k.startswith(prefix)]
-    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+    return pretrain_config(store, out, **{**BASE, **extra})
 
 
 def assert_same_params(ckpt: Path, reference: Path) -> None:
-    got, ref = load_ckpt(ckpt)["model"], load_ckpt(reference)["model"]
+    got, ref = load_dcp(ckpt)["model"], load_dcp(reference)["model"]
     assert max_diff(got, ref, "student.") < TOL
     assert max_diff(got, ref, "teacher.") < TOL
 
@@ -105,12 +84,12 @@ def assert_same_metrics(out: Path, reference: Path, iterations: range) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tile_store, tmp_path_factory) -> dict[str, Any]:
+def reference(small_tile_store, tmp_path_factory) -> dict[str, Any]:
     """The uninterrupted single-process full-batch run, with MLflow tracking to a temporary SQLite db."""
     root = tmp_path_factory.mktemp("pretrain_reference")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_uri(root)
     extra = {"tracking.enabled": True, "tracking.uri": uri, "tracking.experiment": "pretrain-test"}
-    cfg = config(tile_store, root / "run", **extra)
+    cfg = config(small_tile_store, root / "run", **extra)
     result = run_pretrain(cfg)
     return {"out": root / "run", "result": result, "uri": uri, "cfg": cfg}
 
@@ -141,7 +120,7 @@ def test_reference_run_writes_every_output(reference) -> None:
     assert {k.split(".")[0] for k in state} == {"backbone", "dino_head", "ibot_head"}
     assert "dino_head.last_layer.weight" in state and "backbone.cls_token" in state
     assert all(v.device.type == "cpu" for v in state.values())
-    ckpt = load_ckpt(out / "ckpt" / "7")
+    ckpt = load_dcp(out / "ckpt" / "7")
     teacher_in_ckpt = {k.removeprefix("teacher."): v for k, v in ckpt["model"].items() if k.startswith("teacher.")}
     assert max_diff(teacher_in_ckpt, state) == 0.0
     assert ckpt["train_state"]["iteration"] == 7 and ckpt["train_state"]["sampler"]["consumed_samples"] == 64
@@ -163,10 +142,10 @@ def test_reference_run_is_tracked_in_mlflow(reference) -> None:
     assert {"config.yaml", "training_metrics.json", "loss_curve.png"} <= artifacts
 
 
-def test_gradient_accumulation_matches_the_full_batch(reference, tile_store, tmp_path) -> None:
+def test_gradient_accumulation_matches_the_full_batch(reference, small_tile_store, tmp_path) -> None:
     """2 micro-batches of 4 = one batch of 8, step for step (same crops, masks, Sinkhorn targets, KoLeo set)."""
     out = tmp_path / "accum"
-    result = run_pretrain(config(tile_store, out, **{"train.batch_size_per_gpu": 4, "train.stop_at": 2}))
+    result = run_pretrain(config(small_tile_store, out, **{"train.batch_size_per_gpu": 4, "train.stop_at": 2}))
     assert (result.micro_batch, result.accumulation_steps) == (4, 2)
     ref = reference["out"]
     assert_same_params(out / "ckpt" / "1", ref / "ckpt" / "1")
@@ -175,10 +154,10 @@ def test_gradient_accumulation_matches_the_full_batch(reference, tile_store, tmp
     # The comparison is meaningful: two steps move the student far more than the tolerance (~lr per step).
     torch.manual_seed(0)
     initial = {f"student.{k}": v for k, v in build_ssl_model(reference["cfg"]).model.student.state_dict().items()}
-    assert max_diff(load_ckpt(ref / "ckpt" / "1")["model"], initial, "student.") > 30 * TOL
+    assert max_diff(load_dcp(ref / "ckpt" / "1")["model"], initial, "student.") > 30 * TOL
 
 
-def test_auto_batch_size_plans_accumulation_to_fit_the_budget(reference, tile_store, tmp_path) -> None:
+def test_auto_batch_size_plans_accumulation_to_fit_the_budget(reference, small_tile_store, tmp_path) -> None:
     """Also: activation checkpointing changes no number; retention keeps the newest checkpoint + keep_every."""
     extra = {
         "train.batch_size_per_gpu": "auto",
@@ -188,7 +167,7 @@ def test_auto_batch_size_plans_accumulation_to_fit_the_budget(reference, tile_st
         "checkpointing.max_to_keep": 1,
         "checkpointing.keep_every": 1,
     }
-    cfg = config(tile_store, tmp_path / "auto", **extra)
+    cfg = config(small_tile_store, tmp_path / "auto", **extra)
     shape = model_shape(cfg)
 
     def total(micro: int) -> int:
@@ -208,14 +187,14 @@ def cfg_out(cfg: PretrainConfig) -> Path:
     return Path(cfg.output_dir)
 
 
-def test_sigkill_then_restart_ends_like_an_uninterrupted_run(reference, tile_store, tmp_path) -> None:
+def test_sigkill_then_restart_ends_like_an_uninterrupted_run(reference, small_tile_store, tmp_path) -> None:
     out = tmp_path / "killed"
-    argv = [f"{k}={json.dumps(v)}" for k, v in overrides(tile_store, out).items()]
+    argv = [f"{k}={json.dumps(v)}" for k, v in overrides(small_tile_store, out).items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv],
-        cwd=ROOT,
+        cwd=REPO,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -229,7 +208,7 @@ def test_sigkill_then_restart_ends_like_an_uninterrupted_run(reference, tile_sto
     assert proc.wait() == -signal.SIGKILL
     assert not (out / "eval" / "training_7").exists(), "the run finished before it was killed"
 
-    result = run_pretrain(config(tile_store, out))
+    result = run_pretrain(config(small_tile_store, out))
     assert result.resumed_from is not None and result.start_iteration >= 2
     assert not list((out / "ckpt").glob(".tmp-*"))  # a checkpoint the kill interrupted is cleaned up
     final = torch.load(out / "eval" / "training_7" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
@@ -242,7 +221,7 @@ def test_sigkill_then_restart_ends_like_an_uninterrupted_run(reference, tile_sto
 # ------------------------------------------------------------------------------------- several processes
 
 
-def test_two_processes_and_changing_world_size(reference, tile_store, tmp_path) -> None:
+def test_two_processes_and_changing_world_size(reference, small_tile_store, tmp_path) -> None:
     """torchrun, 2 gloo processes, FSDP2: (a) 2 × 2 micro-batches of 2 from scratch = the full batch of 8;
     (b) the 1-process reference checkpoint resumed on 2 processes (1 → 2); then (c) the 2-process checkpoint
     of (a) resumed in 1 process (2 → 1). All end with the reference's parameters."""
@@ -254,16 +233,10 @@ def test_two_processes_and_changing_world_size(reference, tile_store, tmp_path) 
         if int(path.name) > 1:
             shutil.rmtree(path)  # as if the reference had stopped after iteration 1
     runs = [
-        overrides(tile_store, two, **{"train.batch_size_per_gpu": 2, "train.stop_at": 2}),
-        overrides(tile_store, one_to_two, **{"train.batch_size_per_gpu": 4, "train.stop_at": 4}),
+        overrides(small_tile_store, two, **{"train.batch_size_per_gpu": 2, "train.stop_at": 2}),
+        overrides(small_tile_store, one_to_two, **{"train.batch_size_per_gpu": 4, "train.stop_at": 4}),
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(DIST_SCRIPT)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, *(json.dumps(r) for r in runs)], env=env, capture_output=True, text=True, timeout=400, cwd=ROOT
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = torchrun(str(PRETRAIN_RUNS_SCRIPT), *(json.dumps(r) for r in runs), timeout=400)
     summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"run"')]
     assert [s["world_size"] for s in summaries] == [2, 2]
     assert (summaries[0]["micro_batch"], summaries[0]["accumulation_steps"]) == (2, 2)
@@ -273,12 +246,12 @@ def test_two_processes_and_changing_world_size(reference, tile_store, tmp_path) 
     assert_same_params(two / "ckpt" / "1", ref / "ckpt" / "1")  # (a)
     assert_same_metrics(two, ref, range(2))
     gathered = torch.load(two / "eval" / "training_1" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
-    sharded = {k.removeprefix("teacher."): v for k, v in load_ckpt(two / "ckpt" / "1")["model"].items()}
+    sharded = {k.removeprefix("teacher."): v for k, v in load_dcp(two / "ckpt" / "1")["model"].items()}
     assert max_diff(gathered, {k: v for k, v in sharded.items() if k in gathered}) == 0.0  # full, unsharded
     assert_same_params(one_to_two / "ckpt" / "3", ref / "ckpt" / "3")  # (b)
     assert_same_metrics(one_to_two, ref, range(2, 4))
 
-    result = run_pretrain(config(tile_store, two, **{"train.stop_at": 4}))  # (c): 2 → 1
+    result = run_pretrain(config(small_tile_store, two, **{"train.stop_at": 4}))  # (c): 2 → 1
     assert result.resumed_from == two / "ckpt" / "1" and result.world_size == 1
     assert_same_params(two / "ckpt" / "3", ref / "ckpt" / "3")
 
@@ -287,7 +260,7 @@ def test_two_processes_and_changing_world_size(reference, tile_store, tmp_path) 
 
 
 def test_warm_start_from_a_released_backbone_joins_the_given_mlflow_run(
-    reference, tile_store, tmp_path, monkeypatch
+    reference, small_tile_store, tmp_path, monkeypatch
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -307,7 +280,7 @@ def test_warm_start_from_a_released_backbone_joins_the_given_mlflow_run(
         "tracking.enabled": True,
         "tracking.uri": reference["uri"],
     }
-    result = run_pretrain(config(tile_store, out, **extra))
+    result = run_pretrain(config(small_tile_store, out, **extra))
     assert result.end_iteration == 1
     teacher = torch.load(out / "eval" / "training_0" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
     backbone = {k.removeprefix("backbone."): v for k, v in teacher.items() if k.startswith("backbone.")}
@@ -323,22 +296,24 @@ def snapshot(path: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
 
 
-def test_bad_input_fails_clearly_and_writes_nothing(reference, tile_store, tmp_path) -> None:
+def test_bad_input_fails_clearly_and_writes_nothing(reference, small_tile_store, tmp_path) -> None:
     out = tmp_path / "never"
 
     empty = ts.init_store(tmp_path / "empty.zarr")
     with pytest.raises(WsidinoError, match="empty tile store"):
         run_pretrain(config(empty, out))
     with pytest.raises(WsidinoError, match="fewer than one global batch"):
-        run_pretrain(config(tile_store, out, **{"train.global_batch_size": 4096, "train.batch_size_per_gpu": 4096}))
+        run_pretrain(
+            config(small_tile_store, out, **{"train.global_batch_size": 4096, "train.batch_size_per_gpu": 4096})
+        )
 
     with pytest.raises(ConfigError, match="KoLeo needs at least 2 images"):
-        run_pretrain(config(tile_store, out, **{"train.global_batch_size": 1, "train.batch_size_per_gpu": 1}))
+        run_pretrain(config(small_tile_store, out, **{"train.global_batch_size": 1, "train.batch_size_per_gpu": 1}))
 
     other = build_backbone("vit_test", n_storage_tokens=4)  # the student below has no storage tokens
     weights = save_backbone(other, tmp_path / "other.pth")
     with pytest.raises(WsidinoError, match="n_storage_tokens") as err:
-        run_pretrain(config(tile_store, out, **{"student.pretrained_weights": str(weights)}))
+        run_pretrain(config(small_tile_store, out, **{"student.pretrained_weights": str(weights)}))
     assert "student.pretrained_weights" in str(err.value)
     assert not out.exists()
 
@@ -347,17 +322,17 @@ def test_bad_input_fails_clearly_and_writes_nothing(reference, tile_store, tmp_p
     shutil.copytree(reference["out"], existing)
     before = snapshot(existing)
     with pytest.raises(CheckpointError, match="different architecture") as err:
-        run_pretrain(config(tile_store, existing, **{"heads.dino.n_prototypes": 128}))
+        run_pretrain(config(small_tile_store, existing, **{"heads.dino.n_prototypes": 128}))
     assert "student.dino_head.last_layer.weight" in str(err.value)
     with pytest.raises(WsidinoError, match="resume=false"):
-        run_pretrain(config(tile_store, existing, **{"checkpointing.resume": False}))
+        run_pretrain(config(small_tile_store, existing, **{"checkpointing.resume": False}))
     assert snapshot(existing) == before
 
 
 def test_cli_reports_bad_input_without_traceback(tmp_path) -> None:
     argv = ["--config", "tiny", f"data.stores=[{tmp_path / 'missing.zarr'}]", f"output_dir={tmp_path / 'o'}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "dinov3_core.train", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-m", "dinov3_core.train", *argv], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert proc.returncode == 2
     assert "error: tile store" in proc.stderr and "does not exist" in proc.stderr
@@ -367,17 +342,17 @@ def test_cli_reports_bad_input_without_traceback(tmp_path) -> None:
 # ------------------------------------------------------------------------------------ robustness, memory
 
 
-def test_nan_guard_stops_after_consecutive_nonfinite_losses(tile_store, tmp_path) -> None:
+def test_nan_guard_stops_after_consecutive_nonfinite_losses(small_tile_store, tmp_path) -> None:
     out = tmp_path / "nan"
     extra = {"optim.lr": 1e30, "train.nan_patience": 2, "train.stop_at": 10}  # the first step blows up the weights
     with pytest.raises(TrainingDivergedError, match="2 consecutive iterations with non-finite"):
-        run_pretrain(config(tile_store, out, **extra))
+        run_pretrain(config(small_tile_store, out, **extra))
     rows = read_metrics(out / "training_metrics.json")
     assert [r["skipped_step"] for r in rows] == [0.0, 1.0]  # iteration 2 raised before logging
     assert not (out / "ckpt").exists()  # nothing saved from a diverged state
 
 
-def test_rss_stays_bounded_over_many_iterations(tile_store, tmp_path) -> None:
+def test_rss_stays_bounded_over_many_iterations(small_tile_store, tmp_path) -> None:
     out = tmp_path / "long"
     extra = {
         "optim.epochs": 20,  # 100-iteration schedule
@@ -390,7 +365,7 @@ def test_rss_stays_bounded_over_many_iterations(tile_store, tmp_path) -> None:
         "checkpointing.period": 1000,
         "evaluation.eval_period_iterations": 0,
     }
-    run_pretrain(config(tile_store, out, **extra))
+    run_pretrain(config(small_tile_store, out, **extra))
     rows = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
     assert set(rows) >= {19, 89}
     for key in ("rss_mb", "loader_rss_mb"):  # after warm-up (allocator pools, worker imports)

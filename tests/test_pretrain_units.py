@@ -29,14 +29,7 @@ from dinov3_core.train.pipeline import augment_step, rank_masks
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
 from dinov3_core.train.ssl_model import build_ssl_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """2-core CI box shared with other processes: intra-op threads only add contention (40× slower ops)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**overrides: object) -> C.PretrainConfig:

@@ -11,6 +11,7 @@ import pickle
 import shutil
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from dinov3_core.data import TileDataset, TileSample
 from dinov3_core.data.tile_readers import ShardFileTiles, ZarrTiles
 from dinov3_core.tiling import store as ts
-from wsidino_dev.sample_slides import SampleSet
+from tests.helpers import by_name, tile_config
 
 T = 16  # tile size of the synthetic stores: small, so every tile can be checked in a few seconds
 SHARD = 64
@@ -460,33 +461,15 @@ def test_index_memory_is_bytes_per_tile_not_objects(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ the real tile stage
 
 
-def test_tiles_from_the_real_stage_equal_openslide_reads(sample_slides: SampleSet, tmp_path: Path) -> None:
+def test_tiles_from_the_real_stage_equal_openslide_reads(sample_slides: Any, tmp_path: Path) -> None:
     """Tile a sample slide at its own level-0 µm/px (no resize) with zstd: dataset tiles equal read_region."""
     import openslide
 
-    from dinov3_core.config import load_config
-    from dinov3_core.tiling.config import TileConfig
     from dinov3_core.tiling.engine import run_tile
 
-    slide_path = next((p for p in sample_slides.slides if p.name == "tissue_20x.svs"), None)
-    if slide_path is None:
-        pytest.skip("the sample set has no tissue_20x.svs (0.5 µm/px at level 0)")
-    cfg = load_config(
-        TileConfig,
-        None,
-        {
-            "input": str(slide_path),
-            "output": str(tmp_path / "tiles.zarr"),
-            "mpp": 0.5,
-            "tile_size": 128,
-            "compressor": "zstd",
-            "tiles_per_shard": 16,
-            "workers": 1,
-            "progress": False,
-            "qc_thumbnail_px": 256,
-        },
-    )
-    result = run_tile(cfg)
+    slide_path = by_name(sample_slides, "tissue_20x.svs")  # 0.5 µm/px at level 0
+    values = {"mpp": 0.5, "tile_size": 128, "compressor": "zstd", "tiles_per_shard": 16, "workers": 1}
+    result = run_tile(tile_config(slide_path, tmp_path / "tiles.zarr", **values, qc_thumbnail_px=256))
     assert result.counts["ok"] == 1, result.outcomes
     ds = TileDataset(result.store)
     attrs = ds.slide_attrs(0)

@@ -27,21 +27,11 @@ from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from flows.tile import tile_flow
 from tasks.params import StageOptions, TileParams, TrackingParams
-from tests import event_hooks, prefect_fixtures
-
-# Session fixtures: one Prefect server and one MLflow back end for every test that asks for them.
-orchestration_env = prefect_fixtures.orchestration_env
-orchestration_backends = prefect_fixtures.orchestration_backends
-prefect_api = prefect_fixtures.prefect_api
-mlflow_tracking = prefect_fixtures.mlflow_tracking
-
+from tests import event_hooks
+from tests.helpers import slide_list
+from tests.prefect_fixtures import MlflowTracking
 
 # --------------------------------------------------------------------------------------------------- helpers
-
-
-def slide_list(path: Path, slides: list[Path]) -> Path:
-    path.write_text("".join(f"{p}\n" for p in slides))
-    return path
 
 
 def tree_mtimes(root: Path) -> dict[str, int]:
@@ -73,9 +63,7 @@ def run_flow(params: TileParams) -> FlowRun:
     )
 
 
-def params_for(
-    input: Path, output: Path, tracking: prefect_fixtures.MlflowTracking | None, *overrides: str
-) -> TileParams:
+def params_for(input: Path, output: Path, tracking: MlflowTracking | None, *overrides: str) -> TileParams:
     mlflow = (
         TrackingParams(tracking_uri=tracking.uri, experiment=tracking.experiment)
         if tracking is not None
@@ -113,7 +101,7 @@ def artifacts(flow_run_id: UUID) -> dict[str, Any]:
     return {a.key: a for a in found if a.key}
 
 
-def mlflow_runs(tracking: prefect_fixtures.MlflowTracking, flow_run_id: UUID) -> list[Any]:
+def mlflow_runs(tracking: MlflowTracking, flow_run_id: UUID) -> list[Any]:
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking.uri).search_runs(
@@ -173,7 +161,7 @@ def test_params_precedence_config_overrides_paths(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def first_run(
     prefect_api: str,
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[FlowRun, TileParams]:
@@ -212,7 +200,7 @@ def test_flow_tiles_good_slides_and_records_failures(first_run: tuple[FlowRun, T
 
 def test_flow_logs_one_mlflow_run(
     first_run: tuple[FlowRun, TileParams],
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
 ):
     from mlflow.tracking import MlflowClient
@@ -265,7 +253,7 @@ def test_flow_publishes_prefect_artifacts(first_run: tuple[FlowRun, TileParams],
 
 def test_second_run_retries_only_failed_slides(
     first_run: tuple[FlowRun, TileParams],
-    mlflow_tracking: prefect_fixtures.MlflowTracking,
+    mlflow_tracking: MlflowTracking,
     sample_slides: Any,
 ):
     run, params = first_run

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import openslide
@@ -17,28 +16,12 @@ import zarr
 from PIL import Image
 
 from dinov3_core.cli import main as cli_main
-from dinov3_core.config import ConfigError, load_config
+from dinov3_core.config import ConfigError
 from dinov3_core.tiling import store as ts
-from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.engine import discover_slides, run_tile
 from dinov3_core.tiling.slide import file_fingerprint
 from tests import event_hooks
-
-
-def tile_config(input_: Path | str, output: Path, **overrides: object) -> TileConfig:
-    values = {"input": str(input_), "output": str(output), "progress": False, "tracking.enabled": False}
-    values.update(overrides)
-    return load_config(TileConfig, None, values)
-
-
-def slide_list(tmp_path: Path, paths: list[Path], name: str = "slides.txt") -> Path:
-    listing = tmp_path / name
-    listing.write_text("\n".join(str(p) for p in paths))
-    return listing
-
-
-def by_name(sample_slides, name: str) -> Path:
-    return next(p for p in sample_slides.slides if p.name == name)
+from tests.helpers import by_name, slide_list, sqlite_uri, tile_config
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +30,9 @@ def tiled(sample_slides, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiled")
     missing = tmp / "does_not_exist.svs"
     inputs = [*sample_slides.slides, *sample_slides.negatives.values(), missing]
-    listing = slide_list(tmp, inputs)
+    listing = slide_list(tmp / "slides.txt", inputs)
     store = tmp / "tiles.zarr"
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = sqlite_uri(tmp)
     code = cli_main(["tile", "--input", str(listing), "--output", str(store), "progress=false", f"tracking.uri={uri}"])
     manifest = json.loads((store / "manifest.json").read_text())
     entries = {e["slide_id"]: e for e in manifest["slides"]}
@@ -165,7 +148,7 @@ def test_rerun_skips_unchanged_retries_failed_and_redoes_changed(sample_slides, 
     good = sample_slides.slides[:2]
     copy = tmp_path / "copy_of_20x.svs"
     shutil.copy(by_name(sample_slides, "tissue_20x.svs"), copy)
-    inputs = slide_list(tmp_path, [*good, copy, sample_slides.negatives["no_mpp"]])
+    inputs = slide_list(tmp_path / "slides.txt", [*good, copy, sample_slides.negatives["no_mpp"]])
     store = tmp_path / "tiles.zarr"
     first = run_tile(tile_config(inputs, store))
     assert first.counts == {"ok": 3, "failed": 1, "skipped": 0}
