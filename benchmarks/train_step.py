@@ -149,7 +149,7 @@ def data_pipeline(store: Path, quick: bool, threads: int) -> list[dict[str, Any]
         tiles = open_tiles(cfg)
         masks = IBOTMaskSampler(cfg.crops.global_size // 16)
         source = StepTileSource(tiles, masks, seed=0, n_global_crops=2)
-        augmentation = MultiCropAugmentation(C.augmentation_config(cfg))
+        augmentation = MultiCropAugmentation(cfg.crops)
         for workers in (0, 2):
             sampler = StepSampler(len(tiles), batch, stop_iteration=steps + 1)
             loader = build_loader(

@@ -25,7 +25,22 @@ CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
 
 
 class ConfigError(WsidinoError, ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
+    """A configuration problem, phrased for the person who wrote the config.
+
+    With `key` (a field of the dataclass that raised it, from its `__post_init__`), the message reads
+    "<key>: <message>"; `load_config` prefixes the key with the section's path (`crops.mask_ratio: …`).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+        self.detail = message
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    """A dataclass field check for `__post_init__`: raise `ConfigError(message, key=key)` unless `ok`."""
+    if not ok:
+        raise ConfigError(message, key=key)
 
 
 def config_dir() -> Path:
@@ -108,6 +123,9 @@ def _check_key(schema: DictConfig, key: str, source: str) -> None:
     parts = key.split(".")
     for depth, part in enumerate(parts):
         if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118 (MISSING values)
+            moved = getattr(schema._metadata.object_type, "MOVED_KEYS", {}).get(key)
+            if moved:
+                raise ConfigError(f"config key {key!r} in {source} is now {moved!r}: set that instead")
             valid = _schema_keys(schema)
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -192,10 +210,32 @@ def load_config(
     missing = sorted(OmegaConf.missing_keys(base))
     if missing:
         raise ConfigError(f"required config key(s) not set: {', '.join(missing)} (set them as key=value)")
+    return _instantiate(base)
+
+
+def _instantiate(cfg: DictConfig) -> Any:
+    """`OmegaConf.to_object`, which runs every section's `__post_init__` checks; their errors name the key."""
     try:
-        return OmegaConf.to_object(base)  # type: ignore[return-value]
+        return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid config: {err}") from None
+    except ValueError as err:
+        prefix = _failing_section(cfg)
+        if isinstance(err, ConfigError) and err.key:
+            raise ConfigError(err.detail, key=f"{prefix}{err.key}") from None
+        raise ConfigError(f"invalid {prefix[:-1] or 'config'}: {err}") from None
+
+
+def _failing_section(node: DictConfig, prefix: str = "") -> str:
+    """Dotted path (with a trailing dot) of the innermost section whose checks (`__post_init__`) fail."""
+    for key in node.keys():  # noqa: SIM118 (OmegaConf: `in` is False for MISSING values)
+        child = node._get_node(key)
+        if _is_section(child):
+            try:
+                OmegaConf.to_object(child)
+            except ValueError:
+                return _failing_section(child, f"{prefix}{key}.")  # type: ignore[arg-type]
+    return prefix
 
 
 def to_yaml(cfg: Any) -> str:
@@ -246,6 +286,7 @@ __all__ = [
     "flatten",
     "load_config",
     "parse_overrides",
+    "require",
     "resolve_config_path",
     "save_config",
     "to_dict",

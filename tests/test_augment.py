@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from dinov3_core.data.augment import (
-    HED_FROM_RGB,
     IMAGENET_MEAN,
     IMAGENET_STD,
     AugmentationConfig,
     MultiCropAugmentation,
     _crop_boxes,
     _Random,
-    hed_jitter,
 )
+from dinov3_core.data.photometric import HED_FROM_RGB, hed_jitter
 
 # Everything photometric off, no normalisation, crops = the whole tile at its own size: output == input up
 # to the D4 transform. Tests switch single features back on.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
 
-from dinov3_core.config import ConfigError, load_config, resolve_config_path, save_config, to_dict
+from dinov3_core.config import ConfigError, load_config, require, resolve_config_path, save_config, to_dict
 from dinov3_core.tiling.config import TileConfig
 
 REQUIRED = {"input": "slides/", "output": "t.zarr"}
@@ -43,6 +45,44 @@ def test_named_configs_resolve_and_all_load() -> None:
 def test_bad_overrides_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TileConfig, None, ["input=s", "output=o", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["workers=0"], r"^workers: must be >= 1, got 0$"),
+        (["tile_size=8"], r"^tile_size: must be >= 16, got 8$"),
+        (["tissue.min_tissue_fraction=1.5"], r"^tissue\.min_tissue_fraction: must be in \[0, 1\], got 1\.5$"),
+        (["mpp_by_slide={a.svs: -1}"], r"^mpp_by_slide: values must be positive"),
+    ],
+)
+def test_section_checks_run_at_load_and_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TileConfig, None, ["input=s", "output=o", *overrides])
+
+
+@dataclass
+class _Inner:
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+
+
+@dataclass
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+    other: _Inner = field(default_factory=_Inner)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"old_n": "inner.n"}
+
+
+def test_nested_section_errors_and_moved_keys() -> None:
+    with pytest.raises(ConfigError, match=r"^other\.n: must be >= 1, got 0$"):
+        load_config(_Outer, None, ["other.n=0"])
+    with pytest.raises(ConfigError, match=r"^n: must be >= 1, got 0$"):
+        _Inner(n=0)  # the same check outside load_config names the bare field
+    with pytest.raises(ConfigError, match=r"config key 'old_n' in overrides is now 'inner\.n'"):
+        load_config(_Outer, None, ["old_n=3"])
 
 
 def test_missing_required_keys_are_listed() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dinov3_core.config import load_config
+from dinov3_core.config import ConfigError, load_config
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.gram import teacher as T
 from dinov3_core.gram.anchoring import GramMetaArch, GramSchedules, _GramState, run_gram
@@ -249,6 +249,18 @@ def test_schedule_units() -> None:
                 for it in range(40):
                     assert sch.updates_before(it) == done, (first, freq, max_updates, it)
                     done += sch.update_due(it, done)
+
+
+def test_local_weight_schedule_starts_at_losses_local_loss_weight() -> None:
+    values = {"output_dir": "x", "data.stores": ["s"], "losses.local_loss_weight": 0.8}
+    cfg = load_config(GramConfig, "tiny", values, stage="gram")  # tiny: gram.local_weight_end 0.5 over 4 iterations
+    s = GramSchedules.from_config(cfg, 10)
+    assert [s.local_weight(i) for i in (0, 2, 4, 9)] == pytest.approx([0.8, 0.65, 0.5, 0.5])
+    cfg = load_config(GramConfig, "tiny", {**values, "gram.local_weight_end": None}, stage="gram")
+    s = GramSchedules.from_config(cfg, 10)
+    assert [s.local_weight(i) for i in (0, 2, 9)] == pytest.approx([0.8, 0.8, 0.8])
+    with pytest.raises(ConfigError, match=r"'gram\.local_weight_start' .* is now 'losses\.local_loss_weight'"):
+        load_config(GramConfig, "tiny", {**values, "gram.local_weight_start": 1.0}, stage="gram")
 
 
 def test_resume_matches_uninterrupted(small_tile_store, pretrain_dir, gram_run, tmp_path) -> None:

@@ -14,6 +14,7 @@ from dinov3_core.losses import (
     DINOLoss,
     GramLoss,
     KoLeoLoss,
+    LossesConfig,
     SSLLossWeights,
     dino_teacher_targets,
     ibot_teacher_targets,
@@ -297,11 +298,11 @@ def test_gram_high_resolution_teacher_is_resized_before_normalisation() -> None:
 
 
 def test_loss_weights_defaults_and_generalisation() -> None:
-    w = SSLLossWeights()
-    assert (w.dino, w.koleo, w.ibot, w.gram) == (1.0, 0.1, 1.0, 1.0)
+    w = SSLLossWeights(LossesConfig(), n_global_crops=2, n_local_crops=8)
+    assert (w.losses.dino_weight, w.losses.koleo_weight, w.losses.ibot_weight) == (1.0, 0.1, 1.0)
     assert w.dino_global_scale == pytest.approx(2 / 18) and w.dino_local_scale == pytest.approx(16 / 18)
     assert w.koleo_scale == 2.0
-    w4 = SSLLossWeights(n_global_crops=4, n_local_crops=6)
+    w4 = SSLLossWeights(LossesConfig(), n_global_crops=4, n_local_crops=6)
     assert w4.dino_global_terms == 12 and w4.dino_local_terms == 24
     assert w4.dino_global_scale == pytest.approx(12 / 36)
     one = torch.tensor(1.0)
@@ -310,6 +311,12 @@ def test_loss_weights_defaults_and_generalisation() -> None:
     assert w.total(dino_global=one, dino_local=one, koleo=0.0, ibot=0.0, dino_local_weight=0.5).item() == (
         pytest.approx(2 / 18 + 0.5 * 16 / 18)
     )
+    halved = SSLLossWeights(LossesConfig(local_loss_weight=0.5), n_global_crops=2, n_local_crops=8)
+    assert halved.total(dino_global=one, dino_local=one, koleo=0.0, ibot=0.0).item() == pytest.approx(
+        2 / 18 + 0.5 * 16 / 18
+    )
+    with pytest.raises(ValueError, match="gram_weight"):
+        w.total(dino_global=one, dino_local=one, koleo=one, ibot=one, gram=one)
 
 
 def test_gradient_accumulation_reproduces_full_batch_loss() -> None:
@@ -327,7 +334,7 @@ def test_gradient_accumulation_reproduces_full_batch_loss() -> None:
     teacher_patch = torch.randn(n_g * batch * n_patches, k, generator=gen, dtype=torch.float64)
     masks = IBOTMaskSampler(grid, mask_probability=0.75)(batch, n_g, rng=0)
 
-    weights = SSLLossWeights(n_global_crops=n_g, n_local_crops=n_l, gram=0.7)
+    weights = SSLLossWeights(LossesConfig(), n_global_crops=n_g, n_local_crops=n_l)
     dino, ibot, koleo, gram = DINOLoss(), iBOTPatchLoss(), KoLeoLoss(), GramLoss()
     dino_t = dino_teacher_targets(teacher_cls, 0.06)
     ibot_t = ibot_teacher_targets(teacher_patch[masks.mask_indices], 0.06)
@@ -342,6 +349,7 @@ def test_gradient_accumulation_reproduces_full_batch_loss() -> None:
             koleo=koleo(g, step_features=g_feat, neighbours=step_neighbours, offset=offset),
             ibot=ibot(masked, i_t, m.masks_weight.double(), m.n_crops),
             gram=gram((p @ w).flatten(0, 1), (gt @ w).flatten(0, 1)),
+            gram_weight=0.7,
         ), b
 
     w_full = head.clone().requires_grad_(True)

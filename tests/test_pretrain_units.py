@@ -114,7 +114,7 @@ def test_ibot_masks_do_not_depend_on_the_rank_split() -> None:
 
 @pytest.mark.parametrize("group", [1, 2])
 def test_crops_do_not_depend_on_the_rank_split(group: int) -> None:
-    augmentation = MultiCropAugmentation(C.augmentation_config(tiny()))
+    augmentation = MultiCropAugmentation(tiny().crops)
     images = torch.randint(0, 256, (4, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     whole = augment_step(augmentation, images, seed=7, first_sample=100, rank_offset=0, group_size=group)
     parts = [
@@ -241,9 +241,18 @@ def test_named_configs_load_and_validate() -> None:
     [
         ({"data.stores": []}, "data.stores is empty"),
         ({"crops.global_size": 60}, "not a multiple of the patch size"),
-        ({"train.batch_size_per_gpu": "big"}, "positive integer or 'auto'"),
-        ({"train.batch_size_per_gpu": "auto"}, "needs train.global_batch_size"),
+        ({"train.batch_size_per_gpu": "big"}, r"train\.batch_size_per_gpu: must be a positive integer or 'auto'"),
+        ({"train.batch_size_per_gpu": "auto"}, r"train\.batch_size_per_gpu: auto needs global_batch_size"),
         ({"optim.warmup_epochs": 10}, "warmup iterations"),
+        # Checked by the sections themselves (`__post_init__`) while the config is loaded:
+        ({"crops.n_local_crops": 0}, r"crops\.n_local_crops: must be >= 1"),
+        ({"crops.blur_p_global": [1.0]}, r"crops\.blur_p_global: needs one probability per global crop \(2\)"),
+        ({"crops.hed_p": 1.5}, r"crops\.hed_p: must be in \[0, 1\], got 1\.5"),
+        ({"crops.mask_ratio": [0.5, 0.1]}, r"crops\.mask_ratio: must satisfy 0 <= min < max <= 1"),
+        ({"crops.rng_group_size": 0}, r"crops\.rng_group_size: must be >= 1, got 0"),
+        ({"losses.sinkhorn_iterations": 0}, r"losses\.sinkhorn_iterations: must be >= 1"),
+        ({"teacher.warmup_teacher_temp_epochs": -1}, r"teacher\.warmup_teacher_temp_epochs: must be >= 0"),
+        ({"checkpointing.keep_every": 0}, r"checkpointing\.keep_every: must be >= 1 or null"),
     ],
 )
 def test_config_errors_name_the_key(overrides: dict, message: str) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from omegaconf import MISSING
 
+from dinov3_core.config import require
 from dinov3_core.tracking import TrackingConfig
 
 
@@ -15,7 +17,7 @@ class ConvertConfig:
 
     input: str = MISSING  # a DCP checkpoint dir (`<run>/ckpt/<it>/`) or a pretrain output dir (→ latest complete)
     output_dir: str = MISSING  # receives backbone.pth, config.yaml (and backbone.safetensors / full.pt)
-    which: str = "teacher"  # teacher | student
+    which: Literal["teacher", "student"] = "teacher"
     safetensors: bool = False  # also write backbone.safetensors
     full_consolidation: bool = False  # also write every key of the checkpoint into full.pt (dcp_to_torch_save)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -32,7 +34,7 @@ class ExportConfig:
     opset: int | None = None  # null → the exporter's default (20)
     max_side: int = 4096  # upper bound for the dynamic height / width (pixels)
     example_size: int = 64  # image side of the tracing example (a multiple of the patch size)
-    external_data: str = "auto"  # auto (when > 1.8 GB) | always | never
+    external_data: Literal["auto", "always", "never"] = "auto"  # auto: when the model is > 1.8 GB
     timeout_s: float = 1800.0  # the export runs in a spawned process, killed after this
     parity_sizes: list[int] = field(default_factory=lambda: [32, 64])  # image sides checked against PyTorch
     parity_batches: list[int] = field(default_factory=lambda: [1, 3])
@@ -49,7 +51,7 @@ class ExtractConfig:
     store: str = MISSING  # tile store (tiles.zarr)
     model: str = MISSING  # model.onnx (ONNX Runtime) or backbone.pth / .safetensors (PyTorch)
     output: str = MISSING  # features.zarr
-    backend: str = "auto"  # auto (by the model file's suffix) | onnx | torch
+    backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: by the model file's suffix
     batch_size: int = 64
     patch_tokens: bool = False  # also store every patch token (N, n_patches, D) as `patch`
     slide_ids: list[str] | None = None  # null: every slide of the store
@@ -61,3 +63,12 @@ class ExtractConfig:
     num_threads: int = 0  # torch / ORT intra-op threads; 0 → library default
     progress: bool = True
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.num_shards >= 1, "num_shards", f"must be >= 1, got {self.num_shards}")
+        require(
+            0 <= self.shard_index < self.num_shards,
+            "shard_index",
+            f"must be in [0, num_shards) = [0, {self.num_shards}), got {self.shard_index}",
+        )

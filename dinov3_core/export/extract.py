@@ -275,8 +275,6 @@ def _init_output(out: Path, cfg: ExtractConfig) -> None:
 def run_extract(cfg: ExtractConfig) -> ExtractResult:
     """Extract per `cfg`; returns which slides were extracted / skipped and the throughput."""
     start_time = time.perf_counter()
-    if cfg.num_shards < 1 or not 0 <= cfg.shard_index < cfg.num_shards:
-        raise ExtractError(f"shard_index={cfg.shard_index} / num_shards={cfg.num_shards}: need 0 <= index < shards")
     ds = _open_dataset(cfg)
     threads = torch.get_num_threads()
     if cfg.num_threads:

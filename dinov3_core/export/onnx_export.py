@@ -244,8 +244,6 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     """Export, check (`onnx.checker` on the path, forbidden ops, ORT parity) and optionally log / register."""
     import onnx
 
-    if cfg.external_data not in ("auto", "always", "never"):
-        raise ExportError(f"external_data={cfg.external_data!r}: use auto, always or never")
     model = BackboneFeatures(load_backbone(cfg.weights), cfg.pooled).eval()  # fails early on bad weights
     p = model.backbone.patch_size
     bad = [s for s in cfg.parity_sizes if s % p]

@@ -11,7 +11,8 @@ What it adds to pretraining (facts §6, §8), all counted from the gram stage's 
 * the gram teacher: `gram.teacher_path`, or the eval checkpoint chosen by `gram.teacher_policy`
   (`dinov3_core.gram.teacher`); the choice is kept in `gram_teacher_selection.json` and reused on resume;
 * the gram loss `GramLoss(student global-crop x_norm_patchtokens, gram teacher's on the same crops)` times
-  w(it) (linear 0 → gram.loss_weight over gram.warmup_iterations), and the local DINO weight schedule;
+  w(it) (linear 0 → gram.loss_weight over gram.warmup_iterations), and the local DINO weight schedule
+  (linear losses.local_loss_weight → gram.local_weight_end over gram.local_weight_iterations);
 * refreshes of the gram teacher from the EMA teacher (`gram.rep_update`); the gram teacher's weights are part
   of each checkpoint (`train_state.gram_teacher.*`), the refresh count is recounted from the iteration.
 
@@ -84,11 +85,11 @@ class GramSchedules:
     def from_config(cls, cfg: GramConfig, total: int) -> GramSchedules:
         g = cfg.gram
         n = max(total, g.warmup_iterations, g.local_weight_iterations, 1)
+        local_start = cfg.losses.local_loss_weight
+        local_end = local_start if g.local_weight_end is None else g.local_weight_end
         return cls(
             weight=linear_warmup_cosine(0.0, g.loss_weight, g.loss_weight, g.warmup_iterations, n),
-            local_weight=linear_warmup_cosine(
-                g.local_weight_start, g.local_weight_end, g.local_weight_end, g.local_weight_iterations, n
-            ),
+            local_weight=linear_warmup_cosine(local_start, local_end, local_end, g.local_weight_iterations, n),
             rep_update=g.rep_update,
             update_frequency=g.update_frequency,
             first_update=g.first_update,

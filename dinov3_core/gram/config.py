@@ -12,9 +12,9 @@ run's absolute iteration (upstream's 7B gram config waits until iteration 1M; fa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from dinov3_core.config import ConfigError
+from dinov3_core.config import ConfigError, require
 from dinov3_core.train.config import PretrainConfig, validate
 
 
@@ -40,9 +40,9 @@ class GramSection:
     # (bicubic, no antialias) before normalisation. NOT a re-crop of the source tile at higher resolution — the
     # same as upstream for tiles no larger than the student crop (#220). null: the student's crops as they are.
     teacher_crop_size: int | None = None
-    # Local DINO loss weight: local_weight_start → local_weight_end linearly over local_weight_iterations.
-    local_weight_start: float = 1.0
-    local_weight_end: float = 1.0
+    # Local DINO loss weight λ_local: from losses.local_loss_weight to local_weight_end linearly over
+    # local_weight_iterations stage iterations. null: λ_local stays at losses.local_loss_weight.
+    local_weight_end: float | None = None
     local_weight_iterations: int = 0
     # Refresh of the gram teacher from the EMA teacher after stage iteration `it` when (it+1) >= first_update,
     # (it+1 − first_update) % update_frequency == 0 and fewer than max_updates refreshes happened (stage-relative).
@@ -50,6 +50,27 @@ class GramSection:
     update_frequency: int = 10000
     first_update: int = 0
     max_updates: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("warmup_iterations", "local_weight_iterations", "first_update"):
+            require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        require(self.update_frequency >= 1, "update_frequency", f"must be >= 1, got {self.update_frequency}")
+        require(
+            self.max_updates is None or self.max_updates >= 0,
+            "max_updates",
+            f"must be >= 0 or null, got {self.max_updates}",
+        )
+        require(
+            not (self.remove_neg and self.remove_only_teacher_neg),
+            "remove_neg",
+            "cannot be combined with remove_only_teacher_neg (they are mutually exclusive)",
+        )
+        require(
+            self.teacher_crop_size is None or self.teacher_crop_size >= 1,
+            "teacher_crop_size",
+            f"must be >= 1 or null, got {self.teacher_crop_size}",
+        )
+        require(self.selection_tiles >= 1, "selection_tiles", f"must be >= 1, got {self.selection_tiles}")
 
 
 @dataclass
@@ -61,31 +82,15 @@ class GramConfig(PretrainConfig):
     inherit_model: bool = True  # take student.*, heads.* (and data.stores when unset) from <pretrain_dir>/config.yaml
     gram: GramSection = field(default_factory=GramSection)
 
+    # Keys of earlier versions, each declared once now under its new name (named in the unknown-key error).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"gram.local_weight_start": "losses.local_loss_weight"}
+
 
 def validate_gram(cfg: GramConfig) -> None:
-    g = cfg.gram
+    """Checks across sections (each section checks its own keys when it is built, see `__post_init__`)."""
     if cfg.pretrain_dir is None and not cfg.student.pretrained_weights:
         raise ConfigError(
             "set pretrain_dir (a pretraining output_dir to continue) or student.pretrained_weights (a released / "
             "converted backbone to start from)"
         )
-    if cfg.pretrain_dir is None and not g.teacher_path and not cfg.student.pretrained_weights:
-        raise ConfigError("without pretrain_dir, set gram.teacher_path (the gram teacher backbone file)")
-    for key, value in (
-        ("gram.warmup_iterations", g.warmup_iterations),
-        ("gram.local_weight_iterations", g.local_weight_iterations),
-        ("gram.first_update", g.first_update),
-    ):
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if g.update_frequency < 1:
-        raise ConfigError(f"gram.update_frequency must be >= 1, got {g.update_frequency}")
-    if g.max_updates is not None and g.max_updates < 0:
-        raise ConfigError("gram.max_updates must be >= 0 or null")
-    if g.remove_neg and g.remove_only_teacher_neg:
-        raise ConfigError("gram.remove_neg and gram.remove_only_teacher_neg are mutually exclusive")
-    if g.teacher_crop_size is not None and g.teacher_crop_size < 1:
-        raise ConfigError(f"gram.teacher_crop_size must be >= 1 or null, got {g.teacher_crop_size}")
-    if g.selection_tiles < 1:
-        raise ConfigError("gram.selection_tiles must be >= 1")
     validate(cfg)

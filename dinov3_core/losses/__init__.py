@@ -11,12 +11,13 @@ from .gram import GramLoss, resize_patch_tokens
 from .ibot import iBOTPatchLoss
 from .koleo import KoLeoLoss, koleo_nearest_neighbours
 from .sinkhorn import dino_teacher_targets, ibot_teacher_targets, sinkhorn_knopp
-from .weights import SSLLossWeights
+from .weights import LossesConfig, SSLLossWeights
 
 __all__ = [
     "DINOLoss",
     "GramLoss",
     "KoLeoLoss",
+    "LossesConfig",
     "SSLLossWeights",
     "dino_pair_count",
     "dino_teacher_targets",

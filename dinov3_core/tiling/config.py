@@ -7,6 +7,7 @@ from typing import Literal
 
 from omegaconf import MISSING
 
+from dinov3_core.config import require
 from dinov3_core.tracking import TrackingConfig
 
 
@@ -28,6 +29,13 @@ class TissueConfig:
     max_hole_area_um2: float = 50_000.0  # holes larger than this stay background (lumina, fat)
     min_region_area_um2: float = 20_000.0  # smaller specks are dropped (dust, debris)
     min_tissue_fraction: float = 0.5  # keep a tile when at least this share of it is tissue
+
+    def __post_init__(self) -> None:
+        require(
+            0.0 <= self.min_tissue_fraction <= 1.0,
+            "min_tissue_fraction",
+            f"must be in [0, 1], got {self.min_tissue_fraction}",
+        )
 
 
 @dataclass
@@ -68,3 +76,12 @@ class TileConfig:
     qc_thumbnail_px: int = 1024  # longest side of the QC picture
     progress: bool = True
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        require(self.mpp > 0, "mpp", f"must be positive, got {self.mpp}")
+        bad = {k: v for k, v in self.mpp_by_slide.items() if not v > 0}
+        require(not bad, "mpp_by_slide", f"values must be positive µm/px, got {bad}")
+        require(self.tile_size >= 16, "tile_size", f"must be >= 16, got {self.tile_size}")
+        require(self.stride is None or self.stride >= 1, "stride", f"must be >= 1 or null, got {self.stride}")
+        for key in ("tiles_per_shard", "workers"):
+            require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")

@@ -230,18 +230,9 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
 
 def prepare_store(cfg: TileConfig) -> tuple[Path, list[SlideTask], dict[str, float]]:
     """Validate the output, save the resolved config, list the slides and load µm/px overrides."""
-    if cfg.tile_size < 16 or cfg.tiles_per_shard < 1 or cfg.workers < 1:
-        raise ConfigError("tile_size must be ≥ 16 and tiles_per_shard, workers ≥ 1")
-    if not 0.0 <= cfg.tissue.min_tissue_fraction <= 1.0:
-        raise ConfigError(f"tissue.min_tissue_fraction must be in [0, 1], got {cfg.tissue.min_tissue_fraction}")
-    if cfg.mpp <= 0:
-        raise ConfigError(f"mpp must be positive, got {cfg.mpp}")
     root = ts.init_store(cfg.output)
     tasks = assign_slide_ids(discover_slides(cfg.input, cfg.extensions))
     overrides = {**load_mpp_overrides(cfg.mpp_overrides), **cfg.mpp_by_slide}
-    bad = {k: v for k, v in cfg.mpp_by_slide.items() if not v > 0}
-    if bad:
-        raise ConfigError(f"mpp_by_slide values must be positive µm/px, got {bad}")
     return root, tasks, overrides
 
 

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from dinov3_core.config import ConfigError
+from dinov3_core.config import ConfigError, require
 from dinov3_core.data.augment import AugmentationConfig
-from dinov3_core.losses import SSLLossWeights
+from dinov3_core.losses import LossesConfig
 from dinov3_core.tracking import TrackingConfig
 from dinov3_core.train.schedules import ScalingRule
 
@@ -34,27 +34,11 @@ class DataConfig:
     multiprocessing_context: str | None = None  # null: torch's default (fork on Linux)
 
 
-_AUG = AugmentationConfig()
-
-
 @dataclass
-class CropsConfig:
-    """Multi-crop augmentation (`AugmentationConfig`) and the iBOT mask parameters."""
+class CropsConfig(AugmentationConfig):
+    """Multi-crop augmentation (every `AugmentationConfig` key, official recipe by default), how its randomness
+    is grouped, and the iBOT mask parameters. `MultiCropAugmentation` takes this section as it is."""
 
-    # Defaults come from AugmentationConfig (the official recipe), so the two cannot drift apart.
-    n_global_crops: int = _AUG.n_global_crops
-    n_local_crops: int = _AUG.n_local_crops
-    global_size: int = _AUG.global_size
-    local_size: int = _AUG.local_size
-    global_scale: tuple[float, float] = _AUG.global_scale
-    local_scale: tuple[float, float] = _AUG.local_scale
-    dihedral: bool = _AUG.dihedral  # D4 flips and rotations (tissue has no orientation); false: horizontal only
-    hed_p: float = _AUG.hed_p
-    color_jitter_p: float = _AUG.color_jitter_p
-    grayscale_p: float = _AUG.grayscale_p
-    blur_p_global: list[float] = field(default_factory=lambda: list(_AUG.blur_p_global))
-    blur_p_local: float = _AUG.blur_p_local
-    solarize_p_global: list[float] = field(default_factory=lambda: list(_AUG.solarize_p_global))
     # Images are augmented in groups of this many consecutive step-batch images, each group from its own
     # generator seeded by (seed, stream position). Crops are then identical however the step batch is split
     # over ranks and micro-batches, as long as the split keeps groups whole (this must divide the per-rank
@@ -62,6 +46,15 @@ class CropsConfig:
     rng_group_size: int = 8
     mask_ratio: tuple[float, float] = (0.1, 0.5)  # iBOT: ratios of the masked crops, linspace over this range
     mask_probability: float = 0.5  # iBOT: share of global crops that are masked
+
+    def __post_init__(self) -> None:
+        require(self.n_global_crops == 2, "n_global_crops", "must be 2 (the official DINO/iBOT objective)")
+        require(self.n_local_crops >= 1, "n_local_crops", "must be >= 1 (DINOv3 needs local crops)")
+        super().__post_init__()
+        require(self.rng_group_size >= 1, "rng_group_size", f"must be >= 1, got {self.rng_group_size}")
+        require(0.0 <= self.mask_probability <= 1.0, "mask_probability", "must be in [0, 1]")
+        lo, hi = self.mask_ratio
+        require(0.0 <= lo < hi <= 1.0, "mask_ratio", f"must satisfy 0 <= min < max <= 1, got {[lo, hi]}")
 
 
 @dataclass
@@ -74,6 +67,13 @@ class StudentConfig:
     layerscale: float | None = None  # null: the arch's own setting (released archs: 1e-5)
     n_storage_tokens: int | None = None  # null: the arch's own setting (released archs: 4)
     backbone_overrides: dict[str, Any] = field(default_factory=dict)  # any other DinoVisionTransformer kwarg
+
+    def __post_init__(self) -> None:
+        require(
+            self.arch != "auto" or bool(self.pretrained_weights),
+            "arch",
+            "auto needs pretrained_weights (the arch is read from the file)",
+        )
 
 
 @dataclass
@@ -88,21 +88,6 @@ class HeadConfig:
 class HeadsConfig:
     dino: HeadConfig = field(default_factory=HeadConfig)
     ibot: HeadConfig = field(default_factory=HeadConfig)
-
-
-@dataclass
-class LossesConfig:
-    """Loss weights (official defaults) and loss settings."""
-
-    dino_weight: float = 1.0
-    koleo_weight: float = 0.1
-    ibot_weight: float = 1.0
-    local_loss_weight: float = 1.0  # λ_local on the DINO local-crop term
-    student_temp: float = 0.1
-    sinkhorn_iterations: int = 3
-    # KoLeo nearest-neighbour set: "rank" = the rank's step batch (official, per GPU); "global" = the global
-    # step batch (features all-gathered), which makes the objective independent of the number of ranks.
-    koleo_scope: Literal["rank", "global"] = "rank"
 
 
 @dataclass
@@ -123,6 +108,10 @@ class OptimConfig:
     clip_grad: float = 3.0  # per submodule (backbone, dino_head, ibot_head); 0: no clipping (norms still logged)
     freeze_last_layer_epochs: float = 1.0  # the heads' last layers get lr 0 during these epochs
 
+    def __post_init__(self) -> None:
+        require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        _require_epochs(self.freeze_last_layer_epochs, "freeze_last_layer_epochs")
+
 
 @dataclass
 class TeacherConfig:
@@ -133,6 +122,9 @@ class TeacherConfig:
     teacher_temp: float = 0.07
     warmup_teacher_temp: float = 0.04
     warmup_teacher_temp_epochs: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require_epochs(self.warmup_teacher_temp_epochs, "warmup_teacher_temp_epochs")
 
 
 @dataclass
@@ -159,6 +151,23 @@ class TrainConfig:
     memory_budget_gb: float | None = None  # auto batch: per-rank budget; null: GPU memory or a share of RAM
     host_memory_fraction: float = 0.5  # auto batch on CPU: share of host RAM all local ranks may use
 
+    def __post_init__(self) -> None:
+        for key in ("epoch_length", "accumulation_steps", "log_period", "gc_period", "nan_patience"):
+            require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        bs = self.batch_size_per_gpu
+        if isinstance(bs, str):
+            require(bs == "auto", "batch_size_per_gpu", f"must be a positive integer or 'auto', got {bs!r}")
+            require(
+                self.global_batch_size is not None,
+                "batch_size_per_gpu",
+                "auto needs global_batch_size (the target batch)",
+            )
+        else:
+            require(bs >= 1, "batch_size_per_gpu", f"must be >= 1, got {bs}")
+        for key in ("global_batch_size", "stop_at"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
+
 
 @dataclass
 class CheckpointingConfig:
@@ -167,10 +176,30 @@ class CheckpointingConfig:
     keep_every: int | None = None  # additionally keep ckpt/<it>_keep/ when (it+1) % keep_every == 0
     resume: bool = True  # continue from the latest complete checkpoint in output_dir/ckpt
 
+    def __post_init__(self) -> None:
+        for key in ("period", "max_to_keep"):
+            require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        require(
+            self.keep_every is None or self.keep_every >= 1,
+            "keep_every",
+            f"must be >= 1 or null, got {self.keep_every}",
+        )
+
 
 @dataclass
 class EvaluationConfig:
     eval_period_iterations: int = 12500  # teacher-only eval/training_<it>/teacher_checkpoint.pth; 0: only at end
+
+    def __post_init__(self) -> None:
+        require(
+            self.eval_period_iterations >= 0,
+            "eval_period_iterations",
+            f"must be >= 0 (0: only at the end), got {self.eval_period_iterations}",
+        )
+
+
+def _require_epochs(epochs: float, key: str) -> None:
+    require(epochs >= 0 and math.isfinite(epochs), key, f"must be >= 0, got {epochs}")
 
 
 @dataclass
@@ -203,35 +232,6 @@ def epochs_to_iterations(cfg: PretrainConfig, epochs: float) -> int:
     return round(epochs * cfg.train.epoch_length)
 
 
-def augmentation_config(cfg: PretrainConfig) -> AugmentationConfig:
-    c = cfg.crops
-    return AugmentationConfig(
-        n_global_crops=c.n_global_crops,
-        n_local_crops=c.n_local_crops,
-        global_size=c.global_size,
-        local_size=c.local_size,
-        global_scale=tuple(c.global_scale),  # type: ignore[arg-type]
-        local_scale=tuple(c.local_scale),  # type: ignore[arg-type]
-        dihedral=c.dihedral,
-        hed_p=c.hed_p,
-        color_jitter_p=c.color_jitter_p,
-        grayscale_p=c.grayscale_p,
-        blur_p_global=tuple(c.blur_p_global),
-        blur_p_local=c.blur_p_local,
-        solarize_p_global=tuple(c.solarize_p_global),
-    )
-
-
-def loss_weights(cfg: PretrainConfig) -> SSLLossWeights:
-    return SSLLossWeights(
-        n_global_crops=cfg.crops.n_global_crops,
-        n_local_crops=cfg.crops.n_local_crops,
-        dino=cfg.losses.dino_weight,
-        koleo=cfg.losses.koleo_weight,
-        ibot=cfg.losses.ibot_weight,
-    )
-
-
 def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
     """Constructor overrides for the student backbone on top of its arch (preset or released)."""
     s = cfg.student
@@ -254,70 +254,18 @@ def head_kwargs(head: HeadConfig) -> dict[str, int]:
 
 
 def validate(cfg: PretrainConfig) -> None:
-    """Checks that need no data, model or devices; each error names the key and what to set."""
+    """Checks across sections that need no data, model or devices (each section checks its own keys when it is
+    built, see `__post_init__`); each error names the key and what to set."""
     if not cfg.data.stores:
         raise ConfigError("data.stores is empty: set data.stores=[path/to/tiles.zarr] (one or more tile stores)")
-    try:
-        augmentation_config(cfg)
-        loss_weights(cfg)
-    except ValueError as err:
-        raise ConfigError(f"invalid crops/losses settings: {err}") from None
-    if cfg.crops.n_local_crops < 1:
-        raise ConfigError("crops.n_local_crops must be >= 1 (DINOv3 needs local crops)")
-    if cfg.crops.n_global_crops != 2:
-        raise ConfigError("crops.n_global_crops must be 2 (the official DINO/iBOT objective)")
-    positive = {
-        "optim.epochs": cfg.optim.epochs,
-        "train.epoch_length": cfg.train.epoch_length,
-        "train.accumulation_steps": cfg.train.accumulation_steps,
-        "train.log_period": cfg.train.log_period,
-        "train.gc_period": cfg.train.gc_period,
-        "train.nan_patience": cfg.train.nan_patience,
-        "checkpointing.period": cfg.checkpointing.period,
-        "checkpointing.max_to_keep": cfg.checkpointing.max_to_keep,
-        "crops.rng_group_size": cfg.crops.rng_group_size,
-        "losses.sinkhorn_iterations": cfg.losses.sinkhorn_iterations,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.evaluation.eval_period_iterations < 0:
-        raise ConfigError("evaluation.eval_period_iterations must be >= 0 (0: only at the end)")
-    if cfg.checkpointing.keep_every is not None and cfg.checkpointing.keep_every < 1:
-        raise ConfigError("checkpointing.keep_every must be >= 1 or null")
-    bs = cfg.train.batch_size_per_gpu
-    if isinstance(bs, str):
-        if bs != "auto":
-            raise ConfigError(f"train.batch_size_per_gpu must be a positive integer or 'auto', got {bs!r}")
-        if cfg.train.global_batch_size is None:
-            raise ConfigError("train.batch_size_per_gpu=auto needs train.global_batch_size (the target batch)")
-    elif bs < 1:
-        raise ConfigError(f"train.batch_size_per_gpu must be >= 1, got {bs}")
-    if cfg.train.global_batch_size is not None and cfg.train.global_batch_size < 1:
-        raise ConfigError("train.global_batch_size must be >= 1 or null")
     total = total_iterations(cfg)
     warmup = epochs_to_iterations(cfg, cfg.optim.warmup_epochs)
     if not 0 <= warmup <= total:
         raise ConfigError(f"optim.warmup_epochs gives {warmup} warmup iterations, outside [0, {total}]")
-    for key, epochs in (
-        ("optim.freeze_last_layer_epochs", cfg.optim.freeze_last_layer_epochs),
-        ("teacher.warmup_teacher_temp_epochs", cfg.teacher.warmup_teacher_temp_epochs),
-    ):
-        if epochs < 0 or not math.isfinite(epochs):
-            raise ConfigError(f"{key} must be >= 0, got {epochs}")
-    if cfg.train.stop_at is not None and cfg.train.stop_at < 1:
-        raise ConfigError("train.stop_at must be >= 1 or null")
     patch = _patch_size(cfg)
     for key, size in (("crops.global_size", cfg.crops.global_size), ("crops.local_size", cfg.crops.local_size)):
         if size % patch:
             raise ConfigError(f"{key}={size} is not a multiple of the patch size {patch}")
-    if not 0.0 <= cfg.crops.mask_probability <= 1.0:
-        raise ConfigError("crops.mask_probability must be in [0, 1]")
-    lo, hi = cfg.crops.mask_ratio
-    if not 0.0 <= lo < hi <= 1.0:
-        raise ConfigError(f"crops.mask_ratio must satisfy 0 <= min < max <= 1, got {list(cfg.crops.mask_ratio)}")
-    if cfg.student.arch == "auto" and not cfg.student.pretrained_weights:
-        raise ConfigError("student.arch=auto needs student.pretrained_weights (the arch is read from the file)")
 
 
 def _patch_size(cfg: PretrainConfig) -> int:

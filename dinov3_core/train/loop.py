@@ -154,7 +154,7 @@ class Trainer:
         except BaseException:
             self.close()  # in-process callers keep no dangling log handler
             raise
-        self.augmentation = MultiCropAugmentation(C.augmentation_config(cfg))
+        self.augmentation = MultiCropAugmentation(cfg.crops)
         self.nonfinite_streak = 0
 
     def _resume(self, latest: Path) -> None:

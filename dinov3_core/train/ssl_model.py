@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -53,20 +52,17 @@ class SSLMetaArch(nn.Module):
         teacher: nn.ModuleDict,
         *,
         weights: SSLLossWeights,
-        student_temp: float = 0.1,
-        sinkhorn_iterations: int = 3,
-        local_loss_weight: float = 1.0,
-        koleo_scope: Literal["rank", "global"] = "rank",
     ) -> None:
         super().__init__()
+        losses = weights.losses
         self.student = student
         self.teacher = teacher.requires_grad_(False)
         self.weights = weights
-        self.sinkhorn_iterations = sinkhorn_iterations
-        self.local_loss_weight = local_loss_weight
-        self.koleo_scope = koleo_scope
-        self.dino_loss = DINOLoss(student_temp)
-        self.ibot_loss = iBOTPatchLoss(student_temp)
+        self.sinkhorn_iterations = losses.sinkhorn_iterations
+        self.local_loss_weight = losses.local_loss_weight  # λ_local: the gram stage sets it per iteration
+        self.koleo_scope = losses.koleo_scope
+        self.dino_loss = DINOLoss(losses.student_temp)
+        self.ibot_loss = iBOTPatchLoss(losses.student_temp)
         self.koleo_loss = KoLeoLoss()
 
     def train(self, mode: bool = True) -> SSLMetaArch:
@@ -77,7 +73,7 @@ class SSLMetaArch(nn.Module):
 
     @property
     def needs_koleo(self) -> bool:
-        return self.weights.koleo != 0.0
+        return self.weights.losses.koleo_weight != 0.0
 
     # ------------------------------------------------------------------------------------------ teacher
 
@@ -270,10 +266,6 @@ def build_ssl_model(cfg: C.PretrainConfig, meta_arch: type[SSLMetaArch] | None =
     model = (meta_arch or SSLMetaArch)(
         student,
         teacher,
-        weights=C.loss_weights(cfg),
-        student_temp=cfg.losses.student_temp,
-        sinkhorn_iterations=cfg.losses.sinkhorn_iterations,
-        local_loss_weight=cfg.losses.local_loss_weight,
-        koleo_scope=cfg.losses.koleo_scope,
+        weights=SSLLossWeights(cfg.losses, cfg.crops.n_global_crops, cfg.crops.n_local_crops),
     ).train()
     return BuiltModel(model, arch, kwargs)
