@@ -47,10 +47,10 @@ from dinov3_core.losses.gram import GramLoss, resize_patch_tokens
 from dinov3_core.models.released import backbone_state_dict
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train.config import PretrainConfig
-from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
+from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.loop import PretrainResult, Trainer
 from dinov3_core.train.pipeline import StepBatch
-from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params
+from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, train_and_log, training_process
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
 
@@ -309,33 +309,18 @@ def choose_teacher(cfg: GramConfig, *, write: bool, device: torch.device | str =
 def run_gram(cfg: GramConfig) -> GramResult:
     """Train (or resume) the gram stage per `cfg`; one process here, or every rank under torchrun."""
     cfg = prepare_config(cfg)
-    threads = torch.get_num_threads()
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    env = init_distributed(cfg.train.device)
-    trainer: GramTrainer | None = None
-    try:
+    with training_process(cfg) as env:
         selection = choose_teacher(cfg, write=env.is_main, device=env.device)
         teacher_file = cfg.gram.teacher_path or (selection.chosen.path if selection else cfg.student.pretrained_weights)
         gram_teacher = T.load_gram_teacher(teacher_file)  # type: ignore[arg-type]
-        trainer = GramTrainer(cfg, env, gram_teacher)
-        with _mlflow_run(cfg, trainer, selection) as run:
-            on_metrics = _log_to_mlflow if run is not None else None
-            base = trainer.train(on_metrics=on_metrics)
-            if run is not None:
-                for path in (base.metrics_path, base.loss_curve):
-                    if path is not None:
-                        tracking.log_artifact(path)
-        return GramResult(
-            **vars(base),
-            teacher_selection=selection.to_dict() if selection else None,
-            gram_updates=trainer.gram_updates,
-        )
-    finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown(env)
-        torch.set_num_threads(threads)
+        with contextlib.closing(GramTrainer(cfg, env, gram_teacher)) as trainer:
+            with _mlflow_run(cfg, trainer, selection) as run:
+                base = train_and_log(trainer, run, _log_to_mlflow)
+            return GramResult(
+                **vars(base),
+                teacher_selection=selection.to_dict() if selection else None,
+                gram_updates=trainer.gram_updates,
+            )
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,10 @@ import torch
 
 from dinov3_core import tracking
 from dinov3_core.train import config as C
-from dinov3_core.train.distributed import init_distributed, shutdown
+from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
 from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
 
-__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain"]
+__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain", "train_and_log", "training_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,25 +55,37 @@ MLFLOW_METRICS = (
 def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
     """Train (or resume) per `cfg`. Runs in this process when not launched by torchrun (or with one process);
     under torchrun every rank calls it. Raises `WsidinoError` for bad input before writing anything."""
+    with (
+        training_process(cfg) as env,
+        contextlib.closing(Trainer(cfg, env)) as trainer,
+        _mlflow_run(cfg, trainer) as run,
+    ):
+        return train_and_log(trainer, run, _log_to_mlflow)
+
+
+@contextlib.contextmanager
+def training_process(cfg: C.PretrainConfig) -> Iterator[DistEnv]:
+    """One training rank's set-up and teardown, for pretrain and gram alike: torch threads set before any compute
+    (distributed-facts §1), the process group, and both restored however training ends."""
     threads = torch.get_num_threads()
     if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)  # before any compute (distributed-facts §1)
+        torch.set_num_threads(cfg.train.num_threads)
     env = init_distributed(cfg.train.device)
-    trainer: Trainer | None = None
     try:
-        trainer = Trainer(cfg, env)
-        with _mlflow_run(cfg, trainer) as run:
-            result = trainer.train(on_metrics=_log_to_mlflow if run is not None else None)
-            if run is not None:
-                for path in (result.metrics_path, result.loss_curve):
-                    if path is not None:
-                        tracking.log_artifact(path)
-        return result
+        yield env
     finally:
-        if trainer is not None:
-            trainer.close()
         shutdown(env)
         torch.set_num_threads(threads)
+
+
+def train_and_log(trainer: Trainer, run: Any, on_metrics: Callable[[dict[str, Any]], None]) -> PretrainResult:
+    """Train; with an MLflow run (rank 0), metrics at every log line and the metrics file and loss curve after."""
+    result = trainer.train(on_metrics=on_metrics if run is not None else None)
+    if run is not None:
+        for path in (result.metrics_path, result.loss_curve):
+            if path is not None:
+                tracking.log_artifact(path)
+    return result
 
 
 @contextlib.contextmanager
