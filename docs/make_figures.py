@@ -40,8 +40,9 @@ def pipeline() -> None:
     ax.text(
         6.5,
         0.3,
-        "flows/ (Prefect flows)  →  tasks/ (launch, torchrun, MLflow glue)  →  dinov3_core/ (one plain function per "
-        "stage, typed config)        every stage: its own CLI, Prefect deployment, MLflow run, idempotent rerun",
+        "flows/ (Prefect flows)  →  tasks/ (run-stage task, forms, MLflow parent run)  →  dinov3_core/ (stage runner, "
+        "torchrun launcher, one plain function per stage, typed config)\nevery stage: a CLI command and a Prefect "
+        "deployment through the same runner, one MLflow run, idempotent rerun",
         ha="center",
         fontsize=8,
         color="#3c4043",
@@ -53,9 +54,9 @@ def pipeline() -> None:
 ORCH = [
     (
         "tile",
-        "select-slides →\ntile-<slide> tasks\n(process pool)\n→ finalize-tile-run",
+        "run-stage task\n→ tile engine: slides\n+ shard ranges over\nworkers processes",
         "tiles.zarr/\nstage_manifest.json",
-        "QC pictures, config,\nstore manifest.json",
+        "QC pictures, config,\nstore manifest.json\n+ manifest",
     ),
     (
         "pretrain",
