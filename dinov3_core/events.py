@@ -9,8 +9,8 @@ lookup.
 
 Events and their fields:
 
-* ``stage.start``: stage, output (the stage's output directory), rank (training stages: emitted by the runner,
-  not by the ranks, so always 0);
+* ``stage.start``: stage, output (the stage's output directory), training (a torchrun stage: emitted by the runner
+  before the job starts, not by its ranks);
 * ``train.checkpoint``: stage, output_dir, iteration, rank (every rank, after the DCP checkpoint is complete);
 * ``tile.shard_written``: store, slide_id, start, tiles (in the worker process that wrote the shard).
 

@@ -130,7 +130,7 @@ def run_stage(
         with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of) as run:
             m.mlflow_run_id = run.info.run_id if run is not None else None
             mf.write_manifest(path, m)  # a crash mid-run still leaves the run id on record
-            events.emit("stage.start", stage=stage, output=str(path.parent), rank=0)
+            events.emit("stage.start", stage=stage, output=str(path.parent), training=spec.distributed)
             if spec.distributed:
                 m.summary = _launch_training(stage, cfg, launch or LaunchSettings(), run, hooks)
             else:

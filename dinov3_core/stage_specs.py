@@ -90,7 +90,7 @@ def _gram_outputs(cfg: Any) -> dict[str, str]:
 
 def _slides_input(cfg: TileConfig) -> dict[str, Any]:
     """A slide list (.txt/.csv) is fingerprinted with the files it names, so a replaced slide counts."""
-    from dinov3_core.tiling.engine import discover_slides
+    from dinov3_core.tiling.discovery import discover_slides
 
     inputs: dict[str, Any] = {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
     if Path(cfg.input).suffix.lower() in {".txt", ".csv"} and Path(cfg.input).is_file():

@@ -304,3 +304,11 @@ def test_cli_rerun_skips_an_up_to_date_stage(sample_slides: Any, tmp_path: Path,
     assert (store / mf.MANIFEST_NAME).stat().st_mtime_ns != written  # forced: ran (and found the slide done)
     forced = read_json(store / mf.MANIFEST_NAME)
     assert forced["output_fingerprint"] == changed["output_fingerprint"]  # same tiles: downstream stays valid
+
+
+def test_training_fault_without_iteration_waits_for_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(faults.ENV, "pretrain")
+    faults.on_event("stage.start", stage="pretrain", output=str(tmp_path), training=True)  # not at the start
+    with pytest.raises(faults.InjectedFault, match="pretrain after iteration 4"):
+        faults.on_event("train.checkpoint", stage="pretrain", output_dir=str(tmp_path), iteration=4, rank=0)
+    faults.on_event("train.checkpoint", stage="gram", output_dir=str(tmp_path), iteration=4, rank=1)

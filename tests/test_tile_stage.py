@@ -18,7 +18,8 @@ from PIL import Image
 from dinov3_core.cli import main as cli_main
 from dinov3_core.config import ConfigError
 from dinov3_core.tiling import store as ts
-from dinov3_core.tiling.engine import discover_slides, run_tile
+from dinov3_core.tiling.discovery import discover_slides
+from dinov3_core.tiling.engine import run_tile
 from dinov3_core.tiling.slide import file_fingerprint
 from tests import event_hooks
 from tests.helpers import by_name, slide_list, sqlite_uri, tile_config

@@ -32,7 +32,7 @@ def environment(faults: str) -> dict[str, str]:
 
 def on_event(event: str, **fields: Any) -> None:
     """The `dinov3_core.events` listener: a stage's start, and each training checkpoint on rank 0."""
-    if event == "stage.start":
+    if event == "stage.start" and not fields.get("training"):  # training stages fail after a checkpoint instead
         maybe_fail(fields["stage"], fields["output"])
     elif event == "train.checkpoint" and fields.get("rank", 0) == 0:
         maybe_fail(fields["stage"], fields["output_dir"], fields["iteration"])

@@ -9,32 +9,30 @@ caller draw a progress bar, or publish Prefect progress and table artifacts.
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import logging
 import multiprocessing as mp
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.config import ConfigError, save_config
+from dinov3_core.config import save_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.discovery import assign_slide_ids, discover_slides, is_up_to_date
 from dinov3_core.tiling.plan import (
     SlidePlan,
     SlideTask,
     plan_slide,
     slide_attrs,
-    slide_params_hash,
     tiling_params,
 )
 from dinov3_core.tiling.qc import save_qc_pictures
-from dinov3_core.tiling.slide import file_fingerprint, load_mpp_overrides
+from dinov3_core.tiling.slide import load_mpp_overrides
 from dinov3_core.tiling.writer import WriteUnit, write_unit
 
 log = logging.getLogger("wsidino.tile")
@@ -81,67 +79,7 @@ class TileResult:
         return sum(o.tile_count for o in self.outcomes if o.status in ("ok", "skipped"))
 
 
-# ---------------------------------------------------------------------------------------------------- discovery
-
-
-def discover_slides(spec: str, extensions: Iterable[str]) -> list[Path]:
-    """Slides named by a directory (recursive), a glob, a single file, or a .txt/.csv list of paths.
-
-    Paths listed in a list file are returned even when missing, so that they fail individually and visibly.
-    """
-    exts = {e.lower() for e in extensions}
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in exts)
-    elif path.is_file() and path.suffix.lower() in {".txt", ".csv"}:
-        found = _read_slide_list(path)
-    elif path.is_file():
-        found = [path]
-    elif any(ch in spec for ch in "*?["):
-        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    else:
-        raise ConfigError(f"input {spec!r} does not exist; give a directory, a glob, a slide file or a list file")
-    if not found:
-        raise ConfigError(f"no slides found for input {spec!r} (extensions: {', '.join(sorted(exts))})")
-    return found
-
-
-def _read_slide_list(path: Path) -> list[Path]:
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    if path.suffix.lower() == ".csv" and lines and lines[0].split(",")[0].strip().lower() in {"path", "slide"}:
-        lines = [ln.split(",")[0].strip() for ln in lines[1:]]
-    return [(path.parent / p if not Path(p).is_absolute() else Path(p)) for p in lines]
-
-
-def assign_slide_ids(paths: Iterable[Path]) -> list[SlideTask]:
-    """The file stem, made unique with a short hash of the path when two inputs share a stem."""
-    paths = list(paths)
-    stems: dict[str, int] = {}
-    for p in paths:
-        stems[p.stem] = stems.get(p.stem, 0) + 1
-    tasks = []
-    for p in paths:
-        slide_id = p.stem
-        if stems[p.stem] > 1:
-            slide_id = f"{p.stem}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
-        tasks.append(SlideTask(slide_id=slide_id, path=p))
-    return tasks
-
-
-def is_up_to_date(root: Path, task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> bool:
-    """True when the store holds this slide complete, from the same file content and tiling parameters."""
-    if task.slide_id not in ts.complete_slide_ids(root) or not task.path.is_file():
-        return False
-    attrs = ts.read_slide_attrs(root, task.slide_id)
-    if not attrs.get("complete"):
-        return False
-    size, fingerprint = file_fingerprint(task.path)
-    override = overrides.get(task.path.name, overrides.get(task.path.stem, overrides.get(str(task.path))))
-    return (
-        attrs.get("source_fingerprint") == fingerprint
-        and attrs.get("source_size") == size
-        and attrs.get("params_hash") == slide_params_hash(cfg, override)
-    )
+# ------------------------------------------------------------------------------------------- skipped slides
 
 
 def skipped_outcome(root: Path, task: SlideTask) -> SlideOutcome:
@@ -336,6 +274,7 @@ def _run_pool(
 
     def commit(state: _SlideState) -> None:
         outcome = finish_plan(state.incoming, state.plan, cfg, time.perf_counter() - state.started)
+        states.pop(outcome.slide_id, None)
         outcome.workers = len(state.writers)
         outcomes[outcome.slide_id] = outcome
         ts.write_manifest(root, [outcome.as_manifest_entry()], store_extras(cfg))
@@ -375,7 +314,7 @@ def _run_pool(
                     for unit in units:
                         submit("write", unit)
                     if not units:
-                        commit(states.pop(slide_id))
+                        commit(states[slide_id])
                 else:
                     state = states[slide_id]
                     state.remaining -= 1
@@ -385,9 +324,9 @@ def _run_pool(
                     state.writers.add(pid)
                     if state.remaining == 0:
                         try:
-                            commit(states.pop(slide_id))
+                            commit(state)
                         except Exception as err:
-                            fail(slide_id, path, _error_text(err))
+                            fail(slide_id, path, _error_text(err))  # also abandons its .incoming/ directory
                 if progress:
                     progress(done_tiles, planned_tiles)
             if crashed:

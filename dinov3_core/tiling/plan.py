@@ -154,7 +154,7 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
             f"{task.path}: the QC filters dropped all {len(grid)} tissue tiles (pen_filter={cfg.filters.pen_filter}, "
             f"blur_filter={cfg.filters.blur_filter}); check the QC picture or relax filters.*"
         )
-    mpp_override = overrides.get(task.path.name, overrides.get(task.path.stem, overrides.get(str(task.path))))
+    mpp_override = slide_io.override_for(task.path, overrides)
     return SlidePlan(
         task=task,
         info=info,

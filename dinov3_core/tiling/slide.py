@@ -126,7 +126,9 @@ def load_mpp_overrides(csv_path: str | os.PathLike[str] | None) -> dict[str, flo
     return out
 
 
-def _override_for(path: Path, overrides: Mapping[str, float]) -> float | None:
+def override_for(path: Path, overrides: Mapping[str, float]) -> float | None:
+    """The µm/px override of a slide: by full path, else file name, else stem (the one lookup everywhere, so the
+    override hashed into the tiling parameters is the one applied)."""
     for key in (str(path), path.name, path.stem):
         if key in overrides:
             return overrides[key]
@@ -142,7 +144,7 @@ def describe_slide(
     """Geometry, provenance and the level-0 µm/px (override > metadata > default, else a per-slide error)."""
     path = Path(path)
     props = slide.properties
-    override = _override_for(path, overrides or {})
+    override = override_for(path, overrides or {})
     mpp: float | None = None
     source = ""
     if override is not None:
