@@ -26,9 +26,33 @@ STAGE_OPTIONS: dict[str, dict[str, str]] = {
     "gram": {"pretrain_dir": "pretrain_dir", "output_dir": "output_dir"},
     "convert": {"input": "input", "output_dir": "output_dir"},
     "export": {"weights": "weights", "output": "output"},
+    "evaluate": {"store": "store", "candidate": "candidate", "output": "output", "annotations": "annotations"},
     "extract": {"store": "store", "model": "model", "output": "output"},
 }
-DEFAULT_CONFIG = {"pretrain": "tiny"}  # the CPU-sized recipe unless --config names another
+DEFAULT_CONFIG = {"pretrain": "tiny"}
+
+EVALUATE_EPILOG = """\
+protocol:
+  Tiles take the class of the annotation polygon their centre lies in (min_overlap=F: and F of their area).
+  Slides (or patients, patients=CSV) are split into training and test, never one slide on both sides.
+  Each model embeds the same labelled tiles (cls+mean_patch, probe.features) and is scored by a kNN
+  (k=20, cosine, temperature-weighted), a linear probe (logistic regression, C chosen on a validation
+  split of the training slides) and few-shot kNN (1-16 tiles per class); balanced accuracy and
+  macro-F1 (AUROC for two classes) with bootstrap 95 % intervals over test slides. Label-free health
+  (CLS effective rank, dense consistency) is reported for every model, annotations or not.
+
+gate:
+  The candidate becomes <register_name>@champion when the lower 95 % bound of its paired difference to
+  the champion on gate.primary_metric (default linear.balanced_accuracy) exceeds gate.margin, it is not
+  below the baseline, and its features did not collapse. The first model must beat the baseline.
+  Without annotations promotion is off (gate.label_free=true opts into a health-only gate);
+  gate.promote=false measures without moving aliases.
+
+examples:
+  wsidino evaluate --store tiles.zarr --candidate model/model.onnx --output evaluation \\
+      --annotations annotations/ probe.bootstrap=2000 gate.margin=0.01
+  wsidino evaluate ... patients=patients.csv sites=scanners.csv baseline=/weights/dinov3_vitb16.pth
+"""  # the CPU-sized recipe unless --config names another
 
 
 def _config(stage: str, args: argparse.Namespace) -> Any:
@@ -127,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     export = stage_parser("export", "backbone.pth → ONNX (dynamic batch and size), checked with ONNX Runtime.")
     export.add_argument("--weights", help="backbone.pth or .safetensors (e.g. from wsidino convert)")
     export.add_argument("--output", help="model.onnx path")
+
+    evaluate = stage_parser(
+        "evaluate",
+        "Frozen-feature probes of the candidate, the registry's champion and a baseline on your annotations; "
+        "promotes the candidate to @champion only when it is better.",
+    )
+    evaluate.formatter_class = argparse.RawDescriptionHelpFormatter
+    evaluate.epilog = EVALUATE_EPILOG
+    evaluate.add_argument("--store", help="tile store with the annotated slides (tiles.zarr)")
+    evaluate.add_argument("--candidate", help="the model to judge: model.onnx (export) or backbone.pth (convert)")
+    evaluate.add_argument("--output", help="evaluation directory (evaluation.json, evaluation.md, pictures, cache)")
+    evaluate.add_argument(
+        "--annotations", help="folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label"
+    )
 
     extract = stage_parser("extract", "Features for every tile of a tile store, slide embeddings, PCA maps.")
     extract.add_argument("--store", help="tile store (tiles.zarr)")

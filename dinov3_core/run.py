@@ -95,7 +95,7 @@ def run_stage(
     """Run one stage under its manifest unless it is up to date, in its own MLflow run.
 
     Args:
-        stage: tile, pretrain, gram, convert, export or extract.
+        stage: tile, pretrain, gram, convert, export, evaluate or extract.
         cfg: The stage's typed config (`dinov3_core.config.load_config`).
         force: Run even when the manifest says the outputs are up to date.
         launch: torchrun settings (training stages; default: one process on this node).
@@ -278,6 +278,21 @@ def _export(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     return r, {k: v for k, v in summary.items() if v is not None}
 
 
+def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.evaluate.evaluation import run_evaluate
+
+    r = run_evaluate(cfg)
+    for line in r.table.splitlines():
+        hooks.log(line)
+    d, cand = r.decision, r.evaluation["models"]["candidate"]
+    primary = cfg.gate.primary_metric.split(".")
+    value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
+    summary = {"labelled_tiles": r.evaluation["labelled_tiles"], "promoted": d.applied, "promote": d.promote,
+               "decision": d.reason, "champion_model": r.champion_model, cfg.gate.primary_metric: value,
+               "cls_effective_rank": cand["health"].get("cls_effective_rank"), "seconds": round(r.seconds, 1)}  # fmt: skip
+    return r, {k: v for k, v in summary.items() if v is not None}
+
+
 def _extract(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.export.extract import run_extract
 
@@ -292,6 +307,7 @@ IN_PROCESS: dict[str, Callable[[Any, RunHooks], tuple[Any, dict[str, Any]]]] = {
     "tile": _tile,
     "convert": _convert,
     "export": _export,
+    "evaluate": _evaluate,
     "extract": _extract,
 }
 

@@ -1,4 +1,4 @@
-"""The six stages as data: typed config schema, inputs, output location and outputs of each.
+"""The stages as data: typed config schema, inputs, output location and outputs of each.
 
 The stage runner (`dinov3_core.run`, behind both the CLI and the Prefect tasks) uses this to fingerprint a
 stage's inputs, find its manifest and decide whether a rerun may skip it, without knowing each stage's config
@@ -105,6 +105,18 @@ def _check_tile_output(cfg: TileConfig) -> None:
     prepare_store(cfg)
 
 
+def _evaluate_config() -> type:
+    from dinov3_core.evaluate.config import EvaluateConfig
+
+    return EvaluateConfig
+
+
+def _evaluate_inputs(cfg: Any) -> dict[str, str | None]:
+    baseline = cfg.baseline if cfg.baseline not in (None, "auto", "init") else None
+    return {"tile_store": cfg.store, "candidate": cfg.candidate, "annotations": cfg.annotations,
+            "baseline": baseline, "patients": cfg.patients, "sites": cfg.sites}  # fmt: skip
+
+
 def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
     out = {"onnx": cfg.output}
     data = Path(f"{cfg.output}.data")
@@ -136,6 +148,11 @@ STAGE_SPECS: dict[str, StageSpec] = {
     "export": StageSpec(
         "export", lambda: ExportConfig, False, False, lambda c: c.output, lambda c: {"weights": c.weights},
         _export_outputs,
+    ),
+    "evaluate": StageSpec(
+        "evaluate", _evaluate_config, False, True, lambda c: c.output, _evaluate_inputs,
+        lambda c: {"evaluation": str(Path(c.output) / "evaluation.json")},
+        volatile=("tracking.", "progress", "num_threads", "batch_size"),
     ),
     "extract": StageSpec(
         "extract", lambda: ExtractConfig, False, True, lambda c: c.output,

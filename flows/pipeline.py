@@ -8,7 +8,8 @@
     <workdir>/pretrain/           pretraining run: ckpt/, eval/ (teacher-only checkpoints), metrics
     <workdir>/gram/               gram-anchoring run (gram_teacher_selection.json names the chosen teacher)
     <workdir>/model/backbone.pth  teacher backbone, released key layout (+ config.yaml)
-    <workdir>/model/model.onnx    ONNX export (registered in MLflow)
+    <workdir>/model/model.onnx    ONNX export (registered in MLflow as @candidate)
+    <workdir>/evaluation/         probes, health, the @champion decision (evaluation.json, evaluation.md)
     <workdir>/features.zarr       per-tile features, slide embeddings, PCA maps
 
 A stage whose manifest shows the same config and inputs is skipped, so a rerun (or a retry of a failed run)
@@ -17,6 +18,7 @@ picks up at the first stage with work left; training stages resume from their la
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from dinov3_core.tracking import TrackingConfig
 from flows.convert import convert_flow
+from flows.evaluate import evaluate_flow
 from flows.export import export_flow
 from flows.extract import extract_flow
 from flows.gram import gram_flow
@@ -32,6 +35,7 @@ from flows.pretrain import pretrain_flow
 from flows.tile import tile_flow
 from tasks.params import (
     ConvertParams,
+    EvaluateParams,
     ExportParams,
     ExtractParams,
     GramParams,
@@ -52,6 +56,7 @@ def layout(workdir: str | Path) -> dict[str, Path]:
         "model_dir": root / "model",
         "backbone": root / "model" / "backbone.pth",
         "onnx": root / "model" / "model.onnx",
+        "evaluation": root / "evaluation",
         "features": root / "features.zarr",
     }
 
@@ -87,12 +92,29 @@ def stage_params(params: PipelineParams, stage: str) -> Any:
             weights=str(paths["backbone"]), output=str(paths["onnx"]), stage=params.export, tracking=tracking,
             force=force,
         )  # fmt: skip
+    if stage == "evaluate":
+        return EvaluateParams(
+            store=str(paths["tile_store"]), candidate=str(paths["onnx"]), output=str(paths["evaluation"]),
+            annotations=params.annotations, stage=params.evaluate, tracking=tracking, force=force,
+        )  # fmt: skip
     if stage == "extract":
         return ExtractParams(
-            store=str(paths["tile_store"]), model=str(paths["onnx"]), output=str(paths["features"]),
+            store=str(paths["tile_store"]), model=extraction_model(params), output=str(paths["features"]),
             stage=params.extract, tracking=tracking, force=force,
         )  # fmt: skip
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def extraction_model(params: PipelineParams) -> str:
+    """The model extract uses: the champion the evaluation settled on (the candidate when it was promoted or
+    there is no champion yet), or the candidate when `extract_model` says so or nothing was evaluated."""
+    paths = layout(params.workdir)
+    evaluation = paths["evaluation"] / "evaluation.json"
+    if params.extract_model == "champion" and evaluation.is_file():
+        champion = json.loads(evaluation.read_text()).get("champion_model")
+        if champion and Path(champion).is_file():
+            return str(champion)
+    return str(paths["onnx"])
 
 
 STAGE_FLOWS: dict[str, Any] = {
@@ -101,6 +123,7 @@ STAGE_FLOWS: dict[str, Any] = {
     "gram": gram_flow,
     "convert": convert_flow,
     "export": export_flow,
+    "evaluate": evaluate_flow,
     "extract": extract_flow,
 }
 
@@ -115,7 +138,7 @@ def _tracking_config(params: PipelineParams) -> TrackingConfig:
 
 @flow(name="pipeline")
 def pipeline_flow(params: PipelineParams) -> dict[str, Any]:
-    """Slides → tiles → pretraining → gram anchoring → backbone → ONNX → features, one stage flow after another.
+    """Slides → tiles → pretraining → gram → backbone → ONNX → evaluation → features, one stage flow after another.
 
     Stages from `start_at` to `stop_after` run as subflows; each is skipped when its manifest shows the same
     config and inputs (unless listed in `force`). One MLflow run for the pipeline with one child run per stage.

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from dinov3_core.config import ConfigError, parse_overrides
 from dinov3_core.launch.training import LaunchSettings
 
-STAGES = ("tile", "pretrain", "gram", "convert", "export", "extract")
-Stage = Literal["tile", "pretrain", "gram", "convert", "export", "extract"]
+STAGES = ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
+Stage = Literal["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
 Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
 
 
@@ -248,6 +248,41 @@ class ExportParams(BaseModel):
         return merge_values(self.stage.overrides, fields, "export")
 
 
+class EvaluateParams(BaseModel):
+    """Frozen-feature probes of the candidate, the registry's champion and a baseline; the @champion gate."""
+
+    model_config = ConfigDict(extra="forbid", title="Evaluate stage parameters")
+
+    store: str = Field(min_length=1, title="Tile store", description="Holds the annotated slides.",
+                       json_schema_extra=ui(0))  # fmt: skip
+    candidate: str = Field(
+        min_length=1, title="Candidate model", description="model.onnx (export) or backbone.pth (convert).",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+    output: str = Field(
+        min_length=1, title="Evaluation directory", description="evaluation.json, evaluation.md, pictures, cache.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    annotations: str | None = Field(
+        None, title="Annotations",
+        description="A folder of QuPath <slide_id>.geojson exports (level-0 pixels), or a CSV slide_id,x,y,label. "
+        "Empty: label-free health only (no promotion unless gate.label_free=true).",
+        json_schema_extra=ui(3),
+    )  # fmt: skip
+    stage: StageOptions = Field(
+        default_factory=StageOptions, title="Config",
+        description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv.",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(6))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {"store": self.store, "candidate": self.candidate, "output": self.output,
+                  "annotations": self.annotations, **self.tracking.config_values()}  # fmt: skip
+        return merge_values(self.stage.overrides, fields, "evaluate")
+
+
 class ExtractParams(BaseModel):
     """Features for every tile of a tile store, slide embeddings and PCA feature maps, into zarr."""
 
@@ -302,22 +337,35 @@ class PipelineParams(BaseModel):
         None, title="Released DINOv3 weights", description="Local .pth to warm-start pretraining from.",
         json_schema_extra=ui(6),
     )  # fmt: skip
+    annotations: str | None = Field(
+        None, title="Annotations",
+        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
+        "Empty: label-free health only, no promotion.",
+        json_schema_extra=ui(7),
+    )  # fmt: skip
+    extract_model: Literal["champion", "candidate"] = Field(
+        "champion", title="Extract with",
+        description="champion: the registry's @champion after evaluation (the candidate when it was promoted, or "
+        "when there is no champion); candidate: this run's model.",
+        json_schema_extra=ui(8),
+    )  # fmt: skip
     tile: StageOptions = Field(
         default_factory=lambda: StageOptions(config="default", overrides=["workers=2"]), title="Tile config",
         description="workers=N: tiling processes (one large slide is spread over all of them).",
-        json_schema_extra=ui(7),
+        json_schema_extra=ui(9),
     )  # fmt: skip
     pretrain: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(8)
+        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(10)
     )
     gram: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(9)
+        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(11)
     )
-    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(10))
-    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(11))
-    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(12))
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(13))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(14))
+    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(12))
+    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(13))
+    evaluate: StageOptions = Field(default_factory=StageOptions, title="Evaluate config", json_schema_extra=ui(14))
+    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(15))
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(16))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(17))
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
@@ -334,6 +382,7 @@ class PipelineParams(BaseModel):
 __all__ = [
     "STAGES",
     "ConvertParams",
+    "EvaluateParams",
     "ExportParams",
     "ExtractParams",
     "GramParams",

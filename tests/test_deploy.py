@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from tasks.params import (
     ConvertParams,
+    EvaluateParams,
     ExportParams,
     ExtractParams,
     GramParams,
@@ -48,10 +49,11 @@ FLOWS: dict[str, tuple[str, type[BaseModel]]] = {
     "gram_flow": ("gram", GramParams),
     "convert_flow": ("convert", ConvertParams),
     "export_flow": ("export", ExportParams),
+    "evaluate_flow": ("evaluate", EvaluateParams),
     "extract_flow": ("extract", ExtractParams),
     "pipeline_flow": ("pipeline", PipelineParams),
 }
-CPU_DEPLOYMENTS = {"tile", "convert", "export", "extract", "pipeline"}
+CPU_DEPLOYMENTS = {"tile", "convert", "export", "evaluate", "extract", "pipeline"}
 GPU_DEPLOYMENTS = {"pretrain", "gram", "pipeline-gpu"}
 PLACEHOLDER = re.compile(r"{{\s*([A-Za-z_][A-Za-z0-9_]*)\s*}}")
 
@@ -104,7 +106,7 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
     if isinstance(params, PipelineParams):
         return [
             (stage, options.config)
-            for stage in ("tile", "pretrain", "gram", "convert", "export", "extract")
+            for stage in ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
             if (options := getattr(params, stage)).config
         ]
     stage = {
@@ -113,6 +115,7 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
         GramParams: "gram",
         ConvertParams: "convert",
         ExportParams: "export",
+        EvaluateParams: "evaluate",
         ExtractParams: "extract",
     }[type(params)]
     options = params.stage

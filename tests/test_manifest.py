@@ -197,7 +197,7 @@ def test_config_hash_ignores_tracking_but_not_settings():
 
 
 def test_every_stage_has_a_spec_with_a_loadable_schema():
-    assert list(STAGE_SPECS) == ["tile", "pretrain", "gram", "convert", "export", "extract"]
+    assert list(STAGE_SPECS) == ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
     assert [s for s, spec in STAGE_SPECS.items() if spec.distributed] == ["pretrain", "gram"]
     for spec in STAGE_SPECS.values():
         assert isinstance(spec.schema(), type)

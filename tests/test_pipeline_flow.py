@@ -27,7 +27,7 @@ from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
 
 POOL = "wsidino-test-cpu"
-STAGES = ["tile", "pretrain", "gram", "convert", "export", "extract"]
+STAGES = ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
 
 TRAIN_OVERRIDES = [
     "train.global_batch_size=8",
@@ -121,6 +121,7 @@ MANIFESTS = {
     "gram": "gram/stage_manifest.json",
     "convert": "model/stage_manifest.json",
     "export": "model/model.onnx.stage_manifest.json",
+    "evaluate": "evaluation/stage_manifest.json",
     "extract": "features.zarr/stage_manifest.json",
 }
 
@@ -209,7 +210,7 @@ def test_deployed_pipeline_survives_a_crash_and_resumes_after_retry(deployed_pip
     assert first.state.is_failed(), first.state
     assert "injected fault in stage export" in (first.state.message or "") + run["first_logs"]
     before = run["before_retry"]
-    assert not before["extract"]
+    assert not before["evaluate"] and not before["extract"]
     assert [before[s]["status"] for s in STAGES[:4]] == ["complete"] * 4
     assert before["export"]["status"] == "failed" and "injected fault" in before["export"]["error"]
     assert (workdir / "pretrain" / ".wsidino-fault-pretrain").exists()
@@ -226,7 +227,10 @@ def test_deployed_pipeline_survives_a_crash_and_resumes_after_retry(deployed_pip
     for stage in STAGES[:4]:
         assert after[stage]["finished_at"] == before[stage]["finished_at"], stage
         assert after[stage]["output_fingerprint"] == before[stage]["output_fingerprint"], stage
-    assert after["export"]["status"] == after["extract"]["status"] == "complete"
+    assert after["export"]["status"] == after["evaluate"]["status"] == after["extract"]["status"] == "complete"
+    # No annotations in this run: label-free health only, nothing promoted, so extract used the candidate.
+    assert "no annotations: promotion is off" in after["evaluate"]["summary"]["decision"]
+    assert after["evaluate"]["lineage"].keys() == {"tile", "pretrain", "gram", "convert", "export"}
     assert after["extract"]["lineage"].keys() == {"tile", "pretrain", "gram", "convert", "export"}
 
 
@@ -330,7 +334,8 @@ def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
     same_model = after["export"]["output_fingerprint"] == before["export"]["output_fingerprint"]
     tail = wait_final(trigger("pipeline/pipeline-test", {**params, "start_at": "convert"}), timeout=300)
     assert tail.state.is_completed(), tail.state
-    expected = {"convert": "skipped", "export": "skipped", "extract": "skipped" if same_model else "ran"}
+    rerun = "skipped" if same_model else "ran"
+    expected = {"convert": "skipped", "export": "skipped", "evaluate": rerun, "extract": rerun}
     assert statuses(pipeline_summary(mlflow_tracking, tail.id)) == expected
 
 

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -229,10 +229,16 @@ def _transform_grid(tokens: Tensor, side: int) -> Tensor:
 def dense_scores(backbone: nn.Module, images: Tensor) -> dict[str, float]:
     """`effective_rank`, `agreement`, `score` of `backbone` on [B, 3, H, W] images (see the module docstring)."""
     patch = int(getattr(backbone, "patch_size", 16))
+    return dense_scores_of(lambda x: patch_features(backbone, x), images, patch)
+
+
+def dense_scores_of(patch_tokens: Callable[[Tensor], Tensor], images: Tensor, patch: int) -> dict[str, float]:
+    """The same scores for any feature extractor (an ONNX model in the evaluate stage): `patch_tokens` maps
+    [B, 3, S, S] images to [B, (S / patch)², D] patch tokens."""
     side = images.shape[-1] // patch
     view = torch.rot90(torch.flip(images, dims=(-1,)), k=1, dims=(-2, -1))
-    a = patch_features(backbone, images)
-    b = _transform_grid(patch_features(backbone, view), side)
+    a = patch_tokens(images)
+    b = _transform_grid(patch_tokens(view), side)
     agreement = float(F.cosine_similarity(a, b, dim=-1).mean())
     erank = effective_rank(a.reshape(-1, a.shape[-1]))
     return {"effective_rank": erank, "agreement": agreement, "score": erank * max(agreement, 0.0)}

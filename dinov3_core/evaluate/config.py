@@ -1,0 +1,104 @@
+"""Typed config of the evaluate stage (load with `dinov3_core.config.load_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omegaconf import MISSING
+
+from dinov3_core.config import require
+from dinov3_core.errors import WsidinoError
+from dinov3_core.tracking import TrackingConfig
+
+PRIMARY_METRICS = tuple(
+    f"{probe}.{metric}" for probe in ("linear", "knn") for metric in ("balanced_accuracy", "macro_f1", "auroc")
+)
+
+
+class EvaluateError(WsidinoError):
+    """Bad evaluate input: a model, the baseline, the registry or the side tables (patients, sites)."""
+
+
+@dataclass
+class ProbeConfig:
+    """The probes and their statistics (defaults: the eva / DINOv2 protocol)."""
+
+    features: Literal["cls", "mean_patch", "cls+mean_patch"] = "cls+mean_patch"  # what each tile is represented by
+    knn_k: int = 20
+    knn_temperature: float = 0.07  # votes weighted by exp(cosine similarity / T)
+    linear_c: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0])  # inverse L2 strength, swept
+    few_shot: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # tiles per class
+    few_shot_draws: int = 5
+    bootstrap: int = 1000  # resamples of the test slides for the 95 % intervals
+    test_fraction: float = 0.34  # share of slides (or patients) in the test split
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.knn_k >= 1, "knn_k", f"must be >= 1, got {self.knn_k}")
+        require(self.knn_temperature > 0, "knn_temperature", f"must be > 0, got {self.knn_temperature}")
+        require(bool(self.linear_c) and all(c > 0 for c in self.linear_c), "linear_c", "needs values > 0")
+        require(all(n >= 1 for n in self.few_shot), "few_shot", f"tiles per class must be >= 1, got {self.few_shot}")
+        require(self.few_shot_draws >= 1, "few_shot_draws", f"must be >= 1, got {self.few_shot_draws}")
+        require(self.bootstrap >= 10, "bootstrap", f"must be >= 10 resamples, got {self.bootstrap}")
+        require(0 < self.test_fraction < 1, "test_fraction", f"must be in (0, 1), got {self.test_fraction}")
+
+
+@dataclass
+class GateConfig:
+    """When the candidate becomes `@champion` in the registry."""
+
+    promote: bool = True  # false: measure and record only, never move the alias
+    primary_metric: str = "linear.balanced_accuracy"  # <probe>.<metric>, probe linear or knn
+    margin: float = 0.0  # the lower 95 % bound of (candidate − champion) must exceed this
+    min_effective_rank: float = 0.02  # label-free health: below this the features have collapsed
+    label_free: bool = False  # without annotations, promote a healthy candidate that beats the baseline's health
+
+    def __post_init__(self) -> None:
+        require(
+            self.primary_metric in PRIMARY_METRICS,
+            "primary_metric",
+            f"must be one of {', '.join(PRIMARY_METRICS)}, got {self.primary_metric!r}",
+        )
+        require(
+            0 <= self.min_effective_rank < 1, "min_effective_rank", f"must be in [0, 1), got {self.min_effective_rank}"
+        )
+
+
+@dataclass
+class EvaluateConfig:
+    """Frozen-feature probes of the candidate, the registry's champion and a baseline on the lab's annotations."""
+
+    store: str = MISSING  # tile store (tiles.zarr) with the annotated slides
+    candidate: str = MISSING  # model.onnx (export) or backbone.pth (convert)
+    output: str = MISSING  # evaluation directory: evaluation.json, pictures, feature cache
+    # A folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label; null: label-free health only.
+    annotations: str | None = None
+    min_overlap: float = 0.0  # share of a tile's area its class's polygons must cover (0: centre inside is enough)
+    exclude_classes: list[str] = field(default_factory=list)  # annotation classes left out (e.g. "Ignore*")
+    patients: str | None = None  # CSV slide_id,patient_id: split by patient instead of slide
+    sites: str | None = None  # CSV slide_id,site: report how well the features predict the site (lower is better)
+    baseline: str | None = "auto"  # weights file; auto: the released weights training started from, else "init"
+    champion: bool = True  # compare with (and gate against) wsidino-backbone@champion when the registry has one
+    max_tiles_per_slide: int | None = 2000  # labelled tiles kept per slide (evenly spaced), for a bounded cost
+    health_tiles: int = 256  # tiles for the label-free health scores (evenly spaced over the store)
+    batch_size: int = 64
+    num_threads: int = 0  # torch / ONNX Runtime threads; 0: library default
+    register_name: str = "wsidino-backbone"  # the registered model whose aliases the gate moves
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    progress: bool = True
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        require(0 <= self.min_overlap <= 1, "min_overlap", f"must be in [0, 1], got {self.min_overlap}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.health_tiles >= 8, "health_tiles", f"must be >= 8, got {self.health_tiles}")
+        require(
+            self.max_tiles_per_slide is None or self.max_tiles_per_slide >= 1,
+            "max_tiles_per_slide",
+            f"must be >= 1 or null, got {self.max_tiles_per_slide}",
+        )
+
+
+__all__ = ["EvaluateConfig", "EvaluateError", "GateConfig", "ProbeConfig"]

@@ -1,0 +1,280 @@
+"""The evaluate stage as one plain function, `run_evaluate(cfg) -> EvaluateResult`.
+
+    cfg = load_config(EvaluateConfig, None, {"store": "out/tiles.zarr", "candidate": "out/model/model.onnx",
+                                              "output": "out/evaluation", "annotations": "slides/annotations"})
+    result = run_evaluate(cfg)     # evaluation.json, pictures, the gate's decision (and the alias moved)
+
+One run scores the candidate, the registry's champion and a baseline on the same labelled tiles, split and draws
+(`probes`), adds label-free health for each (`features.health`), and lets the gate decide (`gate`).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dinov3_core import tracking
+from dinov3_core.evaluate import features as F
+from dinov3_core.evaluate import gate as G
+from dinov3_core.evaluate import probes as P
+from dinov3_core.evaluate import report
+from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
+from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
+from dinov3_core.tiling import store as ts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvaluateResult:
+    output: Path
+    evaluation: dict[str, Any]
+    decision: G.Decision
+    table: str  # markdown
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def champion_model(self) -> str | None:
+        return self.evaluation.get("champion_model")
+
+
+def _table(path: str | None, key: str) -> dict[str, str]:
+    """slide_id → value from a two-column CSV with a header (patients, sites)."""
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise EvaluateError(f"{key}={p}: no such CSV; give a file with a header and the columns slide_id,<value>")
+    with p.open(newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 2 or len(rows[0]) < 2:
+        raise EvaluateError(f"{p}: expected a header and rows of slide_id,<value> ({key})")
+    return {r[0].strip(): r[1].strip() for r in rows[1:] if len(r) >= 2 and r[0].strip()}
+
+
+def _labelled_tiles(
+    cfg: EvaluateConfig, root: Path, ds: Any, warnings: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """(global tile indices, class labels, slide ids) of the labelled tiles, and the label report for the JSON."""
+    empty = (np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
+    if not cfg.annotations:
+        return (*empty, {"annotations": None})
+    from dinov3_core.evaluate.labels import label_tiles
+
+    found = label_tiles(root, cfg.annotations, min_overlap=cfg.min_overlap)
+    warnings += list(getattr(found, "warnings", []))
+    if found.missing:
+        warnings.append(
+            f"{len(found.missing)} slide(s) of the store have no annotations: {', '.join(found.missing[:10])}"
+        )
+    if found.unknown:
+        warnings.append(f"annotations name slides not in the store: {', '.join(found.unknown[:10])}")
+    slide_index = {s: i for i, s in enumerate(ds.slide_ids)}
+    idx, labels, slides = [], [], []
+    per_slide: dict[str, dict[str, int]] = {}
+    for slide_id, lab in sorted(found.slides.items()):
+        keep = ~np.isin(lab.labels.astype(str), cfg.exclude_classes)
+        rows, names = lab.rows[keep], lab.labels[keep].astype(str)
+        if cfg.max_tiles_per_slide and len(rows) > cfg.max_tiles_per_slide:  # evenly spaced: deterministic
+            pick = np.unique(np.linspace(0, len(rows) - 1, cfg.max_tiles_per_slide).round().astype(np.int64))
+            rows, names = rows[pick], names[pick]
+        s = slide_index[slide_id]
+        idx.append(np.array([ds.global_index(s, int(r)) for r in rows], np.int64))
+        labels.append(names)
+        slides.append(np.full(len(rows), slide_id, object))
+        per_slide[slide_id] = {"labelled": len(rows), "unlabelled": int(lab.unlabelled),
+                               "ambiguous": int(lab.ambiguous)}  # fmt: skip
+    info = {"annotations": str(cfg.annotations), "min_overlap": cfg.min_overlap, "slides": per_slide,
+            "missing": list(found.missing), "unknown": list(found.unknown),
+            "skipped_features": dict(found.skipped_features)}  # fmt: skip
+    if not idx:
+        return (*empty, info)
+    return np.concatenate(idx), np.concatenate(labels), np.concatenate(slides), info
+
+
+def _health_images(ds: Any, n: int) -> np.ndarray:
+    idx = np.unique(np.linspace(0, len(ds) - 1, min(n, len(ds))).round().astype(np.int64))
+    return F.normalise(ds.read_batch(idx))
+
+
+def _score_model(
+    cfg: EvaluateConfig,
+    x: np.ndarray,
+    y: np.ndarray,
+    split: P.Split,
+    boot: P.Bootstrap,
+    draws: dict[int, list[np.ndarray]],
+) -> tuple[dict[str, Any], dict[str, P.Predictions]]:
+    """kNN, linear probe and few-shot kNN of one model's features: metrics (with CIs) and test predictions."""
+    pc = cfg.probe
+    classes = np.unique(y)
+    xtr, ytr, xte, yte = x[split.train], y[split.train], x[split.test], y[split.test]
+    knn = P.Predictions(classes, P.knn_scores(xtr, ytr, xte, classes, pc.knn_k, pc.knn_temperature))
+    val_pos = np.searchsorted(split.train, split.val)
+    order, proba, c = P.linear_probe(xtr, ytr, val_pos, xte, pc.linear_c, pc.seed)
+    linear = P.Predictions(order, proba)
+    few: dict[str, Any] = {}
+    for n, picks in draws.items():
+        accs = [P.score(yte, P.Predictions(classes, P.knn_scores(xtr[p], ytr[p], xte, classes, pc.knn_k,
+                                                                pc.knn_temperature)), P.balanced_accuracy)
+                for p in picks]  # fmt: skip
+        few[str(n)] = {"balanced_accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "draws": len(accs)}
+    probes = {"knn": P.metrics_with_ci(yte, knn, boot), "linear": P.metrics_with_ci(yte, linear, boot),
+              "few_shot": few, "linear_c": c}  # fmt: skip
+    return probes, {"knn": knn, "linear": linear}
+
+
+def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
+    """Embed, probe and compare; write the outputs; decide and apply the promotion. Bad input raises a
+    `WsidinoError` naming the file or key."""
+    from dinov3_core.data.tile_dataset import TileDataset
+
+    start = time.perf_counter()
+    out, warnings = Path(cfg.output), []
+    cache = out / "cache"
+    root = ts.check_store(cfg.store)
+    ds = TileDataset(root, image_format="numpy")
+    candidate = candidate_model(cfg)
+    if not candidate.path.is_file():
+        raise EvaluateError(f"candidate={candidate.path}: no such model file; give a model.onnx or backbone.pth")
+    models: list[ModelUnderTest] = [candidate]
+    champion = champion_model(cfg, cache, warnings)
+    same = champion is not None and champion.version is not None and champion.version == candidate.version
+    if champion is not None and not same:
+        models.append(champion)
+    baseline = baseline_model(cfg, candidate, cache, warnings)
+    if baseline is not None:
+        models.append(baseline)
+
+    idx, y, slides, label_info = _labelled_tiles(cfg, root, ds, warnings)
+    groups = slides
+    patients = _table(cfg.patients, "patients")
+    if patients:
+        unknown = sorted(set(slides) - set(patients))
+        if unknown:
+            raise EvaluateError(f"patients={cfg.patients} has no patient for slide(s) {', '.join(unknown[:10])}")
+        groups = np.array([patients[s] for s in slides], object)
+    images = _health_images(ds, cfg.health_tiles)
+    key = F.selection_key(root, idx)
+    counts = dict(zip(*np.unique(y, return_counts=True), strict=True))
+    evaluation: dict[str, Any] = {
+        "store": str(root),
+        "labelled_tiles": len(idx),
+        "labels": label_info,
+        "classes": {str(c): int(n) for c, n in counts.items()},
+        "candidate_is_champion": same,
+        "models": {},
+        "comparisons": {},
+        "warnings": warnings,
+    }
+    feats: dict[str, np.ndarray] = {}
+    for m in models:
+        entry: dict[str, Any] = {**m.as_dict()}
+        evaluation["models"][m.role] = entry
+        try:
+            fm = F.open_model(m.path, threads=cfg.num_threads)
+            entry["hash"], entry["backend"] = fm.hash, fm.backend
+            entry["health"] = F.health(fm, images)
+            if len(idx):
+                feats[m.role] = F.represent(
+                    F.embed(fm, ds.read_batch, idx, cache, key, cfg.batch_size), cfg.probe.features
+                )
+        except Exception as err:
+            if m.role == "candidate":
+                raise
+            entry["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            warnings.append(f"{m.role} {m.path} could not be evaluated: {entry['error']}")
+        logger.info("evaluate: %s embedded (%s)", m.role, m.description)
+
+    predictions: dict[str, dict[str, P.Predictions]] = {}
+    if len(idx):
+        split = P.split_by_group(y, groups, test_fraction=cfg.probe.test_fraction, seed=cfg.probe.seed)
+        evaluation["split"] = {**split.as_dict(), "by": "patient" if patients else "slide", "seed": cfg.probe.seed}
+        boot = P.Bootstrap.over_groups(groups[split.test], cfg.probe.bootstrap, cfg.probe.seed)
+        draws = P.few_shot_draws(y[split.train], cfg.probe.few_shot, cfg.probe.few_shot_draws, cfg.probe.seed)
+        for role, x in feats.items():
+            evaluation["models"][role]["probes"], predictions[role] = _score_model(cfg, x, y, split, boot, draws)
+        evaluation["comparisons"] = _comparisons(y[split.test], predictions, boot)
+        sites = _table(cfg.sites, "sites")
+        if sites:
+            evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, split, warnings)
+        report.save_pictures(out, y, split, feats, predictions)
+    decision = G.decide(cfg, evaluation)
+    cand_metrics = _flat_metrics(evaluation["models"]["candidate"])
+    decision = G.apply(cfg, decision, candidate.version, cand_metrics)
+    evaluation["decision"] = decision.as_dict()
+    evaluation["champion_model"] = str(candidate.path) if (decision.applied or same) else (
+        str(champion.path) if champion is not None and champion.path.is_file() else None)  # fmt: skip
+    table = report.markdown(evaluation)
+    report.write_json(out / "evaluation.json", evaluation)
+    (out / "evaluation.md").write_text(table)
+    _log_mlflow(cfg, evaluation, out)
+    return EvaluateResult(out, evaluation, decision, table, time.perf_counter() - start, warnings)
+
+
+def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], boot: P.Bootstrap) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "candidate" not in preds:
+        return out
+    for other in ("champion", "baseline"):
+        if other not in preds:
+            continue
+        out[f"candidate_vs_{other}"] = {
+            f"{probe}.{metric}": P.paired_difference(y, preds["candidate"][probe], preds[other][probe], metric, boot)
+            for probe in ("knn", "linear")
+            for metric in P.METRICS
+            if metric != "auroc" or len(preds["candidate"][probe].classes) == 2
+        }
+    return out
+
+
+def _site_predictability(
+    cfg: EvaluateConfig, feats: dict[str, np.ndarray], slides: np.ndarray, sites: dict[str, str], split: P.Split,
+    warnings: list[str],
+) -> dict[str, float]:  # fmt: skip
+    """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same split: lower is better."""
+    s = np.array([sites.get(str(x), "") for x in slides], object)
+    if not set(s[split.test]) <= set(s[split.train]) or len(set(s)) < 2:
+        warnings.append("site predictability skipped: every test site must also be among the training slides")
+        return {}
+    classes = np.unique(s)
+    out = {}
+    for role, x in feats.items():
+        p = P.Predictions(classes, P.knn_scores(x[split.train], s[split.train], x[split.test], classes,
+                                                cfg.probe.knn_k, cfg.probe.knn_temperature))  # fmt: skip
+        out[role] = P.score(s[split.test], p, P.balanced_accuracy)
+    return out
+
+
+def _flat_metrics(model: dict[str, Any]) -> dict[str, float]:
+    flat = {f"health.{k}": float(v) for k, v in model.get("health", {}).items()}
+    for probe in ("knn", "linear"):
+        for metric, v in model.get("probes", {}).get(probe, {}).items():
+            flat[f"{probe}.{metric}"] = float(v["value"])
+    return flat
+
+
+def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> None:
+    if not cfg.tracking.enabled:
+        return
+    with tracking.stage_run(cfg.tracking, "evaluate", tags={"wsidino.stage": "evaluate"}):
+        for role, model in evaluation["models"].items():
+            tracking.log_metrics({f"{role}.{k}": v for k, v in _flat_metrics(model).items() if np.isfinite(v)})
+        for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
+            tracking.log_artifact(path)
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            decision = evaluation["decision"]
+            mlflow.set_tags({"wsidino.promotion": "promoted" if decision["applied"] else "kept",
+                             "wsidino.promotion_reason": decision["reason"][:5000]})  # fmt: skip
+
+
+__all__ = ["EvaluateResult", "run_evaluate"]

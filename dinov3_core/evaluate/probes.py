@@ -1,0 +1,286 @@
+"""Frozen-feature probes with slides kept apart: the split, kNN, linear probe, few-shot kNN and their metrics.
+
+The protocol of pathology foundation-model evaluations (kaiko's eva, UNI, Virchow), on one set of labelled tiles:
+
+* **split by slide** (or by patient when a slide → patient table is given): no slide on both sides; stratified by
+  class over groups (scikit-learn's `StratifiedGroupKFold`), fixed seed, and recorded;
+* **kNN**: k = 20 nearest training tiles by cosine similarity, votes weighted by exp(similarity / T) (DINO's
+  weighted kNN);
+* **linear probe**: L2-regularised logistic regression on standardised features, C chosen on a validation split of
+  the training slides, then refitted on all training slides;
+* **few-shot kNN**: n tiles per class (1, 2, 4, 8, 16) drawn from the training slides, several draws;
+* **metrics**: balanced accuracy and macro-F1 (AUROC for two classes), each with a bootstrap 95 % interval over
+  test slides; paired differences between two models resample the *same* slides for both.
+
+Every model is scored on the same tiles, split and draws, so differences come from the features alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dinov3_core.errors import WsidinoError
+
+Metric = Callable[[np.ndarray, np.ndarray, np.ndarray | None], float]
+
+
+class ProtocolError(WsidinoError):
+    """The labels cannot support a slide-level evaluation (too few slides or tiles for a class)."""
+
+
+@dataclass
+class Split:
+    """Tile indices of each side, and which slides (groups) are where: recorded in evaluation.json."""
+
+    train: np.ndarray
+    val: np.ndarray  # part of the training tiles, for choosing the linear probe's C
+    test: np.ndarray
+    train_groups: list[str]
+    test_groups: list[str]
+    val_by: str  # "slide" (or patient), or "tile" when only one training group exists
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "train_groups": self.train_groups,
+            "test_groups": self.test_groups,
+            "val_by": self.val_by,
+            "tiles": {"train": len(self.train), "val": len(self.val), "test": len(self.test)},
+        }
+
+
+def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: float, seed: int) -> Split:
+    """Stratified group split: the test groups are one fold of round(1 / test_fraction) folds.
+
+    Raises:
+        ProtocolError: A class is on fewer than two groups, or ends up on one side only; the message names it.
+    """
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    classes = np.unique(labels)
+    for c in classes:
+        on = np.unique(groups[labels == c])
+        if len(on) < 2:
+            raise ProtocolError(
+                f"class {c!r} is annotated on {len(on)} slide/patient group(s) ({', '.join(map(str, on))}); a split "
+                "that keeps slides apart needs it on at least two. Annotate it on more slides, or merge or drop it "
+                "(evaluate.exclude_classes)"
+            )
+    n_groups = len(np.unique(groups))
+    folds = min(max(2, round(1 / test_fraction)), n_groups)
+    cv = StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed)
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for train, test in cv.split(np.zeros(len(labels)), labels, groups):
+        both = len(set(labels[train]) & set(labels[test]))
+        if best is None or both > best[0]:
+            best = (both, train, test)
+        if both == len(classes):
+            break
+    assert best is not None
+    _, train, test = best
+    missing = sorted(set(classes) - set(labels[test])) + sorted(set(classes) - set(labels[train]))
+    if missing:
+        raise ProtocolError(
+            f"no slide-level split puts class(es) {', '.join(map(repr, missing))} on both the training and the "
+            f"test side with {n_groups} slide/patient groups; annotate these classes on more slides"
+        )
+    val_pos, val_by = _validation(labels[train], groups[train], seed)
+    return Split(
+        train=np.sort(train),
+        val=np.sort(train[val_pos]),
+        test=np.sort(test),
+        train_groups=sorted(map(str, np.unique(groups[train]))),
+        test_groups=sorted(map(str, np.unique(groups[test]))),
+        val_by=val_by,
+    )
+
+
+def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
+    """Positions (within the training tiles) of the validation part: a group fold when there are ≥ 2 groups
+    with every class, else a stratified quarter of the tiles (recorded as such)."""
+    from sklearn.model_selection import StratifiedGroupKFold, StratifiedShuffleSplit
+
+    if len(np.unique(groups)) >= 3:
+        cv = StratifiedGroupKFold(n_splits=min(4, len(np.unique(groups))), shuffle=True, random_state=seed)
+        for fit, val in cv.split(np.zeros(len(labels)), labels, groups):
+            if set(labels[fit]) == set(labels):
+                return val, "slide"
+    counts = np.unique(labels, return_counts=True)[1]
+    if counts.min() < 2:
+        return np.zeros(0, np.int64), "none"
+    sss = StratifiedShuffleSplit(n_splits=1, test_size=0.25, random_state=seed)
+    _, val = next(sss.split(np.zeros(len(labels)), labels))
+    return val, "tile"
+
+
+# ------------------------------------------------------------------------------------------------ classifiers
+
+
+def l2_normalise(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def knn_scores(
+    train: np.ndarray, train_y: np.ndarray, test: np.ndarray, classes: np.ndarray, k: int, temperature: float
+) -> np.ndarray:
+    """Class scores (N_test, C) of a cosine kNN with exp(sim / T) weighted votes, normalised to sum to 1."""
+    a, b = l2_normalise(test.astype(np.float32)), l2_normalise(train.astype(np.float32))
+    k = min(k, len(b))
+    onehot = (train_y[:, None] == classes[None, :]).astype(np.float32)
+    scores = np.zeros((len(a), len(classes)), np.float32)
+    for start in range(0, len(a), 4096):  # bounded memory: 4096 × N_train similarities at a time
+        sim = a[start : start + 4096] @ b.T
+        top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+        w = np.exp(np.take_along_axis(sim, top, axis=1) / temperature)
+        scores[start : start + 4096] = np.einsum("nk,nkc->nc", w, onehot[top])
+    return scores / np.maximum(scores.sum(1, keepdims=True), 1e-12)
+
+
+def linear_probe(
+    train: np.ndarray, train_y: np.ndarray, val_pos: np.ndarray, test: np.ndarray, cs: Sequence[float], seed: int
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """(class order, test probabilities, chosen C): C by balanced accuracy on the validation tiles."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score
+    from sklearn.preprocessing import StandardScaler
+
+    def fit(x: np.ndarray, y: np.ndarray, c: float) -> Any:
+        scaler = StandardScaler().fit(x)
+        model = LogisticRegression(C=c, max_iter=2000, random_state=seed).fit(scaler.transform(x), y)
+        return scaler, model
+
+    chosen = float(cs[len(cs) // 2])
+    if len(val_pos) and len(cs) > 1:
+        fit_pos = np.setdiff1d(np.arange(len(train)), val_pos)
+        best = -1.0
+        for c in cs:
+            scaler, model = fit(train[fit_pos], train_y[fit_pos], c)
+            acc = balanced_accuracy_score(train_y[val_pos], model.predict(scaler.transform(train[val_pos])))
+            if acc > best + 1e-9:
+                best, chosen = acc, float(c)
+    scaler, model = fit(train, train_y, chosen)
+    return model.classes_, model.predict_proba(scaler.transform(test)), chosen
+
+
+# ----------------------------------------------------------------------------------------------------- metrics
+
+
+def balanced_accuracy(y: np.ndarray, pred: np.ndarray, _: np.ndarray | None = None) -> float:
+    from sklearn.metrics import balanced_accuracy_score
+
+    return float(balanced_accuracy_score(y, pred))
+
+
+def macro_f1(y: np.ndarray, pred: np.ndarray, _: np.ndarray | None = None) -> float:
+    from sklearn.metrics import f1_score
+
+    return float(f1_score(y, pred, average="macro", zero_division=0))
+
+
+def auroc(y: np.ndarray, _: np.ndarray, positive_score: np.ndarray | None) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    if positive_score is None or len(np.unique(y)) < 2:
+        return float("nan")
+    return float(roc_auc_score(y, positive_score))
+
+
+@dataclass
+class Predictions:
+    """One probe's output on the test tiles of one model."""
+
+    classes: np.ndarray
+    scores: np.ndarray  # (N_test, C)
+
+    @property
+    def predicted(self) -> np.ndarray:
+        return self.classes[self.scores.argmax(1)]
+
+    def positive(self) -> np.ndarray | None:
+        return self.scores[:, 1] if len(self.classes) == 2 else None
+
+
+@dataclass
+class Bootstrap:
+    """Resamples of the test slides (indices into the test tiles), shared by every model of one evaluation."""
+
+    samples: list[np.ndarray] = field(default_factory=list)
+
+    @classmethod
+    def over_groups(cls, test_groups: np.ndarray, n: int, seed: int) -> Bootstrap:
+        rng = np.random.default_rng(seed)
+        names = np.unique(test_groups)
+        members = [np.flatnonzero(test_groups == g) for g in names]
+        samples = [np.concatenate([members[i] for i in rng.integers(0, len(names), len(names))]) for _ in range(n)]
+        return cls(samples)
+
+    def interval(self, stat: Callable[[np.ndarray], float]) -> tuple[float, float]:
+        values = np.array([stat(s) for s in self.samples], np.float64)
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return float("nan"), float("nan")
+        return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
+
+
+def score(y: np.ndarray, p: Predictions, metric: Metric, idx: np.ndarray | None = None) -> float:
+    sel = slice(None) if idx is None else idx
+    pos = p.positive()
+    return metric(y[sel], p.predicted[sel], None if pos is None else pos[sel])
+
+
+METRICS: dict[str, Metric] = {"balanced_accuracy": balanced_accuracy, "macro_f1": macro_f1, "auroc": auroc}
+
+
+def metrics_with_ci(y: np.ndarray, p: Predictions, boot: Bootstrap) -> dict[str, dict[str, float]]:
+    """{metric: {value, ci_low, ci_high}}; AUROC only for two classes."""
+    out = {}
+    for name, metric in METRICS.items():
+        if name == "auroc" and len(p.classes) != 2:
+            continue
+        low, high = boot.interval(lambda s, m=metric: score(y, p, m, s))  # type: ignore[misc]
+        out[name] = {"value": score(y, p, metric), "ci_low": low, "ci_high": high}
+    return out
+
+
+def paired_difference(
+    y: np.ndarray, a: Predictions, b: Predictions, metric: str, boot: Bootstrap
+) -> dict[str, float]:  # fmt: skip
+    """metric(a) − metric(b) on the same tiles, with the bootstrap interval over the same resampled slides."""
+    m = METRICS[metric]
+    low, high = boot.interval(lambda s: score(y, a, m, s) - score(y, b, m, s))
+    return {"value": score(y, a, m) - score(y, b, m), "ci_low": low, "ci_high": high}
+
+
+def few_shot_draws(
+    train_y: np.ndarray, shots: Sequence[int], draws: int, seed: int
+) -> dict[int, list[np.ndarray]]:  # fmt: skip
+    """Training-tile positions per (shots, draw): n tiles of every class, drawn once for every model."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(train_y)
+    out: dict[int, list[np.ndarray]] = {}
+    for n in shots:
+        if any((train_y == c).sum() < n for c in classes):
+            continue  # not enough training tiles of some class for n shots
+        out[n] = [
+            np.concatenate([rng.choice(np.flatnonzero(train_y == c), n, replace=False) for c in classes])
+            for _ in range(draws)
+        ]
+    return out
+
+
+__all__ = [
+    "METRICS",
+    "Bootstrap",
+    "Predictions",
+    "ProtocolError",
+    "Split",
+    "few_shot_draws",
+    "knn_scores",
+    "linear_probe",
+    "metrics_with_ci",
+    "paired_difference",
+    "split_by_group",
+]

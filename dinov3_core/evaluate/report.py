@@ -1,0 +1,129 @@
+"""What an evaluation leaves behind: `evaluation.json`, a markdown table, confusion matrices and embedding maps."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dinov3_core.evaluate import probes as P
+
+ROLES = ("candidate", "champion", "baseline")
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Atomic: a reader never sees half an evaluation."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable, allow_nan=True))
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def _ci(m: dict[str, float] | None) -> str:
+    if not m or m["value"] is None or not math.isfinite(m["value"]):
+        return "–"
+    return f"{m['value']:.3f} [{m['ci_low']:.3f}, {m['ci_high']:.3f}]"
+
+
+def markdown(evaluation: dict[str, Any]) -> str:
+    """The table a person reads first: one row per model, then the comparisons and the decision."""
+    lines = ["# Evaluation", ""]
+    n = evaluation["labelled_tiles"]
+    if n:
+        split = evaluation.get("split", {})
+        classes = ", ".join(f"{c} {k}" for c, k in evaluation["classes"].items())
+        lines += [f"{n} labelled tiles ({classes}); split by {split.get('by')}: train {split.get('train_groups')}, "
+                  f"test {split.get('test_groups')} (seed {split.get('seed')}). Values: point estimate "
+                  "[bootstrap 95 % interval over test slides].", ""]  # fmt: skip
+    else:
+        lines += ["No annotations: label-free health only.", ""]
+    head = (
+        "| model | kNN bal. acc | linear bal. acc | linear macro-F1 | few-shot kNN | CLS eff. rank | dense agreement |"
+    )
+    lines += [head, "|---|---|---|---|---|---|---|"]
+    for role in ROLES:
+        m = evaluation["models"].get(role)
+        if m is None:
+            continue
+        if m.get("error"):
+            lines.append(f"| {role} | not evaluated: {m['error'][:80]} | | | | | |")
+            continue
+        probes, health = m.get("probes", {}), m.get("health", {})
+        few = probes.get("few_shot", {})
+        shots = max(few, key=int) if few else None
+        few_text = f"{few[shots]['balanced_accuracy']:.3f} ({shots}/class)" if shots else "–"
+        lines.append(
+            f"| {role} | {_ci(probes.get('knn', {}).get('balanced_accuracy'))} "
+            f"| {_ci(probes.get('linear', {}).get('balanced_accuracy'))} "
+            f"| {_ci(probes.get('linear', {}).get('macro_f1'))} | {few_text} "
+            f"| {health.get('cls_effective_rank', math.nan):.3f} | {health.get('dense_agreement', math.nan):.3f} |"
+        )
+    for name, diffs in evaluation.get("comparisons", {}).items():
+        d = diffs.get("linear.balanced_accuracy")
+        if d:
+            lines.append(f"\n{name.replace('_', ' ')}: linear bal. acc {d['value']:+.3f} "
+                         f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")  # fmt: skip
+    if evaluation.get("site_predictability"):
+        sp = ", ".join(f"{k} {v:.3f}" for k, v in evaluation["site_predictability"].items())
+        lines.append(f"\nSite predictability (kNN bal. acc, lower is better): {sp}")
+    d = evaluation.get("decision", {})
+    verdict = "PROMOTED to @champion" if d.get("applied") else ("promote" if d.get("promote") else "not promoted")
+    lines += ["", f"**Decision: {verdict}** — {d.get('reason', '')}"]
+    for w in evaluation.get("warnings", []):
+        lines.append(f"\n⚠ {w}")
+    return "\n".join(lines) + "\n"
+
+
+def save_pictures(
+    out: Path, y: np.ndarray, split: P.Split, feats: dict[str, np.ndarray], preds: dict[str, dict[str, P.Predictions]]
+) -> None:
+    """Per model: the linear probe's confusion matrix on the test tiles, and a 2-D PCA map of all labelled tiles
+    coloured by class (test tiles as crosses)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.decomposition import PCA
+    from sklearn.metrics import ConfusionMatrixDisplay
+
+    out.mkdir(parents=True, exist_ok=True)
+    classes = np.unique(y)
+    test = np.zeros(len(y), bool)
+    test[split.test] = True
+    for role, x in feats.items():
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        ConfusionMatrixDisplay.from_predictions(
+            y[split.test], preds[role]["linear"].predicted, labels=classes, ax=ax, colorbar=False,
+            xticks_rotation=30,
+        )  # fmt: skip
+        ax.set_title(f"{role}: linear probe, test slides")
+        fig.tight_layout()
+        fig.savefig(out / f"confusion_{role}.png", dpi=110)
+        plt.close(fig)
+        xy = PCA(n_components=2, random_state=0).fit_transform(P.l2_normalise(x))
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        for c in classes:
+            for side, marker in ((~test, "o"), (test, "x")):
+                sel = (y == c) & side
+                ax.scatter(xy[sel, 0], xy[sel, 1], s=8, marker=marker, alpha=0.7,
+                           label=f"{c}" if marker == "o" else None)  # fmt: skip
+        ax.set_title(f"{role}: PCA of tile features (x: test)")
+        ax.legend(fontsize=7, markerscale=2)
+        fig.tight_layout()
+        fig.savefig(out / f"embedding_{role}.png", dpi=110)
+        plt.close(fig)
+
+
+__all__ = ["markdown", "save_pictures", "write_json"]
