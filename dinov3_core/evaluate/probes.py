@@ -258,12 +258,12 @@ def few_shot_draws(
     train_y: np.ndarray, shots: Sequence[int], draws: int, seed: int
 ) -> dict[int, list[np.ndarray]]:  # fmt: skip
     """Training-tile positions per (shots, draw): n tiles of every class, drawn once for every model."""
-    rng = np.random.default_rng(seed)
     classes = np.unique(train_y)
     out: dict[int, list[np.ndarray]] = {}
     for n in shots:
         if any((train_y == c).sum() < n for c in classes):
             continue  # not enough training tiles of some class for n shots
+        rng = np.random.default_rng([seed, n])  # per shot count: the draws do not depend on the other counts
         out[n] = [
             np.concatenate([rng.choice(np.flatnonzero(train_y == c), n, replace=False) for c in classes])
             for _ in range(draws)
