@@ -1,0 +1,598 @@
+"""Tile labels from the lab's annotations: QuPath GeoJSON polygons or a CSV of tile origins.
+
+Two inputs, one result (`LabelReport`: per slide the labelled rows of the tile store, counts, warnings):
+
+* a folder of ``<slide_id>.geojson`` files exported from QuPath, in level-0 pixel coordinates. A tile takes a
+  class when its **centre** lies inside that class's polygons (unioned per class, so holes are excluded and
+  overlapping polygons of one class count once) and, with ``min_overlap`` > 0, when those polygons also cover at
+  least that fraction of the tile's area. A tile claimed by two or more classes is *ambiguous*: counted and left
+  out, never guessed.
+* a CSV with the header ``slide_id,x,y,label``: x, y are a tile's level-0 origin exactly as in the store's
+  ``coords``. Conflicting labels for one tile make it ambiguous.
+
+``rows`` index the slide's arrays in the store (``tiles``, ``coords``, ...), ascending; slides come sorted.
+Every tile of a labelled slide is exactly one of labelled, unlabelled or ambiguous.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import shapely
+import shapely.errors
+import shapely.geometry
+import zarr
+
+from dinov3_core.errors import WsidinoError
+from dinov3_core.tiling import store as ts
+
+__all__ = [
+    "GeoJsonAnnotations",
+    "LabelError",
+    "LabelReport",
+    "MalformedAnnotations",
+    "SlideLabels",
+    "label_tiles",
+    "read_geojson",
+]
+
+GEOJSON_SUFFIX = ".geojson"
+CSV_COLUMNS = ("slide_id", "x", "y", "label")
+POLYGONAL = frozenset({"Polygon", "MultiPolygon"})
+NO_CLASSIFICATION = "no classification"
+EMPTY_GEOMETRY = "empty geometry"
+SHOWN = 5  # line numbers / names listed in a message before "and N more"
+CORNER_FRACTION = 1 / 8  # annotations confined to this share of the slide in x and y look like thumbnail coords
+# Area ratios are computed in floating point: a tile covered exactly at the threshold must not fall just below it.
+OVERLAP_TOLERANCE = 1e-9
+QUPATH_EXPORT = (
+    "export the annotations from QuPath in level-0 pixel coordinates (File › Export objects as GeoJSON on the "
+    "full-resolution image, no downsample)"
+)
+
+
+class LabelError(WsidinoError, ValueError):
+    """The annotations cannot label the tile store: wrong path, unknown slides or tiles, another coordinate system."""
+
+
+class MalformedAnnotations(LabelError):
+    """An annotation file is not GeoJSON / CSV of the expected shape; the message names the file and the place."""
+
+
+@dataclass
+class SlideLabels:
+    """The labelled tiles of one slide. n_tiles = len(rows) + unlabelled + ambiguous."""
+
+    slide_id: str
+    rows: np.ndarray  # int64 rows into the slide's store arrays (tiles, coords), ascending; labelled tiles only
+    labels: np.ndarray  # object array of class names, one per row
+    n_tiles: int  # tiles of the slide in the store
+    unlabelled: int  # claimed by no class (centre in no polygon, or overlap below min_overlap)
+    ambiguous: int  # claimed by two or more classes: left out, never guessed
+    classes: dict[str, int]  # class → labelled tiles, every class the slide's annotations name (0 included), sorted
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "n_tiles": self.n_tiles,
+            "labelled": len(self.rows),
+            "unlabelled": self.unlabelled,
+            "ambiguous": self.ambiguous,
+            "classes": dict(self.classes),
+        }
+
+
+@dataclass
+class LabelReport:
+    """What `label_tiles` found: per-slide labels and everything a user should be told about the annotations."""
+
+    annotations: Path
+    min_overlap: float
+    slides: dict[str, SlideLabels] = field(default_factory=dict)  # slides with annotations, sorted by id
+    missing: list[str] = field(default_factory=list)  # selected store slides without annotations (warning)
+    unknown: list[str] = field(default_factory=list)  # annotation files naming no slide of the store (warning)
+    skipped_features: dict[str, int] = field(default_factory=dict)  # reason → GeoJSON features ignored
+    repaired_features: int = 0  # invalid polygons repaired with shapely.make_valid
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def classes(self) -> dict[str, int]:
+        """Class → labelled tiles over all slides, sorted by class name."""
+        total: Counter[str] = Counter()
+        for labels in self.slides.values():
+            total.update(labels.classes)
+        return {name: total[name] for name in sorted(total)}
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready account (no per-tile arrays) for evaluation.json and the logs."""
+        return {
+            "annotations": str(self.annotations),
+            "min_overlap": self.min_overlap,
+            "classes": self.classes,
+            "slides": {sid: labels.summary() for sid, labels in self.slides.items()},
+            "missing": list(self.missing),
+            "unknown": list(self.unknown),
+            "skipped_features": dict(self.skipped_features),
+            "repaired_features": self.repaired_features,
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass
+class GeoJsonAnnotations:
+    """The classified polygons of one GeoJSON file, and what was left out or repaired on the way."""
+
+    path: Path
+    shapes: list[tuple[str, shapely.Geometry]]  # (class name, Polygon | MultiPolygon), valid, 2-D, non-empty
+    skipped: dict[str, int]  # reason → features ignored
+    repaired: int  # invalid polygons repaired with shapely.make_valid
+
+
+# ------------------------------------------------------------------------------------------------- GeoJSON
+
+
+def read_geojson(path: str | Path) -> GeoJsonAnnotations:
+    """The (class, polygon) pairs of a QuPath GeoJSON export: a FeatureCollection, a list of features or a Feature.
+
+    Features without a classification and geometries other than Polygon / MultiPolygon are skipped and counted;
+    invalid polygons (self-intersections, ...) are repaired with `shapely.make_valid`. Raises `MalformedAnnotations`
+    naming the file (and the feature index) for bad JSON or an unreadable geometry.
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8-sig"))
+    except OSError as err:
+        raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise MalformedAnnotations(f"{path} is not UTF-8 text; export it again from QuPath as GeoJSON") from None
+    except json.JSONDecodeError as err:
+        raise MalformedAnnotations(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); export it again from "
+            "QuPath (File › Export objects as GeoJSON)"
+        ) from None
+
+    shapes: list[tuple[str, shapely.Geometry]] = []
+    skipped: Counter[str] = Counter()
+    repaired = 0
+    for i, feature in enumerate(_features(doc, path)):
+        where = f"{path}, feature {i}"
+        if not isinstance(feature, dict):
+            raise MalformedAnnotations(f"{where} is a {type(feature).__name__}, not a GeoJSON Feature object")
+        geometry = feature.get("geometry")
+        if geometry is None:
+            skipped[EMPTY_GEOMETRY] += 1
+            continue
+        if not isinstance(geometry, dict) or not isinstance(geometry.get("type"), str):
+            raise MalformedAnnotations(f"{where}: 'geometry' must be an object with a 'type'; got {geometry!r:.80}")
+        if geometry["type"] not in POLYGONAL:
+            skipped[f"unsupported geometry ({geometry['type']})"] += 1
+            continue
+        name = _class_name(feature, where)
+        if name is None:
+            skipped[NO_CLASSIFICATION] += 1
+            continue
+        shape = _read_geometry(geometry, where)
+        if not shape.is_empty and not shape.is_valid:
+            shape = _polygonal_part(shapely.make_valid(shape))
+            repaired += not shape.is_empty  # a sliver repairs into lines only: counted as skipped, below
+        if shape.is_empty:
+            skipped[EMPTY_GEOMETRY] += 1
+            continue
+        shapes.append((name, shape))
+    return GeoJsonAnnotations(path, shapes, dict(sorted(skipped.items())), repaired)
+
+
+def _features(doc: Any, path: Path) -> list[Any]:
+    """The feature list of the three shapes QuPath writes."""
+    if isinstance(doc, list):
+        return doc
+    if isinstance(doc, dict) and doc.get("type") == "FeatureCollection":
+        features = doc.get("features")
+        if not isinstance(features, list):
+            raise MalformedAnnotations(f"{path}: the FeatureCollection has no 'features' list")
+        return features
+    if isinstance(doc, dict) and doc.get("type") == "Feature":
+        return [doc]
+    found = doc.get("type") if isinstance(doc, dict) else type(doc).__name__
+    raise MalformedAnnotations(
+        f"{path}: expected a GeoJSON FeatureCollection, a list of features or a Feature, got {found!r}; "
+        "export the annotations from QuPath with File › Export objects as GeoJSON"
+    )
+
+
+def _class_name(feature: dict[str, Any], where: str) -> str | None:
+    """properties.classification.name; None when the feature has no classification."""
+    properties = feature.get("properties") or {}
+    if not isinstance(properties, dict):
+        raise MalformedAnnotations(f"{where}: 'properties' must be an object")
+    classification = properties.get("classification")
+    if isinstance(classification, dict):
+        name = classification.get("name")
+        names = classification.get("names")
+        # Derived classes ("Tumor: Positive") may come as a list of names only.
+        if name is None and isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            name = ": ".join(names)
+    else:
+        name = classification
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str):
+        raise MalformedAnnotations(f"{where}: classification name must be a string, got {name!r:.80}")
+    return name
+
+
+def _read_geometry(geometry: dict[str, Any], where: str) -> shapely.Geometry:
+    try:
+        # A NaN coordinate makes GEOS warn; it is reported below as an error instead.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            shape = shapely.geometry.shape(geometry)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, shapely.errors.ShapelyError) as err:
+        raise MalformedAnnotations(
+            f"{where}: cannot read the {geometry['type']} geometry ({type(err).__name__}: {err}); each ring must be "
+            "a list of at least 4 [x, y] points, the first repeated last. Export it again from QuPath"
+        ) from None
+    if not np.isfinite(shapely.get_coordinates(shape)).all():
+        raise MalformedAnnotations(f"{where}: the geometry has a NaN or infinite coordinate; fix or delete it")
+    return shapely.force_2d(shape)
+
+
+def _polygonal_part(shape: shapely.Geometry) -> shapely.Geometry:
+    """The polygons of a repaired geometry: make_valid turns a bow-tie into two triangles but a sliver into lines."""
+    parts = shapely.get_parts(shape)
+    keep = [p for p in parts if p.geom_type in POLYGONAL]
+    return shapely.union_all(keep) if keep else shapely.Polygon()
+
+
+# ------------------------------------------------------------------------------------------------ labelling
+
+
+@dataclass(frozen=True)
+class _Slide:
+    slide_id: str
+    coords: np.ndarray  # (N, 2) int64 level-0 tile origins (x, y)
+    tile: float  # tile side at level 0
+    width: int | None  # level-0 size; None in a store that does not record it (bounds checks are skipped)
+    height: int | None
+
+
+def label_tiles(
+    store: str | Path,
+    annotations: str | Path,
+    *,
+    min_overlap: float = 0.0,
+    slide_ids: Iterable[str] | None = None,
+) -> LabelReport:
+    """Label the tiles of `store` from `annotations`: a folder of ``<slide_id>.geojson`` or a ``.csv`` file.
+
+    ``min_overlap`` (GeoJSON only): the share of a tile's area its class's polygons must cover besides its centre
+    (0 = centre rule only). ``slide_ids``: label only these slides of the store (default: all).
+    """
+    try:
+        overlap = float(min_overlap)
+    except (TypeError, ValueError):
+        overlap = math.nan  # fails the range check below, with the value in the message
+    if not 0.0 <= overlap <= 1.0:
+        raise LabelError(f"min_overlap must be a fraction of a tile's area in [0, 1], got {min_overlap!r}")
+    root = ts.check_store(Path(store).expanduser())
+    store_ids = ts.complete_slide_ids(root)
+    if not store_ids:
+        raise LabelError(f"tile store {root} has no slides to label; run `wsidino tile` first")
+    selected = _select(store_ids, slide_ids, root)
+    source = Path(annotations).expanduser()
+    if source.is_dir():
+        return _label_geojson(root, source, store_ids, selected, overlap)
+    if source.is_file() and source.suffix.lower() == ".csv":
+        return _label_csv(root, source, store_ids, selected, overlap)
+    what = "does not exist" if not source.exists() else "is neither a folder nor a .csv file"
+    raise LabelError(
+        f"annotations {source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
+        "file with the header slide_id,x,y,label"
+    )
+
+
+def _select(store_ids: list[str], slide_ids: Iterable[str] | None, root: Path) -> list[str]:
+    if slide_ids is None:
+        return list(store_ids)
+    wanted = {slide_ids} if isinstance(slide_ids, str) else set(slide_ids)
+    absent = sorted(wanted - set(store_ids))
+    if absent:
+        raise LabelError(f"slide id(s) not in the tile store {root}: {_listed(absent)}; pick from {_listed(store_ids)}")
+    return sorted(wanted)
+
+
+def _listed(items: Sequence[Any]) -> str:
+    shown = ", ".join(str(i) for i in items[:SHOWN])
+    return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
+
+
+def _read_slide(root: Path, slide_id: str) -> _Slide:
+    attrs = ts.read_slide_attrs(root, slide_id)
+    n = int(attrs.get("tile_count", 0))
+    if "tile_size_level0" not in attrs:
+        raise ts.TileStoreError(
+            f"slide {slide_id!r} in tile store {root} has no tile_size_level0 attribute; re-tile it with `wsidino tile`"
+        )
+    coords = np.empty((0, 2), dtype=np.int64)
+    if n:  # a slide without tiles may have no columns at all
+        try:
+            coords = np.asarray(zarr.open_array(str(ts.slide_dir(root, slide_id) / "coords"), mode="r")[...])
+        except (OSError, ValueError, KeyError) as err:
+            raise ts.TileStoreError(
+                f"slide {slide_id!r} in tile store {root} has no readable coords array ({err}); delete the slide's "
+                "folder and re-run `wsidino tile`"
+            ) from None
+    if coords.shape != (n, 2):
+        raise ts.TileStoreError(
+            f"slide {slide_id!r} in tile store {root} has coords of shape {coords.shape} for {n} tiles; delete the "
+            "slide's folder and re-run `wsidino tile`"
+        )
+    width, height = attrs.get("level0_width"), attrs.get("level0_height")
+    return _Slide(
+        slide_id,
+        coords.astype(np.int64, copy=False),
+        float(attrs["tile_size_level0"]),
+        int(width) if width is not None else None,
+        int(height) if height is not None else None,
+    )
+
+
+def _slide_labels(slide_id: str, hits: np.ndarray, names: list[str]) -> SlideLabels:
+    """Labels from a (classes × tiles) boolean matrix: one class → labelled, two or more → ambiguous."""
+    n = hits.shape[1]
+    claims = hits.sum(axis=0)
+    rows = np.flatnonzero(claims == 1).astype(np.int64)
+    which = hits[:, rows].argmax(axis=0) if names else np.empty(0, dtype=np.int64)
+    labels = np.array(names, dtype=object)[which] if names else np.empty(0, dtype=object)
+    counts = np.bincount(which, minlength=len(names))
+    ambiguous = int((claims > 1).sum())
+    return SlideLabels(
+        slide_id=slide_id,
+        rows=rows,
+        labels=labels,
+        n_tiles=n,
+        unlabelled=n - len(rows) - ambiguous,
+        ambiguous=ambiguous,
+        classes={name: int(counts[k]) for k, name in enumerate(names)},
+    )
+
+
+# ----------------------------------------------------------------------------------------------- by polygons
+
+
+def _label_geojson(
+    root: Path, folder: Path, store_ids: list[str], selected: list[str], min_overlap: float
+) -> LabelReport:
+    files, unknown = _match_files(folder, store_ids)
+    report = LabelReport(annotations=folder, min_overlap=min_overlap, unknown=unknown)
+    report.missing = [sid for sid in selected if sid not in files]
+    if len(report.missing) == len(selected):
+        raise LabelError(
+            f"no .geojson file in {folder} names a selected slide of the tile store {root} (files: "
+            f"{_listed(unknown) or 'only ones for unselected slides'}); name each file <slide_id>.geojson, slide ids: "
+            f"{_listed(selected)}"
+        )
+    skipped: Counter[str] = Counter()
+    for sid in selected:
+        if sid not in files:
+            continue
+        found = read_geojson(files[sid])
+        skipped.update(found.skipped)
+        report.repaired_features += found.repaired
+        slide = _read_slide(root, sid)
+        _check_bounds(found, slide)
+        labels = _label_by_polygons(slide, found.shapes, min_overlap)
+        report.slides[sid] = labels
+        if not found.shapes:
+            report.warnings.append(
+                f"{found.path} has no classified Polygon or MultiPolygon (skipped: {found.skipped or 'none'}); "
+                f"slide {sid!r} gets no labels. Classify the annotations in QuPath before exporting"
+            )
+        elif warning := _corner_warning(found, slide, labels):
+            report.warnings.append(warning)
+    report.skipped_features = dict(sorted(skipped.items()))
+    return report
+
+
+def _match_files(folder: Path, store_ids: list[str]) -> tuple[dict[str, Path], list[str]]:
+    """slide id → its file; and the stems of files naming no slide of the store."""
+    paths = sorted(p for p in folder.iterdir() if p.name.lower().endswith(GEOJSON_SUFFIX) and p.is_file())
+    if not paths:
+        raise LabelError(
+            f"no {GEOJSON_SUFFIX} files in {folder}; export one <slide_id>{GEOJSON_SUFFIX} per slide from QuPath, "
+            "or give a CSV file with the header slide_id,x,y,label"
+        )
+    known = set(store_ids)
+    found: dict[str, Path] = {}
+    unknown: list[str] = []
+    for path in paths:
+        stem = path.name[: -len(GEOJSON_SUFFIX)]
+        # QuPath scripts often name the export after the image file ("slide.svs.geojson"); slide ids have no suffix.
+        sid = stem if stem in known else Path(stem).stem if Path(stem).stem in known else None
+        if sid is None:
+            unknown.append(stem)
+        elif sid in found:
+            raise LabelError(f"{found[sid]} and {path} both annotate slide {sid!r}; merge them in QuPath, keep one")
+        else:
+            found[sid] = path
+    return found, unknown
+
+
+def _label_by_polygons(slide: _Slide, shapes: list[tuple[str, shapely.Geometry]], min_overlap: float) -> SlideLabels:
+    by_class: dict[str, list[shapely.Geometry]] = defaultdict(list)
+    for name, shape in shapes:
+        by_class[name].append(shape)
+    names = sorted(by_class)
+    centres = slide.coords + slide.tile / 2
+    hits = np.zeros((len(names), len(slide.coords)), dtype=bool)
+    for k, name in enumerate(names):
+        union = shapely.union_all(by_class[name])
+        shapely.prepare(union)  # a prepared geometry answers point queries for 10⁵ tiles in milliseconds
+        inside = shapely.contains_xy(union, centres[:, 0], centres[:, 1])
+        if min_overlap > 0 and inside.any():
+            idx = np.flatnonzero(inside)
+            inside[idx] = _covered_fraction(union, slide.coords[idx], slide.tile) >= min_overlap - OVERLAP_TOLERANCE
+        hits[k] = inside
+    return _slide_labels(slide.slide_id, hits, names)
+
+
+def _covered_fraction(union: shapely.Geometry, origins: np.ndarray, tile: float) -> np.ndarray:
+    """Share of each tile's area inside `union`; the exact intersection only for tiles not wholly covered."""
+    boxes = shapely.box(origins[:, 0], origins[:, 1], origins[:, 0] + tile, origins[:, 1] + tile)
+    fraction = np.ones(len(boxes))
+    partial = ~shapely.covers(union, boxes)
+    fraction[partial] = shapely.area(shapely.intersection(boxes[partial], union)) / (tile * tile)
+    return fraction
+
+
+def _check_bounds(found: GeoJsonAnnotations, slide: _Slide) -> None:
+    """Annotations beyond the slide (by more than a tile) cannot be level-0 pixels of this slide."""
+    if not found.shapes or slide.width is None or slide.height is None:
+        return
+    x0, y0, x1, y1 = shapely.total_bounds([shape for _, shape in found.shapes])
+    t = slide.tile
+    if x0 < -t or y0 < -t or x1 > slide.width + t or y1 > slide.height + t:
+        raise LabelError(
+            f"{found.path}: the annotations span x {x0:.0f}…{x1:.0f}, y {y0:.0f}…{y1:.0f} px, beyond slide "
+            f"{slide.slide_id!r} ({slide.width}×{slide.height} px at level 0): they look like they are in another "
+            f"coordinate system (another image's, or scaled up); check the file belongs to this slide and "
+            f"{QUPATH_EXPORT}"
+        )
+
+
+def _corner_warning(found: GeoJsonAnnotations, slide: _Slide, labels: SlideLabels) -> str | None:
+    """Annotations squeezed into the top-left corner that label nothing: likely coordinates of a thumbnail."""
+    if slide.width is None or slide.height is None or len(labels.rows) or labels.ambiguous:
+        return None
+    _, _, x1, y1 = shapely.total_bounds([shape for _, shape in found.shapes])
+    if x1 >= slide.width * CORNER_FRACTION or y1 >= slide.height * CORNER_FRACTION:
+        return None
+    centres = slide.coords + slide.tile / 2
+    if not ((centres[:, 0] > x1) | (centres[:, 1] > y1)).any():
+        return None  # every tile is in that corner too: nothing suggests a scale mismatch
+    return (
+        f"{found.path}: every annotation lies within x < {x1:.0f}, y < {y1:.0f} px, the top-left corner of slide "
+        f"{slide.slide_id!r} ({slide.width}×{slide.height} px at level 0), and labels no tile: the annotations look "
+        f"like they are in another coordinate system (e.g. exported from a downsampled thumbnail); {QUPATH_EXPORT}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- by CSV
+
+
+@dataclass(frozen=True)
+class _CsvRow:
+    line: int
+    slide_id: str
+    x: int
+    y: int
+    label: str
+
+
+def _label_csv(root: Path, path: Path, store_ids: list[str], selected: list[str], min_overlap: float) -> LabelReport:
+    records = _read_csv(path)
+    known = set(store_ids)
+    strangers = [r for r in records if r.slide_id not in known]
+    if strangers:
+        names = sorted({r.slide_id for r in strangers})
+        raise LabelError(
+            f"{path}: line(s) {_listed([r.line for r in strangers])} name slides that are not in the tile store "
+            f"{root} ({_listed(names)}); use the store's slide ids ({_listed(store_ids)}) or remove those rows"
+        )
+    by_slide: dict[str, list[_CsvRow]] = defaultdict(list)
+    for r in records:
+        by_slide[r.slide_id].append(r)
+    report = LabelReport(annotations=path, min_overlap=min_overlap)
+    report.missing = [sid for sid in selected if sid not in by_slide]
+    if len(report.missing) == len(selected):
+        raise LabelError(f"{path} has no row for the selected slide(s) {_listed(selected)} of the tile store {root}")
+    strays: list[_CsvRow] = []
+    for sid in selected:
+        if sid not in by_slide:
+            continue
+        slide = _read_slide(root, sid)
+        row_of = {(int(x), int(y)): i for i, (x, y) in enumerate(slide.coords.tolist())}
+        rows = by_slide[sid]
+        strays += [r for r in rows if (r.x, r.y) not in row_of]
+        names = sorted({r.label for r in rows})
+        column = {name: k for k, name in enumerate(names)}
+        hits = np.zeros((len(names), len(slide.coords)), dtype=bool)
+        for r in rows:
+            if (r.x, r.y) in row_of:
+                hits[column[r.label], row_of[(r.x, r.y)]] = True
+        report.slides[sid] = _slide_labels(sid, hits, names)
+    if strays:
+        strays.sort(key=lambda r: r.line)
+        first = strays[0]
+        raise LabelError(
+            f"{path}: line(s) {_listed([r.line for r in strays])} give x,y that are no tile of their slide in {root} "
+            f"(line {first.line}: slide {first.slide_id!r}, x={first.x}, y={first.y}); x,y must be a tile's level-0 "
+            "top-left corner exactly as in the slide's coords array of this store (not a centre, not another µm/px "
+            "or tile size): fix or remove those rows"
+        )
+    return report
+
+
+def _read_csv(path: Path) -> list[_CsvRow]:
+    try:
+        # utf-8-sig: spreadsheets often start the file with a byte-order mark.
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, None)
+            if header is None:
+                raise MalformedAnnotations(f"{path} is empty; the first line must be the header slide_id,x,y,label")
+            columns = [h.strip().lower() for h in header]
+            lacking = [c for c in CSV_COLUMNS if c not in columns]
+            if lacking:
+                raise MalformedAnnotations(
+                    f"{path}: the header (line 1) lacks column(s) {', '.join(lacking)}; the first line must name "
+                    f"the columns slide_id,x,y,label (got {','.join(header)})"
+                )
+            at = {c: columns.index(c) for c in CSV_COLUMNS}
+            records = []
+            for fields in reader:
+                line = reader.line_num
+                if not any(f.strip() for f in fields):
+                    continue
+                if len(fields) < len(header):
+                    raise MalformedAnnotations(
+                        f"{path}: line {line} has {len(fields)} field(s), the header {len(header)}; fix that row"
+                    )
+                slide_id, label = fields[at["slide_id"]].strip(), fields[at["label"]].strip()
+                if not slide_id or not label:
+                    raise MalformedAnnotations(
+                        f"{path}: line {line} has an empty slide_id or label; fill it or drop it"
+                    )
+                x = _pixel(fields[at["x"]], path, line, "x")
+                y = _pixel(fields[at["y"]], path, line, "y")
+                records.append(_CsvRow(line, slide_id, x, y, label))
+    except OSError as err:
+        raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise MalformedAnnotations(f"{path} is not UTF-8 text; save it as UTF-8 CSV") from None
+    except csv.Error as err:
+        raise MalformedAnnotations(f"{path} is not a readable CSV file ({err}); save it as plain CSV") from None
+    return records
+
+
+def _pixel(value: str, path: Path, line: int, column: str) -> int:
+    text = value.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if number.is_integer():  # spreadsheets write 1024 as 1024.0
+        return int(number)
+    raise MalformedAnnotations(f"{path}: line {line}: {column}={value!r} is not an integer pixel coordinate")
