@@ -287,9 +287,16 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     d, cand = r.decision, r.evaluation["models"]["candidate"]
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
-    summary = {"labelled_tiles": r.evaluation["labelled_tiles"], "promoted": d.applied, "promote": d.promote,
-               "decision": d.reason, "champion_model": r.champion_model, cfg.gate.primary_metric: value,
-               "cls_effective_rank": cand["health"].get("cls_effective_rank"), "seconds": round(r.seconds, 1)}  # fmt: skip
+    summary = {
+        "labelled_tiles": r.evaluation["labelled_tiles"],
+        "promoted": d.applied,
+        "promote": d.promote,
+        "decision": d.reason,
+        "champion_model": r.champion_model,
+        cfg.gate.primary_metric: value,
+        "cls_effective_rank": cand["health"].get("cls_effective_rank"),
+        "seconds": round(r.seconds, 1),
+    }
     return r, {k: v for k, v in summary.items() if v is not None}
 
 

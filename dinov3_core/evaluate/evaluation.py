@@ -69,7 +69,7 @@ def _labelled_tiles(
     from dinov3_core.evaluate.labels import label_tiles
 
     found = label_tiles(root, cfg.annotations, min_overlap=cfg.min_overlap)
-    warnings += list(getattr(found, "warnings", []))
+    warnings += found.warnings
     if found.missing:
         warnings.append(
             f"{len(found.missing)} slide(s) of the store have no annotations: {', '.join(found.missing[:10])}"
@@ -91,9 +91,7 @@ def _labelled_tiles(
         slides.append(np.full(len(rows), slide_id, object))
         per_slide[slide_id] = {"labelled": len(rows), "unlabelled": int(lab.unlabelled),
                                "ambiguous": int(lab.ambiguous)}  # fmt: skip
-    info = {"annotations": str(cfg.annotations), "min_overlap": cfg.min_overlap, "slides": per_slide,
-            "missing": list(found.missing), "unknown": list(found.unknown),
-            "skipped_features": dict(found.skipped_features)}  # fmt: skip
+    info = {**found.summary(), "kept_per_slide": per_slide}
     if not idx:
         return (*empty, info)
     return np.concatenate(idx), np.concatenate(labels), np.concatenate(slides), info

@@ -61,32 +61,32 @@ def champion_model(cfg: EvaluateConfig, cache: Path, warnings: list[str]) -> Mod
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     try:
-        version = client.get_model_version_by_alias(cfg.register_name, "champion")
+        number = str(client.get_model_version_by_alias(cfg.register_name, "champion").version)
     except MlflowException:
         return None  # no registered model, or no champion yet: the first model's gate is the baseline
-    target = cache / f"champion-v{version.version}"
+    target = cache / f"champion-v{number}"
     onnx = sorted(target.rglob("*.onnx")) if target.is_dir() else []
     if not onnx:
         import mlflow.artifacts
 
-        tmp = cache / f".champion-v{version.version}.tmp"
+        tmp = cache / f".champion-v{number}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             mlflow.artifacts.download_artifacts(
-                artifact_uri=f"models:/{cfg.register_name}/{version.version}",
+                artifact_uri=f"models:/{cfg.register_name}/{number}",
                 dst_path=str(tmp),
                 tracking_uri=tracking.tracking_uri(cfg.tracking),
             )
         except Exception as err:  # an unreachable artifact store must not promote by accident: no champion → warn
-            warnings.append(f"champion v{version.version} of {cfg.register_name} could not be downloaded ({err})")
-            return ModelUnderTest("champion", Path("unavailable"), "download failed", str(version.version))
+            warnings.append(f"champion v{number} of {cfg.register_name} could not be downloaded ({err})")
+            return ModelUnderTest("champion", Path("unavailable"), "download failed", str(number))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         onnx = sorted(target.rglob("*.onnx"))
     if not onnx:
-        warnings.append(f"champion v{version.version} of {cfg.register_name} has no ONNX file in its artifacts")
-        return ModelUnderTest("champion", Path("unavailable"), "no ONNX artifact", str(version.version))
-    return ModelUnderTest("champion", onnx[0], f"registry {cfg.register_name} v{version.version}", str(version.version))
+        warnings.append(f"champion v{number} of {cfg.register_name} has no ONNX file in its artifacts")
+        return ModelUnderTest("champion", Path("unavailable"), "no ONNX artifact", str(number))
+    return ModelUnderTest("champion", onnx[0], f"registry {cfg.register_name} v{number}", str(number))
 
 
 def _weights_of(model: Path) -> Path | None:

@@ -1,0 +1,178 @@
+"""The evaluate stage end to end: a real tile store, real GeoJSON, real ONNX models registered in a real MLflow
+registry, and the `@champion` alias moved (or not) by the gate.
+
+The annotations are drawn from the tissue itself: each tile is classed by its DAB (brown) stain content, measured
+with scikit-image's colour deconvolution, and written as QuPath-style polygons, so the classes mean something in
+the image. Two models share one architecture: a randomly initialised ViT (colour reaches its features) and the
+same ViT made colour-blind (every patch-embedding kernel has zero mean per input channel, so a flat stain shift
+does not change its output). The first is known to be better on these labels, the second known to be worse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from dinov3_core.config import load_config
+from dinov3_core.run import run_stage
+from tests.helpers import by_name, tile_store
+
+ARCH = "vit_test"
+NAME = "wsidino-backbone-evaltest"
+
+
+def backbone(root: Path, colour_blind: bool) -> Path:
+    from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES
+    from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
+
+    torch.manual_seed(0)
+    model = build_backbone(ARCH, **INFERENCE_OVERRIDES).eval()
+    if colour_blind:
+        with torch.no_grad():
+            w = model.patch_embed.proj.weight
+            w -= w.mean(dim=(2, 3), keepdim=True)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(
+        yaml.safe_dump({"arch": ARCH, "backbone_kwargs": backbone_kwargs(ARCH, **INFERENCE_OVERRIDES)})
+    )
+    return save_backbone(model, root / "backbone.pth")
+
+
+def export(weights: Path, tracking_uri: str) -> Path:
+    from dinov3_core.export.config import ExportConfig
+
+    values = {"weights": str(weights), "output": str(weights.parent / "model.onnx"), "register_name": NAME,
+              "parity_sizes": [32], "parity_batches": [2], "tracking.uri": tracking_uri}  # fmt: skip
+    outcome = run_stage("export", load_config(ExportConfig, None, values))
+    assert outcome.manifest.summary["model_version"]
+    return weights.parent / "model.onnx"
+
+
+def dab_annotations(store: Path, out: Path) -> dict[str, int]:
+    """One GeoJSON per slide: tiles classed by their mean DAB optical density (terciles over the store)."""
+    from shapely import box, to_geojson, union_all
+    from skimage.color import rgb2hed
+
+    from dinov3_core.data.tile_dataset import TileDataset
+
+    ds = TileDataset(store, image_format="numpy")
+    dab = np.array([rgb2hed(t)[..., 2].mean() for t in ds.read_batch(np.arange(len(ds)))])
+    lo, hi = np.quantile(dab, [1 / 3, 2 / 3])
+    names = np.where(dab >= hi, "Tumor (DAB+)", np.where(dab <= lo, "Tumor (DAB-)", "Intermediate"))
+    out.mkdir(parents=True)
+    counts: dict[str, int] = {}
+    start = 0
+    for s, slide_id in enumerate(ds.slide_ids):
+        coords = ds.slide_coords(s)
+        size = float(ds.slide_attrs(s)["tile_size_level0"])
+        features = []
+        for cls in ("Tumor (DAB+)", "Tumor (DAB-)"):  # the middle tercile stays unlabelled, as in real annotation
+            rows = np.flatnonzero(names[start : start + len(coords)] == cls)
+            counts[cls] = counts.get(cls, 0) + len(rows)
+            shape = union_all([box(x, y, x + size, y + size) for x, y in coords[rows]])
+            features.append({"type": "Feature", "geometry": json.loads(to_geojson(shape)),
+                             "properties": {"objectType": "annotation", "classification": {"name": cls}}})  # fmt: skip
+        (out / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": features}))
+        start += len(coords)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def setup(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("evaluate")
+    slides = [by_name(sample_slides, n) for n in ("tissue_40x.svs", "tissue_20x.svs", "tissue_generic.tiff")]
+    store = tile_store(slides, root / "tiles.zarr", tile_size=32, mpp=2.0)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    return {
+        "root": root,
+        "store": store,
+        "uri": uri,
+        "counts": dab_annotations(store, root / "annotations"),
+        "better": export(backbone(root / "better", colour_blind=False), uri),
+        "worse": export(backbone(root / "worse", colour_blind=True), uri),
+    }
+
+
+def evaluate(setup: dict[str, Any], candidate: str, output: str, force: bool = False, **values: Any) -> Any:
+    from dinov3_core.evaluate.config import EvaluateConfig
+
+    cfg = load_config(EvaluateConfig, None, {
+        "store": str(setup["store"]), "candidate": str(setup[candidate]), "output": str(setup["root"] / output),
+        "annotations": str(setup["root"] / "annotations"), "register_name": NAME, "tracking.uri": setup["uri"],
+        "probe.bootstrap": 200, "probe.few_shot": [1, 4], "probe.few_shot_draws": 2, "progress": False, **values,
+    })  # fmt: skip
+    return run_stage("evaluate", cfg, force=force)
+
+
+def champion_version(setup: dict[str, Any]) -> str | None:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(MlflowClient(setup["uri"]).get_model_version_by_alias(NAME, "champion").version)
+    except MlflowException:
+        return None
+
+
+def version_of(model: Path) -> str:
+    from dinov3_core import manifest as mf
+
+    return str(mf.producer_manifest(model).summary["model_version"])
+
+
+def test_worse_first_model_is_not_promoted_over_the_baseline(setup: dict[str, Any]) -> None:
+    assert min(setup["counts"].values()) > 20
+    out = evaluate(setup, "worse", "eval-worse", baseline=str(setup["better"].parent / "backbone.pth"))
+    ev = json.loads((setup["root"] / "eval-worse" / "evaluation.json").read_text())
+    assert set(ev["models"]) == {"candidate", "baseline"}  # no champion in the registry yet
+    assert not ev["decision"]["promote"] and champion_version(setup) is None
+    assert ev["comparisons"]["candidate_vs_baseline"]["linear.balanced_accuracy"]["value"] < 0
+    assert out.manifest.summary["promoted"] is False
+
+
+def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None:
+    baseline = str(setup["worse"].parent / "backbone.pth")
+    out = evaluate(setup, "better", "eval-better", baseline=baseline)
+    ev = json.loads((setup["root"] / "eval-better" / "evaluation.json").read_text())
+    split = ev["split"]
+    assert not set(split["train_groups"]) & set(split["test_groups"])  # no slide on both sides
+    assert ev["decision"]["applied"], ev["decision"]
+    assert champion_version(setup) == version_of(setup["better"])
+    assert out.manifest.summary["champion_model"] == str(setup["better"])
+    for picture in ("confusion_candidate.png", "embedding_candidate.png", "evaluation.md"):
+        assert (setup["root"] / "eval-better" / picture).is_file()
+    from mlflow import MlflowClient
+
+    tags = MlflowClient(setup["uri"]).get_model_version(NAME, version_of(setup["better"])).tags
+    assert tags["wsidino.promotion"] == "promoted" and float(tags["wsidino.eval.linear.balanced_accuracy"]) > 0.5
+    # A rerun skips (stage manifest); a forced rerun finds the candidate already champion and moves nothing.
+    assert evaluate(setup, "better", "eval-better", baseline=baseline).status == "skipped"
+    again = evaluate(setup, "better", "eval-better", force=True, baseline=baseline)
+    assert again.result.decision.already_champion and not again.result.decision.applied
+    assert champion_version(setup) == version_of(setup["better"])
+
+
+def test_worse_candidate_does_not_replace_the_champion(setup: dict[str, Any]) -> None:
+    assert champion_version(setup) == version_of(setup["better"])  # from the test above
+    evaluate(setup, "worse", "eval-worse-2", baseline=None)
+    ev = json.loads((setup["root"] / "eval-worse-2" / "evaluation.json").read_text())
+    assert set(ev["models"]) == {"candidate", "champion"}
+    diff = ev["comparisons"]["candidate_vs_champion"]["linear.balanced_accuracy"]
+    assert diff["ci_low"] <= diff["value"] < 0 and not ev["decision"]["promote"]
+    assert champion_version(setup) == version_of(setup["better"])
+    assert ev["champion_model"] and Path(ev["champion_model"]).is_file()  # the champion's ONNX, downloaded
+
+
+def test_no_annotations_measures_health_and_promotes_nothing(setup: dict[str, Any]) -> None:
+    out = evaluate(setup, "worse", "eval-health", annotations=None, baseline="init")
+    ev = json.loads((setup["root"] / "eval-health" / "evaluation.json").read_text())
+    assert ev["labelled_tiles"] == 0 and "promotion is off" in ev["decision"]["reason"]
+    for model in ev["models"].values():
+        assert 0 < model["health"]["cls_effective_rank"] <= 1 and -1 <= model["health"]["dense_agreement"] <= 1
+    assert out.status == "ran" and champion_version(setup) == version_of(setup["better"])
