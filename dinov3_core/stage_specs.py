@@ -141,7 +141,8 @@ STAGE_SPECS: dict[str, StageSpec] = {
         volatile=("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor"),
     ),
     "convert": StageSpec(
-        "convert", lambda: ConvertConfig, False, True, lambda c: c.output_dir, lambda c: {"checkpoint": c.input},
+        "convert", lambda: ConvertConfig, False, True, lambda c: c.output_dir,
+        lambda c: {"checkpoint": c.input, "tile_store": c.store, "annotations": c.annotations},
         lambda c: {"backbone": str(Path(c.output_dir) / "backbone.pth"),
                    "arch_config": str(Path(c.output_dir) / "config.yaml")},
     ),

@@ -176,3 +176,31 @@ def test_no_annotations_measures_health_and_promotes_nothing(setup: dict[str, An
     for model in ev["models"].values():
         assert 0 < model["health"]["cls_effective_rank"] <= 1 and -1 <= model["health"]["dense_agreement"] <= 1
     assert out.status == "ran" and champion_version(setup) == version_of(setup["better"])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, Any]) -> None:
+    from dinov3_core.config import ConfigError
+    from dinov3_core.export.config import ConvertConfig
+    from dinov3_core.models.released import unwrap_backbone_state_dict
+    from dinov3_core.train.pretrain import run_pretrain
+    from tests.helpers import pretrain_config
+
+    run = setup["root"] / "run"
+    run_pretrain(pretrain_config(setup["store"], run, **{"train.stop_at": 6, "checkpointing.period": 2,
+                                                         "evaluation.eval_period_iterations": 2}))  # fmt: skip
+    values = {"input": str(run), "output_dir": str(setup["root"] / "model-knn"), "select": "best_knn",
+              "store": str(setup["store"]), "annotations": str(setup["root"] / "annotations"),
+              "tracking.enabled": False}  # fmt: skip
+    outcome = run_stage("convert", load_config(ConvertConfig, None, values))
+    curve = json.loads((run / "eval" / "knn_curve.json").read_text())
+    points = curve["points"]
+    assert [p["iteration"] for p in points] == [1, 3, 5]
+    best = max(points, key=lambda p: (p["knn_balanced_accuracy"], -p["iteration"]))
+    assert outcome.manifest.summary["iteration"] == best["iteration"] == curve["best"]["iteration"]
+    assert (run / "eval" / "knn_curve.png").is_file()
+    converted = torch.load(setup["root"] / "model-knn" / "backbone.pth", weights_only=True)
+    chosen = unwrap_backbone_state_dict(torch.load(best["path"], weights_only=True))
+    assert converted.keys() == chosen.keys() and all(torch.equal(converted[k], chosen[k]) for k in chosen)
+    with pytest.raises(ConfigError, match="select"):
+        load_config(ConvertConfig, None, {**values, "annotations": None})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,38 +60,47 @@ def _table(path: str | None, key: str) -> dict[str, str]:
     return {r[0].strip(): r[1].strip() for r in rows[1:] if len(r) >= 2 and r[0].strip()}
 
 
-def _labelled_tiles(
-    cfg: EvaluateConfig, root: Path, ds: Any, warnings: list[str]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-    """(global tile indices, class labels, slide ids) of the labelled tiles, and the label report for the JSON."""
+Labelled = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
+
+
+def labelled_tiles(
+    root: Path,
+    ds: Any,
+    annotations: str | None,
+    warnings: list[str],
+    *,
+    min_overlap: float = 0.0,
+    exclude_classes: Sequence[str] = (),
+    max_tiles_per_slide: int | None = None,
+) -> Labelled:
+    """(global tile indices, class labels, slide ids) of the labelled tiles, and the label report for the JSON;
+    at most `max_tiles_per_slide` per slide, evenly spaced (deterministic)."""
     empty = (np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
-    if not cfg.annotations:
+    if not annotations:
         return (*empty, {"annotations": None})
     from dinov3_core.evaluate.labels import label_tiles
 
-    found = label_tiles(root, cfg.annotations, min_overlap=cfg.min_overlap)
+    found = label_tiles(root, annotations, min_overlap=min_overlap)
     warnings += found.warnings
     if found.missing:
-        warnings.append(
-            f"{len(found.missing)} slide(s) of the store have no annotations: {', '.join(found.missing[:10])}"
-        )
+        names = ", ".join(found.missing[:10])
+        warnings.append(f"{len(found.missing)} slide(s) of the store have no annotations: {names}")
     if found.unknown:
         warnings.append(f"annotations name slides not in the store: {', '.join(found.unknown[:10])}")
     slide_index = {s: i for i, s in enumerate(ds.slide_ids)}
     idx, labels, slides = [], [], []
     per_slide: dict[str, dict[str, int]] = {}
     for slide_id, lab in sorted(found.slides.items()):
-        keep = ~np.isin(lab.labels.astype(str), cfg.exclude_classes)
+        keep = ~np.isin(lab.labels.astype(str), list(exclude_classes))
         rows, names = lab.rows[keep], lab.labels[keep].astype(str)
-        if cfg.max_tiles_per_slide and len(rows) > cfg.max_tiles_per_slide:  # evenly spaced: deterministic
-            pick = np.unique(np.linspace(0, len(rows) - 1, cfg.max_tiles_per_slide).round().astype(np.int64))
+        if max_tiles_per_slide and len(rows) > max_tiles_per_slide:
+            pick = np.unique(np.linspace(0, len(rows) - 1, max_tiles_per_slide).round().astype(np.int64))
             rows, names = rows[pick], names[pick]
         s = slide_index[slide_id]
         idx.append(np.array([ds.global_index(s, int(r)) for r in rows], np.int64))
         labels.append(names)
         slides.append(np.full(len(rows), slide_id, object))
-        per_slide[slide_id] = {"labelled": len(rows), "unlabelled": int(lab.unlabelled),
-                               "ambiguous": int(lab.ambiguous)}  # fmt: skip
+        per_slide[slide_id] = {"kept": len(rows)}
     info = {**found.summary(), "kept_per_slide": per_slide}
     if not idx:
         return (*empty, info)
@@ -151,7 +161,10 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if baseline is not None:
         models.append(baseline)
 
-    idx, y, slides, label_info = _labelled_tiles(cfg, root, ds, warnings)
+    idx, y, slides, label_info = labelled_tiles(
+        root, ds, cfg.annotations, warnings, min_overlap=cfg.min_overlap, exclude_classes=cfg.exclude_classes,
+        max_tiles_per_slide=cfg.max_tiles_per_slide,
+    )  # fmt: skip
     groups = slides
     patients = _table(cfg.patients, "patients")
     if patients:
@@ -191,6 +204,13 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
             warnings.append(f"{m.role} {m.path} could not be evaluated: {entry['error']}")
         logger.info("evaluate: %s embedded (%s)", m.role, m.description)
 
+    dims = {role: x.shape[1] for role, x in feats.items()}
+    if "champion" in dims and dims["champion"] != dims["candidate"]:
+        warnings.append(
+            f"the champion ({champion.description if champion else ''}) is another architecture (features of "
+            f"{dims['champion']} vs {dims['candidate']} dimensions): both are probed on the same tiles and split, "
+            "so the comparison stands, but check that replacing it is intended"
+        )
     predictions: dict[str, dict[str, P.Predictions]] = {}
     if len(idx):
         split = P.split_by_group(y, groups, test_fraction=cfg.probe.test_fraction, seed=cfg.probe.seed)
@@ -275,4 +295,4 @@ def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> N
                              "wsidino.promotion_reason": decision["reason"][:5000]})  # fmt: skip
 
 
-__all__ = ["EvaluateResult", "run_evaluate"]
+__all__ = ["EvaluateResult", "labelled_tiles", "run_evaluate"]

@@ -20,7 +20,20 @@ class ConvertConfig:
     which: Literal["teacher", "student"] = "teacher"
     safetensors: bool = False  # also write backbone.safetensors
     full_consolidation: bool = False  # also write every key of the checkpoint into full.pt (dcp_to_torch_save)
+    # Which checkpoint of a run: the latest (DCP), or the teacher-only eval checkpoint with the best kNN balanced
+    # accuracy on `annotations` of `store` (dinov3_core.evaluate.checkpoints; the curve lands in <run>/eval/).
+    select: Literal["latest", "best_knn"] = "latest"
+    store: str | None = None  # tile store with annotated slides (select=best_knn)
+    annotations: str | None = None  # QuPath GeoJSON folder or CSV (select=best_knn)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.select == "latest" or bool(self.store and self.annotations),
+            "select",
+            "best_knn scores the run's eval checkpoints on labelled tiles: set store=<tiles.zarr> and "
+            "annotations=<GeoJSON folder or CSV> too",
+        )
 
 
 @dataclass

@@ -179,13 +179,16 @@ def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
 def run_convert(cfg: ConvertConfig) -> ConvertResult:
     """Convert per `cfg`; raises `ConvertError` (a WsidinoError) for bad input before writing anything."""
     start = time.perf_counter()
-    ckpt = find_checkpoint(cfg.input)
-    sd = read_dcp_backbone(ckpt, cfg.which)
-    arch, kwargs = resolve_backbone_kwargs(ckpt, sd)
-    from dinov3_core.train.checkpoint import read_meta
+    curve = None
+    if cfg.select == "best_knn":
+        ckpt, sd, iteration, curve = _best_knn_checkpoint(cfg)
+    else:
+        ckpt = find_checkpoint(cfg.input)
+        sd = read_dcp_backbone(ckpt, cfg.which)
+        from dinov3_core.train.checkpoint import read_meta
 
-    meta = read_meta(ckpt)
-    iteration = meta.get("iteration", int(ckpt.name) if ckpt.name.isdigit() else None)
+        iteration = read_meta(ckpt).get("iteration", int(ckpt.name) if ckpt.name.isdigit() else None)
+    arch, kwargs = resolve_backbone_kwargs(ckpt, sd)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     backbone = out / BACKBONE_FILE
@@ -229,13 +232,36 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         ckpt, cfg.which, iteration, backbone, len(sd), result.backbone_bytes / 1e6, result.checkpoint_bytes / 1e6,
     )  # fmt: skip
     if cfg.tracking.enabled:
-        params = {"which": cfg.which, "arch": arch, "checkpoint": str(ckpt), "iteration": iteration}
+        params = {"which": cfg.which, "arch": arch, "checkpoint": str(ckpt), "iteration": iteration,
+                  "select": cfg.select}  # fmt: skip
         with tracking.stage_run(cfg.tracking, "convert", params=params):
             tracking.log_metrics(
                 {"backbone_mb": result.backbone_bytes / 1e6, "checkpoint_mb": result.checkpoint_bytes / 1e6}
             )
             tracking.log_artifact(arch_path)
+            for point in curve.points if curve is not None else []:
+                tracking.log_metrics({"eval_knn_balanced_accuracy": point.knn_balanced_accuracy}, step=point.iteration)
+            if curve is not None:
+                for name in ("knn_curve.json", "knn_curve.png"):
+                    tracking.log_artifact(Path(cfg.input) / "eval" / name, "knn_curve")
     return result
+
+
+def _best_knn_checkpoint(cfg: ConvertConfig) -> tuple[Path, dict[str, Tensor], int, Any]:
+    """The teacher-only eval checkpoint of the run with the best kNN score: (its directory, backbone state dict,
+    iteration, the whole curve)."""
+    from dinov3_core.evaluate.checkpoints import knn_curve
+    from dinov3_core.models.released import unwrap_backbone_state_dict
+
+    if cfg.which != "teacher":
+        raise ConvertError("select=best_knn converts eval checkpoints, which hold the teacher only: use which=teacher")
+    curve = knn_curve(cfg.input, cfg.store, cfg.annotations)  # type: ignore[arg-type]
+    best = curve.best
+    logger.info("best_knn: iteration %d (kNN balanced accuracy %.4f) of %s", best.iteration,
+                best.knn_balanced_accuracy, [p.iteration for p in curve.points])  # fmt: skip
+    obj = torch.load(best.path, map_location="cpu", weights_only=True)
+    sd = {k: v.contiguous() for k, v in unwrap_backbone_state_dict(obj, source=best.path).items()}
+    return Path(best.path).parent, sd, best.iteration, curve
 
 
 def read_arch_config(weights: str | os.PathLike[str]) -> dict[str, Any] | None:
