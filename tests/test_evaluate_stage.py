@@ -204,3 +204,25 @@ def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, An
     assert converted.keys() == chosen.keys() and all(torch.equal(converted[k], chosen[k]) for k in chosen)
     with pytest.raises(ConfigError, match="select"):
         load_config(ConvertConfig, None, {**values, "annotations": None})
+
+
+def test_patients_split_and_site_predictability(setup: dict[str, Any]) -> None:
+    root = setup["root"]
+    (root / "sites.csv").write_text("slide_id,site\ntissue_40x,A\ntissue_20x,A\ntissue_generic,B\n")
+    evaluate(setup, "better", "eval-sites", baseline=None, sites=str(root / "sites.csv"), **{"gate.promote": False})
+    ev = json.loads((root / "eval-sites" / "evaluation.json").read_text())
+    test_sites = {"A" if s != "tissue_generic" else "B" for s in ev["split"]["test_groups"]}
+    assert test_sites == {"A"}  # seed 0 keeps tissue_40x for the test side; its site is also among training slides
+    assert 0.0 <= ev["site_predictability"]["candidate"] <= 1.0
+
+    (root / "patients.csv").write_text("slide_id,patient\ntissue_40x,p1\ntissue_20x,p1\ntissue_generic,p2\n")
+    evaluate(setup, "better", "eval-patients", baseline=None, patients=str(root / "patients.csv"),
+             **{"gate.promote": False})  # fmt: skip
+    ev = json.loads((root / "eval-patients" / "evaluation.json").read_text())
+    assert ev["split"]["by"] == "patient"
+    assert sorted(ev["split"]["train_groups"] + ev["split"]["test_groups"]) == ["p1", "p2"]
+    (root / "bad.csv").write_text("slide_id,patient\ntissue_40x,p1\n")
+    from dinov3_core.evaluate.config import EvaluateError
+
+    with pytest.raises(EvaluateError, match="no patient for slide"):
+        evaluate(setup, "better", "eval-bad", baseline=None, patients=str(root / "bad.csv"))
