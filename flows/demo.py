@@ -34,6 +34,7 @@ def demo_params(output: Path, nproc: int, tile_workers: int) -> Any:
     return PipelineParams(
         slides=str(output / "slides"),
         workdir=str(output),
+        annotations=str(output / "slides" / "annotations"),  # QuPath-style GeoJSON written with the sample slides
         tile=StageOptions(config="default", overrides=[f"workers={tile_workers}"]),
         pretrain=StageOptions(config="tiny"),
         gram=StageOptions(config="tiny"),
@@ -58,6 +59,9 @@ def run_demo(output: Path, nproc: int, tile_workers: int) -> int:
         print(f"demo pipeline ended {state.name}: {state.message}", file=sys.stderr)
         return 1
     summary = state.result()
+    table = Path(summary["paths"]["evaluation"]) / "evaluation.md"
+    if table.is_file():
+        print("\n" + table.read_text())
     print(where_everything_is(output, summary, time.perf_counter() - start))
     return 0
 
@@ -79,7 +83,8 @@ def where_everything_is(output: Path, summary: dict[str, Any], seconds: float) -
         f"  backbone          {p['backbone']}  (released DINOv3 key layout)\n"
         f"  ONNX model        {p['onnx']}  (registered as {export.get('registered_model', '?')} "
         f"v{export.get('model_version', '?')} @{export.get('alias', '?')})\n"
-        f"  features          {p['features']}  (slides/<id>/pca.png)\n"
+        f"  evaluation        {p['evaluation']}  (evaluation.json, evaluation.md, confusion_*.png, embedding_*.png)\n"
+        f"  features          {p['features']}  (slides/<id>/pca.png; extracted with the @champion)\n"
         f"  stage manifests   <each output>/stage_manifest.json, model.onnx.stage_manifest.json\n"
         f"  MLflow runs       {uri}  (pipeline run {summary['mlflow_run_id']}, one child per stage)\n\n"
         "Open the UIs:\n"
