@@ -16,10 +16,7 @@ Every tile of a labelled slide is exactly one of labelled, unlabelled or ambiguo
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +29,12 @@ import shapely.errors
 import shapely.geometry
 import zarr
 
-from dinov3_core.errors import WsidinoError
+from dinov3_core.evaluate.geojson import (
+    GeoJsonAnnotations,
+    LabelError,
+    MalformedAnnotations,
+    read_geojson,
+)
 from dinov3_core.tiling import store as ts
 
 __all__ = [
@@ -47,9 +49,6 @@ __all__ = [
 
 GEOJSON_SUFFIX = ".geojson"
 CSV_COLUMNS = ("slide_id", "x", "y", "label")
-POLYGONAL = frozenset({"Polygon", "MultiPolygon"})
-NO_CLASSIFICATION = "no classification"
-EMPTY_GEOMETRY = "empty geometry"
 SHOWN = 5  # line numbers / names listed in a message before "and N more"
 CORNER_FRACTION = 1 / 8  # annotations confined to this share of the slide in x and y look like thumbnail coords
 # Area ratios are computed in floating point: a tile covered exactly at the threshold must not fall just below it.
@@ -58,14 +57,6 @@ QUPATH_EXPORT = (
     "export the annotations from QuPath in level-0 pixel coordinates (File › Export objects as GeoJSON on the "
     "full-resolution image, no downsample)"
 )
-
-
-class LabelError(WsidinoError, ValueError):
-    """The annotations cannot label the tile store: wrong path, unknown slides or tiles, another coordinate system."""
-
-
-class MalformedAnnotations(LabelError):
-    """An annotation file is not GeoJSON / CSV of the expected shape; the message names the file and the place."""
 
 
 @dataclass
@@ -126,137 +117,11 @@ class LabelReport:
         }
 
 
-@dataclass
-class GeoJsonAnnotations:
-    """The classified polygons of one GeoJSON file, and what was left out or repaired on the way."""
-
-    path: Path
-    shapes: list[tuple[str, shapely.Geometry]]  # (class name, Polygon | MultiPolygon), valid, 2-D, non-empty
-    skipped: dict[str, int]  # reason → features ignored
-    repaired: int  # invalid polygons repaired with shapely.make_valid
-
-
-# ------------------------------------------------------------------------------------------------- GeoJSON
-
-
-def read_geojson(path: str | Path) -> GeoJsonAnnotations:
-    """The (class, polygon) pairs of a QuPath GeoJSON export: a FeatureCollection, a list of features or a Feature.
-
-    Features without a classification and geometries other than Polygon / MultiPolygon are skipped and counted;
-    invalid polygons (self-intersections, ...) are repaired with `shapely.make_valid`. Raises `MalformedAnnotations`
-    naming the file (and the feature index) for bad JSON or an unreadable geometry.
-    """
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8-sig"))
-    except OSError as err:
-        raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise MalformedAnnotations(f"{path} is not UTF-8 text; export it again from QuPath as GeoJSON") from None
-    except json.JSONDecodeError as err:
-        raise MalformedAnnotations(
-            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); export it again from "
-            "QuPath (File › Export objects as GeoJSON)"
-        ) from None
-
-    shapes: list[tuple[str, shapely.Geometry]] = []
-    skipped: Counter[str] = Counter()
-    repaired = 0
-    for i, feature in enumerate(_features(doc, path)):
-        where = f"{path}, feature {i}"
-        if not isinstance(feature, dict):
-            raise MalformedAnnotations(f"{where} is a {type(feature).__name__}, not a GeoJSON Feature object")
-        geometry = feature.get("geometry")
-        if geometry is None:
-            skipped[EMPTY_GEOMETRY] += 1
-            continue
-        if not isinstance(geometry, dict) or not isinstance(geometry.get("type"), str):
-            raise MalformedAnnotations(f"{where}: 'geometry' must be an object with a 'type'; got {geometry!r:.80}")
-        if geometry["type"] not in POLYGONAL:
-            skipped[f"unsupported geometry ({geometry['type']})"] += 1
-            continue
-        name = _class_name(feature, where)
-        if name is None:
-            skipped[NO_CLASSIFICATION] += 1
-            continue
-        shape = _read_geometry(geometry, where)
-        if not shape.is_empty and not shape.is_valid:
-            shape = _polygonal_part(shapely.make_valid(shape))
-            repaired += not shape.is_empty  # a sliver repairs into lines only: counted as skipped, below
-        if shape.is_empty:
-            skipped[EMPTY_GEOMETRY] += 1
-            continue
-        shapes.append((name, shape))
-    return GeoJsonAnnotations(path, shapes, dict(sorted(skipped.items())), repaired)
-
-
-def _features(doc: Any, path: Path) -> list[Any]:
-    """The feature list of the three shapes QuPath writes."""
-    if isinstance(doc, list):
-        return doc
-    if isinstance(doc, dict) and doc.get("type") == "FeatureCollection":
-        features = doc.get("features")
-        if not isinstance(features, list):
-            raise MalformedAnnotations(f"{path}: the FeatureCollection has no 'features' list")
-        return features
-    if isinstance(doc, dict) and doc.get("type") == "Feature":
-        return [doc]
-    found = doc.get("type") if isinstance(doc, dict) else type(doc).__name__
-    raise MalformedAnnotations(
-        f"{path}: expected a GeoJSON FeatureCollection, a list of features or a Feature, got {found!r}; "
-        "export the annotations from QuPath with File › Export objects as GeoJSON"
-    )
-
-
-def _class_name(feature: dict[str, Any], where: str) -> str | None:
-    """properties.classification.name; None when the feature has no classification."""
-    properties = feature.get("properties") or {}
-    if not isinstance(properties, dict):
-        raise MalformedAnnotations(f"{where}: 'properties' must be an object")
-    classification = properties.get("classification")
-    if isinstance(classification, dict):
-        name = classification.get("name")
-        names = classification.get("names")
-        # Derived classes ("Tumor: Positive") may come as a list of names only.
-        if name is None and isinstance(names, list) and names and all(isinstance(n, str) for n in names):
-            name = ": ".join(names)
-    else:
-        name = classification
-    if name is None or name == "":
-        return None
-    if not isinstance(name, str):
-        raise MalformedAnnotations(f"{where}: classification name must be a string, got {name!r:.80}")
-    return name
-
-
-def _read_geometry(geometry: dict[str, Any], where: str) -> shapely.Geometry:
-    try:
-        # A NaN coordinate makes GEOS warn; it is reported below as an error instead.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            shape = shapely.geometry.shape(geometry)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, shapely.errors.ShapelyError) as err:
-        raise MalformedAnnotations(
-            f"{where}: cannot read the {geometry['type']} geometry ({type(err).__name__}: {err}); each ring must be "
-            "a list of at least 4 [x, y] points, the first repeated last. Export it again from QuPath"
-        ) from None
-    if not np.isfinite(shapely.get_coordinates(shape)).all():
-        raise MalformedAnnotations(f"{where}: the geometry has a NaN or infinite coordinate; fix or delete it")
-    return shapely.force_2d(shape)
-
-
-def _polygonal_part(shape: shapely.Geometry) -> shapely.Geometry:
-    """The polygons of a repaired geometry: make_valid turns a bow-tie into two triangles but a sliver into lines."""
-    parts = shapely.get_parts(shape)
-    keep = [p for p in parts if p.geom_type in POLYGONAL]
-    return shapely.union_all(keep) if keep else shapely.Polygon()
-
-
 # ------------------------------------------------------------------------------------------------ labelling
 
 
 @dataclass(frozen=True)
-class _Slide:
+class SlideTiles:
     slide_id: str
     coords: np.ndarray  # (N, 2) int64 level-0 tile origins (x, y)
     tile: float  # tile side at level 0
@@ -291,7 +156,9 @@ def label_tiles(
     if source.is_dir():
         return _label_geojson(root, source, store_ids, selected, overlap)
     if source.is_file() and source.suffix.lower() == ".csv":
-        return _label_csv(root, source, store_ids, selected, overlap)
+        from dinov3_core.evaluate.labels_csv import label_csv  # the CSV path needs this module's types
+
+        return label_csv(root, source, store_ids, selected, overlap)
     what = "does not exist" if not source.exists() else "is neither a folder nor a .csv file"
     raise LabelError(
         f"annotations {source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
@@ -305,16 +172,16 @@ def _select(store_ids: list[str], slide_ids: Iterable[str] | None, root: Path) -
     wanted = {slide_ids} if isinstance(slide_ids, str) else set(slide_ids)
     absent = sorted(wanted - set(store_ids))
     if absent:
-        raise LabelError(f"slide id(s) not in the tile store {root}: {_listed(absent)}; pick from {_listed(store_ids)}")
+        raise LabelError(f"slide id(s) not in the tile store {root}: {listed(absent)}; pick from {listed(store_ids)}")
     return sorted(wanted)
 
 
-def _listed(items: Sequence[Any]) -> str:
+def listed(items: Sequence[Any]) -> str:
     shown = ", ".join(str(i) for i in items[:SHOWN])
     return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
 
 
-def _read_slide(root: Path, slide_id: str) -> _Slide:
+def read_slide(root: Path, slide_id: str) -> SlideTiles:
     attrs = ts.read_slide_attrs(root, slide_id)
     n = int(attrs.get("tile_count", 0))
     if "tile_size_level0" not in attrs:
@@ -336,7 +203,7 @@ def _read_slide(root: Path, slide_id: str) -> _Slide:
             "slide's folder and re-run `wsidino tile`"
         )
     width, height = attrs.get("level0_width"), attrs.get("level0_height")
-    return _Slide(
+    return SlideTiles(
         slide_id,
         coords.astype(np.int64, copy=False),
         float(attrs["tile_size_level0"]),
@@ -345,7 +212,7 @@ def _read_slide(root: Path, slide_id: str) -> _Slide:
     )
 
 
-def _slide_labels(slide_id: str, hits: np.ndarray, names: list[str]) -> SlideLabels:
+def slide_labels(slide_id: str, hits: np.ndarray, names: list[str]) -> SlideLabels:
     """Labels from a (classes × tiles) boolean matrix: one class → labelled, two or more → ambiguous."""
     n = hits.shape[1]
     claims = hits.sum(axis=0)
@@ -377,8 +244,8 @@ def _label_geojson(
     if len(report.missing) == len(selected):
         raise LabelError(
             f"no .geojson file in {folder} names a selected slide of the tile store {root} (files: "
-            f"{_listed(unknown) or 'only ones for unselected slides'}); name each file <slide_id>.geojson, slide ids: "
-            f"{_listed(selected)}"
+            f"{listed(unknown) or 'only ones for unselected slides'}); name each file <slide_id>.geojson, slide ids: "
+            f"{listed(selected)}"
         )
     skipped: Counter[str] = Counter()
     for sid in selected:
@@ -387,7 +254,7 @@ def _label_geojson(
         found = read_geojson(files[sid])
         skipped.update(found.skipped)
         report.repaired_features += found.repaired
-        slide = _read_slide(root, sid)
+        slide = read_slide(root, sid)
         _check_bounds(found, slide)
         labels = _label_by_polygons(slide, found.shapes, min_overlap)
         report.slides[sid] = labels
@@ -426,7 +293,9 @@ def _match_files(folder: Path, store_ids: list[str]) -> tuple[dict[str, Path], l
     return found, unknown
 
 
-def _label_by_polygons(slide: _Slide, shapes: list[tuple[str, shapely.Geometry]], min_overlap: float) -> SlideLabels:
+def _label_by_polygons(
+    slide: SlideTiles, shapes: list[tuple[str, shapely.Geometry]], min_overlap: float
+) -> SlideLabels:
     by_class: dict[str, list[shapely.Geometry]] = defaultdict(list)
     for name, shape in shapes:
         by_class[name].append(shape)
@@ -441,7 +310,7 @@ def _label_by_polygons(slide: _Slide, shapes: list[tuple[str, shapely.Geometry]]
             idx = np.flatnonzero(inside)
             inside[idx] = _covered_fraction(union, slide.coords[idx], slide.tile) >= min_overlap - OVERLAP_TOLERANCE
         hits[k] = inside
-    return _slide_labels(slide.slide_id, hits, names)
+    return slide_labels(slide.slide_id, hits, names)
 
 
 def _covered_fraction(union: shapely.Geometry, origins: np.ndarray, tile: float) -> np.ndarray:
@@ -453,7 +322,7 @@ def _covered_fraction(union: shapely.Geometry, origins: np.ndarray, tile: float)
     return fraction
 
 
-def _check_bounds(found: GeoJsonAnnotations, slide: _Slide) -> None:
+def _check_bounds(found: GeoJsonAnnotations, slide: SlideTiles) -> None:
     """Annotations beyond the slide (by more than a tile) cannot be level-0 pixels of this slide."""
     if not found.shapes or slide.width is None or slide.height is None:
         return
@@ -468,7 +337,7 @@ def _check_bounds(found: GeoJsonAnnotations, slide: _Slide) -> None:
         )
 
 
-def _corner_warning(found: GeoJsonAnnotations, slide: _Slide, labels: SlideLabels) -> str | None:
+def _corner_warning(found: GeoJsonAnnotations, slide: SlideTiles, labels: SlideLabels) -> str | None:
     """Annotations squeezed into the top-left corner that label nothing: likely coordinates of a thumbnail."""
     if slide.width is None or slide.height is None or len(labels.rows) or labels.ambiguous:
         return None
@@ -483,116 +352,3 @@ def _corner_warning(found: GeoJsonAnnotations, slide: _Slide, labels: SlideLabel
         f"{slide.slide_id!r} ({slide.width}×{slide.height} px at level 0), and labels no tile: the annotations look "
         f"like they are in another coordinate system (e.g. exported from a downsampled thumbnail); {QUPATH_EXPORT}"
     )
-
-
-# ---------------------------------------------------------------------------------------------------- by CSV
-
-
-@dataclass(frozen=True)
-class _CsvRow:
-    line: int
-    slide_id: str
-    x: int
-    y: int
-    label: str
-
-
-def _label_csv(root: Path, path: Path, store_ids: list[str], selected: list[str], min_overlap: float) -> LabelReport:
-    records = _read_csv(path)
-    known = set(store_ids)
-    strangers = [r for r in records if r.slide_id not in known]
-    if strangers:
-        names = sorted({r.slide_id for r in strangers})
-        raise LabelError(
-            f"{path}: line(s) {_listed([r.line for r in strangers])} name slides that are not in the tile store "
-            f"{root} ({_listed(names)}); use the store's slide ids ({_listed(store_ids)}) or remove those rows"
-        )
-    by_slide: dict[str, list[_CsvRow]] = defaultdict(list)
-    for r in records:
-        by_slide[r.slide_id].append(r)
-    report = LabelReport(annotations=path, min_overlap=min_overlap)
-    report.missing = [sid for sid in selected if sid not in by_slide]
-    if len(report.missing) == len(selected):
-        raise LabelError(f"{path} has no row for the selected slide(s) {_listed(selected)} of the tile store {root}")
-    strays: list[_CsvRow] = []
-    for sid in selected:
-        if sid not in by_slide:
-            continue
-        slide = _read_slide(root, sid)
-        row_of = {(int(x), int(y)): i for i, (x, y) in enumerate(slide.coords.tolist())}
-        rows = by_slide[sid]
-        strays += [r for r in rows if (r.x, r.y) not in row_of]
-        names = sorted({r.label for r in rows})
-        column = {name: k for k, name in enumerate(names)}
-        hits = np.zeros((len(names), len(slide.coords)), dtype=bool)
-        for r in rows:
-            if (r.x, r.y) in row_of:
-                hits[column[r.label], row_of[(r.x, r.y)]] = True
-        report.slides[sid] = _slide_labels(sid, hits, names)
-    if strays:
-        strays.sort(key=lambda r: r.line)
-        first = strays[0]
-        raise LabelError(
-            f"{path}: line(s) {_listed([r.line for r in strays])} give x,y that are no tile of their slide in {root} "
-            f"(line {first.line}: slide {first.slide_id!r}, x={first.x}, y={first.y}); x,y must be a tile's level-0 "
-            "top-left corner exactly as in the slide's coords array of this store (not a centre, not another µm/px "
-            "or tile size): fix or remove those rows"
-        )
-    return report
-
-
-def _read_csv(path: Path) -> list[_CsvRow]:
-    try:
-        # utf-8-sig: spreadsheets often start the file with a byte-order mark.
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.reader(handle)
-            header = next(reader, None)
-            if header is None:
-                raise MalformedAnnotations(f"{path} is empty; the first line must be the header slide_id,x,y,label")
-            columns = [h.strip().lower() for h in header]
-            lacking = [c for c in CSV_COLUMNS if c not in columns]
-            if lacking:
-                raise MalformedAnnotations(
-                    f"{path}: the header (line 1) lacks column(s) {', '.join(lacking)}; the first line must name "
-                    f"the columns slide_id,x,y,label (got {','.join(header)})"
-                )
-            at = {c: columns.index(c) for c in CSV_COLUMNS}
-            records = []
-            for fields in reader:
-                line = reader.line_num
-                if not any(f.strip() for f in fields):
-                    continue
-                if len(fields) < len(header):
-                    raise MalformedAnnotations(
-                        f"{path}: line {line} has {len(fields)} field(s), the header {len(header)}; fix that row"
-                    )
-                slide_id, label = fields[at["slide_id"]].strip(), fields[at["label"]].strip()
-                if not slide_id or not label:
-                    raise MalformedAnnotations(
-                        f"{path}: line {line} has an empty slide_id or label; fill it or drop it"
-                    )
-                x = _pixel(fields[at["x"]], path, line, "x")
-                y = _pixel(fields[at["y"]], path, line, "y")
-                records.append(_CsvRow(line, slide_id, x, y, label))
-    except OSError as err:
-        raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise MalformedAnnotations(f"{path} is not UTF-8 text; save it as UTF-8 CSV") from None
-    except csv.Error as err:
-        raise MalformedAnnotations(f"{path} is not a readable CSV file ({err}); save it as plain CSV") from None
-    return records
-
-
-def _pixel(value: str, path: Path, line: int, column: str) -> int:
-    text = value.strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if number.is_integer():  # spreadsheets write 1024 as 1024.0
-        return int(number)
-    raise MalformedAnnotations(f"{path}: line {line}: {column}={value!r} is not an integer pixel coordinate")
