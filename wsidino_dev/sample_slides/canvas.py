@@ -380,17 +380,18 @@ class TissueCanvas:
             region.layer.sample(atlas, rows, cols) if mask is None or len(ys) or mask.any() else None
             for atlas, mask in zip(self._atlas, masks, strict=True)
         ]
-        stroma = parts[2]
-        assert stroma is not None
-        composed = stroma.copy() if len(ys) else stroma
+        blend = None
+        if len(ys):  # every reading was taken (band pixels need all three)
+            w_tumour = _smoothstep(tumour[ys, xs] * (scale / STROMA_EDGE_PX) + 0.5)[:, None]
+            w_dab = _smoothstep(dab[ys, xs] * (scale / DAB_EDGE_PX) + 0.5)[:, None]
+            pos, neg, fibrous = (p[ys, xs].astype(np.float32) for p in parts if p is not None)
+            blend = fibrous + w_tumour * (neg + w_dab * (pos - neg) - fibrous)
+        composed = parts[2]  # a fresh array (a gather): composed in place
+        assert composed is not None
         for part, mask in zip(parts[:2], masks[:2], strict=True):
             if part is not None:
                 np.copyto(composed, part, where=mask[..., None])
-        if len(ys):
-            w_tumour = _smoothstep(tumour[ys, xs] * (scale / STROMA_EDGE_PX) + 0.5)[:, None]
-            w_dab = _smoothstep(dab[ys, xs] * (scale / DAB_EDGE_PX) + 0.5)[:, None]
-            pos, neg, fibrous = (p[ys, xs].astype(np.float32) for p in parts)  # type: ignore[index]
-            blend = fibrous + w_tumour * (neg + w_dab * (pos - neg) - fibrous)
+        if blend is not None:
             composed[ys, xs] = np.clip(blend + 0.5, 0, 255).astype(np.uint8)
         return composed.astype(np.float32)
 
