@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import openslide
 import pytest
+import shapely
 import tifffile
 
 from wsidino_dev.sample_slides import (
+    CLASS_NAMES,
     MARKER_NAME,
     PRESETS,
     SampleSet,
@@ -235,6 +238,17 @@ def test_damaged_file_is_regenerated_identically(sample_slides: SampleSet, tmp_p
     assert digest(damaged) == digest(sample_slides.root / "tissue_20x.svs")
     assert {p: p.stat().st_mtime_ns for p in others} == before
     assert rebuilt.info == sample_slides.info | {"tissue_20x.svs": rebuilt.info["tissue_20x.svs"]}
+    assert rebuilt.annotations == {
+        stem: copy / p.relative_to(sample_slides.root) for stem, p in sample_slides.annotations.items()
+    }
+
+    # A lost annotation file is written again, byte for byte, and nothing else is.
+    lost = rebuilt.annotations["tissue_40x"]
+    lost.unlink()
+    before = {p: p.stat().st_mtime_ns for p in others if p != lost}
+    make_sample_slides(copy, "test", seed=sample_slides.seed)
+    assert digest(lost) == digest(sample_slides.annotations["tissue_40x"])
+    assert {p: p.stat().st_mtime_ns for p in before} == before
 
     # Asking for the good slides only is satisfied by the existing set: no writes, no negatives listed.
     marker_mtime = (copy / MARKER_NAME).stat().st_mtime_ns
@@ -249,8 +263,117 @@ def test_dev_command_writes_and_lists_the_set(sample_slides: SampleSet, capsys: 
     marker_mtime = (sample_slides.root / MARKER_NAME).stat().st_mtime_ns
     assert main(["samples", str(sample_slides.root), "--preset", "test"]) == 0
     negatives = [f"{path}  (negative case: {name})" for name, path in sample_slides.negatives.items()]
-    assert capsys.readouterr().out.splitlines() == [*map(str, sample_slides.slides), *negatives]
+    annotations = [f"{path}  (annotations of {stem})" for stem, path in sample_slides.annotations.items()]
+    assert capsys.readouterr().out.splitlines() == [*map(str, sample_slides.slides), *negatives, *annotations]
     assert (sample_slides.root / MARKER_NAME).stat().st_mtime_ns == marker_mtime  # the same set: reused
+
+
+# ----------------------------------------------------------------------------------------------------
+# Annotations: QuPath GeoJSON of the classes each slide was rendered with
+# ----------------------------------------------------------------------------------------------------
+
+
+def _annotations(samples: SampleSet, slide: Path) -> list[tuple[str, shapely.Geometry]]:
+    """(class name, geometry) per feature of a good slide's GeoJSON."""
+    collection = json.loads(samples.annotations[slide.stem].read_text())
+    return [
+        (f["properties"]["classification"]["name"], shapely.geometry.shape(f["geometry"]))
+        for f in collection["features"]
+    ]
+
+
+def _by_class(features: list[tuple[str, shapely.Geometry]]) -> dict[str, shapely.Geometry]:
+    return {name: shapely.union_all([g for n, g in features if n == name]) for name in {n for n, _ in features}}
+
+
+def test_annotations_are_qupath_geojson(sample_slides: SampleSet) -> None:
+    """One file per good slide (none for negatives), QuPath's layout, valid polygons inside the slide."""
+    assert list(sample_slides.annotations) == [p.stem for p in sample_slides.slides]
+    marker = json.loads((sample_slides.root / MARKER_NAME).read_text())
+    assert {
+        stem: sample_slides.root / m["file"] for stem, m in marker["annotations"].items()
+    } == sample_slides.annotations
+    kinds, holes = set(), 0
+    for slide in sample_slides.slides:
+        path = sample_slides.annotations[slide.stem]
+        assert path == sample_slides.root / "annotations" / f"{slide.stem}.geojson"
+        collection = json.loads(path.read_text())
+        assert collection["type"] == "FeatureCollection" and collection["features"]
+        width, height = SPECS[slide.name].width, SPECS[slide.name].height
+        names = set()
+        for feature in collection["features"]:
+            assert feature["type"] == "Feature"
+            props = feature["properties"]
+            assert props["objectType"] == "annotation"
+            assert props["classification"]["name"] in CLASS_NAMES
+            assert len(props["classification"]["color"]) == 3
+            names.add(props["classification"]["name"])
+            geometry = shapely.geometry.shape(feature["geometry"])
+            kinds.add(geometry.geom_type)
+            assert geometry.geom_type in {"Polygon", "MultiPolygon"} and geometry.is_valid and not geometry.is_empty
+            x0, y0, x1, y1 = geometry.bounds
+            assert 0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height  # level-0 pixel coordinates
+            for polygon in shapely.get_parts(geometry):
+                holes += len(polygon.interiors)
+                assert shapely.get_num_coordinates(polygon) <= 600, "simplified to a few hundred vertices"
+        assert names == set(CLASS_NAMES), slide.name  # every class on every slide
+    assert kinds == {"Polygon", "MultiPolygon"} and holes > 0  # what a label reader must handle
+
+
+def test_annotations_follow_the_rendered_classes(sample_slides: SampleSet) -> None:
+    """Away from a boundary (3 level-0 px), the polygons give every pixel the class it was rendered with."""
+    rng = np.random.default_rng(0)
+    for slide in sample_slides.slides:
+        canvas = sample_canvas("test", slide.name, seed=sample_slides.seed)
+        labels = np.concatenate([canvas.labels(y, y + 1024) for y in range(0, canvas.height, 1024)])
+        features = _annotations(sample_slides, slide)
+        xs, ys = rng.integers(0, canvas.width, 40_000), rng.integers(0, canvas.height, 40_000)
+        got = np.full(len(xs), -1)
+        for name, geometry in features:
+            got[shapely.contains_xy(geometry, xs + 0.5, ys + 0.5)] = CLASS_NAMES.index(name)
+        edges = shapely.union_all([g.boundary for _, g in features])
+        shapely.prepare(edges)
+        clear = ~shapely.dwithin(edges, shapely.points(xs + 0.5, ys + 0.5), 3)
+        expected = labels[ys, xs]
+        assert (expected[clear] >= 0).mean() > 0.2, "a good share of the points should be tissue"
+        assert (got[clear] == expected[clear]).mean() > 0.998, slide.name  # specks < 10×10 px are left out
+
+
+def test_annotated_pixels_look_like_their_class(sample_slides: SampleSet) -> None:
+    """From the written slide: DAB+ tumour is brown (DAB), DAB- tumour is hematoxylin-dense, stroma pale."""
+    from skimage.color import rgb2hed
+
+    for slide in sample_slides.slides:
+        with openslide.OpenSlide(slide) as reader:
+            width, height = reader.level_dimensions[1]
+            downsample = reader.level_downsamples[1]
+            rgb = _rgb(reader, (0, 0), 1, (width, height))
+        hed = rgb2hed(rgb).reshape(-1, 3)
+        yy, xx = np.mgrid[0:height, 0:width]
+        centres = ((xx.ravel() + 0.5) * downsample, (yy.ravel() + 0.5) * downsample)
+        stats = {}
+        for name, geometry in _by_class(_annotations(sample_slides, slide)).items():
+            inside = shapely.contains_xy(geometry.buffer(-8), *centres)  # clear of the cross-fades
+            assert inside.sum() > 1000, (slide.name, name)
+            stats[name] = (hed[inside, 0].mean(), hed[inside, 2].mean(), rgb.reshape(-1, 3)[inside].mean())
+        (_, dab_pos, grey_pos), (h_neg, dab_neg, grey_neg), (h_str, dab_str, grey_str) = (
+            stats[name] for name in CLASS_NAMES
+        )
+        assert dab_pos > 4 * max(dab_neg, dab_str), (slide.name, stats)  # DAB+: strongly DAB-stained
+        assert h_neg > 1.4 * h_str, (slide.name, stats)  # DAB- tumour: dense nuclei; stroma: sparse
+        assert grey_str > grey_neg + 10 > grey_pos + 20, (slide.name, stats)  # stroma palest, DAB+ darkest
+
+
+def test_every_class_covers_enough_tiles(sample_slides: SampleSet) -> None:
+    """Tiles of 64 px at 0.5 µm/px whose centre lies in a class: at least 15 per class on every slide, so a probe
+    that keeps slides apart between train and test has every class on both sides."""
+    for slide in sample_slides.slides:
+        spec = SPECS[slide.name]
+        size = round(64 * 0.5 / spec.mpp)  # level-0 px per tile
+        ys, xs = np.mgrid[0 : spec.height - size + 1 : size, 0 : spec.width - size + 1 : size]
+        for name, geometry in _by_class(_annotations(sample_slides, slide)).items():
+            count = int(shapely.contains_xy(geometry, xs.ravel() + size / 2, ys.ravel() + size / 2).sum())
+            assert count >= 15, (slide.name, name, count)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`wsidino-dev` (or ``python -m wsidino_dev``): development commands.
 
-* ``samples OUT_DIR [--preset demo|test] [--seed N] [--no-negatives]``: write sample slides.
+* ``samples OUT_DIR [--preset demo|test] [--seed N] [--no-negatives]``: write sample slides and their annotations.
 * ``serve [--prefect-port N] [--mlflow-port M] [--serve-dir DIR] ...``: what `make serve` runs (`wsidino_dev.serve`).
 """
 
@@ -19,6 +19,8 @@ def cmd_samples(args: argparse.Namespace) -> int:
         print(path)
     for name, path in samples.negatives.items():
         print(f"{path}  (negative case: {name})")
+    for slide_id, path in samples.annotations.items():
+        print(f"{path}  (annotations of {slide_id})")
     return 0
 
 
@@ -39,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "samples",
         help="write sample pyramidal SVS/TIFF slides (real tissue)",
         description="Write a preset set of sample slides (Aperio SVS and generic TIFF built from a real IHC image) "
-        "and, unless --no-negatives, bad inputs under negatives/. Files already there for the same preset and seed "
-        "are kept.",
+        "with QuPath GeoJSON class annotations under annotations/ and, unless --no-negatives, bad inputs under "
+        "negatives/. Files already there for the same preset and seed are kept.",
     )
     samples.add_argument("out_dir")
     samples.add_argument("--preset", choices=["demo", "test"], default="demo")

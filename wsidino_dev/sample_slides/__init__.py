@@ -11,25 +11,33 @@ as real pyramidal files that OpenSlide opens with its normal vendor drivers:
 * Generic tiled TIFF (``write_generic_tiff``): ×2 reduced levels marked ``subfiletype=1`` and resolution
   tags in centimetres, which OpenSlide opens as ``generic-tiff`` with ``openslide.mpp-x/y``.
 
+Tissue sections hold contiguous areas of three classes, each filled from its own texture atlas quilted from
+the matching part of the IHC image: ``Tumor (DAB+)`` (brown DAB-stained epithelium), ``Tumor (DAB-)`` (the same
+epithelium re-stained with hematoxylin only) and ``Stroma`` (pale fibrous tissue with sparse spindle nuclei).
+Every good slide comes with ``annotations/<slide stem>.geojson``: the class polygons it was rendered from, in
+QuPath's GeoJSON layout and level-0 pixel coordinates, for probes on labelled tiles.
+
 Slides of any size are rendered strip by strip (``TissueCanvas.rows``) and written tile by tile, so peak
 memory is a few strips plus the first reduced level, never a full-resolution copy. ``make_sample_slides``
-writes a preset set of good slides plus negative examples (no MPP, truncated, not a slide, no tissue) and is
-idempotent.
+writes a preset set of good slides with their annotations plus negative examples (no MPP, truncated, not a
+slide, no tissue) and is idempotent.
 
 Modules, each importing only the ones above it:
 
-========== ==================================================================================================
-texture    the periodic tissue atlas quilted from the IHC image
-fields     coarse planning fields: section shapes, stain density, atlas readings, the pen stroke
-canvas     `TissueCanvas` (plan once, render any strip), `synthesize_tissue_canvas`, `synthesize_background`
-pyramid    streamed level 0 and reduced levels shared by both writers; `write_generic_tiff`
-svs        `write_svs` (Aperio layout, label and macro images)
-negatives  the truncated slide and the text file with a slide extension
-presets    `SlideSpec` and the "demo" and "test" presets
-generate   `make_sample_slides` (idempotent, marker file) and `SampleSet`
-========== ==================================================================================================
+=========== ====================================================================================================
+texture     per-class periodic tissue atlases quilted from the IHC image; `CLASS_NAMES`, `CLASS_COLORS`
+fields      coarse planning fields: section shapes, class areas, stain density, atlas readings, the pen stroke
+canvas      `TissueCanvas` (plan once, render any strip, `labels`), `synthesize_tissue_canvas`, `…_background`
+annotations a canvas's class polygons as QuPath GeoJSON (`canvas_annotations`, `write_annotations`)
+pyramid     streamed level 0 and reduced levels shared by both writers; `write_generic_tiff`
+svs         `write_svs` (Aperio layout, label and macro images)
+negatives   the truncated slide and the text file with a slide extension
+presets     `SlideSpec` and the "demo" and "test" presets
+generate    `make_sample_slides` (idempotent, marker file) and `SampleSet`
+=========== ====================================================================================================
 """
 
+from wsidino_dev.sample_slides.annotations import canvas_annotations, write_annotations
 from wsidino_dev.sample_slides.canvas import (
     ImageSource,
     TissueCanvas,
@@ -46,8 +54,11 @@ from wsidino_dev.sample_slides.generate import (
 from wsidino_dev.sample_slides.presets import PRESETS, SlideSpec
 from wsidino_dev.sample_slides.pyramid import write_generic_tiff
 from wsidino_dev.sample_slides.svs import write_svs
+from wsidino_dev.sample_slides.texture import CLASS_COLORS, CLASS_NAMES
 
 __all__ = [
+    "CLASS_COLORS",
+    "CLASS_NAMES",
     "GENERATOR_VERSION",
     "MARKER_NAME",
     "PRESETS",
@@ -55,10 +66,12 @@ __all__ = [
     "SampleSet",
     "SlideSpec",
     "TissueCanvas",
+    "canvas_annotations",
     "make_sample_slides",
     "sample_canvas",
     "synthesize_background",
     "synthesize_tissue_canvas",
+    "write_annotations",
     "write_generic_tiff",
     "write_svs",
 ]

@@ -16,6 +16,7 @@ from wsidino_dev.sample_slides.fields import (
     PenStroke,
     Region,
     bezier,
+    distance_like,
     layout_cells,
     random_layer,
     region_field,
@@ -33,6 +34,19 @@ STRIP_BYTES = 48 * 2**20
 
 # Width (full-resolution px) over which marker ink fades out at the stroke's edge.
 PEN_EDGE_PX = 6.0
+# Tissue opacity ramps from 0 to 1 while a section's shape field rises from 0 to SHAPE_RAMP (faint thin edges); the
+# annotated outline is where it is half way (half the piece's opacity).
+SHAPE_RAMP = 0.08
+TISSUE_EDGE_LEVEL = SHAPE_RAMP / 2
+# Widths (full-resolution px) of the cross-fades between class textures, centred on the annotated boundaries:
+# epithelium meets stroma at a sharp interface; DAB expression fades over a few cells.
+STROMA_EDGE_PX = 4.0
+DAB_EDGE_PX = 10.0
+# Class areas within a section: correlation length of their fields (fraction of the section's short side), the
+# share of stroma in the section and of DAB+ in its tumour.
+CLASS_SCALE = 0.2
+STROMA_SHARE = (0.28, 0.4)
+DAB_POSITIVE_SHARE = (0.4, 0.6)
 
 GLASS_RGB = (242.0, 240.0, 244.0)  # clean glass + mounting medium as bright-field scanners render it
 INK_RGB: dict[str, tuple[int, int, int]] = {
@@ -72,7 +86,7 @@ class TissueCanvas:
         glass_row: np.ndarray,
         vignette_y: np.ndarray,
         noise: np.ndarray,
-        atlas: np.ndarray,
+        atlas: tuple[np.ndarray, ...],
         regions: list[Region],
         pen: PenStroke | None,
     ) -> None:
@@ -81,13 +95,52 @@ class TissueCanvas:
         self._glass_row = glass_row  # (width * 3,) glass colour × horizontal vignetting, interleaved RGB
         self._vignette_y = vignette_y  # (height,) vertical vignetting factor
         self._noise = noise  # (P, width * 3) sensor-noise rows, reused with period P
-        self._atlas = atlas  # (S, S, 3) uint8 periodic tissue texture shared by all pieces
+        self._atlas = atlas  # per class (CLASS_NAMES order): (S, S, 3) uint8 periodic texture shared by all pieces
         self._regions = regions
         self._pen = pen
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.height, self.width, 3)
+
+    @property
+    def scale(self) -> int:
+        """Full-resolution px per cell of the coarse planning grid."""
+        return self._scale
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        """The tissue sections (coarse fields; what `annotations` outlines)."""
+        return tuple(self._regions)
+
+    @property
+    def pen(self) -> PenStroke | None:
+        return self._pen
+
+    def labels(self, y0: int, y1: int) -> np.ndarray:
+        """Class of every pixel in rows [y0, y1), (rows, width) int8: the index in `CLASS_NAMES`, -1 for glass
+        and ink. Decided from the same fields, at the same thresholds, as `rows` renders and the annotations
+        outline: inside the tissue outline (half opacity), outside the ink."""
+        y0, y1 = max(0, y0), min(self.height, y1)
+        out = np.full((y1 - y0, self.width), -1, np.int8)
+        for region in self._regions:
+            top, bottom = max(y0, region.y0), min(y1, region.y1)
+            if top >= bottom:
+                continue
+            local = ((top - region.y0, bottom - region.y0), (0, region.x1 - region.x0))
+            tissue = upsample(region.shape_field, self._scale, *local) > TISSUE_EDGE_LEVEL
+            tumour = upsample(region.tumour, self._scale, *local) > 0
+            positive = upsample(region.dab, self._scale, *local) > 0
+            label = np.where(tumour, np.where(positive, 0, 1), 2).astype(np.int8)
+            window = out[top - y0 : bottom - y0, region.x0 : region.x1]
+            np.copyto(window, label, where=tissue)
+        pen = self._pen
+        if pen is not None:
+            top, bottom = max(y0, pen.rows[0]), min(y1, pen.rows[1])
+            if top < bottom:
+                ink = upsample(pen.distance, self._scale, (top, bottom), pen.cols) * self._scale < PEN_EDGE_PX / 2
+                out[top - y0 : bottom - y0, pen.cols[0] : pen.cols[1]][ink] = -1
+        return out
 
     @classmethod
     def plan(
@@ -124,7 +177,7 @@ class TissueCanvas:
         noise = np.round(rng.normal(0, 1.0, (127, width * 3))).astype(np.float32)
 
         regions: list[Region] = []
-        atlas = np.zeros((1, 1, 3), np.uint8)  # blank glass needs no texture
+        atlas: tuple[np.ndarray, ...] = ()  # blank glass needs no texture
         if tissue:
             atlas, atlas_mean = tissue_atlas(int(rng.integers(ATLAS_VARIANTS)), TEXTURE_MPP / mpp)
             # This slide's staining: overall stain strength and a colour cast shared by all its pieces.
@@ -143,11 +196,9 @@ class TissueCanvas:
             threshold = float(np.clip(values[int(min(target, values.size - 1))], -0.25, 0.5))
             for (cy0, cx0, cy1, cx1), shape_field in fields:
                 ch, cw = shape_field.shape
-                # Stain density varies at the scale of the whole piece (denser and paler areas), and a second
-                # reading of the atlas shows through in large patches: no regular repeat at low power.
+                # Stain density varies at the scale of the whole piece (denser and paler areas).
                 density = np.clip(0.85 + 0.15 * smooth_noise((ch, cw), min(ch, cw) / 4, rng), 0.55, 1.0)
-                t = np.clip(0.5 + 1.5 * smooth_noise((ch, cw), min(ch, cw) / 5, rng), 0, 1)
-                mix = t * t * (3 - 2 * t)
+                tumour, dab = cls._plan_classes(shape_field - threshold, rng)
                 # Per-piece colour variation (hue via per-channel tint, brightness, saturation), cheap enough
                 # to apply while rendering: tex·gain + bias = tint·(mean + saturation·(tex − mean)).
                 tint = slide_tint * rng.uniform(0.96, 1.04, 3) * rng.uniform(0.95, 1.03)
@@ -162,8 +213,9 @@ class TissueCanvas:
                         density=density.astype(np.float32),
                         gain=(tint * saturation).astype(np.float32),
                         bias=(tint * (1 - saturation) * atlas_mean).astype(np.float32),
-                        layers=(random_layer(rng), random_layer(rng)),
-                        mix=mix.astype(np.float32),
+                        layer=random_layer(rng),
+                        tumour=tumour,
+                        dab=dab,
                     )
                 )
 
@@ -181,6 +233,29 @@ class TissueCanvas:
             regions=regions,
             pen=pen,
         )
+
+    @staticmethod
+    def _plan_classes(shape: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Where a section is stroma, DAB+ and DAB- tumour: two smooth fields cut at quantiles of the tissue.
+
+        Both are blobby at a fifth of the section's size, so each class forms a few contiguous areas (tumour nests
+        in stroma, expression varying across the tumour); returned as `distance_like` fields, > 0 for tumour and
+        for DAB+.
+        """
+        ch, cw = shape.shape
+        inside = shape > TISSUE_EDGE_LEVEL
+        small = min(ch, cw)
+
+        def field() -> np.ndarray:  # blobs with wavy outlines
+            return smooth_noise((ch, cw), CLASS_SCALE * small, rng) + 0.3 * smooth_noise((ch, cw), small / 25, rng)
+
+        tumour, dab = field(), field()
+        if inside.any():
+            tumour -= np.quantile(tumour[inside], rng.uniform(*STROMA_SHARE))
+            in_tumour = inside & (tumour > 0)
+            if in_tumour.any():
+                dab -= np.quantile(dab[in_tumour], 1 - rng.uniform(*DAB_POSITIVE_SHARE))
+        return distance_like(tumour), distance_like(dab)
 
     @staticmethod
     def _plan_pen(
@@ -251,15 +326,9 @@ class TissueCanvas:
             local_cols = (0, region.x1 - region.x0)
             shape = upsample(region.shape_field, self._scale, local_rows, local_cols)
             # Opacity ramps from 0 to 1 over a short band inside the outline: thin section edges look faint.
-            t = np.clip(shape * 12.5, 0, 1)
-            alpha = t * t * (3 - 2 * t) * upsample(region.density, self._scale, local_rows, local_cols)
-            first, second = region.layers
-            texture = first.sample(self._atlas, (top, bottom), (region.x0, region.x1)).astype(np.float32)
-            other = second.sample(self._atlas, (top, bottom), (region.x0, region.x1)).astype(np.float32)
-            other -= texture
-            other *= upsample(region.mix, self._scale, local_rows, local_cols)[..., None]
-            texture += other
-            del other
+            alpha = _smoothstep(shape * (1 / SHAPE_RAMP))
+            alpha *= upsample(region.density, self._scale, local_rows, local_cols)
+            texture = self._class_texture(region, (top, bottom), local_rows, local_cols)
             texture *= region.gain
             texture += region.bias
             window = out[top - y0 : bottom - y0, region.x0 : region.x1]
@@ -284,6 +353,48 @@ class TissueCanvas:
         out += 0.5
         return out.astype(np.uint8)
 
+    def _class_texture(
+        self, region: Region, rows: tuple[int, int], local_rows: tuple[int, int], local_cols: tuple[int, int]
+    ) -> np.ndarray:
+        """A section's texture over full-res `rows`, (rows, cols, 3) float32, read from the class atlases.
+
+        Each pixel shows its class (tumour field > 0: tumour, then dab > 0: DAB+, else DAB-; otherwise stroma),
+        composed in uint8 from the per-class readings. Only within the cross-fade bands around the class
+        boundaries (a few % of the pixels) are the classes blended, in float, so three textures cost little more
+        than one. The section reads every atlas at the same place: DAB+ and DAB- tumour blend cell for cell.
+        """
+        scale, cols = self._scale, (region.x0, region.x1)
+        tumour = upsample(region.tumour, scale, local_rows, local_cols)
+        dab = upsample(region.dab, scale, local_rows, local_cols)
+        # Bands where a smoothstep weight is strictly between 0 and 1 (DAB matters only where tumour shows).
+        half_s, half_d = STROMA_EDGE_PX / 2 / scale, DAB_EDGE_PX / 2 / scale
+        band = np.abs(tumour) < half_s
+        band |= (np.abs(dab) < half_d) & (tumour > -half_s)
+        ys, xs = np.nonzero(band)
+        is_tumour = tumour > 0
+        positive = dab > 0
+        positive &= is_tumour
+        is_tumour &= ~positive  # now: DAB- tumour
+        masks = (positive, is_tumour, None)  # stroma: what the others leave
+        parts = [
+            region.layer.sample(atlas, rows, cols) if mask is None or len(ys) or mask.any() else None
+            for atlas, mask in zip(self._atlas, masks, strict=True)
+        ]
+        blend = None
+        if len(ys):  # every reading was taken (band pixels need all three)
+            w_tumour = _smoothstep(tumour[ys, xs] * (scale / STROMA_EDGE_PX) + 0.5)[:, None]
+            w_dab = _smoothstep(dab[ys, xs] * (scale / DAB_EDGE_PX) + 0.5)[:, None]
+            pos, neg, fibrous = (p[ys, xs].astype(np.float32) for p in parts if p is not None)
+            blend = fibrous + w_tumour * (neg + w_dab * (pos - neg) - fibrous)
+        composed = parts[2]  # a fresh array (a gather): composed in place
+        assert composed is not None
+        for part, mask in zip(parts[:2], masks[:2], strict=True):
+            if part is not None:
+                np.copyto(composed, part, where=mask[..., None])
+        if blend is not None:
+            composed[ys, xs] = np.clip(blend + 0.5, 0, 255).astype(np.uint8)
+        return composed.astype(np.float32)
+
     def to_array(self) -> np.ndarray:
         """The whole image (height × width × 3 uint8), rendered strip by strip into one array."""
         image = np.empty(self.shape, np.uint8)
@@ -291,6 +402,12 @@ class TissueCanvas:
         for y in range(0, self.height, step):
             image[y : y + step] = self.rows(y, y + step)
         return image
+
+
+def _smoothstep(x: np.ndarray) -> np.ndarray:
+    """0 below 0, 1 above 1, a smooth cubic in between (in place on a float32 temporary)."""
+    t = np.clip(x, 0, 1, out=x)
+    return t * t * (3 - 2 * t)
 
 
 def synthesize_tissue_canvas(

@@ -57,8 +57,9 @@ class Region:
     density: np.ndarray  # coarse, float32, multiplies stain opacity
     gain: np.ndarray  # (3,) per-channel texture gain  } affine tone change of this piece: brightness, tint
     bias: np.ndarray  # (3,) per-channel texture bias  } and saturation about the mean colour
-    layers: tuple[Layer, Layer]  # two differently placed readings of the atlas …
-    mix: np.ndarray  # coarse, float32 in [0, 1]: … and where the second one shows (breaks the repeat)
+    layer: Layer  # where (and how flipped) the piece reads the class atlases
+    tumour: np.ndarray  # coarse, float32: ~signed distance (coarse px) to the tumour/stroma boundary, > 0 tumour
+    dab: np.ndarray  # coarse, float32: ~signed distance to the DAB+/DAB- boundary within tumour, > 0 DAB+
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,17 @@ def region_field(ch: int, cw: int, rng: np.random.Generator) -> np.ndarray:
             q = -(xx - hx) * math.sin(tilt) + (yy - hy) * math.cos(tilt)
             shape -= 1.3 * np.exp(-(p**2 + q**2) / (2 * sigma**2)) * roughness
     return shape
+
+
+def distance_like(field: np.ndarray) -> np.ndarray:
+    """`field / |∇field|`: near its zero level, the signed distance (in cells) to that level, for smooth fields.
+
+    The gradient is floored at a quarter of its median, so saddle points do not blow up; the zero level and the
+    sign are the field's own.
+    """
+    gy, gx = np.gradient(field)
+    slope = np.hypot(gy, gx)
+    return (field / np.maximum(slope, 0.25 * float(np.median(slope)) + 1e-12)).astype(np.float32)
 
 
 def random_layer(rng: np.random.Generator) -> Layer:
