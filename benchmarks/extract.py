@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -38,8 +38,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_store(root: Path, tile_size: int, stride: int) -> Path:
-    slides = make_sample_slides(root / "slides", "test", negatives=False)
+def make_store(root: Path, tile_size: int, stride: int, preset: Literal["demo", "test"] = "test") -> Path:
+    slides = make_sample_slides(root / "slides", preset, negatives=False)
     store = root / "tiles.zarr"
     for slide in slides.slides:
         values = {"input": str(slide), "output": str(store), "tile_size": tile_size, "stride": stride, "mpp": 0.5}

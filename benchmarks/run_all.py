@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["tile_throughput.py", "tile_dataset.py", "backbone.py", "train_step.py", "extract.py", "stage_manifest.py"]
+SCRIPTS = [
+    "tile_throughput.py",
+    "tile_dataset.py",
+    "backbone.py",
+    "train_step.py",
+    "extract.py",
+    "evaluate.py",
+    "stage_manifest.py",
+]
 
 
 def main() -> None:

@@ -17,14 +17,16 @@ STAGES = [
     ("pretrain", "DINO + iBOT + KoLeo\ntorchrun · FSDP2", "ckpt/<it>/ (DCP)\neval/training_<it>/"),
     ("gram", "gram anchoring\nauto-picked eval teacher", "ckpt/, eval/"),
     ("convert", "DCP → released\nkey layout", "backbone.pth"),
-    ("export", "ONNX, dynamic\nbatch & size, ORT parity", "model.onnx"),
+    ("export", "ONNX, dynamic\nbatch & size, ORT parity", "model.onnx\n@candidate"),
+    ("evaluate", "probes on annotations\nvs @champion, baseline", "evaluation.json\n@champion (gate)"),
     ("extract", "features for every tile\nslide embeddings, PCA", "features.zarr\nPCA maps"),
 ]
 
 
 def pipeline() -> None:
-    fig, ax = plt.subplots(figsize=(13, 3.6))
-    ax.set_xlim(0, 13)
+    width = 0.4 + len(STAGES) * 2.15
+    fig, ax = plt.subplots(figsize=(width, 3.6))
+    ax.set_xlim(0, width)
     ax.set_ylim(0, 3.6)
     ax.axis("off")
     for i, (name, what, out) in enumerate(STAGES):
@@ -38,7 +40,7 @@ def pipeline() -> None:
                 FancyArrowPatch((x + 1.85, 2.3), (x + 2.15, 2.3), arrowstyle="-|>", mutation_scale=14, color="#1a73e8")
             )
     ax.text(
-        6.5,
+        width / 2,
         0.3,
         "flows/ (Prefect flows)  →  tasks/ (run-stage task, forms, MLflow parent run)  →  dinov3_core/ (stage runner, "
         "torchrun launcher, one plain function per stage, typed config)\nevery stage: a CLI command and a Prefect "

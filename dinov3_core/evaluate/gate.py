@@ -2,10 +2,11 @@
 
 The rule, in order (the first that applies decides, and its reason is recorded):
 
+0. a candidate that is already the champion is left as it is;
 1. a candidate whose features collapsed (CLS effective rank below `gate.min_effective_rank`) is never promoted;
-2. without annotations, promotion is off unless `gate.label_free`: then a healthy candidate is promoted when its
+2. a champion that could not be evaluated blocks promotion (nothing is promoted by accident);
+3. without annotations, promotion is off unless `gate.label_free`: then a healthy candidate is promoted when its
    dense-consistency score is not below the champion's (or, for the first model, the baseline's);
-3. a champion that could not be evaluated blocks promotion (nothing is promoted by accident);
 4. a candidate below the baseline on the primary metric is not promoted;
 5. with a champion: promoted when the lower 95 % bound of the paired difference (candidate − champion) on the
    primary metric exceeds `gate.margin`;

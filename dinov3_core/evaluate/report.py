@@ -114,10 +114,11 @@ def save_pictures(
         plt.close(fig)
         xy = PCA(n_components=2, random_state=0).fit_transform(P.l2_normalise(x))
         fig, ax = plt.subplots(figsize=(4.5, 4))
-        for c in classes:
+        for k, c in enumerate(classes):
+            colour = plt.get_cmap("tab10")(k % 10)  # one colour per class, training dots and test crosses alike
             for side, marker in ((~test, "o"), (test, "x")):
                 sel = (y == c) & side
-                ax.scatter(xy[sel, 0], xy[sel, 1], s=8, marker=marker, alpha=0.7,
+                ax.scatter(xy[sel, 0], xy[sel, 1], s=8, marker=marker, alpha=0.7, color=colour,
                            label=f"{c}" if marker == "o" else None)  # fmt: skip
         ax.set_title(f"{role}: PCA of tile features (x: test)")
         ax.legend(fontsize=7, markerscale=2)
