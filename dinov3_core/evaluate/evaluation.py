@@ -215,6 +215,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if len(idx):
         split = P.split_by_group(y, groups, test_fraction=cfg.probe.test_fraction, seed=cfg.probe.seed)
         evaluation["split"] = {**split.as_dict(), "by": "patient" if patients else "slide", "seed": cfg.probe.seed}
+        if len(split.test_groups) < 2:
+            warnings.append(
+                f"only one test {'patient' if patients else 'slide'} ({split.test_groups[0]}): the bootstrap has "
+                "nothing to resample, so every 95 % interval is a point and the gate decides on the point estimate; "
+                "annotate more slides for intervals that mean something"
+            )
         boot = P.Bootstrap.over_groups(groups[split.test], cfg.probe.bootstrap, cfg.probe.seed)
         draws = P.few_shot_draws(y[split.train], cfg.probe.few_shot, cfg.probe.few_shot_draws, cfg.probe.seed)
         for role, x in feats.items():
