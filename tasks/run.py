@@ -7,7 +7,8 @@ The skip decision, the manifest, the MLflow run and the torchrun launch are `din
 
 * the Prefect run logger as the log, the flow run's tags on the MLflow run, nesting under the pipeline's run;
 * GPU slots: a strict Prefect global concurrency limit held while a torchrun job runs;
-* a markdown artifact per stage; for tile, a progress artifact that follows the tiles and a per-slide table;
+* a markdown artifact per stage; for tile, a progress artifact that follows the tiles and a per-slide table; for
+  evaluate, the evaluation table with the promotion decision;
 * retries of training stages after crashes (not after bad input or the wall-clock limit).
 """
 
@@ -143,6 +144,9 @@ def run_stage_task(
     outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
     if tile is not None and outcome.result is not None:
         tile.finish(outcome.result)
+    if stage == "evaluate" and outcome.result is not None:  # the table a reviewer reads first, in the Prefect UI
+        with contextlib.suppress(Exception):
+            create_markdown_artifact(outcome.result.table, key="evaluation", description="Evaluation and decision")
     with contextlib.suppress(Exception):  # outside a Prefect run (plain Python) there is nowhere to publish
         create_markdown_artifact(_markdown(outcome), key=f"{stage}-stage", description=f"{stage} stage outcome")
     return outcome.as_dict()

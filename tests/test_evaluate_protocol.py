@@ -128,3 +128,26 @@ def test_gate_rules() -> None:
     broken = evaluation(0.1, (0.02, 0.2))
     broken["models"]["champion"]["error"] = "ExtractError: cannot load"
     assert "could not be evaluated" in decide(cfg, broken).reason
+
+
+@pytest.mark.parametrize("n_classes", [2, 3, 5])
+def test_fast_metrics_equal_scikit_learn(n_classes: int) -> None:
+    from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score
+
+    rng = np.random.default_rng(n_classes)
+    classes = np.array([f"c{i}" for i in range(n_classes)], object)
+    for trial in range(20):
+        y = classes[rng.integers(0, n_classes - (trial % 2), 200)]  # some trials leave a class out of the truth
+        scores = rng.random((200, n_classes))
+        if trial % 3 == 0:
+            scores[:, -1] = 0  # ... or out of the predictions
+        p = P.Predictions(classes, scores)
+        idx = rng.integers(0, 200, 150)  # a resample with repeats
+        expect = {
+            "balanced_accuracy": balanced_accuracy_score(y[idx], p.predicted[idx]),
+            "macro_f1": f1_score(y[idx], p.predicted[idx], average="macro", zero_division=0),
+        }
+        if n_classes == 2 and len(set(y[idx])) == 2:
+            expect["auroc"] = roc_auc_score(y[idx] == classes[1], scores[idx, 1])
+        for name, value in expect.items():
+            assert P.score(y, p, P.METRICS[name], idx) == pytest.approx(value, abs=1e-12), (name, trial)

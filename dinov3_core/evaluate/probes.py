@@ -25,7 +25,7 @@ import numpy as np
 
 from dinov3_core.errors import WsidinoError
 
-Metric = Callable[[np.ndarray, np.ndarray, np.ndarray | None], float]
+Metric = Callable[[np.ndarray, np.ndarray, int, np.ndarray | None], float]  # (true codes, predicted, classes, p1)
 
 
 class ProtocolError(WsidinoError):
@@ -168,32 +168,46 @@ def linear_probe(
 # ----------------------------------------------------------------------------------------------------- metrics
 
 
-def balanced_accuracy(y: np.ndarray, pred: np.ndarray, _: np.ndarray | None = None) -> float:
-    from sklearn.metrics import balanced_accuracy_score
-
-    return float(balanced_accuracy_score(y, pred))
-
-
-def macro_f1(y: np.ndarray, pred: np.ndarray, _: np.ndarray | None = None) -> float:
-    from sklearn.metrics import f1_score
-
-    return float(f1_score(y, pred, average="macro", zero_division=0))
+# Metrics work on class codes (indices into the sorted class names) through one confusion matrix: the bootstrap
+# evaluates them thousands of times, where scikit-learn's label handling costs ~2.5 ms a call. They equal
+# scikit-learn's balanced_accuracy_score, f1_score(average="macro", zero_division=0) and roc_auc_score (tested).
 
 
-def auroc(y: np.ndarray, _: np.ndarray, positive_score: np.ndarray | None) -> float:
+def _confusion(y: np.ndarray, pred: np.ndarray, n: int) -> np.ndarray:
+    return np.bincount(y * n + pred, minlength=n * n).reshape(n, n)
+
+
+def balanced_accuracy(y: np.ndarray, pred: np.ndarray, n: int, _: np.ndarray | None = None) -> float:
+    """Mean recall over the classes present in `y`."""
+    cm = _confusion(y, pred, n)
+    support = cm.sum(1)
+    present = support > 0
+    return float((np.diag(cm)[present] / support[present]).mean())
+
+
+def macro_f1(y: np.ndarray, pred: np.ndarray, n: int, _: np.ndarray | None = None) -> float:
+    """Mean F1 over the classes present in `y` or `pred` (0 for a class never predicted correctly)."""
+    cm = _confusion(y, pred, n)
+    denominator = cm.sum(0) + cm.sum(1)
+    present = denominator > 0
+    return float((2 * np.diag(cm)[present] / denominator[present]).mean())
+
+
+def auroc(y: np.ndarray, _: np.ndarray, n: int, positive_score: np.ndarray | None) -> float:
     from sklearn.metrics import roc_auc_score
 
-    if positive_score is None or len(np.unique(y)) < 2:
+    if positive_score is None or n != 2 or len(np.unique(y)) < 2:
         return float("nan")
-    return float(roc_auc_score(y, positive_score))
+    return float(roc_auc_score(y == 1, positive_score))
 
 
 @dataclass
 class Predictions:
     """One probe's output on the test tiles of one model."""
 
-    classes: np.ndarray
+    classes: np.ndarray  # sorted class names
     scores: np.ndarray  # (N_test, C)
+    _truth: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (labels, their codes), cached
 
     @property
     def predicted(self) -> np.ndarray:
@@ -201,6 +215,12 @@ class Predictions:
 
     def positive(self) -> np.ndarray | None:
         return self.scores[:, 1] if len(self.classes) == 2 else None
+
+    def codes(self, y: np.ndarray) -> np.ndarray:
+        """Class codes of the true labels `y` (every test class is a training class: the split guarantees it)."""
+        if self._truth is None or self._truth[0] is not y:
+            self._truth = (y, np.searchsorted(self.classes, y))
+        return self._truth[1]
 
 
 @dataclass
@@ -226,9 +246,11 @@ class Bootstrap:
 
 
 def score(y: np.ndarray, p: Predictions, metric: Metric, idx: np.ndarray | None = None) -> float:
+    """`metric` of `p` against the true labels `y`, on the test tiles `idx` (a bootstrap resample) or all."""
     sel = slice(None) if idx is None else idx
     pos = p.positive()
-    return metric(y[sel], p.predicted[sel], None if pos is None else pos[sel])
+    pred = p.scores.argmax(1)
+    return metric(p.codes(y)[sel], pred[sel], len(p.classes), None if pos is None else pos[sel])
 
 
 METRICS: dict[str, Metric] = {"balanced_accuracy": balanced_accuracy, "macro_f1": macro_f1, "auroc": auroc}
