@@ -330,6 +330,7 @@ def test_serve_demo_params_point_into_the_serve_dir(tmp_path: Path, deployments:
     params = serve.demo_pipeline_params(tmp_path)
     assert params["slides"] == str(tmp_path / "slides")
     assert params["workdir"] == str(tmp_path / "runs" / "pipeline")
+    assert params["annotations"] == str(tmp_path / "slides" / "annotations")
     check_params(deployments["pipeline"], {"params": params}, "make serve's pipeline params")
     assert (serve.DEMO_FLOW, serve.DEMO_DEPLOYMENT) == ("pipeline", "pipeline")
 

@@ -96,7 +96,8 @@ def entrypoint_path(spec: dict[str, Any]) -> Path:
 
 
 def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> dict[str, Any]:
-    """The CPU pipeline deployment's `params` from prefect.yaml with slides and workdir under `serve_dir`.
+    """The CPU pipeline deployment's `params` from prefect.yaml with slides, annotations and workdir under
+    `serve_dir`.
 
     Validated against `PipelineParams`; complete (a run's `--params` replaces the whole object).
     """
@@ -106,6 +107,7 @@ def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> 
     params = dict(spec["parameters"]["params"])
     params["slides"] = str(serve_dir / "slides")
     params["workdir"] = str(serve_dir / "runs" / "pipeline")
+    params["annotations"] = str(serve_dir / "slides" / "annotations")  # written with the sample slides
     PipelineParams.model_validate(params)
     return params
 
