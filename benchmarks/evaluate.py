@@ -194,6 +194,15 @@ def main() -> None:
         _comparisons(y[split.test], preds, boot)
         probes_s = time.perf_counter() - start
         _, pictures_s = timed(report.save_pictures, root / "pictures", y, split, feats, preds)
+        # Side by side on the same resamples: balanced accuracy by scikit-learn (string labels, as before) and by
+        # the confusion-matrix metric the stage uses.
+        from sklearn.metrics import balanced_accuracy_score
+
+        linear, y_test = preds["candidate"]["linear"], y[split.test]
+        sk = timed(lambda: [balanced_accuracy_score(y_test[s], linear.predicted[s]) for s in boot.samples])
+        cm = timed(lambda: [P.score(y_test, linear, P.balanced_accuracy, s) for s in boot.samples])
+        assert np.allclose(sk[0], cm[0]), "the two metrics disagree"
+        boot_rows = {"scikit-learn": sk[1], "confusion matrix": cm[1]}
 
     models = len(feats)
     roles = "+".join(feats)  # candidate+baseline
@@ -209,6 +218,8 @@ def main() -> None:
          "tiles": labelled, "seconds": probes_s},
         {"measurement": f"pictures: confusion + embedding maps ({roles})", "tiles": labelled,
          "seconds": pictures_s},
+        *({"measurement": f"bootstrap of one metric, {pc.bootstrap} resamples: {how}", "tiles": labelled,
+           "seconds": t} for how, t in boot_rows.items()),
         {"measurement": "`run_evaluate`, warm feature cache", "tiles": labelled, "seconds": warm_s},
         {"measurement": f"`run_evaluate`, cold ({roles} embedded)", "tiles": labelled, "seconds": cold_s},
     ]  # fmt: skip

@@ -85,6 +85,12 @@ ORCH = [
         "ONNX model → registry\nwsidino-backbone\n@candidate + manifest",
     ),
     (
+        "evaluate",
+        "run-stage task\nin process\n(no retries)",
+        "evaluation/\nstage_manifest.json",
+        "probes, health, gate;\n@champion moved when\nbetter + manifest",
+    ),
+    (
         "extract",
         "run-stage task\nin process\n(no retries)",
         "features.zarr/\nstage_manifest.json",
@@ -98,18 +104,20 @@ def orchestration() -> None:
     amber, amber_fc = "#e37400", "#fef7e0"
     green, green_fc = "#188038", "#e6f4ea"
     note = "#3c4043"
-    fig, ax = plt.subplots(figsize=(13, 8.4))
-    ax.set_xlim(0, 13)
+    width = 0.25 + len(ORCH) * 2.13 + 0.1  # one column per stage
+    fig, ax = plt.subplots(figsize=(width, 8.4))
+    ax.set_xlim(0, width)
     ax.set_ylim(0, 8.4)
     ax.axis("off")
 
     def band(y: float, h: float, ec: str, title: str, right: str, bottom: str) -> None:
-        ax.add_patch(FancyBboxPatch((0.08, y), 12.84, h, boxstyle="round,pad=0.02", fc="#fafafa", ec=ec, ls="--"))
+        frame = FancyBboxPatch((0.08, y), width - 0.16, h, boxstyle="round,pad=0.02", fc="#fafafa", ec=ec, ls="--")
+        ax.add_patch(frame)
         label = {"va": "center", "zorder": 5, "bbox": {"fc": "#fafafa", "ec": "none", "pad": 1.5}}
         ax.text(0.2, y + h - 0.2, title, ha="left", fontsize=10.5, weight="bold", color=ec, **label)
-        ax.text(12.8, y + h - 0.2, right, ha="right", fontsize=8, color=note, **label)
+        ax.text(width - 0.2, y + h - 0.2, right, ha="right", fontsize=8, color=note, **label)
         if bottom:
-            ax.text(6.5, y + 0.2, bottom, ha="center", va="center", fontsize=8, color=note)
+            ax.text(width / 2, y + 0.2, bottom, ha="center", va="center", fontsize=8, color=note)
 
     def arrow(a: tuple[float, float], b: tuple[float, float], color: str) -> None:
         ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=12, color=color, lw=1.1))
@@ -144,9 +152,9 @@ def orchestration() -> None:
     )
 
     # MLflow parent run, spanning all stages.
-    ax.add_patch(FancyBboxPatch((0.25, 2.2), 12.5, 0.4, boxstyle="round,pad=0.04", fc=green_fc, ec=green))
+    ax.add_patch(FancyBboxPatch((0.25, 2.2), width - 0.5, 0.4, boxstyle="round,pad=0.04", fc=green_fc, ec=green))
     ax.text(
-        6.5,
+        width / 2,
         2.4,
         "parent run  pipeline/<flow run name>:  pipeline parameters, pipeline_summary.json;  "
         "tags prefect.flow_run_id, prefect.flow_run_url, wsidino.workdir",
