@@ -33,10 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dinov3_core import tracking
 from dinov3_core.config import ConfigError, load_config
@@ -53,6 +51,7 @@ from dinov3_core.train.pipeline import StepBatch
 from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, train_and_log, training_process
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
+from dinov3_core.train.trainer_setup import load_weights
 
 __all__ = ["GramResult", "GramSchedules", "run_gram"]
 
@@ -204,17 +203,7 @@ class GramTrainer(Trainer):
                 "output_dir with ckpt/<it>/ (or set pretrain_dir=null and student.pretrained_weights)"
             )
         ckpt.check_compatible(latest, self.model)
-        multipliers = [
-            {k: grp[k] for k in ("lr_multiplier", "wd_multiplier", "is_last_layer")}
-            for grp in self.optimizer.param_groups
-        ]
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        with ckpt._single_process_quiet(self.env):
-            dcp.load(state, checkpoint_id=str(latest))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        for grp, own in zip(self.optimizer.param_groups, multipliers, strict=True):
-            grp.update(own)
+        load_weights(latest, self.model, self.optimizer, self.env)  # the stage's own train state starts at 0
         logger.info("gram stage starts from %s (student, teacher, optimizer); stage iteration 0", latest)
 
     def train_state(self, iteration: int, sampler: Any) -> dict[str, Any]:

@@ -128,11 +128,25 @@ def load_training_state(
     `template` is the trainer's `train_state` layout (DCP loads non-tensor entries into it). Returns the
     checkpoint's iteration and the sampler state mapped onto a dataset of `n_tiles` tiles.
     """
-    multipliers = [{k: g[k] for k in _CONFIG_GROUP_KEYS} for g in optimizer.param_groups]
-    state = ckpt.load_checkpoint(latest, model, optimizer, template, env)
-    for group, own in zip(optimizer.param_groups, multipliers, strict=True):
-        group.update(own)  # the config's layer decay etc. win over the checkpoint's param groups
+    state = load_weights(latest, model, optimizer, env, template)
     return int(state["iteration"]), SamplerState.from_dict(state["sampler"], n_tiles)
+
+
+def load_weights(
+    latest: Path,
+    model: SSLMetaArch,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    template: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Model and optimizer state from `latest` (and the train state into `template`, when given), keeping this
+    config's per-group multipliers: layer decay and the last-layer freeze come from the config, not the checkpoint.
+    Used to resume and, by the gram stage, to start from a pretraining run."""
+    multipliers = [{k: g[k] for k in _CONFIG_GROUP_KEYS} for g in optimizer.param_groups]
+    state = ckpt.load_checkpoint(latest, model, optimizer, template or {}, env)
+    for group, own in zip(optimizer.param_groups, multipliers, strict=True):
+        group.update(own)
+    return state
 
 
 def build_step_loader(
