@@ -218,7 +218,16 @@ def files_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
     return "files:" + _sha(entries)
 
 
-InputPath = str | os.PathLike[str] | list[str] | None
+@dataclass(frozen=True)
+class StateInput:
+    """An input that is no file: state held elsewhere (a registry alias), fingerprinted by its current value, so a
+    stage reruns when it changes (an evaluation when the champion it was compared with was replaced)."""
+
+    label: str  # what it is, shown as the input's "path" (e.g. models:/wsidino-backbone@champion)
+    value: str  # what it is now (e.g. the version the alias points at, or "none")
+
+
+InputPath = str | os.PathLike[str] | list[str] | StateInput | None
 
 
 def fingerprint_inputs(inputs: Mapping[str, InputPath]) -> dict[str, dict[str, str]]:
@@ -227,7 +236,9 @@ def fingerprint_inputs(inputs: Mapping[str, InputPath]) -> dict[str, dict[str, s
     for name, path in inputs.items():
         if not path:
             continue
-        if isinstance(path, list):
+        if isinstance(path, StateInput):
+            out[name] = {"path": path.label, "fingerprint": "state:" + _sha(path.value)}
+        elif isinstance(path, list):
             out[name] = {"path": f"{path[0]} (+{len(path) - 1} more)", "fingerprint": files_fingerprint(path)}
         else:
             out[name] = {"path": str(Path(path).resolve()), "fingerprint": fingerprint(path, name)}
@@ -306,6 +317,7 @@ __all__ = [
     "Decision",
     "ManifestError",
     "StageManifest",
+    "StateInput",
     "check_up_to_date",
     "completion_fingerprint",
     "fingerprint",

@@ -139,6 +139,10 @@ def run_stage(
                     _log_stage_artifacts(stage, cfg)
             if run is not None and stage == "export":
                 _tag_model_version(m.summary, m.lineage, cfg)
+            # State inputs (a registry alias) are recorded as the run leaves them: a promotion is the run's own
+            # output, and only a later change by someone else should make a rerun necessary.
+            states = {k: v for k, v in spec.inputs(cfg).items() if isinstance(v, mf.StateInput)}
+            m.inputs.update(mf.fingerprint_inputs(states))
     tracking.log_artifact_to(cfg.tracking, m.mlflow_run_id if cfg.tracking.enabled else None, path, "manifest")
     return StageOutcome(stage, "ran", reason, path, m, result)
 

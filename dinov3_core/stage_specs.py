@@ -111,10 +111,13 @@ def _evaluate_config() -> type:
     return EvaluateConfig
 
 
-def _evaluate_inputs(cfg: Any) -> dict[str, str | None]:
+def _evaluate_inputs(cfg: Any) -> dict[str, Any]:
+    from dinov3_core.evaluate.models import champion_state
+
     baseline = cfg.baseline if cfg.baseline not in (None, "auto", "init") else None
     return {"tile_store": cfg.store, "candidate": cfg.candidate, "annotations": cfg.annotations,
-            "baseline": baseline, "patients": cfg.patients, "sites": cfg.sites}  # fmt: skip
+            "baseline": baseline, "patients": cfg.patients, "sites": cfg.sites,
+            "champion": champion_state(cfg)}  # fmt: skip
 
 
 def _export_outputs(cfg: ExportConfig) -> dict[str, str]:

@@ -167,6 +167,11 @@ def test_worse_candidate_does_not_replace_the_champion(setup: dict[str, Any]) ->
     assert diff["ci_low"] <= diff["value"] < 0 and not ev["decision"]["promote"]
     assert champion_version(setup) == version_of(setup["better"])
     assert ev["champion_model"] and Path(ev["champion_model"]).is_file()  # the champion's ONNX, downloaded
+    # The first evaluation of this model faced no champion: with the same inputs it reruns, because one exists now.
+    again = evaluate(setup, "worse", "eval-worse", baseline=str(setup["better"].parent / "backbone.pth"))
+    assert (again.status, again.reason) == ("ran", "inputs changed: champion")
+    assert again.manifest.inputs["champion"]["path"] == f"models:/{NAME}@champion"
+    assert not again.result.decision.promote and champion_version(setup) == version_of(setup["better"])
 
 
 def test_no_annotations_measures_health_and_promotes_nothing(setup: dict[str, Any]) -> None:

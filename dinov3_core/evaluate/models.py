@@ -52,6 +52,21 @@ def candidate_model(cfg: EvaluateConfig) -> ModelUnderTest:
     return ModelUnderTest("candidate", path, f"{path.name} ({note})", str(version) if version else None)
 
 
+def champion_state(cfg: EvaluateConfig) -> mf.StateInput | None:
+    """The registry's `@champion` as a stage input: an evaluation reruns when the champion it faced was replaced."""
+    if not cfg.champion or not cfg.tracking.enabled:
+        return None
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+        version = str(client.get_model_version_by_alias(cfg.register_name, "champion").version)
+    except MlflowException:
+        version = "none"
+    return mf.StateInput(f"models:/{cfg.register_name}@champion", version)
+
+
 def champion_model(cfg: EvaluateConfig, cache: Path, warnings: list[str]) -> ModelUnderTest | None:
     """The registry's champion (downloaded into `cache/champion-v<version>/`), or None when there is none."""
     if not cfg.champion or not cfg.tracking.enabled:
