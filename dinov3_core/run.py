@@ -236,9 +236,12 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
         if lines:
             last = json.loads(lines[-1])
             summary["iteration"] = last.get("iteration")
-            for key in ("total_loss", "images_per_s", "max_rss_mb", "gram_loss"):
+            for key in ("total_loss", "dino_gap", "images_per_s", "max_rss_mb", "gram_loss"):
                 if isinstance(last.get(key), int | float):
                     summary[key] = round(float(last[key]), 4)
+    health = out / "health.json"
+    if health.is_file():
+        summary["health"] = json.loads(health.read_text()).get("verdict")
     selection = out / "gram_teacher_selection.json"
     if stage == "gram" and selection.is_file():
         chosen = json.loads(selection.read_text()).get("chosen", {})

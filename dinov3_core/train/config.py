@@ -187,6 +187,19 @@ class CheckpointingConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Whether a run learns (dinov3_core.train.health): the DINO loss must leave ln K after the warm-ups."""
+
+    policy: Literal["warn", "stop", "off"] = "warn"  # what a run that does not learn does: log it, or end there
+    min_gap: float = 0.05  # nats below ln K the DINO loss must reach, averaged over `patience` iterations
+    patience: int = 50  # iterations after the warm-ups over which the gap is averaged before the verdict
+
+    def __post_init__(self) -> None:
+        require(self.min_gap >= 0, "min_gap", f"must be >= 0 nats, got {self.min_gap}")
+        require(self.patience >= 1, "patience", f"must be >= 1 iteration, got {self.patience}")
+
+
+@dataclass
 class EvaluationConfig:
     eval_period_iterations: int = 12500  # teacher-only eval/training_<it>/teacher_checkpoint.pth; 0: only at end
 
@@ -217,6 +230,7 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     # System metrics on: a training run is long enough for host/GPU utilisation curves to matter.
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(system_metrics=True))
 

@@ -13,6 +13,7 @@ losses, NaN guard → per-submodule clipping → AdamW → EMA teacher.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import metrics as M
 from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
+from dinov3_core.train.health import HEALTH_FILE, HealthWatch, no_information_gaps
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.sampler import SamplerState
@@ -69,6 +71,7 @@ class PretrainResult:
     loss_curve: Path | None = None
     final_losses: dict[str, float] = field(default_factory=dict)
     images_per_second: float = 0.0  # mean over this invocation's iterations (global batch / iteration time)
+    health: str = ""  # learning / not learning (and why) / not judged yet: dinov3_core.train.health
 
 
 class Trainer:
@@ -209,6 +212,7 @@ class Trainer:
         gc.collect()
         gc.freeze()  # setup objects (model, index arrays) move out of the collected generations
         window = M.WindowMeans()
+        watch = HealthWatch(cfg)
         run_time = 0.0
         data_iter = iter(self.loader)
         try:
@@ -219,6 +223,10 @@ class Trainer:
                 if batch.iteration != iteration:  # the sampler and the loop must never drift apart
                     raise RuntimeError(f"loader returned iteration {batch.iteration}, expected {iteration}")
                 values = self.train_step(iteration, batch)
+                values.update(no_information_gaps(values, cfg))
+                alarm = watch.observe(iteration, values)  # raises under health.policy=stop, on every rank alike
+                if alarm is not None and env.is_main:
+                    logger.warning("%s: %s", self.stage, alarm)
                 iter_time = time.perf_counter() - start
                 run_time += iter_time
                 window.add({**values, "iter_time": iter_time, "data_time": data_time})
@@ -246,6 +254,10 @@ class Trainer:
         finally:
             del data_iter  # stops loader workers
             gc.unfreeze()  # in-process callers (tests, notebooks) get their collector back as it was
+        result.health = watch.verdict()
+        if env.is_main:  # the run's verdict for the stage summary (dinov3_core.run) and whoever looks at the run
+            (self.output_dir / HEALTH_FILE).write_text(json.dumps({"iteration": result.end_iteration,
+                                                                   "verdict": result.health}) + "\n")  # fmt: skip
         result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time
         if env.is_main:
             result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE)
@@ -288,6 +300,9 @@ class Trainer:
 
         with autocast(env, self.bf16):
             targets = model.teacher_targets(crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp)
+        q = targets.dino.float()
+        teacher_entropy = float(-(q * q.clamp_min(1e-12).log()).sum(-1).mean()) / math.log(q.shape[-1])
+        with autocast(env, self.bf16):
             koleo_features = None
             if n_micro > 1 and model.needs_koleo:
                 koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
@@ -317,7 +332,7 @@ class Trainer:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_sum /= env.world_size
         losses = dict(zip(LOSS_NAMES, loss_sum.tolist(), strict=True))
-        values: dict[str, float] = {**losses, **M.schedule_values(sched)}
+        values: dict[str, float] = {**losses, **M.schedule_values(sched), "teacher_entropy": teacher_entropy}
 
         finite = all(math.isfinite(v) for v in losses.values())
         if finite:

@@ -153,7 +153,8 @@ def progress_line(record: Mapping[str, Any], total_iterations: int) -> str:
     return (
         f"it {record['iteration']}/{total_iterations}  loss {record.get('total_loss', math.nan):.4f} "
         f"(dino g {record.get('dino_global_loss', math.nan):.4f} l {record.get('dino_local_loss', math.nan):.4f}, "
-        f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f})  "
+        f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f}; "
+        f"dino below ln K {record.get('dino_gap', math.nan):.3f})  "
         f"lr {record['lr']:.2e}  {record['images_per_s']:.1f} img/s  data {record.get('data_time', math.nan):.3f}s  "
         f"rss {record['rss_mb']:.0f} MiB"
     )

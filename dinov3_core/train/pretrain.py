@@ -45,6 +45,8 @@ MLFLOW_METRICS = (
     "dino_head_grad_norm",
     "ibot_head_grad_norm",
     "images_per_s",
+    "dino_gap",
+    "teacher_entropy",
     "data_time",
     "iter_time",
     "max_rss_mb",
@@ -85,6 +87,11 @@ def train_and_log(trainer: Trainer, run: Any, on_metrics: Callable[[dict[str, An
         for path in (result.metrics_path, result.loss_curve):
             if path is not None:
                 tracking.log_artifact(path)
+        import mlflow
+
+        mlflow.set_tag(
+            "wsidino.health", result.health_alarm[:5000] if result.health_alarm else "learning or not judged"
+        )
     return result
 
 

@@ -1,0 +1,73 @@
+"""Training health on real runs: the no-information gap is measured, and a run that does not learn says so."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dinov3_core.train.health import HEALTH_FILE, TrainingInertError, warmups_end
+from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.pretrain import run_pretrain
+from tests.helpers import pretrain_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Hot teacher targets (temperature 5 against the student's 0.1) carry no information: the student cannot leave ln K.
+INERT = {"teacher.teacher_temp": 5.0, "teacher.warmup_teacher_temp": 5.0, "teacher.warmup_teacher_temp_epochs": 0,
+         "optim.warmup_epochs": 0, "optim.freeze_last_layer_epochs": 0, "train.stop_at": 12,
+         "health.patience": 6}  # fmt: skip
+
+
+def test_an_inert_run_is_called_not_learning_and_names_the_keys(small_tile_store: Path, tmp_path: Path) -> None:
+    cfg = pretrain_config(small_tile_store, tmp_path / "inert", **INERT)
+    assert warmups_end(cfg) == 0
+    result = run_pretrain(cfg)
+    assert result.health.startswith("not learning") and "teacher.teacher_temp" in result.health
+    verdict = json.loads((tmp_path / "inert" / HEALTH_FILE).read_text())
+    assert verdict == {"iteration": 12, "verdict": result.health}
+    rows = read_metrics(tmp_path / "inert" / "training_metrics.json")
+    gaps = [r["dino_gap"] for r in rows]
+    assert all(abs(g) < 0.05 for g in gaps)  # ln 256 − loss: the student sits at the no-information level
+    assert all(r["teacher_entropy"] > 0.99 for r in rows)  # near-uniform targets: nothing to learn from
+    for row in rows:
+        assert row["dino_gap"] == pytest.approx(math.log(256) - row["dino_global_loss"])
+
+
+def test_the_watch_passes_a_learning_run_and_waits_for_the_warmups(tmp_path: Path) -> None:
+    from dinov3_core.train.health import HealthWatch
+
+    cfg = pretrain_config(tmp_path / "store", tmp_path / "out", **{**INERT, "optim.warmup_epochs": 2})
+    watch = HealthWatch(cfg)
+    assert watch.start == warmups_end(cfg) == 10  # 2 epochs × 5 iterations
+    for it in range(10):  # during the warm-ups a loss at ln K says nothing
+        assert watch.observe(it, {"dino_gap": 0.0}) is None
+    assert watch.verdict().startswith("not judged yet")
+    for it in range(10, 16):
+        assert watch.observe(it, {"dino_gap": 0.4}) is None
+    assert watch.judged and watch.verdict().startswith("learning")
+
+
+def test_a_short_run_is_not_judged(small_tile_store: Path, tmp_path: Path) -> None:
+    early = pretrain_config(small_tile_store, tmp_path / "early", **{**INERT, "optim.warmup_epochs": 4})
+    assert warmups_end(early) == 20  # 4 epochs × 5 iterations: the run stops at 12, before any verdict
+    assert run_pretrain(early).health.startswith("not judged yet")
+
+
+def test_stop_policy_ends_the_run_with_the_message(small_tile_store: Path, tmp_path: Path) -> None:
+    cfg = pretrain_config(small_tile_store, tmp_path / "stop", **{**INERT, "health.policy": "stop"})
+    with pytest.raises(TrainingInertError, match=r"not learning: over iterations 0…5, .*health.policy=stop"):
+        run_pretrain(cfg)
+    # Through the CLI (torchrun): bad-input exit code 2, and the rank's own message as the root cause.
+    args = [f"{k}={v}" for k, v in {**INERT, "health.policy": "stop", "tracking.enabled": False,
+                                    "optim.warmup_epochs": 0, "train.global_batch_size": 8}.items()]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--store", str(small_tile_store), "--output-dir",
+         str(tmp_path / "cli"), *args], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "not learning" in done.stderr and "teacher.teacher_temp" in done.stderr
