@@ -140,6 +140,9 @@ def test_reference_run_is_tracked_in_mlflow(reference) -> None:
     assert sorted(m.step for m in history) == list(range(8))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "training_metrics.json", "loss_curve.png"} <= artifacts
+    assert len(client.get_metric_history(run.info.run_id, "dino_gap")) == 8  # the health signal, every log line
+    verdict = json.loads((reference["out"] / "health.json").read_text())["verdict"]
+    assert run.data.tags["wsidino.health"] == verdict and verdict.startswith("not judged yet")  # 8 its < patience
 
 
 def test_gradient_accumulation_matches_the_full_batch(reference, small_tile_store, tmp_path) -> None:

@@ -89,9 +89,7 @@ def train_and_log(trainer: Trainer, run: Any, on_metrics: Callable[[dict[str, An
                 tracking.log_artifact(path)
         import mlflow
 
-        mlflow.set_tag(
-            "wsidino.health", result.health_alarm[:5000] if result.health_alarm else "learning or not judged"
-        )
+        mlflow.set_tag("wsidino.health", result.health[:5000])
     return result
 
 
