@@ -71,3 +71,21 @@ def test_stop_policy_ends_the_run_with_the_message(small_tile_store: Path, tmp_p
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     assert "not learning" in done.stderr and "teacher.teacher_temp" in done.stderr
+
+
+def test_schedules_that_cannot_work_for_the_run_length(tmp_path: Path) -> None:
+    from dinov3_core.config import ConfigError
+    from dinov3_core.train import config as C
+    from dinov3_core.train.health import schedule_warnings
+
+    with pytest.raises(ConfigError, match=r"teacher\.warmup_teacher_temp_epochs=4(\.0)? epochs is 20 iterations, but the "
+                                          r"run has 20"):  # fmt: skip
+        C.validate(pretrain_config(tmp_path, tmp_path / "a", **{"teacher.warmup_teacher_temp_epochs": 4}))
+    with pytest.raises(ConfigError, match=r"optim\.freeze_last_layer_epochs=5(\.0)? epochs"):
+        C.validate(pretrain_config(tmp_path, tmp_path / "b", **{"optim.freeze_last_layer_epochs": 5}))
+    slow = pretrain_config(tmp_path, tmp_path / "c", **{"teacher.warmup_teacher_temp_epochs": 3})
+    C.validate(slow)  # possible, but most of the run learns from soft targets: said at start
+    warnings = schedule_warnings(slow, stop_iteration=20)
+    assert any("teacher.warmup_teacher_temp_epochs" in w for w in warnings)
+    assert any("no health verdict" in w for w in warnings)  # 15 + 50 > 20
+    assert schedule_warnings(pretrain_config(tmp_path, tmp_path / "d", **{"health.policy": "off"}), 20) == []

@@ -276,6 +276,18 @@ def validate(cfg: PretrainConfig) -> None:
     warmup = epochs_to_iterations(cfg, cfg.optim.warmup_epochs)
     if not 0 <= warmup <= total:
         raise ConfigError(f"optim.warmup_epochs gives {warmup} warmup iterations, outside [0, {total}]")
+    # A schedule still warming up when the run ends cannot learn what the recipe intends (dinov3_core.train.health).
+    for key, epochs, what in (
+        ("teacher.warmup_teacher_temp_epochs", cfg.teacher.warmup_teacher_temp_epochs, "the teacher temperature"),
+        ("optim.freeze_last_layer_epochs", cfg.optim.freeze_last_layer_epochs, "the heads' last layers"),
+    ):
+        its = epochs_to_iterations(cfg, epochs)
+        if its and its >= total:
+            raise ConfigError(
+                f"{key}={epochs} epochs is {its} iterations, but the run has {total} (optim.epochs × "
+                f"train.epoch_length): {what} would still be warming up or frozen when it ends; shorten {key} or "
+                "lengthen the run"
+            )
     patch = _patch_size(cfg)
     for key, size in (("crops.global_size", cfg.crops.global_size), ("crops.local_size", cfg.crops.local_size)):
         if size % patch:

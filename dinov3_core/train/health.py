@@ -47,6 +47,26 @@ def warmups_end(cfg: C.PretrainConfig) -> int:
     return max(C.epochs_to_iterations(cfg, e) for e in epochs)
 
 
+def schedule_warnings(cfg: C.PretrainConfig, stop_iteration: int) -> list[str]:
+    """Schedules that work against a run of this length (logged at start; the impossible ones are refused by
+    `config.validate`), each naming the keys to change."""
+    total = C.total_iterations(cfg)
+    out = []
+    temp = C.epochs_to_iterations(cfg, cfg.teacher.warmup_teacher_temp_epochs)
+    if temp > total / 2:
+        out.append(
+            f"the teacher temperature warms up over {temp} of {total} iterations (teacher.warmup_teacher_temp_epochs): "
+            "most of the run learns from soft targets; shorten it or lengthen the run"
+        )
+    start = warmups_end(cfg)
+    if cfg.health.policy != "off" and stop_iteration < start + cfg.health.patience:
+        out.append(
+            f"no health verdict in this run: it stops at iteration {stop_iteration}, before the warm-ups end "
+            f"({start}) plus health.patience ({cfg.health.patience})"
+        )
+    return out
+
+
 class HealthWatch:
     """Judges the DINO gap once, `patience` iterations after the warm-ups; remembers the verdict."""
 
@@ -92,4 +112,12 @@ class HealthWatch:
                 f"warm-ups end at iteration {self.start}")  # fmt: skip
 
 
-__all__ = ["ADVICE", "HEALTH_FILE", "HealthWatch", "TrainingInertError", "no_information_gaps", "warmups_end"]
+__all__ = [
+    "ADVICE",
+    "HEALTH_FILE",
+    "HealthWatch",
+    "TrainingInertError",
+    "no_information_gaps",
+    "schedule_warnings",
+    "warmups_end",
+]
