@@ -78,8 +78,8 @@ def test_schedules_that_cannot_work_for_the_run_length(tmp_path: Path) -> None:
     from dinov3_core.train import config as C
     from dinov3_core.train.health import schedule_warnings
 
-    with pytest.raises(ConfigError, match=r"teacher\.warmup_teacher_temp_epochs=4(\.0)? epochs is 20 iterations, but the "
-                                          r"run has 20"):  # fmt: skip
+    too_long = r"teacher\.warmup_teacher_temp_epochs=4(\.0)? epochs is 20 iterations, but the run has 20"
+    with pytest.raises(ConfigError, match=too_long):
         C.validate(pretrain_config(tmp_path, tmp_path / "a", **{"teacher.warmup_teacher_temp_epochs": 4}))
     with pytest.raises(ConfigError, match=r"optim\.freeze_last_layer_epochs=5(\.0)? epochs"):
         C.validate(pretrain_config(tmp_path, tmp_path / "b", **{"optim.freeze_last_layer_epochs": 5}))
