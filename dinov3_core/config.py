@@ -255,12 +255,9 @@ def flat_params(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, path)
-    return path
+    from dinov3_core.files import write_text_atomic
+
+    return write_text_atomic(path, to_yaml(cfg))
 
 
 def config_hash(cfg: Any, exclude: Iterable[str] = ()) -> str:

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from dinov3_core import locks
 from dinov3_core.errors import WsidinoError
+from dinov3_core.files import write_text_atomic
 
 MANIFEST_NAME = "stage_manifest.json"
 FORMAT = "wsidino-stage-manifest"
@@ -97,12 +98,7 @@ def read_manifest(path: str | os.PathLike[str]) -> StageManifest | None:
 
 def write_manifest(path: str | os.PathLike[str], manifest: StageManifest) -> Path:
     """Write atomically (temporary name, then rename): a reader never sees half a manifest."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, p)
-    return p
+    return write_text_atomic(path, manifest.to_json())
 
 
 @contextlib.contextmanager

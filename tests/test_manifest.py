@@ -312,3 +312,17 @@ def test_training_fault_without_iteration_waits_for_a_checkpoint(tmp_path: Path,
     with pytest.raises(faults.InjectedFault, match="pretrain after iteration 4"):
         faults.on_event("train.checkpoint", stage="pretrain", output_dir=str(tmp_path), iteration=4, rank=0)
     faults.on_event("train.checkpoint", stage="gram", output_dir=str(tmp_path), iteration=4, rank=1)
+
+
+def test_atomic_path_replaces_only_on_success(tmp_path: Path):
+    from dinov3_core.files import atomic_path
+
+    target = tmp_path / "sub" / "out.json"
+    with atomic_path(target) as tmp:
+        assert tmp.parent == target.parent and tmp.suffix == ".json" and not target.exists()
+        tmp.write_text("v1")
+    assert target.read_text() == "v1"
+    with pytest.raises(RuntimeError, match="crash"), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash")
+    assert target.read_text() == "v1" and sorted(p.name for p in target.parent.iterdir()) == ["out.json"]

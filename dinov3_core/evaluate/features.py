@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from dinov3_core.export.extract import FeatureModel, normalise, open_model
+from dinov3_core.files import atomic_path
 
 
 def selection_key(store: Path, indices: np.ndarray) -> str:
@@ -52,10 +52,8 @@ def embed(
         if progress is not None:
             progress(len(batch))
     out = {"cls": np.concatenate(cls_parts), "mean_patch": np.concatenate(mean_parts)}
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, **out)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        np.savez(tmp, **out)
     return out
 
 

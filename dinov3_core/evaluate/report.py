@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dinov3_core.evaluate import probes as P
+from dinov3_core.files import write_text_atomic
 
 ROLES = ("candidate", "champion", "baseline")
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Atomic: a reader never sees half an evaluation."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable, allow_nan=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(doc, indent=1, default=_jsonable, allow_nan=True))
 
 
 def _jsonable(value: Any) -> Any:

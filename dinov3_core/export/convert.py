@@ -11,7 +11,6 @@ distributed-facts §6). `full_consolidation: true` also writes every key into `f
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -32,6 +31,7 @@ from dinov3_core import tracking
 from dinov3_core.config import load_config, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
+from dinov3_core.files import atomic_path
 from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
 
@@ -156,18 +156,8 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
     return name or "inferred", kwargs
 
 
-@contextlib.contextmanager
-def _atomic(path: Path):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
-    with _atomic(path) as tmp:
+    with atomic_path(path) as tmp:
         if path.suffix == ".safetensors":
             from safetensors.torch import save_file
 
@@ -202,7 +192,7 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         full = out / FULL_FILE
-        with _atomic(full) as tmp:
+        with atomic_path(full) as tmp:
             dcp_to_torch_save(ckpt, tmp)
     arch_doc = {
         "arch": arch,
@@ -211,7 +201,7 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         "convert_config": yaml.safe_load(to_yaml(cfg)),
     }
     arch_path = out / ARCH_FILE
-    with _atomic(arch_path) as tmp:
+    with atomic_path(arch_path) as tmp:
         tmp.write_text(yaml.safe_dump(arch_doc, sort_keys=False))
     result = ConvertResult(
         checkpoint=ckpt,

@@ -6,16 +6,14 @@ pixel coordinates; see `annotations`)."""
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from dinov3_core.files import atomic_path
 from wsidino_dev.sample_slides.annotations import write_annotations
 from wsidino_dev.sample_slides.canvas import TissueCanvas
 from wsidino_dev.sample_slides.negatives import truncate, write_not_a_slide
@@ -47,18 +45,6 @@ class SampleSet:
     root: Path = field(default=Path())
     preset: str = "demo"
     seed: int = 0
-
-
-@contextmanager
-def _atomic(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling path and rename it onto `final` only if the block succeeds."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _spec_rng(seed: int, index: int) -> np.random.Generator:
@@ -97,7 +83,7 @@ def _annotation_name(spec: SlideSpec) -> str:
 
 def _write_annotations(root: Path, spec: SlideSpec, canvas: TissueCanvas) -> dict[str, Any]:
     final = root / _annotation_name(spec)
-    with _atomic(final) as tmp:
+    with atomic_path(final) as tmp:
         summary = write_annotations(tmp, canvas, Path(spec.name).stem)
     return {"file": _annotation_name(spec), "slide": spec.name, "bytes": final.stat().st_size, **summary}
 
@@ -210,7 +196,7 @@ def make_sample_slides(
             files[spec.name] = reusable[spec.name]
             continue
         final = root / spec.name
-        with _atomic(final) as tmp:
+        with atomic_path(final) as tmp:
             meta = _write_spec(spec, tmp, rng, canvas)
         meta |= {
             "bytes": final.stat().st_size,
@@ -228,6 +214,6 @@ def make_sample_slides(
         "files": files,
         "annotations": annotations,
     }
-    with _atomic(root / MARKER_NAME) as tmp:
+    with atomic_path(root / MARKER_NAME) as tmp:
         tmp.write_text(json.dumps(marker, indent=2) + "\n")
     return _sample_set(root, preset, seed, files, annotations)
