@@ -176,3 +176,56 @@ def test_frozen_params_wrappers_and_bare_backbone() -> None:
     assert lr["blocks.0.attn.qkv.weight"] == pytest.approx(0.81) and lr["norm.weight"] == 1.0
     assert count_blocks(["backbone.blocks.11.mlp.fc1.weight", "backbone.blocks.3.norm1.bias"]) == 12
     assert layer_id("backbone.pos_embed", 12) == 0 and layer_id("dino_head.mlp.0.weight", 12) == 13
+
+
+# ------------------------------------------------------------------------------ schedules fitted to run length
+
+
+def test_paced_temperature_is_the_same_at_every_run_length() -> None:
+    from dinov3_core.train.schedules import UPSTREAM_TEMP_WARMUP_ITERS, paced_teacher_temp_schedule
+
+    short, long = paced_teacher_temp_schedule(1000), paced_teacher_temp_schedule(500_000)
+    np.testing.assert_allclose(short.as_array(), long.as_array()[:1000], rtol=1e-12)
+    assert short(999) == pytest.approx(0.04 + 0.03 * 999 / UPSTREAM_TEMP_WARMUP_ITERS)  # part-way up, not 0.07
+    # At upstream's length it is upstream's schedule: 0.04 → 0.07 over 30 × 1250 iterations, then constant.
+    upstream = teacher_temp_schedule(warmup_iters=UPSTREAM_TEMP_WARMUP_ITERS, total_iters=125_000)
+    np.testing.assert_allclose(paced_teacher_temp_schedule(125_000).as_array(), upstream.as_array(), rtol=1e-12)
+
+
+def test_fitted_final_momentum_keeps_the_teacher_following() -> None:
+    from dinov3_core.train.schedules import fitted_final_momentum, teacher_settled_from
+
+    assert fitted_final_momentum(1000, 0.992) == 0.992  # never below the start value
+    assert fitted_final_momentum(125_000, 0.992) == pytest.approx(1 - 1 / 6250)  # ≈ upstream's 1.0
+    assert fitted_final_momentum(10**9, 0.992) < 1.0
+    # The settled tail: a constant 0.992 keeps moving until the last ⌊ln 2 / 0.008⌋ = 86 iterations;
+    # upstream's cosine to 1.0 settles over ~half of a 1,000-iteration run and ~9 % of 125k.
+    assert teacher_settled_from(momentum_schedule(1000, base=0.992, final=0.992)) == 1000 - 86
+    assert teacher_settled_from(momentum_schedule(1000)) == pytest.approx(509, abs=2)
+    assert 1 - teacher_settled_from(momentum_schedule(125_000)) / 125_000 == pytest.approx(0.095, abs=0.005)
+    for total in (1000, 5000, 125_000):
+        fitted = momentum_schedule(total, final=fitted_final_momentum(total, 0.992))
+        assert total - teacher_settled_from(fitted) < 0.1 * total
+
+
+def test_auto_schedules_in_the_config(tmp_path) -> None:
+    from dinov3_core.config import ConfigError
+    from dinov3_core.train.optim import build_schedules
+    from tests.helpers import pretrain_config
+
+    auto = {
+        f"teacher.{k}": "auto" for k in ("momentum_teacher", "final_momentum_teacher", "warmup_teacher_temp_epochs")
+    }
+    cfg = pretrain_config(tmp_path, tmp_path / "o", **{"train.epoch_length": 250, **auto})  # 1,000 iterations
+    sched = build_schedules(cfg, global_batch=8)
+    assert sched.momentum(0) == sched.momentum(999) == pytest.approx(0.98)  # time constant 50 = 5 % of the run
+    assert sched.teacher_temp(999) == pytest.approx(0.0408, abs=1e-4)  # upstream's pace: 0.04 + 0.03 · 999 / 37,500
+    explicit = pretrain_config(tmp_path, tmp_path / "o", **{"train.epoch_length": 250,
+                                                            "teacher.final_momentum_teacher": 1,
+                                                            "teacher.warmup_teacher_temp_epochs": 2})  # fmt: skip
+    sched = build_schedules(explicit, global_batch=8)
+    assert sched.momentum(999) == 1.0 and sched.teacher_temp(500) == pytest.approx(0.07)
+    with pytest.raises(ConfigError, match=r"teacher\.final_momentum_teacher: must be a number or 'auto', got 'soon'"):
+        pretrain_config(tmp_path, tmp_path / "o", **{"teacher.final_momentum_teacher": "soon"})
+    with pytest.raises(ConfigError, match=r"teacher\.final_momentum_teacher: must be in \[momentum_teacher"):
+        pretrain_config(tmp_path, tmp_path / "o", **{"teacher.final_momentum_teacher": 0.9})

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Hot teacher targets (temperature 5 against the student's 0.1) carry no information: the student cannot leave ln K.
 INERT = {"teacher.teacher_temp": 5.0, "teacher.warmup_teacher_temp": 5.0, "teacher.warmup_teacher_temp_epochs": 0,
          "optim.warmup_epochs": 0, "optim.freeze_last_layer_epochs": 0, "train.stop_at": 12,
-         "health.patience": 6}  # fmt: skip
+         "health.patience": 6, "health.judge_at": 0.0}  # fmt: skip
 
 
 def test_an_inert_run_is_called_not_learning_and_names_the_keys(small_tile_store: Path, tmp_path: Path) -> None:
@@ -49,7 +49,22 @@ def test_the_watch_passes_a_learning_run_and_waits_for_the_warmups(tmp_path: Pat
     assert watch.verdict().startswith("not judged yet")
     for it in range(10, 16):
         assert watch.observe(it, {"dino_gap": 0.4}) is None
-    assert watch.judged and watch.verdict().startswith("learning")
+    assert watch.judged and watch.verdict() == "learning: the DINO loss left its no-information level by iteration 15"
+
+
+def test_the_verdict_waits_for_its_deadline_and_corrects_a_late_learner(tmp_path: Path) -> None:
+    from dinov3_core.train.health import HealthWatch
+
+    cfg = pretrain_config(tmp_path / "store", tmp_path / "out", **{**INERT, "health.judge_at": 0.5})
+    watch = HealthWatch(cfg)
+    assert watch.deadline == 10  # half of 20 iterations (later than warm-ups 0 + patience 6)
+    for it in range(9):  # flat, but not due yet
+        assert watch.observe(it, {"dino_gap": 0.001}) is None
+    alarm = watch.observe(9, {"dino_gap": 0.001})
+    assert alarm is not None and alarm.startswith("not learning: by iteration 9 (health.judge_at=0.5")
+    for it in range(10, 16):  # warn policy: it runs on, and learns after all
+        watch.observe(it, {"dino_gap": 0.3})
+    assert watch.verdict().startswith("learning late: the DINO loss left its no-information level only by iteration")
 
 
 def test_a_short_run_is_not_judged(small_tile_store: Path, tmp_path: Path) -> None:
@@ -60,7 +75,9 @@ def test_a_short_run_is_not_judged(small_tile_store: Path, tmp_path: Path) -> No
 
 def test_stop_policy_ends_the_run_with_the_message(small_tile_store: Path, tmp_path: Path) -> None:
     cfg = pretrain_config(small_tile_store, tmp_path / "stop", **{**INERT, "health.policy": "stop"})
-    with pytest.raises(TrainingInertError, match=r"not learning: over iterations 0…5, .*health.policy=stop"):
+    with pytest.raises(
+        TrainingInertError, match=r"not learning: by iteration 5 .*over iterations 0…5 .*health.policy=stop"
+    ):
         run_pretrain(cfg)
     # Through the CLI (torchrun): bad-input exit code 2, and the rank's own message as the root cause.
     args = [f"{k}={v}" for k, v in {**INERT, "health.policy": "stop", "tracking.enabled": False,
@@ -83,9 +100,46 @@ def test_schedules_that_cannot_work_for_the_run_length(tmp_path: Path) -> None:
         C.validate(pretrain_config(tmp_path, tmp_path / "a", **{"teacher.warmup_teacher_temp_epochs": 4}))
     with pytest.raises(ConfigError, match=r"optim\.freeze_last_layer_epochs=5(\.0)? epochs"):
         C.validate(pretrain_config(tmp_path, tmp_path / "b", **{"optim.freeze_last_layer_epochs": 5}))
-    slow = pretrain_config(tmp_path, tmp_path / "c", **{"teacher.warmup_teacher_temp_epochs": 3})
+    slow = pretrain_config(tmp_path, tmp_path / "c", **{"teacher.warmup_teacher_temp_epochs": 3,
+                                                         "teacher.momentum_teacher": 0.5})  # fmt: skip
     C.validate(slow)  # possible, but most of the run learns from soft targets: said at start
     warnings = schedule_warnings(slow, stop_iteration=20)
     assert any("teacher.warmup_teacher_temp_epochs" in w for w in warnings)
-    assert any("no health verdict" in w for w in warnings)  # 15 + 50 > 20
-    assert schedule_warnings(pretrain_config(tmp_path, tmp_path / "d", **{"health.policy": "off"}), 20) == []
+    assert any("no health verdict" in w for w in warnings)  # 0 + 50 > 20
+    frozen = pretrain_config(tmp_path, tmp_path / "e", **{"train.epoch_length": 250,
+                                                           "teacher.final_momentum_teacher": 1.0})  # fmt: skip
+    (warning,) = schedule_warnings(frozen, stop_iteration=1000)
+    assert "barely moves after iteration 509 of 1000" in warning and "final_momentum_teacher=auto" in warning
+    auto = {
+        f"teacher.{k}": "auto" for k in ("momentum_teacher", "final_momentum_teacher", "warmup_teacher_temp_epochs")
+    }
+    fitted = pretrain_config(tmp_path, tmp_path / "f", **{"train.epoch_length": 250, **auto})
+    assert schedule_warnings(fitted, stop_iteration=1000) == []
+
+
+SHIPPED = sorted((Path(__file__).parents[1] / "configs").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p.parent.name in ("pretrain", "gram")], ids=lambda p: p.stem)
+def test_every_shipped_training_recipe_fits_its_length(path: Path, tmp_path: Path) -> None:
+    from dinov3_core.config import load_config
+    from dinov3_core.gram.config import GramConfig
+    from dinov3_core.train import config as C
+    from dinov3_core.train.health import schedule_warnings
+
+    schema = GramConfig if path.parent.name == "gram" else C.PretrainConfig
+    required = ["data.stores=[x]", f"output_dir={tmp_path}", "student.pretrained_weights=w.pth", "pretrain_dir=p"]
+    cfg = load_config(schema, str(path), [o for o in required if o.split("=")[0] in _keys(schema)],
+                      stage=path.parent.name)  # fmt: skip
+    C.validate(cfg)
+    warnings = [w for w in schedule_warnings(cfg, C.total_iterations(cfg)) if "no health verdict" not in w]
+    if path.stem == "tiny":  # test-sized (20 iterations): too short for any EMA teacher, and it says so
+        assert len(warnings) == 1 and "barely moves" in warnings[0] and "momentum_teacher=auto" in warnings[0]
+    else:
+        assert warnings == []
+
+
+def _keys(schema: type) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(schema)} | {"student.pretrained_weights", "data.stores"}

@@ -9,9 +9,9 @@ sits at the DINO loss ln K (K prototypes). The signals, per training step, writt
 * ``teacher_entropy``: the mean entropy of the teacher's targets as a fraction of ln K (1: uniform targets that
   teach nothing; this rank's share of the step).
 
-The alarm: once every warm-up is over (learning rate, teacher temperature, last-layer freeze), the DINO gap averaged
-over `health.patience` iterations must reach `health.min_gap`. If it does not, the run logs why and what to change;
-`health.policy=stop` ends it there (every rank at the same iteration: the gaps are of all-reduced losses).
+The alarm: after the warm-ups (learning rate, last-layer freeze) the DINO gap averaged over `health.patience`
+iterations must reach `health.min_gap` by `health.judge_at` of the run. If it does not, the run logs why and what to
+change; `health.policy=stop` ends it there (every rank at the same iteration: the gaps are of all-reduced losses).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import config as C
+from dinov3_core.train.optim import teacher_momentum, temperature_schedule
+from dinov3_core.train.schedules import momentum_schedule, teacher_settled_from
 
 HEALTH_FILE = "health.json"  # the verdict, in the run directory
 ADVICE = (
@@ -42,9 +44,16 @@ def no_information_gaps(values: dict[str, float], cfg: C.PretrainConfig) -> dict
 
 
 def warmups_end(cfg: C.PretrainConfig) -> int:
-    """The first iteration after every warm-up: before it, a loss at ln K says nothing."""
-    epochs = (cfg.optim.warmup_epochs, cfg.teacher.warmup_teacher_temp_epochs, cfg.optim.freeze_last_layer_epochs)
+    """The first iteration after the learning-rate warm-up and the last-layer freeze: before it, a loss at ln K says
+    nothing. The teacher-temperature warm-up does not delay the verdict: a temperature still rising is lower than
+    its peak, its targets sharper, so a student that learns leaves ln K during it too."""
+    epochs = (cfg.optim.warmup_epochs, cfg.optim.freeze_last_layer_epochs)
     return max(C.epochs_to_iterations(cfg, e) for e in epochs)
+
+
+# The share of a run after which the EMA teacher has settled (schedules.teacher_settled_from) that is worth a warning:
+# upstream's own 125k-iteration schedule settles over its last ~9 %.
+SETTLED_TAIL_WARNING = 0.2
 
 
 def schedule_warnings(cfg: C.PretrainConfig, stop_iteration: int) -> list[str]:
@@ -52,11 +61,30 @@ def schedule_warnings(cfg: C.PretrainConfig, stop_iteration: int) -> list[str]:
     `config.validate`), each naming the keys to change."""
     total = C.total_iterations(cfg)
     out = []
-    temp = C.epochs_to_iterations(cfg, cfg.teacher.warmup_teacher_temp_epochs)
-    if temp > total / 2:
+    t = cfg.teacher
+    if not isinstance(t.warmup_teacher_temp_epochs, str):
+        temp = C.epochs_to_iterations(cfg, t.warmup_teacher_temp_epochs)
+        if temp > total / 2 and t.teacher_temp > t.warmup_teacher_temp:
+            out.append(
+                f"the teacher temperature warms up over {temp} of {total} iterations "
+                "(teacher.warmup_teacher_temp_epochs): most of the run learns from ever softer targets; "
+                "teacher.warmup_teacher_temp_epochs=auto keeps upstream's pace"
+            )
+    base, final = teacher_momentum(cfg)
+    settled = teacher_settled_from(momentum_schedule(total, base=base, final=final))
+    if total - settled > SETTLED_TAIL_WARNING * total:
+        lag = 1.0 / (1.0 - base)
+        if lag > SETTLED_TAIL_WARNING * total:  # the start value alone is too slow for this run
+            fix = (
+                f"at a momentum of {base:g} the teacher averages the student over ~{lag:.0f} iterations; "
+                "teacher.momentum_teacher=auto fits it to the run's length, or lengthen the run"
+            )
+        else:
+            fix = "teacher.final_momentum_teacher=auto fits the final value to the run's length"
         out.append(
-            f"the teacher temperature warms up over {temp} of {total} iterations (teacher.warmup_teacher_temp_epochs): "
-            "most of the run learns from soft targets; shorten it or lengthen the run"
+            f"the EMA teacher barely moves after iteration {settled} of {total} (momentum {base:g} → {final:g}, "
+            f"teacher.momentum_teacher / teacher.final_momentum_teacher): the last {(total - settled) / total:.0%} "
+            f"of the run learns from a teacher that no longer follows the student; {fix}"
         )
     start = warmups_end(cfg)
     if cfg.health.policy != "off" and stop_iteration < start + cfg.health.patience:
@@ -67,34 +95,54 @@ def schedule_warnings(cfg: C.PretrainConfig, stop_iteration: int) -> list[str]:
     return out
 
 
+def schedule_summary(cfg: C.PretrainConfig) -> str:
+    """The teacher schedules as this run uses them (logged at start, so "auto" is never a mystery)."""
+    total, t = C.total_iterations(cfg), cfg.teacher
+    temp = temperature_schedule(cfg)
+    base, final = teacher_momentum(cfg)
+    return (
+        f"teacher schedules over {total} iterations: temperature {temp(0):.4g} → {temp(total - 1):.4g} "
+        f"(warmup_teacher_temp_epochs={t.warmup_teacher_temp_epochs}), momentum {base:.6g} → {final:.6g} "
+        f"(momentum_teacher={t.momentum_teacher}, final_momentum_teacher={t.final_momentum_teacher})"
+    )
+
+
 class HealthWatch:
-    """Judges the DINO gap once, `patience` iterations after the warm-ups; remembers the verdict."""
+    """Judges the DINO gap, averaged over `health.patience` iterations, after the warm-ups: "learning" as soon as it
+    reaches `health.min_gap`; "not learning" if it has not by the deadline (`health.judge_at` of the run, and never
+    before warm-ups + patience). A run that learns late under the warn policy gets its verdict corrected."""
 
     def __init__(self, cfg: C.PretrainConfig) -> None:
         self.cfg = cfg.health
         self.start = warmups_end(cfg)
+        self.deadline = max(self.start + self.cfg.patience, math.ceil(self.cfg.judge_at * C.total_iterations(cfg)))
         self.gaps: deque[float] = deque(maxlen=self.cfg.patience)
-        self.message: str | None = None
+        self.message: str | None = None  # the alarm, if one was raised
+        self.learning_at: int | None = None  # the iteration whose window first reached min_gap
         self.judged = False
 
     def observe(self, iteration: int, values: dict[str, Any]) -> str | None:
         """Feed one step; returns the alarm message the first time the run is judged not to learn."""
-        if self.cfg.policy == "off" or self.judged or iteration < self.start:
+        if self.cfg.policy == "off" or self.learning_at is not None or iteration < self.start:
             return None
         gap = values.get("dino_gap")
         if gap is None or not math.isfinite(gap):
             return None
         self.gaps.append(gap)
-        if len(self.gaps) < self.gaps.maxlen:  # type: ignore[operator]
+        if len(self.gaps) < self.cfg.patience:
             return None
-        self.judged = True
         mean = sum(self.gaps) / len(self.gaps)
         if mean >= self.cfg.min_gap:
+            self.judged, self.learning_at = True, iteration
             return None
+        if self.judged or iteration + 1 < self.deadline:
+            return None
+        self.judged = True
         self.message = (
-            f"not learning: over iterations {iteration - len(self.gaps) + 1}…{iteration}, after every warm-up, the "
-            f"DINO loss was on average {mean:.3f} nats below its no-information level ln K (negative: above it; "
-            f"health.min_gap asks for {self.cfg.min_gap}); {ADVICE}"
+            f"not learning: by iteration {iteration} (health.judge_at={self.cfg.judge_at:g} of the run, after every "
+            f"warm-up) the DINO loss was still at its no-information level ln K: {mean:.3f} nats below it on average "
+            f"over iterations {iteration - len(self.gaps) + 1}…{iteration} (negative: above it; health.min_gap asks "
+            f"for {self.cfg.min_gap}); {ADVICE}"
         )
         if self.cfg.policy == "stop":
             raise TrainingInertError(self.message + " (health.policy=stop; health.policy=warn lets it run on)")
@@ -102,14 +150,19 @@ class HealthWatch:
 
     def verdict(self) -> str:
         """For the run's summary and its MLflow tag `wsidino.health`."""
+        if self.learning_at is not None and self.message is not None:
+            return (f"learning late: the DINO loss left its no-information level only by iteration "
+                    f"{self.learning_at}, after the alarm; {ADVICE}")  # fmt: skip
         if self.message is not None:
             return self.message
-        if self.judged:
-            return "learning: the DINO loss left its no-information level after the warm-ups"
+        if self.learning_at is not None:
+            return f"learning: the DINO loss left its no-information level by iteration {self.learning_at}"
         if self.cfg.policy == "off":
             return "not judged: health.policy=off"
-        return (f"not judged yet: the verdict comes {self.cfg.patience} iterations (health.patience) after the "
-                f"warm-ups end at iteration {self.start}")  # fmt: skip
+        return (
+            f"not judged yet: the verdict is due by iteration {self.deadline} (health.judge_at of the run, at "
+            f"least health.patience={self.cfg.patience} iterations after the warm-ups end at {self.start})"
+        )
 
 
 __all__ = [
@@ -118,6 +171,7 @@ __all__ = [
     "HealthWatch",
     "TrainingInertError",
     "no_information_gaps",
+    "schedule_summary",
     "schedule_warnings",
     "warmups_end",
 ]

@@ -33,7 +33,13 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import metrics as M
 from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
-from dinov3_core.train.health import HEALTH_FILE, HealthWatch, no_information_gaps, schedule_warnings
+from dinov3_core.train.health import (
+    HEALTH_FILE,
+    HealthWatch,
+    no_information_gaps,
+    schedule_summary,
+    schedule_warnings,
+)
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.sampler import SamplerState
@@ -213,6 +219,8 @@ class Trainer:
         gc.freeze()  # setup objects (model, index arrays) move out of the collected generations
         window = M.WindowMeans()
         watch = HealthWatch(cfg)
+        if env.is_main:
+            logger.info("%s: %s", self.stage, schedule_summary(cfg))
         for warning in schedule_warnings(cfg, self.stop_iteration) if env.is_main else []:
             logger.warning("%s: %s", self.stage, warning)
         run_time = 0.0

@@ -15,8 +15,11 @@ from dinov3_core.train import config as C
 from dinov3_core.train.param_groups import build_param_groups
 from dinov3_core.train.schedules import (
     WarmupCosineSchedule,
+    fitted_final_momentum,
+    fitted_start_momentum,
     linear_warmup_cosine,
     momentum_schedule,
+    paced_teacher_temp_schedule,
     scaled_lr,
     teacher_temp_schedule,
     weight_decay_schedule,
@@ -54,21 +57,37 @@ class Schedules:
 def build_schedules(cfg: C.PretrainConfig, global_batch: int) -> Schedules:
     """Schedules over epochs × epoch_length iterations; lr peak and end scaled by the global batch size."""
     total = C.total_iterations(cfg)
-    o, t = cfg.optim, cfg.teacher
+    o = cfg.optim
+    start_momentum, final_momentum = teacher_momentum(cfg)
     peak = scaled_lr(o.lr, global_batch, o.scaling_rule)
     end = scaled_lr(o.min_lr, global_batch, o.scaling_rule)
     return Schedules(
         lr=linear_warmup_cosine(0.0, peak, end, C.epochs_to_iterations(cfg, o.warmup_epochs), total),
         wd=weight_decay_schedule(total, start=o.weight_decay, end=o.weight_decay_end),
-        momentum=momentum_schedule(total, base=t.momentum_teacher, final=t.final_momentum_teacher),
-        teacher_temp=teacher_temp_schedule(
-            min(total, C.epochs_to_iterations(cfg, t.warmup_teacher_temp_epochs)),
-            total,
-            start=t.warmup_teacher_temp,
-            peak=t.teacher_temp,
-        ),
+        momentum=momentum_schedule(total, base=start_momentum, final=final_momentum),
+        teacher_temp=temperature_schedule(cfg),
         freeze_last_layer_iters=C.epochs_to_iterations(cfg, o.freeze_last_layer_epochs),
     )
+
+
+def teacher_momentum(cfg: C.PretrainConfig) -> tuple[float, float]:
+    """(start, final) EMA momentum: `teacher.momentum_teacher` and `teacher.final_momentum_teacher`, each fitted to
+    the run's length when "auto"."""
+    t, total = cfg.teacher, C.total_iterations(cfg)
+    start = fitted_start_momentum(total) if t.momentum_teacher == "auto" else float(t.momentum_teacher)
+    final = (
+        fitted_final_momentum(total, start) if t.final_momentum_teacher == "auto" else float(t.final_momentum_teacher)
+    )
+    return start, final
+
+
+def temperature_schedule(cfg: C.PretrainConfig) -> WarmupCosineSchedule:
+    """The teacher temperature: at upstream's pace ("auto") or warmed over `warmup_teacher_temp_epochs`."""
+    t, total = cfg.teacher, C.total_iterations(cfg)
+    if t.warmup_teacher_temp_epochs == "auto":
+        return paced_teacher_temp_schedule(total, start=t.warmup_teacher_temp, peak=t.teacher_temp)
+    warmup = min(total, C.epochs_to_iterations(cfg, float(t.warmup_teacher_temp_epochs)))
+    return teacher_temp_schedule(warmup, total, start=t.warmup_teacher_temp, peak=t.teacher_temp)
 
 
 def build_optimizer(student: nn.Module, cfg: C.PretrainConfig) -> torch.optim.AdamW:

@@ -69,11 +69,62 @@ def linear_warmup_cosine(
     return WarmupCosineSchedule(start, peak, end, warmup_iters, cosine_iters, total_iters)
 
 
+# Upstream's teacher-temperature warm-up in iterations (30 epochs × 1250). Schedules that fit a run's length keep
+# this *pace* (facts §9): prototypes organise over tens of thousands of updates whatever the run's length, so a
+# shorter run ends at the temperature upstream had reached by its last iteration instead of squeezing the whole
+# warm-up into it (tried on 1,000 iterations: a warm-up over 30 % of the run stays at ln K, the paced one learns).
+UPSTREAM_TEMP_WARMUP_ITERS = 30 * 1250
+# Fitted final teacher momentum: at the end of a run the teacher's EMA time constant 1/(1 − m) is at most this share
+# of the run. Upstream's cosine to 1.0 freezes the teacher over the last ~8 % of its 125k iterations, which costs
+# nothing there; cut to 1,000 iterations the same curve freezes it over the last ~40 %.
+END_EMA_SHARE = 0.05
+
+
 def teacher_temp_schedule(
     warmup_iters: int, total_iters: int, *, start: float = 0.04, peak: float = 0.07
 ) -> WarmupCosineSchedule:
     """Teacher temperature: linear 0.04 → 0.07 over the warmup (official 30 epochs), then constant."""
     return linear_warmup_cosine(start, peak, peak, warmup_iters, total_iters)
+
+
+def paced_teacher_temp_schedule(
+    total_iters: int, *, start: float = 0.04, peak: float = 0.07, pace_iters: int = UPSTREAM_TEMP_WARMUP_ITERS
+) -> WarmupCosineSchedule:
+    """Teacher temperature rising start → peak over `pace_iters` iterations, whatever the run's length: the value
+    at iteration t is the same in a 1,000- and a 500,000-iteration run (a shorter run stops part-way up)."""
+    warmup = min(pace_iters, total_iters)
+    reached = start + (peak - start) * warmup / pace_iters
+    return linear_warmup_cosine(start, reached, reached, warmup, total_iters)
+
+
+# Upstream's starting EMA momentum (v1/v2 schedules): a time constant 1/(1 − m) of 125 iterations, 0.1 % of 125k.
+UPSTREAM_START_MOMENTUM = 0.992
+# Fitted start momentum: the teacher's time constant at the start is at most this share of the run. On 1,000
+# iterations of the tiny recipe, 0.98 (50 iterations) left ln K twice as far as 0.992 (125 iterations).
+START_EMA_SHARE = 0.05
+
+
+def fitted_start_momentum(total_iters: int) -> float:
+    """The starting EMA momentum for a run of `total_iters`: upstream's 0.992, lowered for runs so short that its
+    time constant would exceed `START_EMA_SHARE` of the run (0.98 at 1,000 iterations, 0 — the student itself —
+    at 20)."""
+    return max(0.0, min(UPSTREAM_START_MOMENTUM, 1.0 - 1.0 / (START_EMA_SHARE * total_iters)))
+
+
+def fitted_final_momentum(total_iters: int, base: float) -> float:
+    """The final EMA momentum for a run of `total_iters`: upstream's 1.0 for long runs, capped so that the
+    teacher's time constant at the end stays within `END_EMA_SHARE` of the run, and never below `base`."""
+    return min(1.0, max(base, 1.0 - 1.0 / (END_EMA_SHARE * total_iters)))
+
+
+def teacher_settled_from(schedule: WarmupCosineSchedule) -> int:
+    """The first iteration from which the EMA teacher barely moves any more: more than half of the final teacher is
+    already the teacher of that iteration, i.e. Σ_{s ≥ t} (1 − m_s) < ln 2. Every EMA has such a tail (≈ 87
+    iterations at a constant 0.992); upstream's cosine to 1.0 makes it the last ~9 % of 125k iterations and the
+    last ~47 % of 1,000."""
+    remaining = np.cumsum((1.0 - schedule.as_array())[::-1])[::-1]  # Σ_{s ≥ t} (1 − m_s)
+    settled = np.flatnonzero(remaining < math.log(2.0))
+    return int(settled[0]) if len(settled) else schedule.total_iters
 
 
 def momentum_schedule(total_iters: int, *, base: float = 0.992, final: float = 1.0) -> WarmupCosineSchedule:
