@@ -1,4 +1,7 @@
-"""Draw the pictures in docs/ (run: .venv/bin/python docs/make_figures.py)."""
+"""Draw the pictures in docs/ (run: .venv/bin/python docs/make_figures.py [--health bench-output/training_health.json]).
+
+`--health` redraws the healthy-vs-inert training picture from `benchmarks/training_health.py`'s measured curves.
+"""
 
 from __future__ import annotations
 
@@ -187,7 +190,41 @@ def orchestration() -> None:
     fig.savefig(OUT / "orchestration.png", dpi=110, bbox_inches="tight")
 
 
+def training_health(measured: Path) -> None:
+    """A healthy and an inert run of the same recipe, as `benchmarks/training_health.py` measured them."""
+    import json
+    import math
+
+    runs = json.loads(measured.read_text())
+    fig, (gap_ax, ent_ax) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for key, run in runs.items():
+        if not key.startswith("tiny"):
+            continue
+        its = [p[0] for p in run["curve"]]
+        label = f"{key.split(' / ')[1]}: {run['verdict'].split(':')[0]}"
+        gap_ax.plot(its, [p[1] for p in run["curve"]], label=label)
+        ent_ax.plot(its, [p[2] for p in run["curve"]], label=label)
+    gap_ax.axhline(0.0, color="grey", lw=0.8)
+    gap_ax.axhline(0.02, color="#d93025", lw=0.8, ls=":", label="health.min_gap")
+    gap_ax.set_title(f"dino_gap = ln K − DINO loss (ln K = {math.log(256):.3f})", fontsize=10)
+    gap_ax.set_xlabel("iteration")
+    gap_ax.set_ylabel("nats below the no-information level")
+    gap_ax.legend(fontsize=8)
+    ent_ax.set_title("teacher_entropy (share of ln K; 1 = uniform targets)", fontsize=10)
+    ent_ax.set_xlabel("iteration")
+    ent_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "training_health.png", dpi=110)
+
+
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--health", type=Path, help="benchmarks/training_health.py's JSON")
+    args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     pipeline()
     orchestration()
+    if args.health:
+        training_health(args.health)

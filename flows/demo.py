@@ -1,4 +1,4 @@
-"""`make demo`: the pipeline flow end to end on built-in sample slides, tiny model, CPU (a few minutes).
+"""`make demo`: the pipeline flow end to end on built-in sample slides, small model, CPU (about 5 minutes).
 
     python -m flows.demo --output demo-output [--nproc 2]
 
@@ -36,7 +36,7 @@ def demo_params(output: Path, nproc: int, tile_workers: int) -> Any:
         workdir=str(output),
         annotations=str(output / "slides" / "annotations"),  # QuPath-style GeoJSON written with the sample slides
         tile=StageOptions(config="default", overrides=[f"workers={tile_workers}"]),
-        pretrain=StageOptions(config="tiny"),
+        pretrain=StageOptions(config="cpu"),  # long enough to learn: the evaluation finds it better than its init
         gram=StageOptions(config="tiny"),
         launch=LaunchSettings(nproc_per_node=nproc, retries=1),
         tracking=TrackingParams(tracking_uri=f"sqlite:///{output / 'mlflow.db'}", experiment=DEMO_EXPERIMENT),
@@ -59,11 +59,26 @@ def run_demo(output: Path, nproc: int, tile_workers: int) -> int:
         print(f"demo pipeline ended {state.name}: {state.message}", file=sys.stderr)
         return 1
     summary = state.result()
+    print(training_health(summary))
     table = Path(summary["paths"]["evaluation"]) / "evaluation.md"
     if table.is_file():
         print("\n" + table.read_text())
     print(where_everything_is(output, summary, time.perf_counter() - start))
     return 0
+
+
+def training_health(summary: dict[str, Any]) -> str:
+    """Each training stage's health verdict and last figures, to read beside the evaluation table."""
+    lines = ["\n=== training health (README: \"Is it learning?\")"]
+    for stage in ("pretrain", "gram"):
+        figures = ((summary["stages"].get(stage) or {}).get("summary")) or {}
+        values = ", ".join(f"{k} {figures[k]}" for k in HEALTH_FIGURES if k in figures)
+        lines.append(f"  {stage:<9} {figures.get('health', 'no verdict')}\n            {values}")
+    return "\n".join(lines)
+
+
+# The stage summary's health figures (dinov3_core.run.training_summary), in the order they are printed.
+HEALTH_FIGURES = ("iteration", "dino_gap", "teacher_entropy", "agreement", "effective_rank", "invariance")
 
 
 def where_everything_is(output: Path, summary: dict[str, Any], seconds: float) -> str:

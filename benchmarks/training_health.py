@@ -1,0 +1,131 @@
+"""Iterations (and CPU minutes) to the first reliable sign of learning, upstream-shaped vs fitted teacher schedules.
+
+A real tile store (the tile stage on the "demo" sample slides, 96 px tiles at 0.5 µm/px; `--quick`: the "test"
+slides) and, side by side in one run, for each model:
+
+* **upstream shapes** — what a user got by cutting upstream's recipe to a short run: teacher momentum cosine
+  0.992 → 1.0 over the run, temperature 0.04 → 0.07 over 30 % of it (upstream's 30 of 100 epochs);
+* **fitted** — `auto` (the default): momentum and temperature fitted to the run's length
+  (`dinov3_core.train.schedules`).
+
+The first reliable sign of learning is the first iteration at which the DINO gap (ln K − DINO loss), averaged over
+the last 50 iterations, reaches `health.min_gap` (the alarm's own threshold); the CPU minutes to it are wall time ×
+threads. Models: `tiny` (vit_test, 64/32 px crops) and ViT-S/16 at 96/48 px (fewer iterations: ~1 s each on 2
+cores). Same data, seed and everything else in each pair.
+
+Usage: python benchmarks/training_health.py [--quick] [--output DIR]   (writes DIR/training_health.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from extract import make_store  # the sibling script (its directory is sys.path[0]): the same tile store
+
+from dinov3_core.config import load_config
+from dinov3_core.train.config import PretrainConfig
+from dinov3_core.train.metrics import read_metrics
+from dinov3_core.train.pretrain import run_pretrain
+
+WINDOW = 50
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "upstream shapes": {"teacher.momentum_teacher": 0.992, "teacher.final_momentum_teacher": 1.0,
+                        "teacher.warmup_teacher_temp_epochs": 0.3 * 4},  # 30 % of the run's 4 epochs
+    "fitted (auto)": {"teacher.momentum_teacher": "auto", "teacher.final_momentum_teacher": "auto",
+                      "teacher.warmup_teacher_temp_epochs": "auto"},
+}  # fmt: skip
+
+
+def models(quick: bool) -> dict[str, dict[str, Any]]:
+    vits = {"student.arch": "vit_small", "crops.global_size": 96, "crops.local_size": 48,
+            "heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096}  # fmt: skip
+    return {
+        "tiny (vit_test, 64 px)": {"iterations": 200 if quick else 1000, "overrides": {}},
+        "ViT-S/16 (96 px)": {"iterations": 20 if quick else 200, "overrides": vits},
+    }
+
+
+def first_sign(rows: list[dict[str, Any]], min_gap: float) -> int | None:
+    gaps: list[float] = []
+    for row in rows:
+        gaps.append(row["dino_gap"])
+        recent = gaps[-WINDOW:]
+        if len(recent) == WINDOW and sum(recent) / WINDOW >= min_gap:
+            return int(row["iteration"])
+    return None
+
+
+def bench(store: Path, root: Path, name: str, iterations: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    # The tiny recipe at upstream's proportions: lr warm-up 10 % of the run, last layer frozen 1 %.
+    values = {"data.stores": [str(store)], "output_dir": str(root / name.replace(" ", "_").replace("/", "-")),
+              "tracking.enabled": False, "train.global_batch_size": 8, "train.epoch_length": iterations // 4,
+              "train.log_period": 1, "checkpointing.period": 10**6, "evaluation.eval_period_iterations": 0,
+              "optim.warmup_epochs": 0.4, "optim.freeze_last_layer_epochs": 0.04, **overrides}  # fmt: skip
+    cfg = load_config(PretrainConfig, "tiny", values, stage="pretrain")
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    result = run_pretrain(cfg)
+    seconds = time.perf_counter() - start
+    rows = read_metrics(Path(cfg.output_dir) / "training_metrics.json")
+    sign = first_sign(rows, cfg.health.min_gap)
+    per_it = seconds / iterations
+    last = rows[-WINDOW:]
+    return {
+        "iterations": iterations,
+        "seconds": round(seconds, 1),
+        "first_sign_iteration": sign,
+        "first_sign_cpu_minutes": None if sign is None else round((sign + 1) * per_it * threads / 60, 2),
+        "final_gap": round(sum(r["dino_gap"] for r in last) / len(last), 4),
+        "final_teacher_entropy": round(sum(r["teacher_entropy"] for r in last) / len(last), 4),
+        "verdict": result.health,
+        "curve": curve(rows),  # for docs/make_figures.py: the healthy vs inert picture
+    }
+
+
+def curve(rows: list[dict[str, Any]], every: int = 10) -> list[list[float]]:
+    """[iteration, gap averaged over the last 10 iterations, teacher entropy] every `every` iterations."""
+    out = []
+    for i in range(every - 1, len(rows), every):
+        window = rows[i + 1 - every : i + 1]
+        gap = sum(r["dino_gap"] for r in window) / every
+        out.append([rows[i]["iteration"], round(gap, 4), round(rows[i]["teacher_entropy"], 4)])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="bench-output")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = make_store(Path(tmp), tile_size=96, stride=96, preset="test" if args.quick else "demo")
+        for model, spec in models(args.quick).items():
+            for schedule, teacher in SCHEDULES.items():
+                key = f"{model} / {schedule}"
+                overrides = {**spec["overrides"], **teacher}
+                results[key] = bench(store, Path(tmp), key, spec["iterations"], overrides)
+    (out / "training_health.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"CPU, {torch.get_num_threads()} threads; first sign = {WINDOW}-iteration mean DINO gap ≥ health.min_gap\n")
+    print("| model / schedules | iterations | first sign of learning (it) | CPU min to it | final gap (nats) "
+          "| teacher entropy | verdict |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for key, r in results.items():
+        sign = "none" if r["first_sign_iteration"] is None else str(r["first_sign_iteration"])
+        minutes = "–" if r["first_sign_cpu_minutes"] is None else f"{r['first_sign_cpu_minutes']:.2f}"
+        print(f"| {key} | {r['iterations']} | {sign} | {minutes} | {r['final_gap']:.3f} | "
+              f"{r['final_teacher_entropy']:.3f} | {r['verdict'].split(':')[0]} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
