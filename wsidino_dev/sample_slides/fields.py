@@ -59,7 +59,7 @@ class Region:
     bias: np.ndarray  # (3,) per-channel texture bias  } and saturation about the mean colour
     layer: Layer  # where (and how flipped) the piece reads the class atlases
     epithelium: np.ndarray  # coarse, float32: ~signed distance (coarse px) to the epithelium/stroma boundary, > 0 in
-    tumour: np.ndarray  # coarse, float32: ~signed distance to the tumour/squamous boundary within epithelium, > 0 tumour
+    tumour: np.ndarray  # coarse, float32: ~signed distance to tumour/squamous boundary within epithelium, > 0 tumour
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ MAX_PEN_LIKE = 0.005
 STAIN_TRIES = 50
 FALLBACK_HEMATOXYLIN = 0.7  # the reference stain with this much hematoxylin passes (never needed so far)
 
-# Quilting per class: (step, overlap) of the patches in px; step divides ATLAS_SIZE, step + overlap MASK_REDUCTION.
+# Quilting per class: (step, overlap) of the patches in px; step divides ATLAS_SIZE, MASK_REDUCTION divides the sum.
 QUILT = {"Tumor": (128, 32), "Squamous epithelium": (64, 32), "Stroma": (64, 32)}
 # The H&E masks are decided on a grid this many times coarser. Cells greener than red are tissue-marking dye (H and E
 # both absorb green more than red): they and DYE_MARGIN cells around them are no class.
@@ -227,7 +227,8 @@ def class_sources() -> dict[str, ClassSource]:
     glass = ndimage.gaussian_filter(ihc.mean(-1), 3) > 228
     tumour = np.zeros(ihc.shape, np.float32)
     tumour[..., 0] = np.clip(hed[..., 0], 0, None) * IHC_HEMATOXYLIN
-    tumour[..., 1] = np.clip(hed[..., 2], 0, None) * IHC_DAB_TO_EOSIN + IHC_EOSIN_BASE + IHC_NUCLEAR_EOSIN * tumour[..., 0]
+    tumour[..., 1] = np.clip(hed[..., 2], 0, None) * IHC_DAB_TO_EOSIN + IHC_EOSIN_BASE
+    tumour[..., 1] += IHC_NUCLEAR_EOSIN * tumour[..., 0]
     tumour[..., 2] = IHC_RESIDUAL * (tumour[..., 0] + tumour[..., 1])
     out = {"Tumor": ClassSource(tumour, (dab > filters.threshold_otsu(dab)) & ~glass, 1)}
 
