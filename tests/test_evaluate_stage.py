@@ -1,11 +1,12 @@
 """The evaluate stage end to end: a real tile store, real GeoJSON, real ONNX models registered in a real MLflow
 registry, and the `@champion` alias moved (or not) by the gate.
 
-The annotations are drawn from the tissue itself: each tile is classed by its DAB (brown) stain content, measured
-with scikit-image's colour deconvolution, and written as QuPath-style polygons, so the classes mean something in
-the image. Two models share one architecture: a randomly initialised ViT (colour reaches its features) and the
-same ViT made colour-blind (every patch-embedding kernel has zero mean per input channel, so a flat stain shift
-does not change its output). The first is known to be better on these labels, the second known to be worse.
+The annotations are drawn from the tissue itself: each tile is classed by its DAB-channel optical density from
+scikit-image's colour deconvolution (on the H&E sample slides a plain colour measure, no stain), and written as
+QuPath-style polygons, so the classes mean something in the image. Two models share one architecture: a randomly
+initialised ViT (colour reaches its features) and the same ViT made colour-blind (every patch-embedding kernel has
+zero mean per input channel, so a flat stain shift does not change its output). The first is known to be better
+on these labels, the second known to be worse.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import pytest
 import shapely
 import tifffile
 
+from dinov3_core.tiling.tissue import pen_mask
 from wsidino_dev.sample_slides import (
     CLASS_NAMES,
     MARKER_NAME,
@@ -35,7 +36,7 @@ SVS = [name for name in GOOD if name.endswith(".svs")]
 
 
 def _blueish(rgb: np.ndarray) -> np.ndarray:
-    """Blue marker ink: far bluer than red and green (hematoxylin in the IHC texture never gets there)."""
+    """Blue marker ink: far bluer than red and green (hematoxylin-stained tissue hardly ever gets there)."""
     r, g, b = (rgb[..., i].astype(np.int16) for i in range(3))
     return (b - r > 90) & (b - g > 50)  # ink over glass is ~(70, 100, 200); stained nuclei reach b - r ≈ 60
 
@@ -51,6 +52,19 @@ def _rgb(slide: openslide.OpenSlide, location: tuple[int, int], level: int, size
     region = np.asarray(slide.read_region(location, level, size))
     assert (region[..., 3] == 255).all(), "a read inside the image must be fully opaque"
     return region[..., :3]
+
+
+def _jpeg_round_trip_error(rgb: np.ndarray) -> float:
+    """Mean absolute error of encoding `rgb` as the sample writers do (JPEG quality 90, YCbCr 4:2:0)."""
+    import io
+
+    from PIL import Image
+
+    image = np.clip(np.round(rgb), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=90, subsampling=2)
+    decoded = np.asarray(Image.open(buffer)).astype(np.float32)
+    return float(np.abs(decoded - image).mean())
 
 
 def _tissue_window(slide: openslide.OpenSlide, canvas: TissueCanvas, size: int) -> tuple[int, int, np.ndarray]:
@@ -143,12 +157,16 @@ def test_levels_are_consistent_downsamples(sample_slides: SampleSet, name: str) 
         for level, ((w, h), downsample) in enumerate(zip(slide.level_dimensions, slide.level_downsamples, strict=True)):
             assert (w, h) == (width // factor**level, height // factor**level)
             assert downsample == pytest.approx(factor**level, rel=1e-3)
-        # Level 1 is the box-filtered level 0: same picture, up to JPEG error.
+        # Level 1 is the box-filtered level 0: same picture, up to compression error. For JPEG levels that is what
+        # a q90 4:2:0 round trip of the reduced picture itself costs (~3 grey levels on H&E, whose eosin-pink
+        # collagen against white clefts is rich in chroma detail), plus level 0's own error after averaging.
         size = 256
         fine = _rgb(slide, (0, 0), 0, (size * factor, size * factor)).astype(np.float32)
         coarse = _rgb(slide, (0, 0), 1, (size, size)).astype(np.float32)
         reduced = fine.reshape(size, factor, size, factor, 3).mean(axis=(1, 3))
-        assert np.abs(reduced - coarse).mean() < 3.0
+        lossy = name.endswith(".svs") or SPECS[name].compression == "jpeg"
+        limit = (_jpeg_round_trip_error(reduced) if lossy else 0.0) + 1.0
+        assert np.abs(reduced - coarse).mean() < limit
 
 
 @pytest.mark.parametrize("name", GOOD)
@@ -339,29 +357,52 @@ def test_annotations_follow_the_rendered_classes(sample_slides: SampleSet) -> No
         assert (got[clear] == expected[clear]).mean() > 0.998, slide.name  # specks < 10×10 px are left out
 
 
-def test_annotated_pixels_look_like_their_class(sample_slides: SampleSet) -> None:
-    """From the written slide: DAB+ tumour is brown (DAB), DAB- tumour is hematoxylin-dense, stroma pale."""
+def _class_stain_stats(sample_slides: SampleSet, slide: Path) -> dict[str, tuple[float, float, np.ndarray]]:
+    """Per class, from the written slide's level 1 away from the cross-fades: mean hematoxylin (`rgb2hed`), mean
+    grey level and mean RGB."""
     from skimage.color import rgb2hed
 
+    with openslide.OpenSlide(slide) as reader:
+        width, height = reader.level_dimensions[1]
+        downsample = reader.level_downsamples[1]
+        rgb = _rgb(reader, (0, 0), 1, (width, height))
+    hed = rgb2hed(rgb).reshape(-1, 3)
+    yy, xx = np.mgrid[0:height, 0:width]
+    centres = ((xx.ravel() + 0.5) * downsample, (yy.ravel() + 0.5) * downsample)
+    stats = {}
+    for name, geometry in _by_class(_annotations(sample_slides, slide)).items():
+        inside = shapely.contains_xy(geometry.buffer(-8), *centres)  # clear of the cross-fades
+        assert inside.sum() > 1000, (slide.name, name)
+        pixels = rgb.reshape(-1, 3)[inside].astype(np.float64)
+        stats[name] = (hed[inside, 0].mean(), pixels.mean(), pixels.mean(axis=0))
+    return stats
+
+
+def test_annotated_pixels_look_like_their_class(sample_slides: SampleSet) -> None:
+    """From the written slide: both epithelia are hematoxylin-dense (crowded nuclei), stroma is sparse in nuclei and
+    the palest (collagen and clefts). Tumour and squamous epithelium differ in structure, not in stain: on one
+    slide their mean colours are close."""
     for slide in sample_slides.slides:
-        with openslide.OpenSlide(slide) as reader:
-            width, height = reader.level_dimensions[1]
-            downsample = reader.level_downsamples[1]
-            rgb = _rgb(reader, (0, 0), 1, (width, height))
-        hed = rgb2hed(rgb).reshape(-1, 3)
-        yy, xx = np.mgrid[0:height, 0:width]
-        centres = ((xx.ravel() + 0.5) * downsample, (yy.ravel() + 0.5) * downsample)
-        stats = {}
-        for name, geometry in _by_class(_annotations(sample_slides, slide)).items():
-            inside = shapely.contains_xy(geometry.buffer(-8), *centres)  # clear of the cross-fades
-            assert inside.sum() > 1000, (slide.name, name)
-            stats[name] = (hed[inside, 0].mean(), hed[inside, 2].mean(), rgb.reshape(-1, 3)[inside].mean())
-        (_, dab_pos, grey_pos), (h_neg, dab_neg, grey_neg), (h_str, dab_str, grey_str) = (
+        stats = _class_stain_stats(sample_slides, slide)
+        (h_tum, grey_tum, rgb_tum), (h_squ, grey_squ, rgb_squ), (h_str, grey_str, _) = (
             stats[name] for name in CLASS_NAMES
         )
-        assert dab_pos > 4 * max(dab_neg, dab_str), (slide.name, stats)  # DAB+: strongly DAB-stained
-        assert h_neg > 1.4 * h_str, (slide.name, stats)  # DAB- tumour: dense nuclei; stroma: sparse
-        assert grey_str > grey_neg + 10 > grey_pos + 20, (slide.name, stats)  # stroma palest, DAB+ darkest
+        assert min(h_tum, h_squ) > 2 * h_str, (slide.name, stats)  # seed 0: ≥ 2.9×
+        assert grey_str > max(grey_tum, grey_squ) + 15, (slide.name, stats)  # seed 0: ≥ 23 grey levels paler
+        assert np.abs(rgb_tum - rgb_squ).max() < 20, (slide.name, stats)  # seed 0: ≤ 14 levels per channel
+
+
+def test_each_slide_is_stained_its_own_way(sample_slides: SampleSet) -> None:
+    """A class's mean colour moves between slides (hematoxylin and eosin strength and hue drawn per slide) by more
+    than tumour and squamous epithelium differ on one slide: colour alone does not tell them apart across slides,
+    structure does."""
+    stats = [_class_stain_stats(sample_slides, slide) for slide in sample_slides.slides]
+    tumour, squamous = CLASS_NAMES[0], CLASS_NAMES[1]
+    within = max(float(np.abs(s[tumour][2] - s[squamous][2]).max()) for s in stats)
+    for name in CLASS_NAMES:
+        colours = np.array([s[name][2] for s in stats])
+        between = float(np.ptp(colours, axis=0).max())
+        assert between > max(within, 20), (name, between, within)  # seed 0: ≥ 26 vs ≤ 15 grey levels
 
 
 def test_every_class_covers_enough_tiles(sample_slides: SampleSet) -> None:
@@ -386,9 +427,11 @@ def test_canvas_has_tissue_and_a_pen_mark() -> None:
     assert canvas.shape == (1024, 1536, 3) and canvas.dtype == np.uint8
     assert 0.2 < _tissue_mask(canvas).mean() < 0.7
     assert _blueish(canvas).mean() > 0.003  # the ink stroke
-    # Without the pen, nothing in the IHC texture or the glass looks like blue ink.
+    # Without the pen, nothing in the tissue or the glass looks like blue ink: at most a stray pixel of a dark
+    # nucleus under a hematoxylin-heavy stain, never an area the tile stage's ink detector (8 µm blocks) would see.
     plain = synthesize_tissue_canvas(1024, 1536, rng=np.random.default_rng(0), pen_mark=False)
-    assert not _blueish(plain).any()
+    assert _blueish(plain).mean() < 1e-5
+    assert not pen_mask(plain.reshape(64, 16, 96, 16, 3).mean(axis=(1, 3)).astype(np.uint8)).any()
     corner = canvas[:64, :64].astype(np.int16)  # glass: near-white, barely tinted
     assert corner.mean() > 225 and np.ptp(corner.mean(axis=(0, 1))) < 12
 
@@ -449,3 +492,45 @@ def test_module_does_not_import_orchestration() -> None:
         "sys.exit(any(m.split('.')[0] in {'prefect', 'flows', 'tasks'} for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Texture sources and stains
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_he_source_is_the_published_cmu1_region() -> None:
+    """The shipped H&E region is OpenSlide's CMU-1-Small-Region.svs byte for byte (CC0; see SOURCES.md), and it
+    decodes to the 2220×2967 px, 0.499 µm/px Aperio region."""
+    from wsidino_dev.sample_slides import texture
+
+    assert hashlib.sha256(texture.HE_REGION.read_bytes()).hexdigest() == texture.HE_REGION_SHA256
+    with openslide.OpenSlide(texture.HE_REGION) as slide:
+        assert slide.dimensions == (2220, 2967) and slide.properties["aperio.Filename"] == "CMU-1"
+        assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(texture.TEXTURE_MPP, abs=0.002)
+    assert texture.he_region().shape == (2967, 2220, 3)
+
+
+def test_reference_stain_gives_back_the_scanned_colours() -> None:
+    """Unmixing on the stain basis and rendering with the reference stain is a round trip (to rounding)."""
+    from wsidino_dev.sample_slides import texture
+
+    image = texture.he_region()[1400:1656, 500:756]
+    unmix = np.linalg.inv(texture.SlideStain().matrix())
+    concentrations = np.einsum("...c,cd->...d", texture.optical_density(image), unmix.astype(np.float32))
+    assert np.abs(texture.render(concentrations, texture.SlideStain()).astype(np.int16) - image).max() <= 1
+
+
+def test_stain_draws_are_deterministic_varied_and_read_as_tissue() -> None:
+    """Per-slide stains: the same for the same stream, spread over the configured amounts, and never so blue that
+    the tile stage's ink detector takes epithelium for a pen mark."""
+    from wsidino_dev.sample_slides import texture
+
+    draws = [texture.SlideStain.draw(np.random.default_rng([7, i])) for i in range(40)]
+    assert draws[:5] == [texture.SlideStain.draw(np.random.default_rng([7, i])) for i in range(5)]
+    hematoxylin = np.log([d.hematoxylin_amount for d in draws])
+    eosin = np.log([d.eosin_amount for d in draws])
+    assert np.ptp(hematoxylin) > 0.4 and np.ptp(eosin) > 0.5  # strengths vary by ≥ 1.5×, ≥ 1.6×
+    assert len({d.hematoxylin for d in draws}) == len(draws)  # and hues
+    assert all(d.pen_like_share() <= texture.MAX_PEN_LIKE for d in draws)
+    assert texture.SlideStain(hematoxylin_amount=texture.FALLBACK_HEMATOXYLIN).pen_like_share() <= texture.MAX_PEN_LIKE

@@ -1,8 +1,9 @@
-"""Realistic sample whole-slide images built from a real tissue image, for demos and tests.
+"""Realistic sample whole-slide images built from real tissue images, for demos and tests.
 
-Nothing is downloaded: the tissue texture is scikit-image's ``immunohistochemistry()`` image (a 512×512 IHC
-crop shipped inside the package). Slides are synthesised as "glass + tissue sections + a pen mark" and written
-as real pyramidal files that OpenSlide opens with its normal vendor drivers:
+Nothing is downloaded: the tissue textures come from an H&E region of OpenSlide's CMU-1 test slide shipped in
+this package (``data/CMU-1-Small-Region.svs``, CC0) and scikit-image's ``immunohistochemistry()`` image; see
+``SOURCES.md``. Slides are synthesised as "glass + tissue sections + a pen mark" and written as real pyramidal
+files that OpenSlide opens with its normal vendor drivers:
 
 * Aperio SVS (``write_svs``): tiled JPEG (YCbCr 4:2:0, as scanners write it) level 0, a stripped thumbnail as
   the second IFD, ×4 reduced levels, optional label and macro images, and an ImageDescription in Aperio's
@@ -11,9 +12,11 @@ as real pyramidal files that OpenSlide opens with its normal vendor drivers:
 * Generic tiled TIFF (``write_generic_tiff``): ×2 reduced levels marked ``subfiletype=1`` and resolution
   tags in centimetres, which OpenSlide opens as ``generic-tiff`` with ``openslide.mpp-x/y``.
 
-Tissue sections hold contiguous areas of three classes, each filled from its own texture atlas quilted from
-the matching part of the IHC image: ``Tumor (DAB+)`` (brown DAB-stained epithelium), ``Tumor (DAB-)`` (the same
-epithelium re-stained with hematoxylin only) and ``Stroma`` (pale fibrous tissue with sparse spindle nuclei).
+Tissue sections hold contiguous areas of three classes that differ in structure: ``Tumor`` (nests of columnar
+tumour cells with large crowded nuclei), ``Squamous epithelium`` (sheets of polygonal keratinocytes) and ``Stroma``
+(wavy collagen bundles with sparse spindle nuclei), each filled from its own texture atlas quilted from the matching
+part of a source image. Every slide is stained its own way (hematoxylin and eosin strength and hue drawn per slide,
+as between labs), so colour alone does not tell the classes apart across slides.
 Every good slide comes with ``annotations/<slide stem>.geojson``: the class polygons it was rendered from, in
 QuPath's GeoJSON layout and level-0 pixel coordinates, for probes on labelled tiles.
 
@@ -25,7 +28,7 @@ slide, no tissue) and is idempotent.
 Modules, each importing only the ones above it:
 
 =========== ====================================================================================================
-texture     per-class periodic tissue atlases quilted from the IHC image; `CLASS_NAMES`, `CLASS_COLORS`
+texture     per-class periodic atlases (stain concentrations), stained per slide; `CLASS_NAMES`, `SlideStain`
 fields      coarse planning fields: section shapes, class areas, stain density, atlas readings, the pen stroke
 canvas      `TissueCanvas` (plan once, render any strip, `labels`), `synthesize_tissue_canvas`, `…_background`
 annotations a canvas's class polygons as QuPath GeoJSON (`canvas_annotations`, `write_annotations`)

@@ -8,7 +8,7 @@ follows the rendered boundary to within a pixel or two:
 
 * the section outline where tissue reaches half its opacity (`canvas.TISSUE_EDGE_LEVEL`), holes (lumens, tears)
   included;
-* tumour/stroma and DAB+/DAB- boundaries in the middle of their cross-fades;
+* epithelium/stroma and tumour/squamous-epithelium boundaries in the middle of their cross-fades;
 * marker ink (`PEN_EDGE_PX`) cut out: ink is no tissue class.
 
 One feature per section and class: a Polygon, or a MultiPolygon where a class falls into several pieces there.
@@ -106,13 +106,14 @@ def canvas_annotations(canvas: TissueCanvas) -> list[Annotation]:
     for index, region in enumerate(canvas.regions):
         at = {"x0": region.x0, "y0": region.y0, "scale": scale}
         tissue = _level_set(region.shape_field, TISSUE_EDGE_LEVEL, **at).difference(ink)
+        epithelium = _level_set(region.epithelium, 0.0, **at)
         tumour = _level_set(region.tumour, 0.0, **at)
-        positive = _level_set(region.dab, 0.0, **at)
-        in_tumour = tissue.intersection(tumour)
+        in_epithelium = tissue.intersection(epithelium)
+        tumour_area, squamous_area, stroma_area = CLASS_NAMES  # the order of canvas class indices
         areas = {
-            "Tumor (DAB+)": in_tumour.intersection(positive),
-            "Tumor (DAB-)": in_tumour.difference(positive),
-            "Stroma": tissue.difference(tumour),
+            tumour_area: in_epithelium.intersection(tumour),
+            squamous_area: in_epithelium.difference(tumour),
+            stroma_area: tissue.difference(epithelium),
         }
         for name in CLASS_NAMES:
             geometry = _clean(areas[name])

@@ -23,7 +23,7 @@ from wsidino_dev.sample_slides.fields import (
     smooth_noise,
     upsample,
 )
-from wsidino_dev.sample_slides.texture import ATLAS_VARIANTS, TEXTURE_MPP, tissue_atlas
+from wsidino_dev.sample_slides.texture import ATLAS_VARIANTS, TEXTURE_MPP, SlideStain, tissue_atlas
 
 # Coarse grid (longest side, px) on which tissue shapes, stain density and the pen stroke are planned. Fields
 # are bilinearly upsampled per strip, so shapes stay smooth at any slide size while planning stays cheap.
@@ -38,15 +38,14 @@ PEN_EDGE_PX = 6.0
 # annotated outline is where it is half way (half the piece's opacity).
 SHAPE_RAMP = 0.08
 TISSUE_EDGE_LEVEL = SHAPE_RAMP / 2
-# Widths (full-resolution px) of the cross-fades between class textures, centred on the annotated boundaries:
-# epithelium meets stroma at a sharp interface; DAB expression fades over a few cells.
-STROMA_EDGE_PX = 4.0
-DAB_EDGE_PX = 10.0
+# Width (full-resolution px) of the cross-fades between class textures, centred on the annotated boundaries:
+# epithelium meets stroma, and tumour meets squamous epithelium, at a sharp interface.
+CLASS_EDGE_PX = 4.0
 # Class areas within a section: correlation length of their fields (fraction of the section's short side), the
-# share of stroma in the section and of DAB+ in its tumour.
+# share of stroma in the section and of tumour in its epithelium.
 CLASS_SCALE = 0.2
 STROMA_SHARE = (0.28, 0.4)
-DAB_POSITIVE_SHARE = (0.4, 0.6)
+TUMOUR_SHARE = (0.4, 0.6)
 
 GLASS_RGB = (242.0, 240.0, 244.0)  # clean glass + mounting medium as bright-field scanners render it
 INK_RGB: dict[str, tuple[int, int, int]] = {
@@ -129,9 +128,9 @@ class TissueCanvas:
                 continue
             local = ((top - region.y0, bottom - region.y0), (0, region.x1 - region.x0))
             tissue = upsample(region.shape_field, self._scale, *local) > TISSUE_EDGE_LEVEL
+            epithelium = upsample(region.epithelium, self._scale, *local) > 0
             tumour = upsample(region.tumour, self._scale, *local) > 0
-            positive = upsample(region.dab, self._scale, *local) > 0
-            label = np.where(tumour, np.where(positive, 0, 1), 2).astype(np.int8)
+            label = np.where(epithelium, np.where(tumour, 0, 1), 2).astype(np.int8)
             window = out[top - y0 : bottom - y0, region.x0 : region.x1]
             np.copyto(window, label, where=tissue)
         pen = self._pen
@@ -157,7 +156,7 @@ class TissueCanvas:
     ) -> TissueCanvas:
         """Draw the layout: glass tint and vignetting, tissue sections, stain density, one pen stroke.
 
-        `mpp` sets the texture scale (the IHC image is taken as `TEXTURE_MPP` µm/px), so slides at different
+        `mpp` sets the texture scale (the source images are taken as `TEXTURE_MPP` µm/px), so slides at different
         µm/px show cells of the same physical size. `tissue_fraction` is the target range of tissue area.
         """
         if height < 64 or width < 64:
@@ -179,8 +178,11 @@ class TissueCanvas:
         regions: list[Region] = []
         atlas: tuple[np.ndarray, ...] = ()  # blank glass needs no texture
         if tissue:
-            atlas, atlas_mean = tissue_atlas(int(rng.integers(ATLAS_VARIANTS)), TEXTURE_MPP / mpp)
-            # This slide's staining: overall stain strength and a colour cast shared by all its pieces.
+            # This slide's H&E (stain strength and hue, as between labs and staining runs) and the scanner's
+            # colour cast, shared by all its pieces. The stain comes from a child stream (`spawn` leaves `rng`
+            # where it was): how a slide is stained never moves its tissue, classes or pen mark.
+            stain = SlideStain.draw(rng.spawn(1)[0])
+            atlas, atlas_mean = tissue_atlas(int(rng.integers(ATLAS_VARIANTS)), TEXTURE_MPP / mpp, stain)
             slide_tint = rng.uniform(0.96, 1.04, 3) * rng.uniform(0.95, 1.03)
             fields = []
             for y0, x0, y1, x1 in layout_cells(hc, wc, rng):
@@ -198,7 +200,7 @@ class TissueCanvas:
                 ch, cw = shape_field.shape
                 # Stain density varies at the scale of the whole piece (denser and paler areas).
                 density = np.clip(0.85 + 0.15 * smooth_noise((ch, cw), min(ch, cw) / 4, rng), 0.55, 1.0)
-                tumour, dab = cls._plan_classes(shape_field - threshold, rng)
+                epithelium, tumour = cls._plan_classes(shape_field - threshold, rng)
                 # Per-piece colour variation (hue via per-channel tint, brightness, saturation), cheap enough
                 # to apply while rendering: tex·gain + bias = tint·(mean + saturation·(tex − mean)).
                 tint = slide_tint * rng.uniform(0.96, 1.04, 3) * rng.uniform(0.95, 1.03)
@@ -214,8 +216,8 @@ class TissueCanvas:
                         gain=(tint * saturation).astype(np.float32),
                         bias=(tint * (1 - saturation) * atlas_mean).astype(np.float32),
                         layer=random_layer(rng),
+                        epithelium=epithelium,
                         tumour=tumour,
-                        dab=dab,
                     )
                 )
 
@@ -236,11 +238,11 @@ class TissueCanvas:
 
     @staticmethod
     def _plan_classes(shape: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Where a section is stroma, DAB+ and DAB- tumour: two smooth fields cut at quantiles of the tissue.
+        """Where a section is stroma, tumour and squamous epithelium: two smooth fields cut at quantiles of the tissue.
 
-        Both are blobby at a fifth of the section's size, so each class forms a few contiguous areas (tumour nests
-        in stroma, expression varying across the tumour); returned as `distance_like` fields, > 0 for tumour and
-        for DAB+.
+        Both are blobby at a fifth of the section's size, so each class forms a few contiguous areas (epithelium in
+        stroma, tumour growing within the epithelium); returned as `distance_like` fields, > 0 for epithelium and,
+        within it, for tumour.
         """
         ch, cw = shape.shape
         inside = shape > TISSUE_EDGE_LEVEL
@@ -249,13 +251,13 @@ class TissueCanvas:
         def field() -> np.ndarray:  # blobs with wavy outlines
             return smooth_noise((ch, cw), CLASS_SCALE * small, rng) + 0.3 * smooth_noise((ch, cw), small / 25, rng)
 
-        tumour, dab = field(), field()
+        epithelium, tumour = field(), field()
         if inside.any():
-            tumour -= np.quantile(tumour[inside], rng.uniform(*STROMA_SHARE))
-            in_tumour = inside & (tumour > 0)
-            if in_tumour.any():
-                dab -= np.quantile(dab[in_tumour], 1 - rng.uniform(*DAB_POSITIVE_SHARE))
-        return distance_like(tumour), distance_like(dab)
+            epithelium -= np.quantile(epithelium[inside], rng.uniform(*STROMA_SHARE))
+            in_epithelium = inside & (epithelium > 0)
+            if in_epithelium.any():
+                tumour -= np.quantile(tumour[in_epithelium], 1 - rng.uniform(*TUMOUR_SHARE))
+        return distance_like(epithelium), distance_like(tumour)
 
     @staticmethod
     def _plan_pen(
@@ -358,34 +360,34 @@ class TissueCanvas:
     ) -> np.ndarray:
         """A section's texture over full-res `rows`, (rows, cols, 3) float32, read from the class atlases.
 
-        Each pixel shows its class (tumour field > 0: tumour, then dab > 0: DAB+, else DAB-; otherwise stroma),
-        composed in uint8 from the per-class readings. Only within the cross-fade bands around the class
-        boundaries (a few % of the pixels) are the classes blended, in float, so three textures cost little more
-        than one. The section reads every atlas at the same place: DAB+ and DAB- tumour blend cell for cell.
+        Each pixel shows its class (epithelium field > 0: epithelium, then tumour > 0: tumour, else squamous
+        epithelium; otherwise stroma), composed in uint8 from the per-class readings. Only within the cross-fade
+        bands around the class boundaries (a few % of the pixels) are the classes blended, in float, so three
+        textures cost little more than one.
         """
         scale, cols = self._scale, (region.x0, region.x1)
+        epithelium = upsample(region.epithelium, scale, local_rows, local_cols)
         tumour = upsample(region.tumour, scale, local_rows, local_cols)
-        dab = upsample(region.dab, scale, local_rows, local_cols)
-        # Bands where a smoothstep weight is strictly between 0 and 1 (DAB matters only where tumour shows).
-        half_s, half_d = STROMA_EDGE_PX / 2 / scale, DAB_EDGE_PX / 2 / scale
-        band = np.abs(tumour) < half_s
-        band |= (np.abs(dab) < half_d) & (tumour > -half_s)
+        # Bands where a smoothstep weight is strictly between 0 and 1 (tumour matters only where epithelium shows).
+        half = CLASS_EDGE_PX / 2 / scale
+        band = np.abs(epithelium) < half
+        band |= (np.abs(tumour) < half) & (epithelium > -half)
         ys, xs = np.nonzero(band)
+        squamous = epithelium > 0
         is_tumour = tumour > 0
-        positive = dab > 0
-        positive &= is_tumour
-        is_tumour &= ~positive  # now: DAB- tumour
-        masks = (positive, is_tumour, None)  # stroma: what the others leave
+        is_tumour &= squamous
+        squamous &= ~is_tumour
+        masks = (is_tumour, squamous, None)  # stroma: what the others leave
         parts = [
             region.layer.sample(atlas, rows, cols) if mask is None or len(ys) or mask.any() else None
             for atlas, mask in zip(self._atlas, masks, strict=True)
         ]
         blend = None
         if len(ys):  # every reading was taken (band pixels need all three)
-            w_tumour = _smoothstep(tumour[ys, xs] * (scale / STROMA_EDGE_PX) + 0.5)[:, None]
-            w_dab = _smoothstep(dab[ys, xs] * (scale / DAB_EDGE_PX) + 0.5)[:, None]
-            pos, neg, fibrous = (p[ys, xs].astype(np.float32) for p in parts if p is not None)
-            blend = fibrous + w_tumour * (neg + w_dab * (pos - neg) - fibrous)
+            w_epithelium = _smoothstep(epithelium[ys, xs] * (scale / CLASS_EDGE_PX) + 0.5)[:, None]
+            w_tumour = _smoothstep(tumour[ys, xs] * (scale / CLASS_EDGE_PX) + 0.5)[:, None]
+            tum, squ, fibrous = (p[ys, xs].astype(np.float32) for p in parts if p is not None)
+            blend = fibrous + w_epithelium * (squ + w_tumour * (tum - squ) - fibrous)
         composed = parts[2]  # a fresh array (a gather): composed in place
         assert composed is not None
         for part, mask in zip(parts[:2], masks[:2], strict=True):
@@ -419,7 +421,7 @@ def synthesize_tissue_canvas(
     pen_color: Literal["blue", "green", "black"] | None = None,
     mpp: float = 0.25,
 ) -> np.ndarray:
-    """A slide-like RGB uint8 image: glass background, several IHC-textured tissue sections, one pen stroke.
+    """A slide-like RGB uint8 image: glass background, several H&E tissue sections, one pen stroke.
 
     Tissue covers roughly 25–40 % of the area (a little less counts as stained: lumens are bright); sections
     have irregular outlines and some have holes. `pen_color` defaults to a random choice of blue, green or

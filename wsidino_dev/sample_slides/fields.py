@@ -58,8 +58,8 @@ class Region:
     gain: np.ndarray  # (3,) per-channel texture gain  } affine tone change of this piece: brightness, tint
     bias: np.ndarray  # (3,) per-channel texture bias  } and saturation about the mean colour
     layer: Layer  # where (and how flipped) the piece reads the class atlases
-    tumour: np.ndarray  # coarse, float32: ~signed distance (coarse px) to the tumour/stroma boundary, > 0 tumour
-    dab: np.ndarray  # coarse, float32: ~signed distance to the DAB+/DAB- boundary within tumour, > 0 DAB+
+    epithelium: np.ndarray  # coarse, float32: ~signed distance (coarse px) to the epithelium/stroma boundary, > 0 in
+    tumour: np.ndarray  # coarse, float32: ~signed distance to tumour/squamous boundary within epithelium, > 0 tumour
 
 
 @dataclass(frozen=True)

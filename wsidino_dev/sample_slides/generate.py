@@ -22,7 +22,7 @@ from wsidino_dev.sample_slides.pyramid import write_generic_tiff
 from wsidino_dev.sample_slides.svs import write_svs
 
 # Bumped whenever generated pixels or file layout change: markers written by older code are not trusted.
-GENERATOR_VERSION = 2  # 2: tissue classes (DAB+ / DAB- tumour, stroma) and their GeoJSON annotations
+GENERATOR_VERSION = 3  # 2: tissue classes and GeoJSON annotations; 3: H&E, classes by morphology, per-slide stain
 MARKER_NAME = "sample_slides.json"
 ANNOTATIONS_DIR = "annotations"
 
@@ -35,7 +35,7 @@ class SampleSet:
     when not requested); `info`: per file, keyed by path relative to `root`: ``format``, ``size`` (level-0
     width, height), ``mpp``, ``levels`` (width, height per level), ``bytes``, ``expect`` and more.
     `annotations`: per good slide, keyed by its stem (the slide id), its QuPath GeoJSON file under
-    ``annotations/``: one feature per tissue section and class (``Tumor (DAB+)``, ``Tumor (DAB-)``, ``Stroma``).
+    ``annotations/``: one feature per tissue section and class (`texture.CLASS_NAMES`).
     """
 
     slides: list[Path]

