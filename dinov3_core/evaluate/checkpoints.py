@@ -6,6 +6,9 @@ subset, so a run whose probes peak before its loss stops falling can be cut at t
 
 The subset, split and kNN are the evaluate stage's (same labels, slide split, k and temperature); features are
 cached per checkpoint hash under `<run>/eval/knn_cache/`, so a rerun after one more checkpoint scores one file.
+When the run recorded a health probe (`<run>/health_probe.json`), each point also carries the label-free scores
+training logged at that iteration — CLS effective rank and augmentation invariance on the same tiles and views,
+by the same code (`evaluate.label_free`), from the checkpoint file instead of the teacher in memory.
 The curve is written to `<run>/eval/knn_curve.json` and `knn_curve.png` (and to MLflow by the caller's run).
 `wsidino convert … select=best_knn` converts the best checkpoint instead of the latest.
 """
@@ -34,6 +37,8 @@ class CurvePoint:
     iteration: int
     path: str
     knn_balanced_accuracy: float
+    effective_rank: float | None = None  # the training health probe's scores (None: the run has no probe)
+    invariance: float | None = None
 
 
 @dataclass
@@ -93,11 +98,31 @@ def knn_curve(
         x = F.represent(F.embed(model, ds.read_batch, idx, cache, key, batch_size), "cls")
         scores = P.knn_scores(x[split.train], y[split.train], x[split.test], classes, k, temperature)
         acc = P.score(y[split.test], P.Predictions(classes, scores), P.balanced_accuracy)
-        points.append(CurvePoint(c.iteration, str(c.path), acc))
-        logger.info("kNN curve: iteration %d → balanced accuracy %.4f", c.iteration, acc)
+        health = probe_scores(run, model) or {}
+        points.append(CurvePoint(c.iteration, str(c.path), acc, health.get("effective_rank"), health.get("invariance")))
+        logger.info("kNN curve: iteration %d → balanced accuracy %.4f %s", c.iteration, acc, health)
     curve = KnnCurve(points, split.as_dict(), len(idx), warnings)
     _write(run / "eval", curve)
     return curve
+
+
+def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dict[str, float] | None:
+    """The training health probe's `effective_rank` and `invariance` of a model (an eval checkpoint of the run, or
+    any backbone file), on the run's recorded probe tiles and views; None when the run recorded no probe."""
+    import torch
+
+    from dinov3_core.evaluate import label_free as LF
+    from dinov3_core.train.health_probe import PROBE_FILE, read_probe
+
+    probe = read_probe(Path(run_dir) / PROBE_FILE)
+    if probe is None:
+        return None
+    fm = model if isinstance(model, F.FeatureModel) else F.open_model(model, backend="torch")
+
+    def embed(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(fm.run(np.ascontiguousarray(x.numpy()))[0])
+
+    return LF.score_tiles(embed, probe.read, len(probe.tiles), probe.views)
 
 
 def _write(eval_dir: Path, curve: KnnCurve) -> None:
@@ -126,4 +151,4 @@ def read_curve(run_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-__all__ = ["CURVE_FILE", "CurvePoint", "KnnCurve", "knn_curve", "read_curve"]
+__all__ = ["CURVE_FILE", "CurvePoint", "KnnCurve", "knn_curve", "probe_scores", "read_curve"]

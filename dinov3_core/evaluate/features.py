@@ -68,7 +68,8 @@ def health(model: FeatureModel, images: np.ndarray) -> dict[str, float]:
     """Label-free health on normalised images (N, 3, S, S): effective rank of the CLS features (near 0: collapsed)
     and the gram stage's dense consistency (patch features agree under a flip + rotation), so a collapsed model
     is caught even where nobody annotated anything."""
-    from dinov3_core.gram.teacher import dense_scores_of, effective_rank
+    from dinov3_core.evaluate.label_free import effective_rank
+    from dinov3_core.gram.teacher import dense_scores_of
 
     cls, patch = model.run(images)
     scores = {"cls_effective_rank": effective_rank(torch.from_numpy(cls))}

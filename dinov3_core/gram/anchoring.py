@@ -44,11 +44,12 @@ from dinov3_core.gram.config import GramConfig, validate_gram
 from dinov3_core.losses.gram import GramLoss, resize_patch_tokens
 from dinov3_core.models.released import backbone_state_dict
 from dinov3_core.train import checkpoint as ckpt
+from dinov3_core.train import health_probe as HP
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.loop import PretrainResult, Trainer
 from dinov3_core.train.pipeline import StepBatch
-from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, train_and_log, training_process
+from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, mlflow_values, train_and_log, training_process
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.trainer_setup import load_weights
@@ -206,6 +207,10 @@ class GramTrainer(Trainer):
         load_weights(latest, self.model, self.optimizer, self.env)  # the stage's own train state starts at 0
         logger.info("gram stage starts from %s (student, teacher, optimizer); stage iteration 0", latest)
 
+    def inherited_probe(self, cfg: PretrainConfig) -> Path | None:
+        """The pretraining run's probe: slides it held out stay out of gram anchoring too."""
+        return Path(cfg.pretrain_dir) / HP.PROBE_FILE if getattr(cfg, "pretrain_dir", None) else None
+
     def train_state(self, iteration: int, sampler: Any) -> dict[str, Any]:
         state = super().train_state(iteration, sampler)
         state["gram_teacher"] = self.gram.teacher.state_dict()  # loaded in place on resume
@@ -335,5 +340,4 @@ def _mlflow_run(cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelec
 
 
 def _log_to_mlflow(record: dict[str, Any]) -> None:
-    values = {k: record[k] for k in (*MLFLOW_METRICS, *GRAM_METRICS) if isinstance(record.get(k), int | float)}
-    tracking.log_metrics(values, step=int(record["iteration"]))
+    tracking.log_metrics(mlflow_values(record, (*MLFLOW_METRICS, *GRAM_METRICS)), step=int(record["iteration"]))

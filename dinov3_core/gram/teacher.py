@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dinov3_core.errors import WsidinoError
+from dinov3_core.evaluate.label_free import effective_rank  # one implementation: training health, evaluate
 from dinov3_core.models.released import (
     ReleasedWeightsError,
     _build_and_load,
@@ -203,18 +203,6 @@ def load_gram_teacher(
 def patch_features(backbone: nn.Module, images: Tensor) -> Tensor:
     """`x_norm_patchtokens` [B, P, D] of float images [B, 3, H, W] (ImageNet-normalised by the caller)."""
     return backbone(images, is_training=True)["x_norm_patchtokens"].float()
-
-
-def effective_rank(features: Tensor) -> float:
-    """exp(entropy of normalised singular values) of centred [N, D] features, / min(N, D) → (0, 1]."""
-    x = features.double() - features.double().mean(0, keepdim=True)
-    s = torch.linalg.svdvals(x)
-    if s.sum() <= 0:
-        return 0.0
-    p = s / s.sum()
-    p = p[p > 0]
-    entropy = float(-(p * p.log()).sum())
-    return math.exp(entropy) / min(x.shape)
 
 
 def _transform_grid(tokens: Tensor, side: int) -> Tensor:

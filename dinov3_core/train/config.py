@@ -208,7 +208,8 @@ class CheckpointingConfig:
 
 @dataclass
 class HealthConfig:
-    """Whether a run learns (dinov3_core.train.health): the DINO loss must leave ln K after the warm-ups."""
+    """Whether a run learns (dinov3_core.train.health): the DINO loss must leave ln K after the warm-ups, and the
+    teacher's features must not collapse on held-out probe tiles."""
 
     policy: Literal["warn", "stop", "off"] = "warn"  # what a run that does not learn does: log it, or end there
     # Nats below ln K the DINO loss must reach, averaged over `patience` iterations. Runs that cannot learn stay
@@ -216,11 +217,20 @@ class HealthConfig:
     min_gap: float = 0.02
     patience: int = 50  # iterations the gap is averaged over
     judge_at: float = 0.5  # share of the run by which the gap must be reached (never before warm-ups + patience)
+    # The probe (dinov3_core.train.health_probe): tiles scored at every eval checkpoint (0: no probe), slides
+    # kept out of training for it (0: the probe tiles come from the training slides), and the collapse alarm:
+    # the teacher's CLS effective rank on the probe must stay above this (the evaluate gate's default).
+    probe_tiles: int = 256
+    holdout_slides: int = 0
+    min_effective_rank: float = 0.02
 
     def __post_init__(self) -> None:
         require(self.min_gap >= 0, "min_gap", f"must be >= 0 nats, got {self.min_gap}")
         require(self.patience >= 1, "patience", f"must be >= 1 iteration, got {self.patience}")
         require(0.0 <= self.judge_at <= 1.0, "judge_at", f"must be a share of the run in [0, 1], got {self.judge_at}")
+        require(self.probe_tiles == 0 or self.probe_tiles >= 2, "probe_tiles", "must be 0 (no probe) or >= 2")
+        require(self.holdout_slides >= 0, "holdout_slides", f"must be >= 0, got {self.holdout_slides}")
+        require(0 <= self.min_effective_rank < 1, "min_effective_rank", "must be in [0, 1)")
 
 
 @dataclass

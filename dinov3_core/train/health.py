@@ -7,11 +7,19 @@ sits at the DINO loss ln K (K prototypes). The signals, per training step, writt
   nothing learnt; healthy runs reach tenths of a nat). The iBOT loss has no such fixed level (it averages over all
   global crops but only the masked ones contribute, so its level moves with the share of masked crops per step);
 * ``teacher_entropy``: the mean entropy of the teacher's targets as a fraction of ln K (1: uniform targets that
-  teach nothing; this rank's share of the step).
+  teach nothing; this rank's share of the step);
+* ``agreement``: the share of global-crop images whose student DINO prediction (argmax) on one crop names the
+  prototype the teacher's target for the other crop puts first, as the loss pairs them (chance: 1/K).
 
-The alarm: after the warm-ups (learning rate, last-layer freeze) the DINO gap averaged over `health.patience`
-iterations must reach `health.min_gap` by `health.judge_at` of the run. If it does not, the run logs why and what to
-change; `health.policy=stop` ends it there (every rank at the same iteration: the gaps are of all-reduced losses).
+At every eval checkpoint the fixed probe tiles (`health_probe`) give ``effective_rank`` (the teacher's CLS
+features; near 0: collapsed) and ``invariance`` (augmentation-invariance retrieval; chance 1/N).
+
+The alarms: after the warm-ups (learning rate, last-layer freeze) the DINO gap averaged over `health.patience`
+iterations must reach `health.min_gap` by `health.judge_at` of the run, and the probe's effective rank must stay at
+or above `health.min_effective_rank` (an absolute floor, the evaluate gate's: the normalised rank is comparable
+across models and needs no baseline, which a warm start or a resume would not have). If not, the run logs why and
+what to change; `health.policy=stop` ends it there (every rank at the same iteration: the gaps are of all-reduced
+losses, the probe features all-gathered).
 """
 
 from __future__ import annotations
@@ -34,8 +42,16 @@ ADVICE = (
 )
 
 
+COLLAPSE_ADVICE = (
+    "likely causes: a learning rate too high or warming up too fast (optim.lr, optim.warmup_epochs), the KoLeo "
+    "regulariser off or too weak (losses.koleo_weight), a teacher temperature too low (teacher.teacher_temp) or a "
+    "teacher that follows the student too closely (teacher.momentum_teacher)"
+)
+
+
 class TrainingInertError(WsidinoError):
-    """`health.policy=stop` and the losses stayed at their no-information level after the warm-ups."""
+    """`health.policy=stop` and the run did not learn after the warm-ups: losses at their no-information level,
+    or collapsed teacher features."""
 
 
 def no_information_gaps(values: dict[str, float], cfg: C.PretrainConfig) -> dict[str, float]:
@@ -110,7 +126,8 @@ def schedule_summary(cfg: C.PretrainConfig) -> str:
 class HealthWatch:
     """Judges the DINO gap, averaged over `health.patience` iterations, after the warm-ups: "learning" as soon as it
     reaches `health.min_gap`; "not learning" if it has not by the deadline (`health.judge_at` of the run, and never
-    before warm-ups + patience). A run that learns late under the warn policy gets its verdict corrected."""
+    before warm-ups + patience). A run that learns late under the warn policy gets its verdict corrected. Every
+    probe measurement after the warm-ups is checked for collapse."""
 
     def __init__(self, cfg: C.PretrainConfig) -> None:
         self.cfg = cfg.health
@@ -120,10 +137,33 @@ class HealthWatch:
         self.message: str | None = None  # the alarm, if one was raised
         self.learning_at: int | None = None  # the iteration whose window first reached min_gap
         self.judged = False
+        self.collapse: str | None = None  # the effective rank's alarm
+        self.probe: tuple[int, dict[str, Any]] | None = None  # the latest probe measurement
 
     def observe(self, iteration: int, values: dict[str, Any]) -> str | None:
-        """Feed one step; returns the alarm message the first time the run is judged not to learn."""
-        if self.cfg.policy == "off" or self.learning_at is not None or iteration < self.start:
+        """Feed one step (with the probe's scores when it was measured); returns an alarm message the first time
+        the run is judged not to learn, or its features to have collapsed."""
+        if "effective_rank" in values:
+            self.probe = (iteration, values)
+        if self.cfg.policy == "off" or iteration < self.start:
+            return None
+        alarms = [a for a in (self._observe_rank(iteration, values), self._observe_gap(iteration, values)) if a]
+        return "; and ".join(alarms) or None
+
+    def _observe_rank(self, iteration: int, values: dict[str, Any]) -> str | None:
+        rank = values.get("effective_rank")
+        if self.collapse is not None or rank is None or rank >= self.cfg.min_effective_rank:
+            return None
+        self.collapse = (
+            f"not learning: features collapsed: at iteration {iteration}, after every warm-up, the teacher's CLS "
+            f"features on the probe tiles have an effective rank of {rank:.4f} (health.min_effective_rank asks for "
+            f"{self.cfg.min_effective_rank}; 0: every tile gets the same vector), augmentation invariance "
+            f"{values.get('invariance', math.nan):.3f}; {COLLAPSE_ADVICE}"
+        )
+        return self._alarm(self.collapse)
+
+    def _observe_gap(self, iteration: int, values: dict[str, Any]) -> str | None:
+        if self.learning_at is not None:
             return None
         gap = values.get("dino_gap")
         if gap is None or not math.isfinite(gap):
@@ -144,12 +184,28 @@ class HealthWatch:
             f"over iterations {iteration - len(self.gaps) + 1}…{iteration} (negative: above it; health.min_gap asks "
             f"for {self.cfg.min_gap}); {ADVICE}"
         )
+        return self._alarm(self.message)
+
+    def _alarm(self, message: str) -> str:
         if self.cfg.policy == "stop":
-            raise TrainingInertError(self.message + " (health.policy=stop; health.policy=warn lets it run on)")
-        return self.message
+            raise TrainingInertError(message + " (health.policy=stop; health.policy=warn lets it run on)")
+        return message
 
     def verdict(self) -> str:
         """For the run's summary and its MLflow tag `wsidino.health`."""
+        gap = self._gap_verdict()
+        if self.collapse is not None:  # whatever the losses did, collapsed features are not learning
+            return self.collapse + (f"; and {gap}" if gap.startswith("not learning") else "")
+        return gap + self._probe_note() if gap.startswith("learning") else gap
+
+    def _probe_note(self) -> str:
+        if self.probe is None:
+            return ""
+        it, v = self.probe
+        return (f"; probe at iteration {it}: effective rank {v['effective_rank']:.3f}, augmentation invariance "
+                f"{v.get('invariance', math.nan):.3f}")  # fmt: skip
+
+    def _gap_verdict(self) -> str:
         if self.learning_at is not None and self.message is not None:
             return (f"learning late: the DINO loss left its no-information level only by iteration "
                     f"{self.learning_at}, after the alarm; {ADVICE}")  # fmt: skip
@@ -167,6 +223,7 @@ class HealthWatch:
 
 __all__ = [
     "ADVICE",
+    "COLLAPSE_ADVICE",
     "HEALTH_FILE",
     "HealthWatch",
     "TrainingInertError",

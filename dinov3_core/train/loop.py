@@ -31,6 +31,7 @@ from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
+from dinov3_core.train import health_probe as HP
 from dinov3_core.train import metrics as M
 from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
 from dinov3_core.train.health import (
@@ -43,7 +44,7 @@ from dinov3_core.train.health import (
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.sampler import SamplerState
-from dinov3_core.train.ssl_model import LOSS_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
+from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
 from dinov3_core.train.trainer_setup import (
     build_step_loader,
     check_batch,
@@ -103,6 +104,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         built = build_ssl_model(cfg, meta_arch=self.meta_arch)
         self.model, self.arch = built.model, built.arch
+        # The health probe's tiles; slides it holds out leave the training data (health_probe).
+        patch = self.model.student["backbone"].patch_size
+        self.probe_set, self.tiles = HP.prepare(cfg, self.tiles, patch, inherit=self.inherited_probe(cfg))
 
         self.plan = resolve_batch(cfg, env, self.model, self.tiles.tile_size)
         self.micro_batch, self.accumulation_steps = self.plan.micro_batch, self.plan.accumulation_steps
@@ -127,6 +131,7 @@ class Trainer:
         if env.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             core_config.save_config(cfg, self.output_dir / "config.yaml")
+            HP.record(cfg, self.probe_set)
             ckpt.remove_partial(self.ckpt_root)
         barrier(env)
         self.log_handler = M.setup_logging(self.output_dir, env.rank)
@@ -164,7 +169,12 @@ class Trainer:
             self.close()  # in-process callers keep no dangling log handler
             raise
         self.augmentation = MultiCropAugmentation(cfg.crops)
+        self.probe = HP.HealthProbe(self.probe_set, env, self.bf16) if self.probe_set else None
         self.nonfinite_streak = 0
+
+    def inherited_probe(self, cfg: C.PretrainConfig) -> Path | None:
+        """A probe record to reuse when the run has none of its own (the gram stage: its pretraining run's)."""
+        return None
 
     def _resume(self, latest: Path) -> None:
         """Model, optimizer and sampler position from `latest` (resharded to this run's processes)."""
@@ -234,26 +244,28 @@ class Trainer:
                     raise RuntimeError(f"loader returned iteration {batch.iteration}, expected {iteration}")
                 values = self.train_step(iteration, batch)
                 values.update(no_information_gaps(values, cfg))
-                alarm = watch.observe(iteration, values)  # raises under health.policy=stop, on every rank alike
+                iter_time = time.perf_counter() - start  # the probe below is not training throughput
+                last = iteration == self.stop_iteration - 1
+                period = cfg.evaluation.eval_period_iterations
+                eval_due = bool(period and (iteration + 1) % period == 0) or last
+                probe = self.probe.measure(self.model.teacher["backbone"]) if eval_due and self.probe else {}
+                alarm = watch.observe(iteration, {**values, **probe})  # raises under health.policy=stop, all ranks
                 if alarm is not None and env.is_main:
                     logger.warning("%s: %s", self.stage, alarm)
-                iter_time = time.perf_counter() - start
                 run_time += iter_time
                 window.add({**values, "iter_time": iter_time, "data_time": data_time})
                 result.end_iteration = iteration + 1
                 result.final_losses = {k: values[k] for k in LOSS_NAMES}
-                last = iteration == self.stop_iteration - 1
 
                 if (iteration + 1) % cfg.train.gc_period == 0:
                     gc.collect()  # same iteration on every rank: no rank stalls a collective alone
-                if (iteration + 1) % cfg.train.log_period == 0 or iteration == self.start_iteration or last:
-                    record = self.log_metrics(iteration, window.flush())
+                if probe or (iteration + 1) % cfg.train.log_period == 0 or iteration == self.start_iteration or last:
+                    record = self.log_metrics(iteration, {**window.flush(), **probe})
                     if on_metrics is not None and env.is_main:
                         on_metrics(record)
                 if self.nonfinite_streak:  # never save a diverging state: a restart resumes from the last good one
                     continue
-                period = cfg.evaluation.eval_period_iterations
-                if (period and (iteration + 1) % period == 0) or last:
+                if eval_due:
                     result.eval_checkpoints.append(
                         ckpt.save_eval_teacher(self.output_dir, iteration, self.model.teacher, env)
                     )
@@ -319,7 +331,7 @@ class Trainer:
                 koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
         koleo_base = env.rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
 
-        loss_sum = torch.zeros(len(LOSS_NAMES), device=env.device)
+        loss_sum = torch.zeros(len(LOSS_NAMES) + len(SIGNAL_NAMES), device=env.device)
         for m in range(n_micro):
             micro = slice(m * b, (m + 1) * b)
             micro_masks, positions = masks.microbatch(m, n_micro)
@@ -336,14 +348,15 @@ class Trainer:
                     koleo_offset=koleo_base + m * b,
                 )
             (loss / n_micro).backward()
-            loss_sum += torch.stack([parts[k] for k in LOSS_NAMES]) / n_micro
+            loss_sum += torch.stack([parts[k] for k in (*LOSS_NAMES, *SIGNAL_NAMES)]) / n_micro
         del crops, targets, koleo_features
 
         if env.distributed:  # the mean over ranks is the loss of the global batch (equal rank batches)
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_sum /= env.world_size
-        losses = dict(zip(LOSS_NAMES, loss_sum.tolist(), strict=True))
-        values: dict[str, float] = {**losses, **M.schedule_values(sched), "teacher_entropy": teacher_entropy}
+        means = dict(zip((*LOSS_NAMES, *SIGNAL_NAMES), loss_sum.tolist(), strict=True))
+        losses = {k: means[k] for k in LOSS_NAMES}
+        values: dict[str, float] = {**means, **M.schedule_values(sched), "teacher_entropy": teacher_entropy}
 
         finite = all(math.isfinite(v) for v in losses.values())
         if finite:

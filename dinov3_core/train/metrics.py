@@ -149,14 +149,21 @@ def step_record(
 
 
 def progress_line(record: Mapping[str, Any], total_iterations: int) -> str:
-    """The log line of a `step_record`: losses, learning rate, throughput, data wait, RSS."""
+    """The log line of a `step_record`: losses, health signals, learning rate, throughput, data wait, RSS; and
+    the probe's scores on the lines that have them."""
+    probe = (
+        f"  probe: effective rank {record['effective_rank']:.3f}, invariance {record.get('invariance', math.nan):.3f}"
+        f" ({record.get('probe_seconds', math.nan):.1f}s)"
+        if isinstance(record.get("effective_rank"), float)
+        else ""
+    )
     return (
         f"it {record['iteration']}/{total_iterations}  loss {record.get('total_loss', math.nan):.4f} "
         f"(dino g {record.get('dino_global_loss', math.nan):.4f} l {record.get('dino_local_loss', math.nan):.4f}, "
         f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f}; "
-        f"dino below ln K {record.get('dino_gap', math.nan):.3f})  "
+        f"dino below ln K {record.get('dino_gap', math.nan):.3f}, agreement {record.get('agreement', math.nan):.3f})  "
         f"lr {record['lr']:.2e}  {record['images_per_s']:.1f} img/s  data {record.get('data_time', math.nan):.3f}s  "
-        f"rss {record['rss_mb']:.0f} MiB"
+        f"rss {record['rss_mb']:.0f} MiB{probe}"
     )
 
 

@@ -26,7 +26,14 @@ from dinov3_core.train import config as C
 from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
 from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
 
-__all__ = ["PretrainResult", "TrainingDivergedError", "run_pretrain", "train_and_log", "training_process"]
+__all__ = [
+    "PretrainResult",
+    "TrainingDivergedError",
+    "mlflow_values",
+    "run_pretrain",
+    "train_and_log",
+    "training_process",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +54,15 @@ MLFLOW_METRICS = (
     "images_per_s",
     "dino_gap",
     "teacher_entropy",
+    "agreement",
     "data_time",
     "iter_time",
     "max_rss_mb",
     "peak_memory_mb",
 )
+# The probe's scores (at eval checkpoints only), under the names the issue asks for.
+PROBE_METRICS = {"effective_rank": "health/effective_rank", "invariance": "health/invariance",
+                 "probe_seconds": "health/probe_seconds"}  # fmt: skip
 
 
 def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
@@ -139,6 +150,11 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def mlflow_values(record: dict[str, Any], keys: tuple[str, ...] = MLFLOW_METRICS) -> dict[str, float]:
+    """The metrics of one metrics line that go to MLflow (the probe's under `health/…`)."""
+    values = {k: record[k] for k in keys if isinstance(record.get(k), int | float)}
+    return values | {name: record[k] for k, name in PROBE_METRICS.items() if isinstance(record.get(k), int | float)}
+
+
 def _log_to_mlflow(record: dict[str, Any]) -> None:
-    values = {k: record[k] for k in MLFLOW_METRICS if isinstance(record.get(k), int | float)}
-    tracking.log_metrics(values, step=int(record["iteration"]))
+    tracking.log_metrics(mlflow_values(record), step=int(record["iteration"]))

@@ -34,6 +34,8 @@ from dinov3_core.models import DINOHead, ReleasedWeightsError, build_backbone, b
 from dinov3_core.train import config as C
 
 LOSS_NAMES = ("dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "total_loss")
+# Per-step signals averaged like the losses (over micro-batches and ranks): dinov3_core.train.health.
+SIGNAL_NAMES = ("agreement",)
 SUBMODULES = ("backbone", "dino_head", "ibot_head")
 
 
@@ -149,7 +151,7 @@ class SSLMetaArch(nn.Module):
                 the whole rank step, gathered over ranks here if `koleo_scope="global"`.
             koleo_offset: first row of this micro-batch in `koleo_features`.
         Returns:
-            (total loss with gradient, detached per-term losses keyed by `LOSS_NAMES`).
+            (total loss with gradient, detached per-term losses keyed by `LOSS_NAMES`, and `SIGNAL_NAMES`).
         """
         n_global, b = global_crops.shape[:2]
         n_local = local_crops.shape[0]
@@ -165,6 +167,7 @@ class SSLMetaArch(nn.Module):
 
         losses = {
             "dino_global_loss": self.dino_loss(dino_global.view(n_global, b, -1), targets.dino, ignore_diagonal=True),
+            "agreement": dino_agreement(dino_global.detach().view(n_global, b, -1), targets.dino),
             "dino_local_loss": self.dino_loss(dino_local.view(n_local, b, -1), targets.dino),
             "ibot_loss": self.ibot_loss(ibot_logits, targets.ibot, masks.masks_weight, masks.n_crops),
         }
@@ -201,6 +204,17 @@ class SSLMetaArch(nn.Module):
         student = [_local(p) for p in self.student.parameters()]
         torch._foreach_mul_(teacher, momentum)
         torch._foreach_add_(teacher, student, alpha=1.0 - momentum)
+
+
+def dino_agreement(student_logits: Tensor, teacher_probs: Tensor) -> Tensor:
+    """Share of (image, student crop i, teacher crop j ≠ i) pairs — the DINO global loss's pairs — whose student
+    argmax is the teacher target's argmax. Two argmaxes over [S_g, b, K]: negligible beside the head itself."""
+    s = student_logits.argmax(-1)  # [S_g, b]
+    t = teacher_probs.argmax(-1)
+    same = (s[:, None] == t[None]).float()  # [S_s, S_t, b]
+    n = s.shape[0]
+    off = ~torch.eye(n, dtype=torch.bool, device=s.device)
+    return same[off].mean() if n > 1 else same.mean()
 
 
 def _local(p: Tensor) -> Tensor:

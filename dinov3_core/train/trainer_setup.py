@@ -40,10 +40,14 @@ __all__ = [
 _CONFIG_GROUP_KEYS = ("lr_multiplier", "wd_multiplier", "is_last_layer")
 
 
-def open_tiles(cfg: C.PretrainConfig) -> TileDataset:
+def open_tiles(cfg: C.PretrainConfig, slide_ids: list[str] | None = None) -> TileDataset:
+    """The training tiles: `data.slide_ids` of `data.stores` (or `slide_ids`: the health probe's held-out slides
+    removed from that selection), tiles with at least `data.min_tissue_fraction`."""
     try:
         return TileDataset(
-            cfg.data.stores, slide_ids=cfg.data.slide_ids, min_tissue_fraction=cfg.data.min_tissue_fraction
+            cfg.data.stores,
+            slide_ids=cfg.data.slide_ids if slide_ids is None else slide_ids,
+            min_tissue_fraction=cfg.data.min_tissue_fraction,
         )
     except ValueError as err:  # unknown slide ids, nothing left after filtering, duplicate stores
         raise WsidinoError(f"data.stores / data.slide_ids / data.min_tissue_fraction: {err}") from None
