@@ -227,7 +227,8 @@ def _launch_training(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hoo
 
 
 def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
-    """The last metrics line (iteration, losses, throughput, memory) and, for gram, the chosen teacher."""
+    """The last metrics line (iteration, losses, throughput, memory), the health probe's latest scores and
+    verdict and, for gram, the chosen teacher."""
     out = Path(cfg.output_dir)
     summary: dict[str, Any] = {}
     metrics = out / "training_metrics.json"
@@ -236,9 +237,12 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
         if lines:
             last = json.loads(lines[-1])
             summary["iteration"] = last.get("iteration")
-            for key in ("total_loss", "dino_gap", "images_per_s", "max_rss_mb", "gram_loss"):
+            for key in ("total_loss", "dino_gap", "agreement", "images_per_s", "max_rss_mb", "gram_loss"):
                 if isinstance(last.get(key), int | float):
                     summary[key] = round(float(last[key]), 4)
+            probed = [r for r in map(json.loads, lines) if isinstance(r.get("effective_rank"), int | float)]
+            if probed:  # the health probe's latest scores (dinov3_core.train.health_probe)
+                summary |= {k: round(float(probed[-1][k]), 4) for k in ("effective_rank", "invariance")}
     health = out / "health.json"
     if health.is_file():
         summary["health"] = json.loads(health.read_text()).get("verdict")

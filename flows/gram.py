@@ -12,11 +12,11 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import GramParams
-from tasks.run import load_stage_config, run_training_stage
+from tasks.run import load_stage_config, run_training_stage, training_flow_result
 
 
 @flow(name="gram")
-def gram_flow(params: GramParams) -> dict[str, Any]:
+def gram_flow(params: GramParams) -> Any:
     """Continue a pretraining run with gram anchoring; the gram teacher is a teacher-only eval checkpoint of that
     run, chosen by the config's policy (or given) and recorded in gram_teacher_selection.json.
 
@@ -27,7 +27,7 @@ def gram_flow(params: GramParams) -> dict[str, Any]:
         The stage outcome, with the chosen gram teacher in its summary.
     """
     cfg = load_stage_config("gram", params.stage.config, params.config_values())
-    return run_training_stage("gram", cfg, params.launch, force=params.force)
+    return training_flow_result(run_training_stage("gram", cfg, params.launch, force=params.force))
 
 
 if __name__ == "__main__":

@@ -171,9 +171,10 @@ def pipeline_flow(params: PipelineParams) -> dict[str, Any]:
 
 def _markdown(summary: dict[str, Any]) -> str:
     lines = ["# Pipeline", "", f"Work directory: `{summary['workdir']}`", ""]
-    lines += ["| stage | status | MLflow run |", "|---|---|---|"]
+    lines += ["| stage | status | MLflow run | health (training stages) |", "|---|---|---|---|"]
     for stage, o in summary["stages"].items():
-        lines.append(f"| {stage} | {o.get('status')} | `{o.get('mlflow_run_id')}` |")
+        health = (o.get("summary") or {}).get("health", "")  # pretrain / gram: learning, or not and why
+        lines.append(f"| {stage} | {o.get('status')} | `{o.get('mlflow_run_id')}` | {health} |")
     lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in summary["paths"].items()]]
     lines += ["", f"MLflow pipeline run: `{summary['mlflow_run_id']}`"]
     return "\n".join(lines) + "\n"

@@ -12,11 +12,11 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import PretrainParams
-from tasks.run import load_stage_config, run_training_stage
+from tasks.run import load_stage_config, run_training_stage, training_flow_result
 
 
 @flow(name="pretrain")
-def pretrain_flow(params: PretrainParams) -> dict[str, Any]:
+def pretrain_flow(params: PretrainParams) -> Any:
     """Pretrain (or continue pretraining) DINOv3 on tile stores; skipped when the run is complete and unchanged.
 
     A crash is retried `launch.retries` times, each attempt resuming from the last DCP checkpoint; bad input
@@ -29,7 +29,7 @@ def pretrain_flow(params: PretrainParams) -> dict[str, Any]:
         The stage outcome: ran/skipped, outputs (checkpoints, eval teacher), MLflow run id, summary figures.
     """
     cfg = load_stage_config("pretrain", params.stage.config, params.config_values())
-    return run_training_stage("pretrain", cfg, params.launch, force=params.force)
+    return training_flow_result(run_training_stage("pretrain", cfg, params.launch, force=params.force))
 
 
 if __name__ == "__main__":

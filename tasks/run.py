@@ -8,14 +8,19 @@ The skip decision, the manifest, the MLflow run and the torchrun launch are `din
 * the Prefect run logger as the log, the flow run's tags on the MLflow run, nesting under the pipeline's run;
 * GPU slots: a strict Prefect global concurrency limit held while a torchrun job runs;
 * a markdown artifact per stage; for tile, a progress artifact that follows the tiles and a per-slide table; for
-  evaluate, the evaluation table with the promotion decision;
+  pretrain and gram, a progress artifact that follows the iterations and a markdown artifact with the latest
+  health figures, then the verdict (`<output_dir>/training_metrics.json` read as it grows), and the verdict as
+  the flow run's final message (`training_flow_result`); for evaluate, the evaluation table with the decision;
 * retries of training stages after crashes (not after bad input or the wall-clock limit).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -101,6 +106,96 @@ class _TileArtifacts:
             get_run_logger().info(line)
 
 
+class _TrainingArtifacts:
+    """Prefect artifacts of a pretrain / gram job: a progress bar over its iterations and a markdown table of the
+    latest health figures, then the verdict. Fed from `<output_dir>/training_metrics.json` (the records rank 0
+    writes before it prints their console line), read incrementally whenever a console line arrives: no thread
+    of its own, and the file, not the console text, is what gets parsed. Nothing here may fail the training."""
+
+    FIGURES = ("dino_gap", "teacher_entropy", "agreement", "effective_rank", "invariance")
+    MARKDOWN_EVERY_S = 120.0  # between health tables without a new probe point (each one is a new version)
+
+    def __init__(self, stage: str, cfg: Any) -> None:
+        self.stage = stage
+        self.path = Path(cfg.output_dir) / "training_metrics.json"
+        total = cfg.optim.epochs * cfg.train.epoch_length
+        self.total = min(total, cfg.train.stop_at or total)
+        self.offset, self.partial = 0, ""
+        self.latest: dict[str, Any] = {}
+        self.probe: dict[str, Any] = {}
+        self.progress_id: Any = None
+        self.percent = -1.0
+        self.read_at = self.markdown_at = 0.0
+
+    def wrap(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        def log_and_follow(line: str) -> None:
+            log(line)
+            with contextlib.suppress(Exception):  # a failed artifact update must never fail the training
+                self.follow()
+
+        return log_and_follow
+
+    def follow(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.read_at < 1.0:
+            return
+        self.read_at = now
+        new_probe = self._read()
+        if not self.latest:
+            return
+        percent = round(min(100.0, 100.0 * (self.latest["iteration"] + 1) / self.total), 1)
+        if percent != self.percent:
+            self.percent = percent
+            if self.progress_id is None:
+                self.progress_id = create_progress_artifact(
+                    percent, key=f"{self.stage}-progress", description=f"{self.stage}: iterations done"
+                )
+            else:
+                update_progress_artifact(self.progress_id, percent)
+        if new_probe or not self.markdown_at or now - self.markdown_at > self.MARKDOWN_EVERY_S:
+            self.markdown_at = now
+            self._publish(None)
+
+    def finish(self, verdict: str | None) -> None:
+        with contextlib.suppress(Exception):
+            self.follow(force=True)
+            self._publish(verdict)
+
+    def _read(self) -> bool:
+        """New complete lines since the last read (from the start again when a resume truncated the file)."""
+        if not self.path.is_file():
+            return False
+        size = self.path.stat().st_size
+        if size < self.offset:
+            self.offset, self.partial = 0, ""
+        with self.path.open() as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        *lines, self.partial = (self.partial + chunk).split("\n")
+        new_probe = False
+        for line in filter(str.strip, lines):
+            record = json.loads(line)
+            self.latest = record
+            if isinstance(record.get("effective_rank"), int | float):
+                self.probe, new_probe = record, True
+        return new_probe
+
+    def _publish(self, verdict: str | None) -> None:
+        r, p = self.latest, self.probe
+        rows = [f"| iteration | {r.get('iteration', '–')} of {self.total} |"]
+        rows += [f"| {k} | {_fmt((p if k in ('effective_rank', 'invariance') else r).get(k))} |" for k in self.FIGURES]
+        if p:
+            rows.append(f"| probe measured at | iteration {p['iteration']} |")
+        head = [f"# {self.stage}: is it learning?", "", verdict or "Training: the verdict comes at the end.", ""]
+        text = "\n".join([*head, "| figure | latest |", "|---|---|", *rows]) + "\n"
+        create_markdown_artifact(text, key=f"{self.stage}-health", description=f"{self.stage}: training health")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "–" if value is None else str(value)
+
+
 def _markdown(o: StageOutcome) -> str:
     m = o.manifest
     lines = [f"# {o.stage}: {o.status}", "", o.reason, "", f"Manifest: `{o.manifest_path}`"]
@@ -132,8 +227,9 @@ def run_stage_task(
     """
     logger = get_run_logger()
     tile = _TileArtifacts(str(cfg.output)) if stage == "tile" else None
+    training = _TrainingArtifacts(stage, cfg) if stage in ("pretrain", "gram") else None
     hooks = RunHooks(
-        log=logger.info,
+        log=training.wrap(logger.info) if training else logger.info,
         parent_run_id=current_pipeline_run(),
         tags=prefect_run_tags(stage),
         run_name=mlflow_run_name(stage),
@@ -142,6 +238,8 @@ def run_stage_task(
         on_slide=tile.on_slide if tile else None,
     )
     outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
+    if training is not None and outcome.status == "ran":
+        training.finish(outcome.manifest.summary.get("health"))
     if tile is not None and outcome.result is not None:
         tile.finish(outcome.result)
     if stage == "evaluate" and outcome.result is not None:  # the table a reviewer reads first, in the Prefect UI
@@ -171,4 +269,23 @@ def run_training_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool
     return retrying(stage, cfg, force=force, launch=launch)
 
 
-__all__ = ["gpu_slots", "is_retriable", "load_stage_config", "run_stage_task", "run_training_stage"]
+def training_flow_result(outcome: dict[str, Any]) -> Any:
+    """What a pretrain / gram flow returns: the outcome, in a Completed state whose message is the health verdict
+    (`health.policy=warn` lets a run that does not learn complete: the flow run then ends saying so). Callers of
+    the flow, subflow calls included, still get the outcome dict."""
+    from prefect.states import Completed
+
+    verdict = outcome.get("summary", {}).get("health")
+    if not verdict:
+        return outcome
+    return Completed(message=f"{outcome['stage']}: {verdict}"[:4000], data=outcome)
+
+
+__all__ = [
+    "gpu_slots",
+    "is_retriable",
+    "load_stage_config",
+    "run_stage_task",
+    "run_training_stage",
+    "training_flow_result",
+]

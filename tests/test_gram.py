@@ -235,6 +235,14 @@ def test_gram_run_is_tracked_in_mlflow(gram_run) -> None:
     assert run.data.params["gram_teacher_policy"] == "latest" and run.data.params["gram_teacher_iteration"] == "8"
     assert "gram_loss" in run.data.metrics and "gram_loss_weight" in run.data.metrics
     assert T.SELECTION_FILE in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "health/effective_rank")] == [9]
+
+
+def test_gram_inherits_the_pretraining_probe(gram_run, pretrain_dir) -> None:
+    """Slides held out of pretraining stay out of gram anchoring: the same probe record, not a new draw."""
+    from dinov3_core.train.health_probe import PROBE_FILE
+
+    assert json.loads((gram_run["out"] / PROBE_FILE).read_text()) == json.loads((pretrain_dir / PROBE_FILE).read_text())
 
 
 def test_schedule_units() -> None:

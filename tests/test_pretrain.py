@@ -141,6 +141,10 @@ def test_reference_run_is_tracked_in_mlflow(reference) -> None:
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "training_metrics.json", "loss_curve.png"} <= artifacts
     assert len(client.get_metric_history(run.info.run_id, "dino_gap")) == 8  # the health signal, every log line
+    assert len(client.get_metric_history(run.info.run_id, "agreement")) == 8
+    probe = client.get_metric_history(run.info.run_id, "health/effective_rank")
+    assert [m.step for m in probe] == [3, 7] and all(0 < m.value <= 1 for m in probe)  # at the eval checkpoints
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "health/invariance")] == [3, 7]
     verdict = json.loads((reference["out"] / "health.json").read_text())["verdict"]
     assert run.data.tags["wsidino.health"] == verdict and verdict.startswith("not judged yet")  # 8 its < patience
 

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,169 @@ def _keys(schema: type) -> set[str]:
     import dataclasses
 
     return {f.name for f in dataclasses.fields(schema)} | {"student.pretrained_weights", "data.stores"}
+
+
+# ------------------------------------------------------------------------------- the probe: rank, invariance
+
+
+def test_invariance_is_one_for_identical_views_and_chance_for_unrelated_ones() -> None:
+    import torch
+
+    from dinov3_core.evaluate.label_free import effective_rank, invariance
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 64, generator=g)
+    assert invariance(a, a) == 1.0
+    assert invariance(a, a + 0.3 * torch.randn(256, 64, generator=g)) > 0.95  # views that keep the tile
+    assert invariance(a, torch.randn(256, 64, generator=g)) < 0.03  # unrelated views: chance is 1/256
+    assert invariance(a, a.roll(1, dims=0)) == 0.0  # every tile's other view is another tile's
+    constant = torch.ones(256, 64)
+    assert invariance(constant, constant) == 0.0 and effective_rank(constant) == 0.0  # collapse scores nothing
+    assert 0.5 < effective_rank(a) <= 1.0
+
+
+def test_probe_scores_are_logged_at_eval_checkpoints_and_match_the_checkpoint_files(
+    small_tile_store: Path, tmp_path: Path
+) -> None:
+    """The teacher in memory (training) and its eval checkpoint file (evaluate.checkpoints) give the same scores:
+    one implementation, the same tiles and views."""
+    from dinov3_core.evaluate.checkpoints import probe_scores
+    from dinov3_core.gram.teacher import find_eval_checkpoints
+    from dinov3_core.train.health_probe import PROBE_FILE
+
+    out = tmp_path / "probe"
+    cfg = pretrain_config(small_tile_store, out, **{"train.stop_at": 4, "evaluation.eval_period_iterations": 2})
+    run_pretrain(cfg)
+    rows = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
+    assert all(0.0 <= r["agreement"] <= 1.0 for r in rows.values())
+    probed = {it: r for it, r in rows.items() if "effective_rank" in r}
+    assert sorted(probed) == [1, 3]  # the eval checkpoints' iterations
+    for r in probed.values():
+        assert 0.1 < r["effective_rank"] <= 1.0  # a random-init teacher spreads its features
+        assert 0.0 <= r["invariance"] < 0.2  # …but barely recognises a tile under strong augmentation
+        assert r["probe_seconds"] < 10
+    record = json.loads((out / PROBE_FILE).read_text())
+    assert record["n_tiles"] == 256 and record["holdout_slides"] == [] and len(record["hash"]) == 16
+    for c in find_eval_checkpoints(out):
+        again = probe_scores(out, c.path)
+        assert again is not None and again["invariance"] == probed[c.iteration]["invariance"]
+        assert again["effective_rank"] == pytest.approx(probed[c.iteration]["effective_rank"], abs=1e-5)
+
+
+def test_probe_scores_do_not_depend_on_the_number_of_processes(small_tile_store: Path, tmp_path: Path) -> None:
+    """2 gloo ranks embed alternate tile groups through the sharded teacher; the gathered scores are those of one
+    process scoring the same eval checkpoint alone (40 tiles: 3 groups, one of them padding on rank 1)."""
+    from dinov3_core.evaluate.checkpoints import probe_scores
+    from tests.helpers import PRETRAIN_RUNS_SCRIPT, pretrain_values, torchrun
+
+    out = tmp_path / "two"
+    values = pretrain_values(small_tile_store, out, **{"train.stop_at": 2, "train.batch_size_per_gpu": 4,
+                                                       "health.probe_tiles": 40})  # fmt: skip
+    torchrun(str(PRETRAIN_RUNS_SCRIPT), json.dumps(values), timeout=300)
+    (logged,) = [r for r in read_metrics(out / "training_metrics.json") if "effective_rank" in r]
+    alone = probe_scores(out, out / "eval" / "training_1" / "teacher_checkpoint.pth")
+    assert alone is not None and alone["invariance"] == logged["invariance"]
+    assert alone["effective_rank"] == pytest.approx(logged["effective_rank"], abs=1e-5)
+
+
+def test_collapsed_teacher_features_raise_the_alarm(small_tile_store: Path, tmp_path: Path) -> None:
+    """A teacher whose final norm is zero gives every tile the same CLS vector (momentum 1: it stays so)."""
+    import torch
+
+    from dinov3_core.train.ssl_model import build_ssl_model
+
+    base = {"train.stop_at": 2, "evaluation.eval_period_iterations": 2, "optim.warmup_epochs": 0,
+            "teacher.warmup_teacher_temp_epochs": 0, "teacher.momentum_teacher": 1.0}  # fmt: skip
+    teacher = build_ssl_model(pretrain_config(small_tile_store, tmp_path / "x", **base)).model.teacher.state_dict()
+    teacher["backbone.norm.weight"].zero_()
+    teacher["backbone.norm.bias"].zero_()
+    weights = tmp_path / "collapsed" / "teacher_checkpoint.pth"
+    weights.parent.mkdir()
+    torch.save({"teacher": teacher}, weights)
+    collapsed = {**base, "student.pretrained_weights": str(weights), "health.policy": "stop"}
+    with pytest.raises(TrainingInertError, match=r"features collapsed: at iteration 1, .*effective rank of 0\.0000"):
+        run_pretrain(pretrain_config(small_tile_store, tmp_path / "stop", **collapsed))
+    warn = {**collapsed, "health.policy": "warn"}
+    result = run_pretrain(pretrain_config(small_tile_store, tmp_path / "warn", **warn))
+    assert result.health.startswith("not learning: features collapsed") and "losses.koleo_weight" in result.health
+    (probed,) = [r for r in read_metrics(tmp_path / "warn" / "training_metrics.json") if "effective_rank" in r]
+    assert probed["effective_rank"] == 0.0 and probed["invariance"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------- held-out slides
+
+
+@pytest.fixture(scope="module")
+def three_slides(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three good sample slides tiled at 64 px, 2 µm/px into one store (tens of tiles each)."""
+    from tests.helpers import tile_store
+
+    return tile_store(sample_slides.slides, tmp_path_factory.mktemp("three") / "tiles.zarr", tile_size=64, mpp=2.0)
+
+
+def test_held_out_slides_leave_training_and_are_recorded(three_slides: Path, tmp_path: Path) -> None:
+    from dinov3_core.config import ConfigError
+    from dinov3_core.data import TileDataset
+    from dinov3_core.train.distributed import DistEnv
+    from dinov3_core.train.health_probe import PROBE_FILE
+    from dinov3_core.train.loop import Trainer
+
+    everything = TileDataset(three_slides)
+    out = tmp_path / "held"
+    cfg = pretrain_config(three_slides, out, **{"health.holdout_slides": 1, "train.stop_at": 2,
+                                                "evaluation.eval_period_iterations": 2})  # fmt: skip
+    trainer = Trainer(cfg, DistEnv())
+    try:
+        record = json.loads((out / PROBE_FILE).read_text())
+        (held,) = record["holdout_slides"]
+        assert held in everything.slide_ids and held not in trainer.tiles.slide_ids
+        assert sorted(trainer.tiles.slide_ids) == sorted(set(everything.slide_ids) - {held})
+        size = int(everything.tile_counts[everything.slide_ids.index(held)])
+        assert len(trainer.tiles) == len(everything) - size
+        assert {slide for _, slide, _ in record["tiles"]} == {held} and record["n_tiles"] == size  # < 256 tiles
+        trainer.train()
+    finally:
+        trainer.close()
+    # A resumed run keeps the recorded probe, whatever the config now says.
+    resumed = pretrain_config(three_slides, out, **{"health.holdout_slides": 2, "train.stop_at": 4})
+    run_pretrain(resumed)
+    assert json.loads((out / PROBE_FILE).read_text()) == record
+    with pytest.raises(ConfigError, match=r"health\.holdout_slides=3 keeps every slide"):
+        run_pretrain(pretrain_config(three_slides, tmp_path / "all", **{"health.holdout_slides": 3}))
+
+
+# ------------------------------------------------------------------------------------------------- Prefect
+
+
+def test_prefect_flow_follows_the_run_and_ends_with_the_verdict(
+    prefect_api: str, small_tile_store: Path, tmp_path: Path
+) -> None:
+    """pretrain flow → torchrun job: a progress artifact over the iterations, a health table with the probe's
+    figures and the verdict, and a completed flow run (health.policy=warn) whose message is that verdict."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.pretrain import pretrain_flow
+    from tasks.params import PretrainParams, StageOptions, TrackingParams
+
+    inert = {**INERT, "evaluation.eval_period_iterations": 6, "train.global_batch_size": 8}
+    params = PretrainParams(
+        stores=[str(small_tile_store)], output_dir=str(tmp_path / "run"), tracking=TrackingParams(enabled=False),
+        stage=StageOptions(config="tiny", overrides=[f"{k}={json.dumps(v)}" for k, v in inert.items()]),
+    )  # fmt: skip
+    state = pretrain_flow(params, return_state=True)
+    assert state.is_completed() and state.message.startswith("pretrain: not learning: over iterations 0…5")
+    outcome = state.result()
+    assert outcome["status"] == "ran" and outcome["summary"]["health"].startswith("not learning")
+    assert 0 <= outcome["summary"]["effective_rank"] <= 1 and "invariance" in outcome["summary"]
+
+    with get_client(sync_client=True) as client:
+        flow_run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=flow_run))
+    latest = {a.key: a for a in sorted(found, key=lambda a: a.created) if a.key}
+    assert latest["pretrain-progress"].type == "progress" and float(latest["pretrain-progress"].data) == 100.0
+    table = latest["pretrain-health"].data
+    assert latest["pretrain-health"].type == "markdown" and "not learning: over iterations 0…5" in table
+    assert "| iteration | 11 of 12 |" in table and "| probe measured at | iteration 11 |" in table
+    rank = next(line for line in table.splitlines() if line.startswith("| effective_rank |"))
+    assert 0 < float(rank.split("|")[2]) <= 1
