@@ -98,10 +98,13 @@ def choose(cfg: C.PretrainConfig, tiles: TileDataset, patch_size: int) -> ProbeS
                 f"({len(slides)}) out of training: lower it (0: probe tiles from the training slides)"
             )
         slides = sorted(int(s) for s in rng.choice(len(slides), h.holdout_slides, replace=False))
-    offsets = np.concatenate([[0], np.cumsum(tiles.tile_counts)])
-    pool = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in slides])
-    picked = np.sort(rng.choice(pool, min(h.probe_tiles, len(pool)), replace=False))
-    slide_index, rows = tiles.locate_many(picked)
+    # Positions in the pool of the candidate slides' tiles, mapped to global indices (no array over the pool:
+    # a cohort has millions of tiles).
+    counts = tiles.tile_counts[slides]
+    ends, starts = np.cumsum(counts), np.concatenate([[0], np.cumsum(tiles.tile_counts)])[slides]
+    drawn = np.sort(rng.choice(int(ends[-1]), min(h.probe_tiles, int(ends[-1])), replace=False))
+    which = np.searchsorted(ends, drawn, side="right")
+    slide_index, rows = tiles.locate_many(starts[which] + drawn - (ends - counts)[which])
     stores = [str(p) for p in tiles.stores]
     position = {str(p): i for i, p in enumerate(tiles.stores)}
     chosen = [(position[str(tiles.slide_store(int(s)))], tiles.slide_ids[int(s)], int(r)) for s, r in
@@ -116,12 +119,13 @@ def prepare(
 ) -> tuple[ProbeSet | None, TileDataset]:
     """The run's probe set and the tiles to train on (`tiles` less the held-out slides). The probe: the run's
     record when resuming, else an inherited one (gram: the pretraining run's, if on the same stores), else a new
-    choice; None with `health.probe_tiles=0`. Writes nothing (rank 0 calls `record` once output_dir exists)."""
-    if not cfg.health.probe_tiles:
-        return None, tiles
+    choice; None with `health.probe_tiles=0` on a fresh run. Writes nothing (rank 0 calls `record` once the output
+    directory exists)."""
     out = Path(cfg.output_dir)
     resume = cfg.checkpointing.resume and latest_checkpoint(out / CKPT_DIR) is not None
-    probe = read_probe(out / PROBE_FILE) if resume else None
+    probe = read_probe(out / PROBE_FILE) if resume else None  # a resumed run keeps its probe and held-out slides
+    if probe is None and not cfg.health.probe_tiles:
+        return None, tiles
     if probe is None and resume and cfg.health.holdout_slides:
         # A run started without a record trained on every slide: holding some out now would change its data.
         logger.warning("%s: no probe record to resume with; the probe is drawn from the training slides", out)
