@@ -202,6 +202,10 @@ def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, An
     curve = json.loads((run / "eval" / "knn_curve.json").read_text())
     points = curve["points"]
     assert [p["iteration"] for p in points] == [1, 3, 5]
+    logged = {r["iteration"]: r for r in map(json.loads, (run / "training_metrics.json").read_text().splitlines())}
+    for p in points:  # the training health probe's scores, from the checkpoint files: what training logged
+        assert p["invariance"] == logged[p["iteration"]]["invariance"]
+        assert p["effective_rank"] == pytest.approx(logged[p["iteration"]]["effective_rank"], abs=1e-5)
     best = max(points, key=lambda p: (p["knn_balanced_accuracy"], -p["iteration"]))
     assert outcome.manifest.summary["iteration"] == best["iteration"] == curve["best"]["iteration"]
     assert (run / "eval" / "knn_curve.png").is_file()

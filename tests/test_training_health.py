@@ -165,6 +165,17 @@ def test_invariance_is_one_for_identical_views_and_chance_for_unrelated_ones() -
     assert 0.5 < effective_rank(a) <= 1.0
 
 
+def test_agreement_counts_the_loss_pairs() -> None:
+    """Student crop i is compared with the teacher's target for crop j ≠ i, as the DINO global loss pairs them."""
+    import torch
+
+    from dinov3_core.train.ssl_model import dino_agreement
+
+    teacher = torch.softmax(torch.randn(2, 32, 256, generator=torch.Generator().manual_seed(0)), dim=-1)
+    assert float(dino_agreement(teacher.flip(0).log(), teacher)) == 1.0  # predicts the other crop's target
+    assert float(dino_agreement(teacher.log(), teacher)) < 0.1  # predicts its own crop's: not what is scored
+
+
 def test_probe_scores_are_logged_at_eval_checkpoints_and_match_the_checkpoint_files(
     small_tile_store: Path, tmp_path: Path
 ) -> None:
