@@ -3,7 +3,8 @@ EMA teacher in memory, `dinov3_core.train.health_probe`), the along-training kNN
 `evaluate.checkpoints`), the evaluate stage's health and the gram teacher choice (`effective_rank`).
 
 * `effective_rank` — exp(entropy of the normalised singular values) of centred [N, D] features, / min(N, D) →
-  [0, 1]: 0 when every tile gets the same vector (collapse), near 1 when the features use every direction;
+  [0, 1]: 0 when every tile gets the same vector (collapse, rounding noise aside), near 1 when the features use
+  every direction;
 * `invariance` — augmentation-invariance retrieval: each tile is embedded under two random augmentations (the
   two global crops of the training recipe); the share of view-A embeddings whose nearest view-B embedding
   (cosine) is the same tile's. Chance is 1/N; features that ignore what the augmentations change (crop, D4
@@ -33,12 +34,19 @@ PROBE_STREAM = 4  # random stream of the views, beside dinov3_core.train.pipelin
 Embed = Callable[[Tensor], Tensor]  # normalised float images [B, 3, S, S] → CLS features [B, D]
 
 
+# Features whose spread around their mean is below this share of their size are one vector plus rounding noise:
+# centred, that noise would look full-rank (the rank is scale-free), so they count as collapsed.
+CONSTANT_SPREAD = 1e-4
+
+
 def effective_rank(features: Tensor) -> float:
-    """exp(entropy of normalised singular values) of centred [N, D] features, / min(N, D) → [0, 1]."""
-    x = features.double() - features.double().mean(0, keepdim=True)
-    s = torch.linalg.svdvals(x)
-    if s.sum() <= 0:
+    """exp(entropy of normalised singular values) of centred [N, D] features, / min(N, D) → [0, 1]; 0 when the
+    features are constant up to `CONSTANT_SPREAD` of their norm."""
+    f = features.double()
+    x = f - f.mean(0, keepdim=True)
+    if x.norm() <= CONSTANT_SPREAD * f.norm():
         return 0.0
+    s = torch.linalg.svdvals(x)
     p = s / s.sum()
     p = p[p > 0]
     entropy = float(-(p * p.log()).sum())
