@@ -226,6 +226,10 @@ def _launch_training(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hoo
     return training_summary(stage, cfg)
 
 
+# The last metrics line's figures a training stage's summary carries (losses, health signals, throughput, memory).
+SUMMARY_KEYS = ("total_loss", "dino_gap", "teacher_entropy", "agreement", "images_per_s", "max_rss_mb", "gram_loss")
+
+
 def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
     """The last metrics line (iteration, losses, throughput, memory), the health probe's latest scores and
     verdict and, for gram, the chosen teacher."""
@@ -237,7 +241,7 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
         if lines:
             last = json.loads(lines[-1])
             summary["iteration"] = last.get("iteration")
-            for key in ("total_loss", "dino_gap", "agreement", "images_per_s", "max_rss_mb", "gram_loss"):
+            for key in SUMMARY_KEYS:
                 if isinstance(last.get(key), int | float):
                     summary[key] = round(float(last[key]), 4)
             probed = [r for r in map(json.loads, lines) if isinstance(r.get("effective_rank"), int | float)]

@@ -96,7 +96,8 @@ class ProbeViews:
         from dinov3_core.train.pipeline import derive_seed
 
         cfg = AugmentationConfig(**self.augmentation)
-        generator = torch.Generator(device=tiles.device).manual_seed(derive_seed(self.seed, PROBE_STREAM, group))
+        # A CPU generator on any device: the training GPU and the evaluate stage's CPU draw the same views.
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, PROBE_STREAM, group))
         views = MultiCropAugmentation(cfg)(tiles, generator).global_stack  # [2, B, 3, g, g]
         x = tiles.permute(0, 3, 1, 2).float() / 255.0
         o, s = (x.shape[-1] - self.clean_size) // 2, self.clean_size
