@@ -22,6 +22,7 @@ SCRIPTS = [
     "train_step.py",
     "extract.py",
     "evaluate.py",
+    "training_health.py",
     "stage_manifest.py",
 ]
 

@@ -198,7 +198,7 @@ def training_health(measured: Path) -> None:
     runs = json.loads(measured.read_text())
     fig, (gap_ax, ent_ax) = plt.subplots(1, 2, figsize=(10, 3.4))
     for key, run in runs.items():
-        if not key.startswith("tiny"):
+        if not key.startswith("cpu"):
             continue
         its = [p[0] for p in run["curve"]]
         label = f"{key.split(' / ')[1]}: {run['verdict'].split(':')[0]}"

@@ -69,7 +69,7 @@ def run_demo(output: Path, nproc: int, tile_workers: int) -> int:
 
 def training_health(summary: dict[str, Any]) -> str:
     """Each training stage's health verdict and last figures, to read beside the evaluation table."""
-    lines = ["\n=== training health (README: \"Is it learning?\")"]
+    lines = ['\n=== training health (README: "Is it learning?")']
     for stage in ("pretrain", "gram"):
         figures = ((summary["stages"].get(stage) or {}).get("summary")) or {}
         values = ", ".join(f"{k} {figures[k]}" for k in HEALTH_FIGURES if k in figures)

@@ -37,10 +37,12 @@ from dinov3_core.train.schedules import momentum_schedule, teacher_settled_from
 
 HEALTH_FILE = "health.json"  # the verdict, in the run directory
 ADVICE = (
-    "likely causes: a teacher temperature still warming up or too high (teacher.teacher_temp, "
-    "teacher.warmup_teacher_temp_epochs), a teacher momentum that reaches 1.0 too early (teacher.momentum_teacher, "
-    "teacher.final_momentum_teacher), a learning rate too low or warming up too long (optim.lr, optim.warmup_epochs) "
-    "or a run too short for its schedules (optim.epochs, train.epoch_length)"
+    "likely causes: too few images per step for the Sinkhorn targets (train.global_batch_size: on the sample tiles "
+    "8 stays at ln K where 32 learns), a teacher temperature too high (teacher.teacher_temp, "
+    "teacher.warmup_teacher_temp, teacher.warmup_teacher_temp_epochs), a teacher that follows the student too slowly "
+    "or freezes early (teacher.momentum_teacher, teacher.final_momentum_teacher: 'auto' fits both to the run), a "
+    "learning rate too low or warming up too long (optim.lr, optim.warmup_epochs) or a run too short "
+    "(optim.epochs, train.epoch_length)"
 )
 
 
