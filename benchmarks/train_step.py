@@ -94,6 +94,7 @@ def run_training(store: Path, out: Path, case: dict[str, Any], nproc: int, threa
         "train.epoch_length": case["iterations"],
         "optim.warmup_epochs": 0,
         "teacher.warmup_teacher_temp_epochs": 0,
+        "optim.freeze_last_layer_epochs": 0,  # a freeze as long as the run is refused (config.validate)
         "checkpointing.period": 10**6,
         "evaluation.eval_period_iterations": 0,
         "data.num_workers": 1,
