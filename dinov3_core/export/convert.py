@@ -140,10 +140,13 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
     run_cfg = _run_config(ckpt)
     if run_cfg is not None:
         try:
+            from dinov3_core.gram.config import GramConfig
             from dinov3_core.train import config as C
 
-            cfg = load_config(C.PretrainConfig, run_cfg)
-            if cfg.student.arch != "auto" and not cfg.student.pretrained_weights:
+            doc = yaml.safe_load(run_cfg.read_text()) or {}
+            schema = GramConfig if isinstance(doc, dict) and "gram" in doc else C.PretrainConfig
+            cfg = load_config(schema, run_cfg)
+            if cfg.student.arch != "auto":  # warm-started runs too: the check below proves it fits the tensors
                 kwargs = backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
                 kwargs = {k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY}
                 check_backbone_state_dict(kwargs, sd, str(ckpt), cfg.student.arch)

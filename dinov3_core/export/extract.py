@@ -141,7 +141,9 @@ def _open_dataset(cfg: ExtractConfig) -> Any:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
 
 
-def _done(out: Path, slide_id: str, model_hash: str) -> bool:
+def _done(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None) -> bool:
+    """Extracted completely, with this model, from this version of the slide (a re-scanned slide that was
+    re-tiled under the same id has another source fingerprint: its features are stale)."""
     meta = out / "slides" / slide_id / "zarr.json"
     if not meta.is_file():
         return False
@@ -149,7 +151,11 @@ def _done(out: Path, slide_id: str, model_hash: str) -> bool:
         attrs = zarr.open_group(str(out / "slides" / slide_id), mode="r").attrs.asdict().get(ATTRS_KEY, {})
     except Exception:  # unreadable: redo
         return False
-    return bool(attrs.get("complete")) and attrs.get("model_hash") == model_hash
+    return (
+        bool(attrs.get("complete"))
+        and attrs.get("model_hash") == model_hash
+        and attrs.get("source_fingerprint") == source_fingerprint
+    )
 
 
 def pca_rgb(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -290,7 +296,9 @@ def run_extract(cfg: ExtractConfig) -> ExtractResult:
         _init_output(out, cfg)
         offsets = np.concatenate([[0], np.cumsum(ds.tile_counts)])
         mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
-        todo = [s for s in mine if not _done(out, ds.slide_ids[s], model.hash)]
+        todo = [
+            s for s in mine if not _done(out, ds.slide_ids[s], model.hash, ds.slide_attrs(s).get("source_fingerprint"))
+        ]
         skipped = [ds.slide_ids[s] for s in mine if s not in todo]
         for sid in skipped:
             logger.info("slide %s already extracted with model %s: skipped", sid, model.hash)

@@ -1,0 +1,78 @@
+"""The MLflow side of a cycle: one parent run per cycle (stage runs nest under it), reopened when the cycle
+resumes; tags say what the cycle did, and the data snapshot is the run's dataset input."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dinov3_core import tracking
+from dinov3_core.config import flatten, to_dict
+from dinov3_core.retrain.config import RetrainConfig
+from dinov3_core.retrain.cycles import CycleRecord
+
+RETRAIN_TAG = "wsidino.retrain"
+
+
+@contextlib.contextmanager
+def cycle_mlflow_run(cfg: RetrainConfig, record: CycleRecord, tags: Mapping[str, str]) -> Iterator[str | None]:
+    """The cycle's parent run (None when tracking is off): FINISHED at the end, FAILED when the block raises."""
+    if not cfg.tracking.enabled:
+        yield None
+        return
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking.tracking_uri(cfg.tracking)
+    mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
+    client = MlflowClient(tracking_uri=uri)
+    if record.mlflow_run_id:
+        run_id = record.mlflow_run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        experiment = tracking.ensure_experiment(cfg.tracking.experiment, uri)
+        all_tags = {**dict(tags), RETRAIN_TAG: "true", "wsidino.cycle": record.id, "wsidino.stage": "retrain"}
+        run_id = client.create_run(experiment, run_name=f"retrain/{record.id}", tags=all_tags).info.run_id
+        flat = flatten(to_dict(cfg))
+        for key, value in flat.items():
+            client.log_param(run_id, key, ("null" if value is None else str(value))[:6000])
+    try:
+        yield run_id
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    else:
+        client.set_terminated(run_id, status="FINISHED")
+
+
+def set_tags(cfg: RetrainConfig, run_id: str | None, tags: Mapping[str, Any]) -> None:
+    if run_id is None:
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+    for key, value in tags.items():
+        if value is not None:
+            client.set_tag(run_id, key, str(value)[:5000])
+
+
+def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> None:
+    """cycle.json as an artifact and the cycle's headline figures as metrics."""
+    if run_id is None:
+        return
+    from dataclasses import asdict
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+    client.log_dict(run_id, asdict(record), "cycle.json")
+    figures = {"snapshot_slides": record.snapshot.get("n_slides"), "snapshot_tiles": record.snapshot.get("tiles"),
+               "new_slides": record.trigger.get("change", {}).get("added"),
+               "promoted": float(record.promoted) if record.decision else None}  # fmt: skip
+    for key, value in figures.items():
+        if isinstance(value, int | float):
+            client.log_metric(run_id, key, float(value))
+
+
+__all__ = ["RETRAIN_TAG", "cycle_mlflow_run", "log_record", "set_tags"]

@@ -1,0 +1,160 @@
+"""Cycles on disk: `<root>/cycles/<cycle-id>/` with its own stage directories and `cycle.json`, the record of
+what the cycle did (status, trigger, snapshot, warm start, decision, features, retention).
+
+    <root>/tiles.zarr                 the cohort's tile store, shared by all cycles (tiled incrementally)
+    <root>/cycles/0003-20261124/      pretrain/ gram/ model/ evaluation/ cycle.json snapshot.json
+    <root>/features/<model-hash>.zarr the champion's features (champion.json names the current store)
+    <root>/.retrain.lock              held while a cycle runs (names its holder)
+
+A cycle's id is fixed by its attempt key (the Prefect flow run id; "cli" for `wsidino retrain`): a retry of the
+same flow run finds its cycle and resumes it, a new flow run starts a new cycle. The CLI resumes the newest
+cycle that was interrupted, as every other `wsidino` command does on a rerun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dinov3_core.files import write_text_atomic
+from dinov3_core.locks import exclusive
+from dinov3_core.retrain.config import RetrainError
+
+CYCLE_FILE = "cycle.json"
+LOCK_FILE = ".retrain.lock"
+CLI_ATTEMPT = "cli"
+
+Status = Literal["running", "skipped", "trained", "failed", "abandoned"]
+FINISHED: tuple[str, ...] = ("skipped", "trained", "failed", "abandoned")
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class CycleLayout:
+    root: Path
+
+    @property
+    def tile_store(self) -> Path:
+        return self.root / "tiles.zarr"
+
+    @property
+    def cycles(self) -> Path:
+        return self.root / "cycles"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features"
+
+    def cycle_dir(self, cycle_id: str) -> Path:
+        return self.cycles / cycle_id
+
+    def stage_dirs(self, cycle_id: str) -> dict[str, Path]:
+        c = self.cycle_dir(cycle_id)
+        return {"pretrain": c / "pretrain", "gram": c / "gram", "model": c / "model", "evaluation": c / "evaluation"}
+
+    def feature_store(self, model_hash: str) -> Path:
+        return self.features / f"{model_hash}.zarr"
+
+
+@dataclass
+class CycleRecord:
+    """`cycle.json`: written when the cycle starts and after every step, atomically."""
+
+    id: str
+    number: int
+    attempt_key: str
+    status: Status = "running"
+    started_at: str = field(default_factory=utc_now)
+    finished_at: str | None = None
+    attempts: int = 1
+    mlflow_run_id: str | None = None
+    trigger: dict[str, Any] = field(default_factory=dict)  # train, reason, change since the reference
+    snapshot: dict[str, Any] = field(default_factory=dict)  # hash, slides, tiles (full list in snapshot.json)
+    warm_start: dict[str, Any] = field(default_factory=dict)  # source, path, model version
+    stages: dict[str, Any] = field(default_factory=dict)  # stage → status, seconds, MLflow run
+    decision: dict[str, Any] = field(default_factory=dict)  # promoted, reason, candidate and champion versions
+    features: dict[str, Any] = field(default_factory=dict)  # store, model, scope, slides extracted
+    retention: dict[str, Any] = field(default_factory=dict)  # what was deleted, from which cycles
+    error: str | None = None
+
+    def save(self, layout: CycleLayout) -> Path:
+        return write_text_atomic(layout.cycle_dir(self.id) / CYCLE_FILE, json.dumps(asdict(self), indent=1) + "\n")
+
+    @property
+    def promoted(self) -> bool:
+        return bool(self.decision.get("promoted"))
+
+
+def read_cycle(path: Path) -> CycleRecord | None:
+    file = path / CYCLE_FILE
+    if not file.is_file():
+        return None
+    return CycleRecord(**json.loads(file.read_text()))
+
+
+def list_cycles(layout: CycleLayout) -> list[CycleRecord]:
+    """Every cycle under the root, oldest first."""
+    if not layout.cycles.is_dir():
+        return []
+    found = [read_cycle(p) for p in sorted(layout.cycles.iterdir()) if p.is_dir()]
+    return sorted((c for c in found if c is not None), key=lambda c: c.number)
+
+
+def open_cycle(layout: CycleLayout, attempt_key: str) -> tuple[CycleRecord, bool]:
+    """The cycle for this attempt: (record, resumed). A cycle of the same attempt key that did not finish is
+    resumed; otherwise a new one is created and interrupted older cycles are marked abandoned."""
+    cycles = list_cycles(layout)
+    for c in reversed(cycles):
+        if c.attempt_key == attempt_key and c.status in ("running", "failed"):
+            if attempt_key == CLI_ATTEMPT and c is not cycles[-1]:
+                break  # the CLI resumes only the newest cycle
+            c.status, c.error, c.attempts, c.finished_at = "running", None, c.attempts + 1, None
+            c.save(layout)
+            return c, True
+    for c in cycles:
+        if c.status == "running" or (c.status == "failed" and c.attempt_key == attempt_key):
+            c.status, c.finished_at = "abandoned", c.finished_at or utc_now()
+            c.save(layout)
+    number = (cycles[-1].number + 1) if cycles else 1
+    cycle_id = f"{number:04d}-{dt.datetime.now(dt.UTC):%Y%m%d}"
+    record = CycleRecord(cycle_id, number, attempt_key)
+    layout.cycle_dir(cycle_id).mkdir(parents=True, exist_ok=False)
+    record.save(layout)
+    return record, False
+
+
+@contextlib.contextmanager
+def root_lock(layout: CycleLayout) -> Iterator[None]:
+    """One cycle per root at a time; a second one fails at once, naming the holder."""
+    layout.root.mkdir(parents=True, exist_ok=True)
+
+    def busy(holder: str) -> Exception:
+        return RetrainError(
+            f"another retraining cycle is running under {layout.root} ({holder}); this one did not start. Wait "
+            f"for it to finish (the retrain deployment queues runs: concurrency 1) or stop it first"
+        )
+
+    with exclusive(layout.root / LOCK_FILE, busy):
+        yield
+
+
+__all__ = [
+    "CLI_ATTEMPT",
+    "CYCLE_FILE",
+    "FINISHED",
+    "CycleLayout",
+    "CycleRecord",
+    "list_cycles",
+    "open_cycle",
+    "read_cycle",
+    "root_lock",
+    "utc_now",
+]

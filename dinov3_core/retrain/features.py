@@ -1,0 +1,68 @@
+"""The cohort's features, always from the current champion: one feature store per champion model
+(`<root>/features/<model-hash>.zarr`), `features/champion.json` naming the current one.
+
+The extract stage skips slides already extracted with the same model, so the scope follows the decision by
+itself: when the champion stayed, only the new slides are extracted into its store; when it changed, every slide
+goes into the new champion's store. The previous store stays readable until the new one is complete, and is
+deleted then (`retention.delete_replaced_features`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dinov3_core.files import write_text_atomic
+from dinov3_core.retrain import stage_configs as sc
+from dinov3_core.retrain.cycles import utc_now
+from dinov3_core.retrain.registry import Champion
+
+if TYPE_CHECKING:
+    from dinov3_core.retrain.cycle import _Cycle
+
+POINTER = "champion.json"
+
+
+def current_features(features_dir: Path) -> dict[str, Any]:
+    path = features_dir / POINTER
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def extract_with_champion(cycle: _Cycle, champion: Champion | None) -> dict[str, Any]:
+    layout, log, cid = cycle.layout, cycle.log, cycle.record.id
+    if champion is None:
+        log(f"retrain {cid}: no @champion yet, so no features are extracted")
+        return {"status": "none", "reason": "no @champion"}
+    onnx = champion.onnx
+    if onnx is None:
+        reason = (f"the champion v{champion.version}'s model.onnx is not on this machine (beside "
+                  f"{champion.weights}); features not extracted")  # fmt: skip
+        log(f"retrain {cid}: {reason}")
+        return {"status": "missing", "reason": reason}
+    from dinov3_core.export.extract import file_hash
+
+    model_hash = file_hash(onnx)
+    store = layout.feature_store(model_hash)
+    previous = current_features(layout.features)
+    cfg = sc.build(cycle.cfg, "extract", layout, cid, model=onnx, output=store)
+    outcome = cycle.stage("extract", cfg)
+    summary = outcome.get("summary", {})
+    changed = previous.get("store") not in (None, str(store))
+    record = {"store": str(store), "model": str(onnx), "model_hash": model_hash, "version": champion.version,
+              "cycle": champion.cycle, "updated_at": utc_now()}  # fmt: skip
+    write_text_atomic(layout.features / POINTER, json.dumps(record, indent=1) + "\n")
+    replaced = None
+    if changed and cycle.cfg.retention.delete_replaced_features and Path(previous["store"]).is_dir():
+        replaced = previous["store"]
+        shutil.rmtree(replaced)
+        log(f"retrain {cid}: features of the previous champion ({replaced}) replaced by {store}")
+    scope = "every slide (new champion)" if changed or not previous else "new slides only (same champion)"
+    ran = outcome.get("status") == "ran"
+    return {**record, "status": outcome.get("status"), "scope": scope, "replaced": replaced,
+            "slides_extracted": summary.get("slides_extracted", 0) if ran else 0,
+            "slides_up_to_date": summary.get("slides_up_to_date", 0) if ran else None}  # fmt: skip
+
+
+__all__ = ["POINTER", "current_features", "extract_with_champion"]

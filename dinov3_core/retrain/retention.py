@@ -1,0 +1,95 @@
+"""What finished cycles keep, decided at the end of each trained cycle (under the root lock, so no other cycle
+runs meanwhile):
+
+* the champion's cycle: everything;
+* the running cycle, and any cycle not finished: nothing is touched;
+* cycles once promoted (`keep_previous_champions`): backbone, ONNX and evaluation, so a rollback can warm-start
+  from them; their DCP checkpoints go when `delete_checkpoints`;
+* the last `keep_last` other trained cycles: the same;
+* older trained, failed or abandoned cycles: everything but the records (cycle.json, snapshot.json and the
+  evaluation's evaluation.json / evaluation.md).
+
+Deletion goes through `_remove`, which refuses any path outside `<root>/cycles/<id>/`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dinov3_core.retrain.config import RetentionConfig
+from dinov3_core.retrain.cycles import FINISHED, CycleLayout, CycleRecord
+
+RECORDS = {"cycle.json", "snapshot.json"}
+EVALUATION_RECORDS = {"evaluation.json", "evaluation.md"}
+
+
+@dataclass
+class RetentionPlan:
+    delete: list[Path] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # cycle id → why it keeps what it keeps
+
+    def as_dict(self, root: Path) -> dict[str, object]:
+        return {"deleted": [str(p.relative_to(root)) for p in self.delete], "kept": self.kept}
+
+
+def _checkpoints(cycle_dir: Path) -> list[Path]:
+    return [d for d in (cycle_dir / "pretrain" / "ckpt", cycle_dir / "gram" / "ckpt") if d.is_dir()]
+
+
+def _all_but_records(cycle_dir: Path) -> list[Path]:
+    out = [p for p in cycle_dir.iterdir() if p.name not in RECORDS and p.name != "evaluation"]
+    evaluation = cycle_dir / "evaluation"
+    if evaluation.is_dir():
+        out += [p for p in evaluation.iterdir() if p.name not in EVALUATION_RECORDS]
+    return sorted(out)
+
+
+def plan(
+    layout: CycleLayout, cycles: list[CycleRecord], cfg: RetentionConfig, running: str, champion_cycle: str | None
+) -> RetentionPlan:  # fmt: skip
+    result = RetentionPlan()
+    others = 0
+    for c in reversed(cycles):  # newest first: the last `keep_last` are the newest
+        d = layout.cycle_dir(c.id)
+        if c.id == running or c.status not in FINISHED or not d.is_dir():
+            result.kept[c.id] = "running or not finished: untouched"
+            continue
+        if c.id == champion_cycle:
+            result.kept[c.id] = "the champion's cycle: kept whole"
+            continue
+        if c.status == "skipped":
+            continue  # a skipped cycle holds only its records
+        keeps_models = c.status == "trained" and (
+            (cfg.keep_previous_champions and c.promoted) or (not c.promoted and others < cfg.keep_last)
+        )
+        if c.status == "trained" and not c.promoted:
+            others += 1
+        if keeps_models:
+            result.kept[c.id] = "backbone, ONNX and evaluation kept" + (" (once champion)" if c.promoted else "")
+            if cfg.delete_checkpoints:
+                result.delete += _checkpoints(d)
+        else:
+            result.kept[c.id] = "records only"
+            result.delete += _all_but_records(d)
+    return result
+
+
+def _remove(layout: CycleLayout, path: Path) -> None:
+    cycles = layout.cycles.resolve()
+    target = path.resolve()
+    if cycles not in target.parents or target.parent == cycles:
+        raise RuntimeError(f"retention refused to delete {target}: not inside a cycle directory under {cycles}")
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
+
+
+def apply(layout: CycleLayout, retention: RetentionPlan) -> None:
+    for path in retention.delete:
+        _remove(layout, path)
+
+
+__all__ = ["RetentionPlan", "apply", "plan"]
