@@ -379,6 +379,55 @@ class PipelineParams(BaseModel):
         return [s for s in chosen if s != "gram" or self.gram_anchoring]
 
 
+class RetrainParams(BaseModel):
+    """One scheduled-retraining cycle: tile new slides, train from the champion when the cohort grew, evaluate,
+    promote only if better, extract with the champion (README: Scheduled retraining).
+
+    Each run is a new cycle under `<root>/cycles/`; retrying a failed run resumes its cycle.
+    """
+
+    model_config = ConfigDict(extra="forbid", title="Retrain parameters")
+
+    slides: str = Field(
+        min_length=1, title="Slides",
+        description="The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    root: str = Field(
+        min_length=1, title="Retraining root",
+        description="tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain.", json_schema_extra=ui(1),
+    )  # fmt: skip
+    annotations: str | None = Field(
+        None, title="Annotations",
+        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the gate. Empty: label-free "
+        "health only, no promotion unless evaluate.gate.label_free=true.",
+        json_schema_extra=ui(2),
+    )  # fmt: skip
+    config: str = Field(
+        "tiny", title="Retrain config",
+        description="A name under configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
+        json_schema_extra=ui(3),
+    )  # fmt: skip
+    overrides: list[Override] = Field(
+        default_factory=list, title="Overrides",
+        description="Retrain keys (trigger.min_new_slides=5, length.iterations=2000, retention.keep_last=3, "
+        "warm_start=released, pretrained_weights=/w.pth) or any stage's key after its name "
+        "(pretrain.train.stop_at=100, evaluate.gate.margin=0.01).",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    force: bool = Field(
+        False, title="Train even if nothing changed", description="trigger.force: train this cycle regardless.",
+        json_schema_extra=ui(5),
+    )  # fmt: skip
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(6))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
+
+    def config_values(self) -> dict[str, Any]:
+        fields = {"slides": self.slides, "root": self.root, "annotations": self.annotations,
+                  "trigger.force": True if self.force else None, **self.tracking.config_values()}  # fmt: skip
+        return merge_values(self.overrides, fields, "retrain")
+
+
 __all__ = [
     "STAGES",
     "ConvertParams",
@@ -390,6 +439,7 @@ __all__ = [
     "Override",
     "PipelineParams",
     "PretrainParams",
+    "RetrainParams",
     "Stage",
     "StageOptions",
     "TileParams",

@@ -112,6 +112,19 @@ def pipeline_mlflow_run(cfg: TrackingConfig, tags: Mapping[str, str] | None = No
         _PIPELINE_RUN.reset(token)
 
 
+@contextlib.contextmanager
+def nested_under(run_id: str | None, cfg: TrackingConfig) -> Iterator[None]:
+    """Stage runs opened in the block nest under `run_id` (a retraining cycle's run, opened by the cycle)."""
+    if run_id is None:
+        yield
+        return
+    token = _PIPELINE_RUN.set((run_id, cfg))
+    try:
+        yield
+    finally:
+        _PIPELINE_RUN.reset(token)
+
+
 def record_pipeline(cfg: TrackingConfig, run_id: str | None, params: Mapping[str, Any], summary: Any) -> None:
     """Parameters (flattened, for comparing runs) and the outcome of each stage on the pipeline's MLflow run."""
     if run_id is None:

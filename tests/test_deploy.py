@@ -29,6 +29,7 @@ from tasks.params import (
     GramParams,
     PipelineParams,
     PretrainParams,
+    RetrainParams,
     StageOptions,
     TileParams,
 )
@@ -52,9 +53,10 @@ FLOWS: dict[str, tuple[str, type[BaseModel]]] = {
     "evaluate_flow": ("evaluate", EvaluateParams),
     "extract_flow": ("extract", ExtractParams),
     "pipeline_flow": ("pipeline", PipelineParams),
+    "retrain_flow": ("retrain", RetrainParams),
 }
-CPU_DEPLOYMENTS = {"tile", "convert", "export", "evaluate", "extract", "pipeline"}
-GPU_DEPLOYMENTS = {"pretrain", "gram", "pipeline-gpu"}
+CPU_DEPLOYMENTS = {"tile", "convert", "export", "evaluate", "extract", "pipeline", "retrain-cpu"}
+GPU_DEPLOYMENTS = {"pretrain", "gram", "pipeline-gpu", "retrain"}
 PLACEHOLDER = re.compile(r"{{\s*([A-Za-z_][A-Za-z0-9_]*)\s*}}")
 
 
@@ -102,7 +104,13 @@ def check_params(deployment: dict[str, Any], parameters: dict[str, Any], where: 
 
 
 def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
-    """(stage, config name) of every named config in a parameter object."""
+    """(stage, config name) of every named config in a parameter object (retrain: its cycle config and the
+    stage configs that one names)."""
+    if isinstance(params, RetrainParams):
+        cycle = yaml.safe_load((REPO / "configs" / "retrain" / f"{params.config}.yaml").read_text())
+        named = [(stage, choice["config"]) for stage, choice in cycle.items() if isinstance(choice, dict)
+                 and choice.get("config")]  # fmt: skip
+        return [("retrain", params.config), *named]
     if isinstance(params, PipelineParams):
         return [
             (stage, options.config)
@@ -176,15 +184,28 @@ def test_schedules_carry_complete_params(deployments: dict[str, dict[str, Any]])
     from prefect.client.schemas.schedules import CronSchedule
 
     scheduled = {name: d["schedules"] for name, d in deployments.items() if d.get("schedules")}
-    assert set(scheduled) == {"pipeline-gpu"}
+    assert set(scheduled) == {"retrain"}  # the pipeline reruns one work directory: scheduling it retrains nothing
     for name, schedules in scheduled.items():
         for schedule in schedules:
             assert "parameters" in schedule, f"{name}: a schedule without parameters runs the deployment defaults"
             check_params(deployments[name], schedule["parameters"], f"schedule {schedule.get('slug')} of {name}")
-    (weekly,) = scheduled["pipeline-gpu"]
+    (weekly,) = scheduled["retrain"]
     assert weekly["active"] is False, "the retraining schedule is registered paused"
     cron = CronSchedule(cron=weekly["cron"], timezone=weekly["timezone"])  # valid cron and time zone
     assert cron.cron == "0 2 * * 0"
+
+
+def test_retrain_deployments(deployments: dict[str, dict[str, Any]]) -> None:
+    from dinov3_core.retrain.config import load_retrain_config
+
+    gpu = RetrainParams.model_validate(deployments["retrain"]["parameters"]["params"])
+    assert gpu.launch.gpu_slots == "gpu-slots" and gpu.launch.nproc_per_node == 8 and gpu.config == "vitb16"
+    cfg = load_retrain_config(gpu.config, gpu.config_values())
+    assert cfg.pretrain.config == "vitb16-continued" and cfg.pretrained_weights.endswith(".pth")
+    cpu = RetrainParams.model_validate(deployments["retrain-cpu"]["parameters"]["params"])
+    assert cpu.config == "tiny" and cpu.launch.gpu_slots is None and not Path(cpu.root).is_absolute()
+    for name in ("retrain", "retrain-cpu"):  # one cycle at a time per root: later runs queue
+        assert deployments[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
 
 
 def test_entrypoints_exist_and_name_their_flows(deployments: dict[str, dict[str, Any]]) -> None:
@@ -333,6 +354,13 @@ def test_serve_demo_params_point_into_the_serve_dir(tmp_path: Path, deployments:
     assert params["annotations"] == str(tmp_path / "slides" / "annotations")
     check_params(deployments["pipeline"], {"params": params}, "make serve's pipeline params")
     assert (serve.DEMO_FLOW, serve.DEMO_DEPLOYMENT) == ("pipeline", "pipeline")
+
+
+def test_serve_retrain_params_point_into_the_serve_dir(tmp_path: Path, deployments: dict[str, Any]) -> None:
+    params = serve.demo_retrain_params(tmp_path)
+    assert params["slides"] == str(tmp_path / "slides") and params["root"] == str(tmp_path / "runs" / "retrain")
+    assert params["annotations"] == str(tmp_path / "slides" / "annotations") and params["config"] == "tiny"
+    check_params(deployments["retrain-cpu"], {"params": params}, "make serve's retrain params")
 
 
 def test_serve_child_stops_with_its_whole_group(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ class _Cycle:
                     f"machine ({registry.WEIGHTS_TAG}={weights}); restore it, move @champion to a version whose "
                     "files exist, or set warm_start=released|scratch"
                 )
-            _check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
+            check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
             choice = {"source": "champion", "path": str(weights), "version": champion.version,
                       "cycle": champion.cycle}  # fmt: skip
         elif mode == "champion":
@@ -223,7 +223,7 @@ def registry_uri(cfg: RetrainConfig) -> str:
 STRUCTURE = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
 
 
-def _check_architecture(weights: Path, pretrain: Any, version: str, name: str) -> None:
+def check_architecture(weights: Path, pretrain: Any, version: str, name: str) -> None:
     """The champion must have the shape the pretrain config trains (checked on the constructor settings convert
     wrote beside the backbone, so it fails here and not inside the training job)."""
     from dinov3_core.models.vision_transformer import backbone_kwargs
@@ -322,4 +322,4 @@ def message(r: CycleRecord) -> str:
     )
 
 
-__all__ = ["CycleResult", "StageRunner", "message", "run_cycle"]
+__all__ = ["CycleResult", "StageRunner", "check_architecture", "message", "run_cycle"]

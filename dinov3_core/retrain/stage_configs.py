@@ -31,17 +31,25 @@ def stage_config(cfg: RetrainConfig, stage: str, paths: dict[str, Any], defaults
             f"{stage}.overrides set {', '.join(clash)}: the cycle sets these itself (paths of the cycle directory); "
             "leave them out"
         )
-    values = {**(defaults or {}), **user, **paths, **tracking_values(cfg)}
+    named = _named_keys(stage, choice.config)
+    fallback = {k: v for k, v in (defaults or {}).items() if k not in named}  # the named config's value wins
+    values = {**fallback, **user, **paths, **tracking_values(cfg)}
     schema = STAGE_SPECS[stage].schema()
     try:
-        return load_config(schema, choice.config, _drop_none_defaults(values, defaults), stage=stage)
+        return load_config(schema, choice.config, values, stage=stage)
     except ConfigError as err:
         raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {err}") from None
 
 
-def _drop_none_defaults(values: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
-    """A default that is None leaves the stage config's own value alone."""
-    return {k: v for k, v in values.items() if v is not None or k not in (defaults or {})}
+def _named_keys(stage: str, config: str | None) -> set[str]:
+    """The dotted keys a named config (or YAML file) sets."""
+    import yaml
+
+    from dinov3_core.config import flatten, resolve_config_path
+
+    path = resolve_config_path(stage, config) if config else None
+    doc = yaml.safe_load(path.read_text()) if path is not None else None
+    return set(flatten(doc)) if isinstance(doc, dict) else set()
 
 
 def cycle_paths(layout: CycleLayout, cycle_id: str) -> dict[str, Path]:

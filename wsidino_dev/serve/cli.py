@@ -26,6 +26,7 @@ from wsidino_dev.serve.deployments import (
     GPU_SLOTS_LIMIT,
     PREFECT_FILE,
     demo_pipeline_params,
+    demo_retrain_params,
     ensure_gpu_slots,
     ensure_work_pools,
     register_deployments,
@@ -152,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
             wait_exit(slides)
             children.remove(slides)
         print("serve: registering deployments (prefect deploy)...", flush=True)
-        registration = register_deployments(api, serve_dir, demo_params=demo_pipeline_params(serve_dir))
+        registration = register_deployments(
+            api, serve_dir, demo_params=demo_pipeline_params(serve_dir), retrain_params=demo_retrain_params(serve_dir)
+        )
         for name, why in registration.skipped.items():
             print(f"serve: WARNING: deployment {name!r} not registered: {why}", file=sys.stderr, flush=True)
         wait_mlflow_server(mlflow, args.timeout)
@@ -184,6 +187,14 @@ def run(args: argparse.Namespace) -> int:
                 f"  {run_hint} 'pipeline/pipeline' --watch",
                 f"  (other parameters: edit a copy of {_display(registration.demo_params_file)} and add "
                 '--params "$(cat FILE)"; it replaces the whole params object)',
+            ]
+        if registration.retrain_params_file is not None:
+            lines += [
+                "",
+                f"Run a retraining cycle (CPU, configs/retrain/tiny.yaml; cycles under {serve_dir / 'runs' / 'retrain'}"
+                "): the first trains; run it again after adding slides to the sample folder and it trains from the "
+                "champion; with nothing new it is skipped:",
+                f"  {run_hint} 'retrain/retrain-cpu' --watch",
             ]
         print("\n".join(lines), flush=True)
 

@@ -21,6 +21,8 @@ GPU_POOL = "wsidino-gpu"
 GPU_SLOTS_LIMIT = "gpu-slots"
 DEMO_DEPLOYMENT = "pipeline"  # deployment name in prefect.yaml; full name pipeline/pipeline
 DEMO_FLOW = "pipeline"
+RETRAIN_DEPLOYMENT = "retrain-cpu"  # full name retrain/retrain-cpu
+RETRAIN_FLOW = "retrain"
 
 
 def count_local_gpus() -> int:
@@ -112,6 +114,20 @@ def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> 
     return params
 
 
+def demo_retrain_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> dict[str, Any]:
+    """The CPU retrain deployment's `params` with slides, annotations and the retraining root under `serve_dir`
+    (the same sample slides as the pipeline; add slides there and run it again to see a second cycle)."""
+    from tasks.params import RetrainParams
+
+    spec = next(s for s in load_deployment_specs(prefect_file) if s["name"] == RETRAIN_DEPLOYMENT)
+    params = dict(spec["parameters"]["params"])
+    params["slides"] = str(serve_dir / "slides")
+    params["root"] = str(serve_dir / "runs" / "retrain")
+    params["annotations"] = str(serve_dir / "slides" / "annotations")
+    RetrainParams.model_validate(params)
+    return params
+
+
 @dataclass
 class Registration:
     """What `register_deployments` registered: full names (`flow/deployment`) and what it skipped and why."""
@@ -120,6 +136,7 @@ class Registration:
     skipped: dict[str, str]
     log: Path
     demo_params_file: Path | None = None
+    retrain_params_file: Path | None = None
 
 
 def _deploy(serve_dir: Path, api_url: str, args: Sequence[str], prefect_file: Path, log: Path) -> bool:
@@ -138,12 +155,14 @@ def register_deployments(
     serve_dir: Path,
     prefect_file: Path = PREFECT_FILE,
     demo_params: dict[str, Any] | None = None,
+    retrain_params: dict[str, Any] | None = None,
 ) -> Registration:
     """`prefect --no-prompt deploy --all --prefect-file deploy/prefect.yaml`, run in the repository root.
 
     Deployments whose entrypoint file does not exist are skipped (named in the result); if the batch fails
     (a flow module that does not import), each deployment is retried alone and the failures are skipped.
-    `demo_params`: set as the `pipeline/pipeline` deployment's default `params` after registering.
+    `demo_params` / `retrain_params`: set as the `pipeline/pipeline` / `retrain/retrain-cpu` deployments' default
+    `params` after registering (and written to `<serve_dir>/<deployment>-params.json`).
     """
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.actions import DeploymentUpdate
@@ -163,13 +182,17 @@ def register_deployments(
     with SyncPrefectClient(api_url) as client:
         flows = {f.id: f.name for f in client.read_flows()}
         registered = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
-        params_file = None
-        wanted = f"{DEMO_FLOW}/{DEMO_DEPLOYMENT}"
-        if demo_params is not None and wanted in registered and DEMO_DEPLOYMENT not in skipped:
-            deployment = client.read_deployment_by_name(wanted)
-            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"params": demo_params}))
-            params_file = serve_dir / "pipeline-params.json"
-            params_file.write_text(json.dumps({"params": demo_params}, indent=2) + "\n")
+        files: dict[str, Path | None] = {}
+        for flow_name, name, params in ((DEMO_FLOW, DEMO_DEPLOYMENT, demo_params),
+                                        (RETRAIN_FLOW, RETRAIN_DEPLOYMENT, retrain_params)):  # fmt: skip
+            files[name] = None
+            if params is None or f"{flow_name}/{name}" not in registered or name in skipped:
+                continue
+            deployment = client.read_deployment_by_name(f"{flow_name}/{name}")
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"params": params}))
+            files[name] = serve_dir / f"{name}-params.json"
+            files[name].write_text(json.dumps({"params": params}, indent=2) + "\n")  # type: ignore[union-attr]
     if not registered:
         raise ServeError(f"no deployment was registered; see {log}")
-    return Registration(deployments=registered, skipped=skipped, log=log, demo_params_file=params_file)
+    return Registration(deployments=registered, skipped=skipped, log=log, demo_params_file=files[DEMO_DEPLOYMENT],
+                        retrain_params_file=files[RETRAIN_DEPLOYMENT])  # fmt: skip

@@ -1,0 +1,52 @@
+"""What a retraining cycle needs from Prefect: each stage as the stage task (artifacts, GPU slots, retries of
+crashed training jobs) nested under the cycle's MLflow run, and the decision as an artifact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.retrain.cycle import CycleResult, StageRunner
+from tasks.run import run_stage_task, run_training_stage
+from tasks.tracking import nested_under
+
+
+def prefect_stage_runner(launch: LaunchSettings) -> StageRunner:
+    """Run each cycle stage as the `run-stage` task (pretrain / gram with the launch's crash retries)."""
+
+    def run(stage: str, cfg: Any, parent: str | None) -> dict[str, Any]:
+        with nested_under(parent, cfg.tracking):
+            if stage in ("pretrain", "gram"):
+                return run_training_stage(stage, cfg, launch)
+            return run_stage_task(stage, cfg)
+
+    return run
+
+
+def cycle_markdown(result: CycleResult) -> str:
+    """The cycle as the Prefect UI shows it: what it did, why, and where everything is."""
+    r = result.record
+    lines = [f"# Retraining cycle {r.id}: {r.status}", "", result.message, ""]
+    snap, warm, feats = r.snapshot, r.warm_start, r.features
+    rows = {
+        "trigger": r.trigger.get("reason"),
+        "data snapshot": f"{snap.get('hash')} ({snap.get('n_slides')} slides, {snap.get('tiles')} tiles)",
+        "warm start": f"{warm.get('source')} {warm.get('path') or ''}" if warm else None,
+        "candidate version": r.decision.get("candidate_version"),
+        "decision": r.decision.get("reason"),
+        "champion before → after": f"{r.decision.get('champion_before')} → {r.decision.get('champion_after')}",
+        "features": f"{feats['store']} ({feats.get('scope')}, {feats.get('slides_extracted')} slide(s) extracted)"
+        if feats.get("store")
+        else feats.get("reason"),
+        "retention": (", ".join(r.retention.get("deleted", [])) or "nothing deleted") if r.retention else None,
+        "MLflow cycle run": f"`{r.mlflow_run_id}`" if r.mlflow_run_id else None,
+    }
+    lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows.items() if v]]
+    if r.stages:
+        lines += ["", "| stage | status | seconds | MLflow run |", "|---|---|---|---|"]
+        lines += [f"| {s} | {o.get('status')} | {o.get('seconds', '')} | `{o.get('mlflow_run_id')}` |"
+                  for s, o in r.stages.items()]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["cycle_markdown", "prefect_stage_runner"]

@@ -1,0 +1,118 @@
+"""Deployments on the session's real Prefect server and a real process worker: shared by the flow tests.
+
+    deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")     # registered from this checkout
+    run_id = trigger("pipeline/pipeline-test", params)             # what the UI's Run does
+    run = wait_final(run_id, timeout=600)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+from uuid import UUID
+
+import psutil
+import pytest
+
+from tests.helpers import REPO
+
+POOL = "wsidino-test-cpu"
+
+
+def deploy(entrypoint: str, name: str) -> UUID:
+    """Register a deployment of this checkout's flow on the test pool (what `prefect deploy` does)."""
+    from prefect import flow
+
+    remote = flow.from_source(source=str(REPO), entrypoint=entrypoint)
+    return remote.deploy(name=name, work_pool_name=POOL, print_next_steps=False, ignore_warnings=True)
+
+
+def wait_final(flow_run_id: UUID, timeout: float) -> Any:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            if time.monotonic() > deadline:
+                pytest.fail(f"flow run {flow_run_id} still {run.state.name if run.state else None} after {timeout} s")
+            time.sleep(1.0)
+
+
+def trigger(deployment: str, parameters: dict[str, Any], env: dict[str, str] | None = None) -> UUID:
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(
+        deployment, parameters={"params": parameters}, job_variables={"env": env or {}}, timeout=0, as_subflow=False
+    )
+    return run.id
+
+
+def flow_logs(flow_run_id: UUID) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(messages)
+            )
+            messages += [log.message for log in page]
+            if len(page) < 200:
+                return "\n".join(messages)
+
+
+def subflow_runs(parent: UUID) -> list[Any]:
+    """Every stage subflow run of a pipeline flow run (subflows hang off a task run of the parent)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
+        )
+
+
+def job_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions `marker` (a run directory): torchrun and its ranks."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or []) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
+    """A real process worker on the test pool, polling the session's Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
+    # No `--limit`: Prefect 3.8.8's worker crashes ("this borrower is already holding one of this CapacityLimiter's
+    # tokens") when a flow run it still holds a slot for is scheduled again, as the retry test does.
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
