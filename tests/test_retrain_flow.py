@@ -12,7 +12,8 @@ Four flow runs over one root, as a weekly schedule would make them:
    the old store is deleted, and retention drops cycle 1's DCP checkpoints but keeps its models;
 3. a fourth slide; the gate cannot be met (gate.margin=0.9): not promoted, so only the new slide is extracted,
    into the champion's store;
-4. no new slides: skipped, with the reason, as the run's final message.
+4. no new slides, one removed from the folder: skipped, with the reason (naming the removed slide), as the run's
+   final message.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def retraining(
     out["second"] = snapshot_of(wait_final(trigger("retrain/retrain-test", params(*promote)), 600))
     add("tissue_20x.svs", "tissue_20x_rescan.svs")
     out["third"] = snapshot_of(wait_final(trigger("retrain/retrain-test", params(*keep)), 600))
+    (cohort / "tissue_20x_rescan.svs").unlink()
     out["fourth"] = snapshot_of(wait_final(trigger("retrain/retrain-test", params()), 300))
     return out
 
@@ -195,7 +197,9 @@ def test_a_cycle_without_new_slides_is_skipped_with_its_reason(
     record = fourth["record"]
     assert fourth["run"].state.is_completed(), fourth["run"].state
     assert record["status"] == "skipped" and not record["trigger"]["train"]
-    assert "0 new slide(s)" in record["trigger"]["reason"] and "needs ≥ 1 new slide(s)" in record["trigger"]["reason"]
+    reason = record["trigger"]["reason"]
+    assert "0 new slide(s)" in reason and "1 removed (tissue_20x_rescan)" in reason and "needs ≥ 1 new" in reason
+    assert record["snapshot"]["n_slides"] == 3 and record["trigger"]["change"]["removed"] == ["tissue_20x_rescan"]
     assert fourth["run"].state.message.startswith(f"cycle {record['id']} skipped")
     assert set(record["stages"]) == {"tile", "extract"} and record["features"]["slides_extracted"] == 0
     # MLflow: one run per cycle with its decision; stage runs nest under it; the snapshot is its dataset input.

@@ -83,9 +83,10 @@ class _Cycle:
         if recorded is not None:
             self.log(f"retrain {self.record.id}: resumed on its recorded snapshot {recorded.hash}")
             return recorded
-        tile = self.stage("tile", sc.build(self.cfg, "tile", self.layout, self.record.id))
+        tile_cfg = sc.build(self.cfg, "tile", self.layout, self.record.id)
+        tile = self.stage("tile", tile_cfg)
         failed = tile.get("summary", {}).get("failed_slides") or []
-        snap = take_snapshot(self.layout.tile_store)
+        snap = take_snapshot(self.layout.tile_store, cohort=cohort_ids(tile_cfg))
         write_snapshot(snap, cycle_dir)
         self.record.snapshot = {"hash": snap.hash, "n_slides": len(snap.slides), "tiles": snap.tiles,
                                 "failed_slides": failed}  # fmt: skip
@@ -196,11 +197,11 @@ class _Cycle:
         }
         self.save()
 
-    def serve(self) -> None:
+    def serve(self, snap: Snapshot) -> None:
         """Extract the cohort's features with the champion (whoever it is now)."""
         champion = registry.champion(self.cfg)
         self.record.decision["champion_after"] = champion.version if champion else None
-        self.record.features = extract_with_champion(self, champion)
+        self.record.features = extract_with_champion(self, champion, snap.slide_ids)
         self.save()
 
     def retain(self) -> None:
@@ -212,6 +213,13 @@ class _Cycle:
         for path in self.record.retention["deleted"]:
             self.log(f"retrain {self.record.id}: retention deleted {path}")
         self.save()
+
+
+def cohort_ids(tile_cfg: Any) -> set[str]:
+    """The slide ids the slides folder (or list) names now, as the tile stage assigns them."""
+    from dinov3_core.tiling.discovery import assign_slide_ids, discover_slides
+
+    return {t.slide_id for t in assign_slide_ids(discover_slides(tile_cfg.input, tile_cfg.extensions))}
 
 
 def registry_uri(cfg: RetrainConfig) -> str:
@@ -283,11 +291,11 @@ def run_cycle(
                 champion = registry.champion(cfg)
                 if c.trigger(snap):
                     c.train_and_gate(snap, champion)
-                    c.serve()
+                    c.serve(snap)
                     c.record.status = "trained"
                     c.retain()
                 else:
-                    c.serve()
+                    c.serve(snap)
                     c.record.status = "skipped"
                 c.record.finished_at = utc_now()
                 c.save()

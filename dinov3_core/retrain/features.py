@@ -30,7 +30,8 @@ def current_features(features_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def extract_with_champion(cycle: _Cycle, champion: Champion | None) -> dict[str, Any]:
+def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: list[str]) -> dict[str, Any]:
+    """Features of the cohort's slides (`slide_ids`: the cycle's snapshot) with the champion."""
     layout, log, cid = cycle.layout, cycle.log, cycle.record.id
     if champion is None:
         log(f"retrain {cid}: no @champion yet, so no features are extracted")
@@ -46,7 +47,7 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None) -> dict[str,
     model_hash = file_hash(onnx)
     store = layout.feature_store(model_hash)
     previous = current_features(layout.features)
-    cfg = sc.build(cycle.cfg, "extract", layout, cid, model=onnx, output=store)
+    cfg = sc.build(cycle.cfg, "extract", layout, cid, model=onnx, output=store, slide_ids=slide_ids)
     outcome = cycle.stage("extract", cfg)
     summary = outcome.get("summary", {})
     changed = previous.get("store") not in (None, str(store))

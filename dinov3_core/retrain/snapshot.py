@@ -56,12 +56,16 @@ class Snapshot:
         return cls(doc["store"], [SlideRecord(**s) for s in doc["slides"]], doc["hash"])
 
 
-def take_snapshot(store: str | Path) -> Snapshot:
-    """Every complete slide of the tile store with its source fingerprint and tile count (slides with no tiles
-    are left out: nothing of them can be trained on)."""
+def take_snapshot(store: str | Path, cohort: set[str] | None = None) -> Snapshot:
+    """Every complete slide of the tile store that is still in the cohort (`cohort`: the slide ids the slides
+    folder names now; None: all), with its source fingerprint and tile count. Slides with no tiles are left out:
+    nothing of them can be trained on. A slide removed from the folder keeps its tiles in the shared store, but
+    no later snapshot includes it."""
     root = Path(store).resolve()
     slides = []
     for slide_id in ts.complete_slide_ids(root):
+        if cohort is not None and slide_id not in cohort:
+            continue
         attrs = ts.read_slide_attrs(root, slide_id)
         if int(attrs.get("tile_count") or 0) > 0:
             slides.append(SlideRecord(slide_id, str(attrs.get("source_fingerprint") or ""), int(attrs["tile_count"])))

@@ -110,7 +110,8 @@ def build(cfg: RetrainConfig, stage: str, layout: CycleLayout, cycle_id: str, **
                  "annotations": cfg.annotations, "register_name": cfg.register_name}  # fmt: skip
         return stage_config(cfg, stage, paths, defaults)
     if stage == "extract":
-        paths = {"store": str(p["tile_store"]), "model": str(given["model"]), "output": str(given["output"])}
+        paths = {"store": str(p["tile_store"]), "model": str(given["model"]), "output": str(given["output"]),
+                 "slide_ids": given.get("slide_ids")}  # fmt: skip
         return stage_config(cfg, stage, paths)
     raise ValueError(f"unknown stage {stage!r}")
 
