@@ -80,6 +80,18 @@ def stage_run(
         mlflow.end_run(status="FINISHED")
 
 
+@contextlib.contextmanager
+def terminated_after(client: Any, run_id: str) -> Iterator[None]:
+    """End a parent run (a pipeline's, a retraining cycle's) FINISHED after the block, FAILED when it raises."""
+    try:
+        yield
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    else:
+        client.set_terminated(run_id, status="FINISHED")
+
+
 def artifact_location(uri: str) -> str | None:
     """For a SQLite store, artifacts go beside the database (MLflow would use ./mlruns of the working directory)."""
     if uri.startswith("sqlite:///"):

@@ -102,12 +102,8 @@ def pipeline_mlflow_run(cfg: TrackingConfig, tags: Mapping[str, str] | None = No
         run_id = client.create_run(experiment_id, run_name=mlflow_run_name("pipeline"), tags=all_tags).info.run_id
     token = _PIPELINE_RUN.set((run_id, cfg))
     try:
-        yield run_id
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
-        raise
-    else:
-        client.set_terminated(run_id, status="FINISHED")
+        with tracking.terminated_after(client, run_id):
+            yield run_id
     finally:
         _PIPELINE_RUN.reset(token)
 

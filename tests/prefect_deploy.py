@@ -1,8 +1,8 @@
 """Deployments on the session's real Prefect server and a real process worker: shared by the flow tests.
 
-    deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")     # registered from this checkout
-    run_id = trigger("pipeline/pipeline-test", params)             # what the UI's Run does
-    run = wait_final(run_id, timeout=600)
+deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")     # registered from this checkout
+run_id = trigger("pipeline/pipeline-test", params)             # what the UI's Run does
+run = wait_final(run_id, timeout=600)
 """
 
 from __future__ import annotations

@@ -37,13 +37,8 @@ def cycle_mlflow_run(cfg: RetrainConfig, record: CycleRecord, tags: Mapping[str,
         flat = flatten(to_dict(cfg))
         for key, value in flat.items():
             client.log_param(run_id, key, ("null" if value is None else str(value))[:6000])
-    try:
+    with tracking.terminated_after(client, run_id):
         yield run_id
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
-        raise
-    else:
-        client.set_terminated(run_id, status="FINISHED")
 
 
 def set_tags(cfg: RetrainConfig, run_id: str | None, tags: Mapping[str, Any]) -> None:
