@@ -72,7 +72,9 @@ def _cycle(layout: CycleLayout, number: int, status: str, promoted: bool | None 
     d = layout.cycle_dir(record.id)
     for sub in ("pretrain/ckpt/7", "pretrain/eval/training_7", "gram/ckpt/9", "model", "evaluation/cache"):
         (d / sub).mkdir(parents=True)
-    for f in ("model/backbone.pth", "model/model.onnx", "evaluation/evaluation.json", "evaluation/evaluation.md"):
+    files = ("model/backbone.pth", "model/model.onnx", "evaluation/evaluation.json", "evaluation/evaluation.md",
+             "pretrain/eval/training_7/teacher_checkpoint.pth", "pretrain/eval/training_7/probe.json")  # fmt: skip
+    for f in files:
         (d / f).write_text("x")
     (d / "snapshot.json").write_text("{}")
     record.save(layout)
@@ -97,14 +99,15 @@ def test_retention_removes_what_it_should_and_nothing_else(tmp_path: Path) -> No
     left = {c.id: sorted(str(p.relative_to(layout.cycle_dir(c.id))) for p in layout.cycle_dir(c.id).rglob("*")
                          if p.is_file()) for c in cycles}  # fmt: skip
     everything = ["cycle.json", "evaluation/evaluation.json", "evaluation/evaluation.md", "model/backbone.pth",
-                  "model/model.onnx", "snapshot.json"]  # fmt: skip
+                  "model/model.onnx", "pretrain/eval/training_7/probe.json", "snapshot.json"]  # fmt: skip
     records = ["cycle.json", "evaluation/evaluation.json", "evaluation/evaluation.md", "snapshot.json"]
     assert left[cycles[0].id] == everything and left[cycles[4].id] == everything
     assert left[cycles[1].id] == records and left[cycles[2].id] == records
     for kept_whole in (3, 5, 6):
         assert (layout.cycle_dir(cycles[kept_whole].id) / "pretrain" / "ckpt" / "7").is_dir()
     assert not (layout.cycle_dir(cycles[0].id) / "pretrain" / "ckpt").exists()
-    assert (layout.cycle_dir(cycles[0].id) / "pretrain" / "eval" / "training_7").is_dir()
+    for whole in (3, 5, 6):
+        assert (layout.cycle_dir(cycles[whole].id) / "pretrain/eval/training_7/teacher_checkpoint.pth").is_file()
 
 
 def test_retention_refuses_paths_outside_a_cycle(tmp_path: Path) -> None:

@@ -4,12 +4,12 @@ worker, MLflow with its model registry on SQLite, real slides added between runs
 Four flow runs over one root, as a weekly schedule would make them:
 
 1. two slides; training crashes after its first checkpoint (no task retry), the flow run fails; the UI's Retry
-   resumes the same cycle, and training resumes from the checkpoint. The first model beats the baseline (an
-   all-zero backbone: chance-level probes, so the decision cannot flip) and becomes @champion;
+   resumes the same cycle, and training resumes from the checkpoint. The first model is gated label-free against
+   an all-zero backbone (dense score 0, so the decision cannot flip) and becomes @champion;
 2. a third slide: a new cycle warm-starts from the champion, trains on all three; the gate is told to promote
    (gate.margin=-1 against the champion, no baseline: 8 iterations can land below chance on one test slide), so
    the champion changes and every slide is re-extracted into the new champion's store,
-   the old store is deleted, and retention drops cycle 1's DCP checkpoints but keeps its models;
+   the old store is deleted, and retention drops cycle 1's DCP and eval checkpoints but keeps its models;
 3. a fourth slide; the gate cannot be met (gate.margin=0.9): not promoted, so only the new slide is extracted,
    into the champion's store;
 4. no new slides, one removed from the folder: skipped, with the reason (naming the removed slide), as the run's
@@ -80,9 +80,9 @@ def retraining(
     annotations = next(iter(sample_slides.annotations.values())).parent
     baseline = zero_backbone(base / "zero" / "backbone.pth")
 
-    def params(*extra: str) -> dict[str, Any]:
+    def params(*extra: str, labels: Path | None = annotations) -> dict[str, Any]:
         return {
-            "slides": str(cohort), "root": str(root), "annotations": str(annotations), "config": "tiny",
+            "slides": str(cohort), "root": str(root), "annotations": str(labels) if labels else None, "config": "tiny",
             "overrides": [*FAST, f"evaluate.baseline={baseline}", *extra], "force": False,
             "launch": {"nproc_per_node": 1, "retries": 0},
             "tracking": {"tracking_uri": mlflow_tracking.uri, "experiment": mlflow_tracking.experiment},
@@ -101,7 +101,8 @@ def retraining(
     out: dict[str, Any] = {"root": root}
     add("tissue_40x.svs")
     add("tissue_20x.svs")
-    run_id = trigger("retrain/retrain-test", params(), env=faults.environment("pretrain@1"))
+    first = params("evaluate.gate.label_free=true", labels=None)
+    run_id = trigger("retrain/retrain-test", first, env=faults.environment("pretrain@1"))
     out["crashed"] = snapshot_of(wait_final(run_id, timeout=600))
     with get_client(sync_client=True) as client:  # the UI's Retry: the same flow run is scheduled again
         client.set_flow_run_state(run_id, Scheduled(), force=True)
@@ -170,9 +171,14 @@ def test_the_next_cycle_warm_starts_from_the_champion_and_the_features_follow_th
     assert two["decision"]["promoted"] and two["decision"]["champion_after"] == two["decision"]["candidate_version"]
     assert two["features"]["slides_extracted"] == 3 and two["features"]["scope"].startswith("every slide")
     assert second["stores"] == [Path(second["features"]["store"]).name] and first["stores"] != second["stores"]
-    # Retention: cycle 1 (once champion) keeps its models and evaluation, loses its DCP checkpoints.
+    # Retention: cycle 1 (once champion) keeps its models and evaluation, loses its DCP and eval checkpoints.
     cycle1 = root / "cycles" / one["id"]
-    assert sorted(two["retention"]["deleted"]) == [f"cycles/{one['id']}/gram/ckpt", f"cycles/{one['id']}/pretrain/ckpt"]
+    deleted = sorted(two["retention"]["deleted"])
+    checkpoints = [p for p in deleted if p.endswith("/ckpt")]
+    teachers = [p for p in deleted if p.endswith("/teacher_checkpoint.pth")]
+    assert checkpoints == [f"cycles/{one['id']}/gram/ckpt", f"cycles/{one['id']}/pretrain/ckpt"]
+    assert teachers and sorted(checkpoints + teachers) == deleted
+    assert all(p.startswith(f"cycles/{one['id']}/") for p in deleted)
     assert (cycle1 / "model" / "backbone.pth").is_file() and (cycle1 / "model" / "model.onnx").is_file()
     assert (cycle1 / "evaluation" / "evaluation.json").is_file() and (cycle1 / "pretrain" / "eval").is_dir()
 

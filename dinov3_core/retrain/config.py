@@ -73,6 +73,8 @@ class RetentionConfig:
 
     keep_last: int = 3  # non-champion trained cycles that keep backbone, ONNX and evaluation
     delete_checkpoints: bool = True  # DCP checkpoints (ckpt/) of finished non-champion cycles
+    # Their teacher-only eval checkpoints (eval/training_*/teacher_checkpoint.pth: one model each, several a run)
+    delete_eval_checkpoints: bool = True
     keep_previous_champions: bool = True  # cycles once promoted keep backbone, ONNX and evaluation (rollback)
     delete_replaced_features: bool = True  # an old champion's feature store, once the new one is complete
 

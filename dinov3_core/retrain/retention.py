@@ -4,7 +4,8 @@ runs meanwhile):
 * the champion's cycle: everything;
 * the running cycle, and any cycle not finished: nothing is touched;
 * cycles once promoted (`keep_previous_champions`): backbone, ONNX and evaluation, so a rollback can warm-start
-  from them; their DCP checkpoints go when `delete_checkpoints`;
+  from them; their DCP checkpoints go when `delete_checkpoints`, their teacher-only eval checkpoints when
+  `delete_eval_checkpoints` (the small records beside them stay);
 * the last `keep_last` other trained cycles: the same;
 * older trained, failed or abandoned cycles: everything but the records (cycle.json, snapshot.json and the
   evaluation's evaluation.json / evaluation.md).
@@ -36,6 +37,10 @@ class RetentionPlan:
 
 def _checkpoints(cycle_dir: Path) -> list[Path]:
     return [d for d in (cycle_dir / "pretrain" / "ckpt", cycle_dir / "gram" / "ckpt") if d.is_dir()]
+
+
+def _eval_checkpoints(cycle_dir: Path) -> list[Path]:
+    return sorted(cycle_dir.glob("*/eval/training_*/teacher_checkpoint.pth"))
 
 
 def _all_but_records(cycle_dir: Path) -> list[Path]:
@@ -70,6 +75,8 @@ def plan(
             result.kept[c.id] = "backbone, ONNX and evaluation kept" + (" (once champion)" if c.promoted else "")
             if cfg.delete_checkpoints:
                 result.delete += _checkpoints(d)
+            if cfg.delete_eval_checkpoints:
+                result.delete += _eval_checkpoints(d)
         else:
             result.kept[c.id] = "records only"
             result.delete += _all_but_records(d)
