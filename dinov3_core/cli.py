@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dinov3_core.config import ConfigError, load_config, parse_overrides
+from dinov3_core.config import ConfigError, config_dir, load_config, parse_overrides
 from dinov3_core.errors import WsidinoError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -30,6 +30,16 @@ STAGE_OPTIONS: dict[str, dict[str, str]] = {
     "extract": {"store": "store", "model": "model", "output": "output"},
 }
 DEFAULT_CONFIG = {"pretrain": "tiny"}
+# A few overrides that belong to each stage (`--help`; tests/test_cli.py loads every one against its schema).
+OVERRIDE_EXAMPLES: dict[str, str] = {
+    "tile": "tile_size=224 mpp=0.5 workers=4 filters.pen_filter=true",
+    "pretrain": "optim.epochs=30 train.stop_at=100 train.batch_size_per_gpu=32",
+    "gram": "gram.teacher_policy=best_dense train.stop_at=50",
+    "convert": "which=student safetensors=true",
+    "export": "fp16=true register_alias=candidate",
+    "evaluate": "gate.margin=0.01 probe.bootstrap=2000",
+    "extract": "batch_size=128 patch_tokens=true",
+}
 
 EVALUATE_EPILOG = """\
 protocol:
@@ -86,6 +96,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     stage = args.command
     cfg = _config(stage, args)
+    if args.print_config:  # the resolved configuration; `--config` of this output reproduces the run
+        from dinov3_core.config import to_yaml
+
+        print(to_yaml(cfg), end="")
+        return EXIT_OK
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
     if stage == "tile":
@@ -153,6 +168,21 @@ examples:
 """
 
 
+def _mark_required(sub: Any) -> None:
+    """Append "(required)" to the help of each stage option whose config key has no default: argparse cannot
+    require it, since a --config file may set it instead."""
+    from omegaconf import OmegaConf
+
+    from dinov3_core.stage_specs import STAGE_SPECS
+
+    for stage, options in STAGE_OPTIONS.items():
+        missing = set(OmegaConf.missing_keys(OmegaConf.structured(STAGE_SPECS[stage].schema())))
+        for action in sub.choices[stage]._actions:
+            key = options.get(action.dest)
+            if key in missing or (stage, key) == ("pretrain", "data.stores"):
+                action.help = f"{action.help} (required, unless the --config file sets it)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wsidino", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -160,10 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     def stage_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", help=f"YAML file, or a name under configs/{name}/")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tile_size=256")
+        named = sorted(q.stem for q in (config_dir() / name).glob("*.yaml"))
+        p.add_argument("--config", help=f"YAML file, or a name under configs/{name}/ ({', '.join(named)})")
+        p.add_argument("overrides", nargs="*", metavar="key=value",
+                       help=f"any config key of the stage, e.g. {OVERRIDE_EXAMPLES[name]}")  # fmt: skip
         p.add_argument(
             "--force", action="store_true", help="run even when the stage manifest says the outputs are up to date"
+        )
+        p.add_argument(
+            "--print-config",
+            action="store_true",
+            help="print the resolved configuration as YAML and exit (use it as --config)",
         )
         p.set_defaults(func=cmd_stage)
         return p
@@ -214,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--store", help="tile store (tiles.zarr)")
     extract.add_argument("--model", help="model.onnx (ONNX Runtime) or backbone.pth (PyTorch)")
     extract.add_argument("--output", help="feature store (features.zarr)")
+    _mark_required(sub)
 
     retrain = sub.add_parser(
         "retrain",

@@ -65,7 +65,8 @@ class StageOptions(BaseModel):
     )  # fmt: skip
     overrides: list[Override] = Field(
         default_factory=list, title="Config overrides",
-        description="Any other key of the stage's config as key=value, e.g. optim.epochs=30, train.stop_at=100.",
+        description="Any other key of the stage's config as key=value (`wsidino <stage> --help` lists examples; "
+        "`--print-config` shows every key); a misspelt key is named with the closest valid one.",
         json_schema_extra=ui(1),
     )  # fmt: skip
 

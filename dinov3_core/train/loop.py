@@ -282,7 +282,7 @@ class Trainer:
                                                                    "verdict": result.health}) + "\n")  # fmt: skip
         result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time
         if env.is_main:
-            result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE)
+            result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE, self.stage)
         return result
 
     def save(self, iteration: int) -> Path:

@@ -182,8 +182,12 @@ def truncate_metrics(path: Path, before_iteration: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
-    """Loss terms against iteration (matplotlib, Agg). None when there is nothing to plot."""
+LOSS_TERMS = ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "gram_loss")
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain") -> Path | None:
+    """Loss terms against iteration and the learning rate (matplotlib, Agg), titled with the stage and the run
+    directory. None when there is nothing to plot."""
     rows = read_metrics(metrics_path)
     if not rows:
         return None
@@ -194,18 +198,18 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path | None:
 
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
     iterations = [r["iteration"] for r in rows]
-    for key in ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss"):
+    for key in LOSS_TERMS:  # gram_loss: the gram stage's own
         values = [r.get(key) for r in rows]
         if any(v is not None for v in values):
             ax_loss.plot(iterations, [math.nan if v is None else v for v in values], label=key)
     ax_loss.set_xlabel("iteration")
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title("pretraining losses")
+    ax_loss.set_title(f"{stage} losses: {metrics_path.parent.name}")
     ax_loss.legend(fontsize=8)
     ax_lr.plot(iterations, [r.get("lr") for r in rows], label="lr")
     ax_lr.set_xlabel("iteration")
     ax_lr.set_ylabel("learning rate")
-    ax_lr.set_title("schedule")
+    ax_lr.set_title(f"{stage} learning-rate schedule")
     fig.tight_layout()
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp, dpi=100)
