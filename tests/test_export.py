@@ -73,6 +73,27 @@ def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) 
     assert run.info.status == "FINISHED" and float(run.data.metrics["max_abs_error"]) < 1e-4
 
 
+def test_rerunning_export_with_unchanged_weights_registers_no_new_version(converted, tmp_path) -> None:
+    from mlflow import MlflowClient
+
+    uri = sqlite_uri(tmp_path)
+    values = {"weights": str(converted), "parity_sizes": [32], "parity_batches": [1], "register_name": "rerun-test",
+              "tracking.uri": uri, "tracking.experiment": "export-rerun"}  # fmt: skip
+    first = run_export(
+        load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "a.onnx")}, stage="export")
+    )
+    again = run_export(
+        load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "b.onnx")}, stage="export")
+    )
+    assert (first.reused_version, again.reused_version) == (False, True)
+    assert again.model_version == first.model_version
+    client = MlflowClient(tracking_uri=uri)
+    assert len(client.search_model_versions("name='rerun-test'")) == 1
+    pooled = run_export(load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "c.onnx"),
+                                                              "pooled": True}, stage="export"))  # fmt: skip
+    assert not pooled.reused_version and pooled.model_version != first.model_version  # another graph: a version
+
+
 def test_timeout_and_bad_weights_give_clear_errors(converted, tmp_path) -> None:
     values = {"weights": str(converted), "output": str(tmp_path / "m.onnx"), "timeout_s": 0.5}
     with pytest.raises(WsidinoError, match="timeout_s"):

@@ -272,6 +272,16 @@ def test_output_that_is_a_file_or_foreign_directory_is_refused(sample_slides, tm
     assert (foreign / "precious.txt").read_text() == "keep me"
 
 
+def test_an_input_without_slides_leaves_nothing_behind(tmp_path, capsys):
+    empty = tmp_path / "no-slides"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a slide")
+    out = tmp_path / "run" / "tiles.zarr"
+    assert cli_main(["tile", "--input", str(empty), "--output", str(out), "tracking.enabled=false"]) == 2
+    assert f"no slides found for input '{empty}'" in capsys.readouterr().err
+    assert not out.exists() and not out.parent.exists()
+
+
 def test_invalid_config_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"tissue\.min_tissue_fraction"):
         tile_config("x", tmp_path / "t.zarr", **{"tissue.min_tisue_fraction": 0.3})

@@ -90,6 +90,7 @@ class ExportResult:
     export_seconds: float = 0.0
     model_uri: str | None = None
     model_version: str | None = None
+    reused_version: bool = False  # the same weights and export settings were registered before: no new version
 
 
 # ------------------------------------------------------------------------------------------ export (child)
@@ -217,6 +218,31 @@ def check_parity(
     return rows, worst
 
 
+EXPORT_KEY_TAG = "wsidino.export_key"
+
+
+def export_key(cfg: ExportConfig) -> str:
+    """What makes two exports the same model: the weights' content and the settings that change the graph."""
+    import hashlib
+
+    from dinov3_core.export.extract import file_hash
+
+    settings = (file_hash(cfg.weights), cfg.pooled, cfg.fp16, cfg.opset, cfg.max_side, cfg.external_data)
+    return hashlib.sha256(repr(settings).encode()).hexdigest()[:20]
+
+
+def registered_version(client: Any, name: str, key: str) -> str | None:
+    """The version of `name` already registered for this export key, if any."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    same = [v for v in versions if (v.tags or {}).get(EXPORT_KEY_TAG) == key]
+    return str(min(int(v.version) for v in same)) if same else None
+
+
 def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
     import mlflow
     import onnx
@@ -225,6 +251,18 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
     params = {"weights": cfg.weights, "pooled": cfg.pooled, "fp16": cfg.fp16, "n_nodes": result.n_nodes}
     with tracking.stage_run(cfg.tracking, "export", params=params, tags={"wsidino.stage": "export"}):
         tracking.log_metrics({"max_abs_error": result.max_abs_error, "export_seconds": result.export_seconds})
+        client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+        key = export_key(cfg)
+        existing = registered_version(client, cfg.register_name, key) if cfg.register_name else None
+        if existing is not None:  # a rerun with unchanged weights: the registry already holds this model
+            result.model_version, result.reused_version = existing, True
+            result.model_uri = f"models:/{cfg.register_name}/{existing}"
+            mlflow.set_tag("wsidino.reused_model_version", existing)
+            logger.info("export: %s v%s already holds these weights (%s %s): no new version",
+                        cfg.register_name, existing, EXPORT_KEY_TAG, key)  # fmt: skip
+            if cfg.register_alias:
+                client.set_registered_model_alias(cfg.register_name, cfg.register_alias, existing)
+            return
         info = mlflow.onnx.log_model(
             onnx.load(str(result.path)),
             name="model",
@@ -234,7 +272,7 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
         result.model_uri = info.model_uri
         if cfg.register_name:
             version = str(info.registered_model_version)
-            client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+            client.set_model_version_tag(cfg.register_name, version, EXPORT_KEY_TAG, key)
             if cfg.register_alias:
                 client.set_registered_model_alias(cfg.register_name, cfg.register_alias, version)
             result.model_version = version

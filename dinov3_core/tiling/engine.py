@@ -167,10 +167,11 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
 
 
 def prepare_store(cfg: TileConfig) -> tuple[Path, list[SlideTask], dict[str, float]]:
-    """Validate the output, save the resolved config, list the slides and load µm/px overrides."""
-    root = ts.init_store(cfg.output)
+    """List the slides, load µm/px overrides, then validate (and create) the output: an input without slides or a
+    bad overrides file fails before anything is written, so it leaves no empty store behind."""
     tasks = assign_slide_ids(discover_slides(cfg.input, cfg.extensions))
     overrides = {**load_mpp_overrides(cfg.mpp_overrides), **cfg.mpp_by_slide}
+    root = ts.init_store(cfg.output)
     return root, tasks, overrides
 
 
