@@ -229,3 +229,19 @@ def test_auto_schedules_in_the_config(tmp_path) -> None:
         pretrain_config(tmp_path, tmp_path / "o", **{"teacher.final_momentum_teacher": "soon"})
     with pytest.raises(ConfigError, match=r"teacher\.final_momentum_teacher: must be in \[momentum_teacher"):
         pretrain_config(tmp_path, tmp_path / "o", **{"teacher.final_momentum_teacher": 0.9})
+
+
+def test_the_start_line_says_how_long_the_run_is_and_where_its_weights_come_from() -> None:
+    from dinov3_core.config import load_config
+    from dinov3_core.train import config as C
+
+    cfg = load_config(C.PretrainConfig, "cpu", {"data.stores": ["t.zarr"], "output_dir": "o", "train.stop_at": 100},
+                      stage="pretrain")  # fmt: skip
+    assert C.length_summary(cfg) == (
+        "1000 iterations = optim.epochs 4 × train.epoch_length 250; this run stops at train.stop_at=100 "
+        "(the schedules keep the full length)"
+    )
+    assert C.start_summary(cfg) == "backbone from random initialisation (seed train.seed)"
+    cfg.student.pretrained_weights = "/w/dinov3_vitb16.pth"
+    assert C.start_summary(cfg).startswith("warm start from /w/dinov3_vitb16.pth (every backbone tensor matched")
+    assert C.start_summary(cfg, "o/ckpt/249") == "resumes from its checkpoint o/ckpt/249"

@@ -119,7 +119,9 @@ def _build_and_load(
     model = DinoVisionTransformer(**{**kwargs, "device": "meta"})
     model.to_empty(device=device)
     model.load_state_dict(sd, strict=True)
-    logger.info("loaded backbone (%s) from %s", label, source)
+    millions = sum(t.numel() for t in sd.values()) / 1e6
+    logger.info("loaded backbone (%s, %.2fM parameters) from %s: all %d tensors matched their keys (strict: none "
+                "missing, none unexpected)", label, millions, source, len(sd))  # fmt: skip
     return model.eval()
 
 

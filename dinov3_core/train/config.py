@@ -276,6 +276,28 @@ def total_iterations(cfg: PretrainConfig) -> int:
     return cfg.optim.epochs * cfg.train.epoch_length
 
 
+def length_summary(cfg: PretrainConfig) -> str:
+    """How the run's length follows from the config (logged at start: a run's length is otherwise a riddle)."""
+    total = total_iterations(cfg)
+    text = f"{total} iterations = optim.epochs {cfg.optim.epochs} × train.epoch_length {cfg.train.epoch_length}"
+    if cfg.train.stop_at is not None and cfg.train.stop_at < total:
+        text += f"; this run stops at train.stop_at={cfg.train.stop_at} (the schedules keep the full length)"
+    return text
+
+
+def start_summary(cfg: PretrainConfig, resume_from: Any = None) -> str:
+    """Where the weights come from (logged at start; loading is strict, so a run that got here matched every key)."""
+    if resume_from is not None:
+        return f"resumes from its checkpoint {resume_from}"
+    pretrain_dir = getattr(cfg, "pretrain_dir", None)  # gram: continues the pretraining run's last checkpoint
+    if pretrain_dir:
+        return f"continues the pretraining run {pretrain_dir} (student, teacher, optimizer)"
+    if cfg.student.pretrained_weights:
+        return (f"warm start from {cfg.student.pretrained_weights} (every backbone tensor matched its key, strict; "
+                "the heads start fresh)")  # fmt: skip
+    return "backbone from random initialisation (seed train.seed)"
+
+
 def epochs_to_iterations(cfg: PretrainConfig, epochs: float) -> int:
     return round(epochs * cfg.train.epoch_length)
 

@@ -137,17 +137,22 @@ class Trainer:
         self.log_handler = M.setup_logging(self.output_dir, env.rank)
         self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
         logger.info(
-            "pretraining %s on %s: %d tiles, global batch %d = %d process(es) × micro-batch %d × %d accumulation "
-            "step(s); memory estimate %s (budget %.1f GiB)",
+            "%s: %s backbone (%.2fM parameters) on %s: %d tiles, global batch %d = %d process(es) × micro-batch %d × "
+            "%d accumulation step(s); %s; %s; memory estimate %s (budget %.1f GiB); output %s",
+            self.stage,
             self.arch,
+            sum(p.numel() for p in self.model.teacher["backbone"].parameters()) / 1e6,
             env.device,
             len(self.tiles),
             self.global_batch,
             env.world_size,
             self.micro_batch,
             self.accumulation_steps,
+            C.length_summary(cfg),
+            C.start_summary(cfg, latest),
             self.plan.estimate.describe(),
             self.plan.budget_bytes / 2**30,
+            self.output_dir,
         )
 
         self.start_iteration, self.start_sample = 0, 0
