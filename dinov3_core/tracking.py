@@ -92,6 +92,21 @@ def terminated_after(client: Any, run_id: str) -> Iterator[None]:
         client.set_terminated(run_id, status="FINISHED")
 
 
+def run_ui_url(cfg: TrackingConfig, run_id: str | None) -> str | None:
+    """The run's page in the MLflow UI when tracking goes to a server (http/https); None for a local store, whose
+    UI address this process cannot know."""
+    uri = tracking_uri(cfg)
+    if not run_id or not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    try:
+        experiment = MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id
+    except Exception:  # a link is a convenience: never fail a stage for it
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
 def artifact_location(uri: str) -> str | None:
     """For a SQLite store, artifacts go beside the database (MLflow would use ./mlruns of the working directory)."""
     if uri.startswith("sqlite:///"):

@@ -88,6 +88,7 @@ def where_everything_is(output: Path, summary: dict[str, Any], seconds: float) -
     export = (stages.get("export") or {}).get("summary") or {}
     uri = f"sqlite:///{output / 'mlflow.db'}"
     status = ", ".join(f"{s} {o.get('status')}" for s, o in stages.items())
+    experiment = experiment_page(uri)
     return (
         f"\nDemo pipeline finished in {seconds:.0f} s ({status}).\n\n"
         f"  sample slides     {output / 'slides'}\n"
@@ -104,12 +105,23 @@ def where_everything_is(output: Path, summary: dict[str, Any], seconds: float) -
         f"  MLflow runs       {uri}  (pipeline run {summary['mlflow_run_id']}, one child per stage)\n\n"
         "Open the UIs:\n"
         f"  MLflow   .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
-        "   → http://127.0.0.1:5000\n"
+        f"   → http://127.0.0.1:5000/{experiment}\n"
         f"  Prefect  PREFECT_HOME={output / 'prefect'} .venv/bin/prefect server start --host 127.0.0.1"
         "   → http://127.0.0.1:4200\n"
         "  (or `make serve` for both servers, a worker and every deployment)\n"
         "Rerun `make demo`: every stage is skipped (manifests match); force one with the pipeline's force list.\n"
     )
+
+
+def experiment_page(uri: str) -> str:
+    """The demo experiment's page in the MLflow UI (it otherwise opens on another tab)."""
+    from mlflow import MlflowClient
+
+    try:
+        found = MlflowClient(tracking_uri=uri).get_experiment_by_name(DEMO_EXPERIMENT)
+    except Exception:
+        found = None
+    return f"#/experiments/{found.experiment_id}" if found is not None else ""
 
 
 def main() -> None:

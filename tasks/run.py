@@ -32,6 +32,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
+from dinov3_core import tracking
 from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.launch import TorchrunFailed
@@ -196,11 +197,12 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "–" if value is None else str(value)
 
 
-def _markdown(o: StageOutcome) -> str:
+def _markdown(o: StageOutcome, cfg: Any) -> str:
     m = o.manifest
     lines = [f"# {o.stage}: {o.status}", "", o.reason, "", f"Manifest: `{o.manifest_path}`"]
     if m.mlflow_run_id:
-        lines.append(f"MLflow run: `{m.mlflow_run_id}`")
+        url = tracking.run_ui_url(cfg.tracking, m.mlflow_run_id)
+        lines.append(f"MLflow run: [{m.mlflow_run_id}]({url})" if url else f"MLflow run: `{m.mlflow_run_id}`")
     if m.outputs:
         lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in m.outputs.items()]]
     if m.summary:
@@ -246,7 +248,7 @@ def run_stage_task(
         with contextlib.suppress(Exception):
             create_markdown_artifact(outcome.result.table, key="evaluation", description="Evaluation and decision")
     with contextlib.suppress(Exception):  # outside a Prefect run (plain Python) there is nowhere to publish
-        create_markdown_artifact(_markdown(outcome), key=f"{stage}-stage", description=f"{stage} stage outcome")
+        create_markdown_artifact(_markdown(outcome, cfg), key=f"{stage}-stage", description=f"{stage} stage outcome")
     return outcome.as_dict()
 
 
