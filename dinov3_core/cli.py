@@ -76,17 +76,12 @@ def _config(stage: str, args: argparse.Namespace) -> Any:
     return load_config(STAGE_SPECS[stage].schema(), args.config or DEFAULT_CONFIG.get(stage), values, stage=stage)
 
 
-def _tile_progress(cfg: Any) -> tuple[Callable[[int, int], None], Callable[[], None]]:
-    from tqdm import tqdm
+def _progress(stage: str, cfg: Any) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """Tile and extract progress: a bar on a terminal, else log lines with rate and ETA (dinov3_core.progress)."""
+    from dinov3_core.progress import Progress
 
-    bar = tqdm(total=0, unit="tile", disable=not cfg.progress or not sys.stderr.isatty(), dynamic_ncols=True)
-
-    def progress(done: int, planned: int) -> None:
-        bar.total = planned
-        bar.n = done
-        bar.refresh()
-
-    return progress, bar.close
+    bar = Progress(stage, unit="tile", enabled=cfg.progress)
+    return bar.set, bar.close
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -104,7 +99,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
     if stage == "tile":
-        hooks.progress, close_bar = _tile_progress(cfg)
+        hooks.progress, close_bar = _progress(stage, cfg)
     launch = None
     if stage in ("pretrain", "gram"):
         launch = LaunchSettings(

@@ -50,7 +50,7 @@ class RunHooks:
     tags: Mapping[str, str] = field(default_factory=dict)  # extra MLflow tags (the Prefect flow run)
     run_name: str | None = None  # MLflow run name; default: the stage name
     hold_resources: GuardFactory | None = None  # entered around a torchrun job (Prefect GPU slots)
-    progress: Callable[[int, int], None] | None = None  # tile: (tiles done, tiles planned so far)
+    progress: Callable[[int, int], None] | None = None  # tile, extract: (tiles done, tiles planned so far)
     on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
 
 
@@ -318,7 +318,7 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
 def _extract(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.export.extract import run_extract
 
-    r = run_extract(cfg)
+    r = run_extract(cfg, progress=hooks.progress)
     hooks.log(f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date → {r.output}")
     return r, {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
                "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip

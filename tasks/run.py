@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -67,11 +68,33 @@ def gpu_slots(launch: LaunchSettings) -> Iterator[None]:
         yield
 
 
-class _TileArtifacts:
-    """Prefect artifacts of a tile run: a progress bar over planned tiles and, at the end, one row per slide."""
+@contextlib.contextmanager
+def core_logs_to(run_logger: Any) -> Iterator[None]:
+    """`dinov3_core`'s own log lines (INFO and up: progress with rate and ETA, skipped slides, warnings) into the
+    Prefect run log while a stage runs in this process; Prefect only captures its own loggers by default."""
+    core = logging.getLogger("dinov3_core")
 
-    def __init__(self, store: str) -> None:
-        self.store = store
+    class Forward(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            with contextlib.suppress(Exception):
+                run_logger.log(record.levelno, "%s", record.getMessage())
+
+    handler, level = Forward(logging.INFO), core.level
+    core.addHandler(handler)
+    if core.getEffectiveLevel() > logging.INFO:
+        core.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        core.removeHandler(handler)
+        core.setLevel(level)
+
+
+class _ProgressArtifact:
+    """A Prefect progress artifact `<stage>-progress` over tiles (tile: tiles written; extract: tiles embedded)."""
+
+    def __init__(self, stage: str, description: str) -> None:
+        self.key, self.description = f"{stage}-progress", description
         self.progress_id: Any = None
         self.last = -1.0
 
@@ -80,13 +103,19 @@ class _TileArtifacts:
         if percent == self.last:
             return
         self.last = percent
-        with contextlib.suppress(Exception):  # a failed artifact update must never fail the tiling
+        with contextlib.suppress(Exception):  # a failed artifact update must never fail the stage
             if self.progress_id is None:
-                self.progress_id = create_progress_artifact(
-                    percent, key="tile-progress", description=f"Tiles written into {self.store}"
-                )
+                self.progress_id = create_progress_artifact(percent, key=self.key, description=self.description)
             else:
                 update_progress_artifact(self.progress_id, percent)
+
+
+class _TileArtifacts(_ProgressArtifact):
+    """Prefect artifacts of a tile run: a progress bar over planned tiles and, at the end, one row per slide."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__("tile", f"Tiles written into {store}")
+        self.store = store
 
     def on_slide(self, outcome: Any) -> None:
         logger = get_run_logger()
@@ -229,6 +258,7 @@ def run_stage_task(
     """
     logger = get_run_logger()
     tile = _TileArtifacts(str(cfg.output)) if stage == "tile" else None
+    extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if stage == "extract" else None
     training = _TrainingArtifacts(stage, cfg) if stage in ("pretrain", "gram") else None
     hooks = RunHooks(
         log=training.wrap(logger.info) if training else logger.info,
@@ -236,10 +266,11 @@ def run_stage_task(
         tags=prefect_run_tags(stage),
         run_name=mlflow_run_name(stage),
         hold_resources=gpu_slots,
-        progress=tile.progress if tile else None,
+        progress=(tile or extract).progress if (tile or extract) else None,
         on_slide=tile.on_slide if tile else None,
     )
-    outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
+    with core_logs_to(logger):
+        outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
     if training is not None and outcome.status == "ran":
         training.finish(outcome.manifest.summary.get("health"))
     if tile is not None and outcome.result is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -110,3 +111,40 @@ def test_missing_or_corrupt_inputs_give_clear_errors(stage_extract_store, conver
     (tmp_path / "other" / "x.txt").write_text("x")
     with pytest.raises(WsidinoError, match="not a feature store"):
         run_extract(cfg(store=stage_extract_store, model=converted, output=tmp_path / "other"))
+
+
+def test_progress_in_a_log_file_has_rate_and_eta_and_no_carriage_return(stage_extract_store, converted, tmp_path):
+    """Run as a deployment or with output redirected: no terminal, so progress is log lines, not a bar."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    log = tmp_path / "extract.log"
+    cmd = [sys.executable, "-m", "dinov3_core.cli", "extract", "--store", str(stage_extract_store), "--model",
+           str(converted), "--output", str(tmp_path / "f.zarr"), "progress_every_s=0", "batch_size=16",
+           "tracking.enabled=false"]  # fmt: skip
+    with log.open("w") as out:
+        assert subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode == 0
+    text = log.read_text()
+    assert "\r" not in text
+    lines = [line.split("extract: ", 1)[1] for line in text.splitlines() if re.search(r"extract: \d+/\d+ tiles", line)]
+    assert any("tiles/s, ETA " in line for line in lines), text[-2000:]
+    done, total = re.match(r"(\d+)/(\d+) tiles \(100 %\)", lines[-1]).groups()  # the last line: all done, with time
+    assert done == total and " in 0:00:" in lines[-1]
+
+
+def test_progress_lines_count_rate_and_eta() -> None:
+    import io
+
+    from dinov3_core.progress import Progress
+
+    seen: list[str] = []
+    calls: list[tuple[int, int]] = []
+    with Progress("extract", unit="tile", total=10, every_s=0, stream=io.StringIO(), log=seen.append,
+                  callback=lambda d, t: calls.append((d, t))) as p:  # fmt: skip
+        p.update(4)
+        p.update(6)
+    assert seen[0].startswith("extract: 4/10 tiles (40 %), ") and "tiles/s, ETA 0:00:" in seen[0]
+    assert seen[-1].startswith("extract: 10/10 tiles (100 %)") and " in 0:00:" in seen[-1]
+    assert calls == [(4, 10), (10, 10)]

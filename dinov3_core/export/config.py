@@ -75,6 +75,7 @@ class ExtractConfig:
     providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
     num_threads: int = 0  # torch / ORT intra-op threads; 0 → library default
     progress: bool = True
+    progress_every_s: float = 30.0  # without a terminal: a progress line (count, rate, ETA) this often
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
 from dinov3_core.manifest import MANIFEST_NAME
+from dinov3_core.progress import Progress
 from dinov3_core.tiling import store as ts
 
 __all__ = ["ExtractConfig", "ExtractError", "ExtractResult", "FeatureModel", "open_model", "run_extract"]
@@ -231,8 +232,7 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
         arrays["mean_patch"][sl] = patch.mean(axis=1)
         if cfg.patch_tokens:
             arrays["patch"][sl] = patch
-        if bar is not None:
-            bar.update(len(idx))
+        bar.update(len(idx))
     coords = ds.slide_coords(s)
     group.create_array("coords", data=coords.astype(np.int64))
     cls_all = np.asarray(arrays["cls"][:])
@@ -278,8 +278,11 @@ def _init_output(out: Path, cfg: ExtractConfig) -> None:
         root.create_group("slides")
 
 
-def run_extract(cfg: ExtractConfig) -> ExtractResult:
-    """Extract per `cfg`; returns which slides were extracted / skipped and the throughput."""
+def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None) -> ExtractResult:
+    """Extract per `cfg`; returns which slides were extracted / skipped and the throughput.
+
+    `progress(tiles done, tiles to do)`: called as batches finish (the Prefect progress artifact); with
+    `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s."""
     start_time = time.perf_counter()
     ds = _open_dataset(cfg)
     threads = torch.get_num_threads()
@@ -303,19 +306,15 @@ def run_extract(cfg: ExtractConfig) -> ExtractResult:
         for sid in skipped:
             logger.info("slide %s already extracted with model %s: skipped", sid, model.hash)
         total = int(sum(ds.tile_counts[s] for s in todo))
-        bar = None
-        if cfg.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, unit="tile", desc="extract")
+        bar = Progress("extract", unit="tile", total=total, enabled=cfg.progress, callback=progress,
+                       every_s=cfg.progress_every_s)  # fmt: skip
         with tracking.stage_run(cfg.tracking, "extract", params={"model_hash": model.hash, "backend": model.backend,
                                                                    "store": cfg.store}):  # fmt: skip
             try:
                 for s in todo:
                     _extract_slide(cfg, ds, s, int(offsets[s]), model, out, bar)
             finally:
-                if bar is not None:
-                    bar.close()
+                bar.close()
             seconds = time.perf_counter() - start_time
             if cfg.tracking.enabled:
                 tracking.log_metrics({"tiles": total, "tiles_per_s": total / max(seconds, 1e-9)})
