@@ -187,6 +187,31 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+BASE_KEY = "base"  # a config file may start from another named config of its stage: `base: vitb16-continued`
+
+
+def _yaml_chain(stage: str, path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """The file and the configs it builds on (`base:`), the most basic first."""
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {path}: `base:` goes round in a circle ({' → '.join(map(str, seen))})")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
+    loaded = dict(loaded)
+    parent = loaded.pop(BASE_KEY, None)
+    if parent is None:
+        return [(path, loaded)]
+    return [*_yaml_chain(stage, resolve_config_path(stage, parent), (*seen, path.resolve())), (path, loaded)]  # type: ignore[arg-type]
+
+
+def named_config_keys(stage: str, config: str | os.PathLike[str] | None) -> set[str]:
+    """The dotted keys a named config (or YAML file) sets, its `base:` configs included."""
+    path = resolve_config_path(stage, config) if config else None
+    if path is None:
+        return set()
+    return {key for _, doc in _yaml_chain(stage, path) for key in flatten(doc)}
+
+
 def load_config(
     schema: type[T],
     config: str | os.PathLike[str] | None = None,
@@ -198,10 +223,8 @@ def load_config(
     base = OmegaConf.structured(schema)
     path = resolve_config_path(stage or "", config) if config is not None else None
     if path is not None:
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
-        _merge_checked(base, loaded, f"config file {path}")
+        for source, loaded in _yaml_chain(stage or "", path):
+            _merge_checked(base, loaded, f"config file {source}")
     if isinstance(overrides, Mapping):
         update = {k: v for k, v in overrides.items()}
         _merge_checked(base, update, "overrides")

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.config import ConfigError, load_config, parse_overrides
+from dinov3_core.config import ConfigError, load_config, named_config_keys, parse_overrides
 from dinov3_core.retrain.config import RetrainConfig
 from dinov3_core.retrain.cycles import CycleLayout
 from dinov3_core.stage_specs import STAGE_SPECS
@@ -31,7 +31,7 @@ def stage_config(cfg: RetrainConfig, stage: str, paths: dict[str, Any], defaults
             f"{stage}.overrides set {', '.join(clash)}: the cycle sets these itself (paths of the cycle directory); "
             "leave them out"
         )
-    named = _named_keys(stage, choice.config)
+    named = named_config_keys(stage, choice.config)
     fallback = {k: v for k, v in (defaults or {}).items() if k not in named}  # the named config's value wins
     values = {**fallback, **user, **paths, **tracking_values(cfg)}
     schema = STAGE_SPECS[stage].schema()
@@ -39,17 +39,6 @@ def stage_config(cfg: RetrainConfig, stage: str, paths: dict[str, Any], defaults
         return load_config(schema, choice.config, values, stage=stage)
     except ConfigError as err:
         raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {err}") from None
-
-
-def _named_keys(stage: str, config: str | None) -> set[str]:
-    """The dotted keys a named config (or YAML file) sets."""
-    import yaml
-
-    from dinov3_core.config import flatten, resolve_config_path
-
-    path = resolve_config_path(stage, config) if config else None
-    doc = yaml.safe_load(path.read_text()) if path is not None else None
-    return set(flatten(doc)) if isinstance(doc, dict) else set()
 
 
 def cycle_paths(layout: CycleLayout, cycle_id: str) -> dict[str, Path]:
