@@ -283,10 +283,14 @@ def _convert(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
 
 
 def _export(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
+    from dinov3_core.export.model_card import write_model_card
     from dinov3_core.export.onnx_export import run_export
 
     r = run_export(cfg)
     hooks.log(f"export: {r.path} (ONNX Runtime vs PyTorch max abs error {r.max_abs_error:.2e})")
+    card = write_model_card(r.path, Path(cfg.weights), {"outputs": r.outputs, "max_abs_error": r.max_abs_error,
+                            "model_version": r.model_version, "registered_model": cfg.register_name})  # fmt: skip
+    _describe_version(cfg, cfg.register_name, r.model_version, card)
     summary = {"onnx": str(r.path), "n_nodes": r.n_nodes, "max_abs_error": r.max_abs_error,
                "model_uri": r.model_uri, "registered_model": cfg.register_name if r.model_version else None,
                "model_version": r.model_version, "alias": cfg.register_alias if r.model_version else None}  # fmt: skip
@@ -295,11 +299,14 @@ def _export(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
 
 def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.evaluate.evaluation import run_evaluate
+    from dinov3_core.export.model_card import add_evaluation
 
     r = run_evaluate(cfg)
     for line in r.table.splitlines():
         hooks.log(line)
     d, cand = r.decision, r.evaluation["models"]["candidate"]
+    card = add_evaluation(Path(cfg.candidate), r.table, d.reason)
+    _describe_version(cfg, cfg.register_name, cand.get("version"), card)
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
     summary = {
@@ -313,6 +320,16 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
         "seconds": round(r.seconds, 1),
     }
     return r, {k: v for k, v in summary.items() if v is not None}
+
+
+def _describe_version(cfg: Any, name: str, version: str | None, card: Path | None) -> None:
+    """The model card as the registered version's description (what the MLflow UI shows on its page)."""
+    if not version or card is None or not cfg.tracking.enabled:
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+    client.update_model_version(name, str(version), description=card.read_text()[:5000])
 
 
 def _extract(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:

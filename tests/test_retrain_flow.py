@@ -150,6 +150,11 @@ def test_a_crashed_cycle_resumes_on_retry_and_its_model_becomes_champion(
     tags = model_version(mlflow_tracking, "1").tags
     assert tags["wsidino.cycle"] == record["id"] and tags["wsidino.snapshot"] == record["snapshot"]["hash"]
     assert "promoted to @champion" in first["run"].state.message
+    # The model card beside the model says what it was trained on and how it was judged; the registry shows it.
+    card = (root / "cycles" / record["id"] / "model" / "MODEL_CARD.md").read_text()
+    assert "- Data: 2 slide(s)" in card and "| pretrain (" in card and "| gram (" in card
+    assert "Decision: label-free gate" in card and "Not evaluated yet" not in card
+    assert model_version(mlflow_tracking, "1").description.startswith("# Model card: `model.onnx`")
 
 
 @pytest.mark.timeout(300)
