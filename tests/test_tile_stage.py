@@ -341,5 +341,8 @@ def test_qc_picture_shows_tiles(tiled, sample_slides):
     slide_id = by_name(sample_slides, "tissue_40x.svs").stem
     picture = np.asarray(Image.open(tiled["store"] / "slides" / slide_id / "qc_thumbnail.png"))
     assert picture.shape[2] == 3 and max(picture.shape[:2]) == 1024
-    blue = (picture[..., 0] == 30) & (picture[..., 1] == 90) & (picture[..., 2] == 255)
+    drawing, legend = picture[:-18], picture[-18:]
+    blue = (drawing[..., 0] == 30) & (drawing[..., 1] == 90) & (drawing[..., 2] == 255)
     assert blue.sum() > 100, "kept-tile outlines are drawn"
+    for colour in ((0, 200, 0), (255, 0, 255), (30, 90, 255), (255, 140, 0)):  # a swatch per legend entry
+        assert (legend == colour).all(axis=-1).sum() >= 100, colour

@@ -176,10 +176,10 @@ def pca_rgb(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_pca_png(
-    path: Path, coords: np.ndarray, features: np.ndarray, tile_level0: float, max_side: int
+    path: Path, coords: np.ndarray, features: np.ndarray, tile_level0: float, max_side: int, title: str = ""
 ) -> list[float]:
     """Tiles at their level-0 coords, scaled so the map's long side is `max_side` px, coloured by the first 3 PCs;
-    explained variance written on it."""
+    `title` (slide, model) on top, what the colours mean and the explained variance below."""
     from PIL import Image, ImageDraw
 
     rgb, ratio = pca_rgb(features)
@@ -187,13 +187,18 @@ def write_pca_png(
     scale = max_side / extent
     side = max(1, round(tile_level0 * scale))
     xy = np.round((coords - coords.min(0)) * scale).astype(int)
-    label = "PCA var " + "/".join(f"{100 * r:.0f}%" for r in ratio)
-    width, height = max(int(xy[:, 0].max()) + side, 7 * len(label)), int(xy[:, 1].max()) + side + 14
+    legend = "colour = CLS features' principal components 1/2/3 as R/G/B; variance explained " + "/".join(
+        f"{100 * r:.0f}%" for r in ratio
+    )
+    width = max(int(xy[:, 0].max()) + side, 7 * len(legend), 7 * len(title))
+    height = int(xy[:, 1].max()) + side + 28
     canvas = np.full((height, width, 3), 255, np.uint8)
     for (x, y), c in zip(xy, (rgb * 255).astype(np.uint8), strict=True):
         canvas[14 + y : 14 + y + side, x : x + side] = c
     image = Image.fromarray(canvas)
-    ImageDraw.Draw(image).text((2, 1), label, fill=(0, 0, 0))
+    draw = ImageDraw.Draw(image)
+    draw.text((2, 1), title, fill=(0, 0, 0))
+    draw.text((2, height - 13), legend, fill=(0, 0, 0))
     tmp = path.with_name(f".{path.name}.tmp")
     image.save(tmp, format="PNG")
     os.replace(tmp, path)
@@ -241,7 +246,8 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
     ratio = None
     if cfg.pca_map:
         tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
-        ratio = write_pca_png(incoming / "pca.png", coords, cls_all, tile_level0, cfg.pca_max_side)
+        title = f"{slide_id}: {n} tiles, model {model.path.name} ({model.hash[:8]})"
+        ratio = write_pca_png(incoming / "pca.png", coords, cls_all, tile_level0, cfg.pca_max_side, title)
     group.attrs[ATTRS_KEY] = {
         **FORMAT,
         "slide_id": slide_id,

@@ -22,6 +22,23 @@ def _fit(image: np.ndarray, max_side: int) -> tuple[Image.Image, float]:
     return img, factor
 
 
+LEGEND = (("tissue contour", TISSUE_CONTOUR), ("pen ink", PEN_TINT), ("kept tile", TILE_OUTLINE),
+          ("dropped by a QC filter", DROPPED_OUTLINE))  # fmt: skip
+
+
+def with_legend(picture: Image.Image, entries: tuple[tuple[str, tuple[int, int, int]], ...]) -> Image.Image:
+    """The picture with a white strip below it: a colour swatch and a label per entry."""
+    width = max(picture.width, sum(24 + 7 * len(label) for label, _ in entries))
+    out = Image.new("RGB", (width, picture.height + 18), (255, 255, 255))
+    out.paste(picture, (0, 0))
+    draw, x = ImageDraw.Draw(out), 4
+    for label, colour in entries:
+        draw.rectangle((x, picture.height + 4, x + 10, picture.height + 14), fill=colour)
+        draw.text((x + 14, picture.height + 3), label, fill=(0, 0, 0))
+        x += 24 + 7 * len(label)
+    return out
+
+
 def save_qc_pictures(
     out_dir: Path,
     image: np.ndarray,
@@ -58,6 +75,7 @@ def save_qc_pictures(
     if title:
         draw.rectangle((0, 0, min(picture.width, 8 * len(title) + 8), 14), fill=(255, 255, 255))
         draw.text((4, 1), title, fill=(0, 0, 0))
+    picture = with_legend(picture, LEGEND)
     thumb_path = out_dir / "qc_thumbnail.png"
     mask_path = out_dir / "qc_mask.png"
     picture.save(thumb_path, optimize=False)
