@@ -195,6 +195,12 @@ def test_schedules_carry_complete_params(deployments: dict[str, dict[str, Any]])
     assert cron.cron == "0 2 * * 0"
 
 
+def test_gpu_deployments_say_they_need_a_gpu_worker(deployments: dict[str, dict[str, Any]]) -> None:
+    assert set(serve.GPU_DEPLOYMENTS) == GPU_DEPLOYMENTS
+    for name in GPU_DEPLOYMENTS:
+        assert "Needs a worker on pool wsidino-gpu" in deployments[name]["description"], name
+
+
 def test_retrain_deployments(deployments: dict[str, dict[str, Any]]) -> None:
     from dinov3_core.retrain.config import load_retrain_config
 

@@ -22,6 +22,7 @@ from wsidino_dev.serve.children import (
 )
 from wsidino_dev.serve.deployments import (
     CPU_POOL,
+    GPU_DEPLOYMENTS,
     GPU_POOL,
     GPU_SLOTS_LIMIT,
     PREFECT_FILE,
@@ -187,6 +188,15 @@ def run(args: argparse.Namespace) -> int:
                 f"  {run_hint} 'pipeline/pipeline' --watch",
                 f"  (other parameters: edit a copy of {_display(registration.demo_params_file)} and add "
                 '--params "$(cat FILE)"; it replaces the whole params object)',
+            ]
+        if not args.gpu_worker:
+            gpu = [d for d in registration.deployments if d.split("/")[1] in GPU_DEPLOYMENTS]
+            lines += [
+                "",
+                f'GPU deployments ({", ".join(gpu)}) wait for a worker on pool {GPU_POOL} (shown "Not Ready"',
+                "until one polls): on a GPU host that sees this server, run",
+                f"  PREFECT_API_URL={api} prefect worker start --pool {GPU_POOL}",
+                "  or here, on a GPU machine: make serve SERVE_ARGS=--gpu-worker (docs/hardware.md: which recipe fits)",
             ]
         if registration.retrain_params_file is not None:
             lines += [
