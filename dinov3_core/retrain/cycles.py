@@ -119,6 +119,7 @@ def open_cycle(layout: CycleLayout, attempt_key: str) -> tuple[CycleRecord, bool
             c.status, c.error, c.attempts, c.finished_at = "running", None, c.attempts + 1, None
             c.save(layout)
             return c, True
+    # Nothing will resume these any more: a cycle left running by a crashed holder, and (CLI) an older failed one.
     for c in cycles:
         if c.status == "running" or (c.status == "failed" and c.attempt_key == attempt_key):
             c.status, c.finished_at = "abandoned", c.finished_at or utc_now()
