@@ -30,8 +30,11 @@ format: venv
 test: venv lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The README's "On your own slides" command, on sample slides written from real tissue images (no download).
 demo: venv
-	$(BIN)/python -m flows.demo --output $(DEMO_DIR)
+	$(BIN)/wsidino-dev samples $(DEMO_DIR)/slides --preset demo --no-negatives > /dev/null
+	$(BIN)/wsidino pipeline --slides $(DEMO_DIR)/slides --workdir $(DEMO_DIR) \
+		--annotations $(DEMO_DIR)/slides/annotations --nproc-per-node 2
 
 # SERVE_ARGS, e.g. SERVE_ARGS="--prefect-port 4300 --mlflow-port 5001 --serve-dir /tmp/wsidino-serve"
 serve: venv

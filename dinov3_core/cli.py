@@ -14,10 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dinov3_core.cli_chains import add_chain_commands
 from dinov3_core.config import ConfigError, config_dir, load_config, parse_overrides
-from dinov3_core.errors import WsidinoError
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WsidinoError
 
 # Each stage's options that map onto config keys (option dest → config key).
 STAGE_OPTIONS: dict[str, dict[str, str]] = {
@@ -119,50 +118,6 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.manifest.summary.get("failed") else EXIT_OK
 
 
-def cmd_retrain(args: argparse.Namespace) -> int:
-    """One retraining cycle; exits 0 whether it trained or was skipped (the last line says which and why)."""
-    from dinov3_core.launch import TorchrunFailed
-    from dinov3_core.launch.training import LaunchSettings
-    from dinov3_core.retrain.config import load_retrain_config
-    from dinov3_core.retrain.cycle import run_cycle
-    from dinov3_core.run import RunHooks, run_stage
-
-    values = parse_overrides(args.overrides)
-    for key in ("slides", "root", "annotations"):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    cfg = load_retrain_config(args.config, values)
-    launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
-
-    def run(stage: str, stage_cfg: Any, parent: str | None) -> dict[str, Any]:
-        training = stage in ("pretrain", "gram")
-        hooks = RunHooks(parent_run_id=parent)
-        return run_stage(stage, stage_cfg, launch=launch if training else None, hooks=hooks).as_dict()
-
-    try:
-        result = run_cycle(cfg, run)
-    except TorchrunFailed as err:
-        print(f"wsidino retrain: {err}\nRerun the same command to resume the cycle.", file=sys.stderr)
-        return EXIT_USAGE if err.rank_exit_code == 2 else EXIT_FAILED
-    print(result.message)
-    return EXIT_OK
-
-
-RETRAIN_EPILOG = """\
-a cycle:
-  tile new slides into <root>/tiles.zarr → record the data snapshot → train only when the cohort grew
-  (trigger.min_new_slides, trigger.min_new_tiles, trigger.force) → pretrain warm-started from
-  @champion → gram → convert → export → evaluate (the gate moves @champion or not) → extract the
-  cohort's features with the champion → retention. Each cycle lives in <root>/cycles/<id>/; a rerun
-  after a crash resumes it. Any stage's config key goes after its name: pretrain.train.stop_at=100.
-
-examples:
-  wsidino retrain --slides slides/ --root retrain/ --config tiny --annotations slides/annotations
-  wsidino retrain --slides /data/slides --root /data/retrain --config vitb16 --nproc-per-node 8 \\
-      pretrained_weights=/models/dinov3_vitb16.pth trigger.min_new_slides=20
-"""
-
-
 def _mark_required(sub: Any) -> None:
     """Append "(required)" to the help of each stage option whose config key has no default: argparse cannot
     require it, since a --config file may set it instead."""
@@ -176,6 +131,12 @@ def _mark_required(sub: Any) -> None:
             key = options.get(action.dest)
             if key in missing or (stage, key) == ("pretrain", "data.stores"):
                 action.help = f"{action.help} (required, unless the --config file sets it)"
+
+
+def launch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc-per-node", type=int, default=1, help="training processes per node (torchrun)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node needs --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous for multi-node runs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,11 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=cmd_stage)
         return p
-
-    def launch_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--nproc-per-node", type=int, default=1, help="training processes per node (torchrun)")
-        p.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node needs --rdzv-endpoint)")
-        p.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous for multi-node runs")
 
     tile = stage_parser("tile", "Whole-slide images → zarr tile store (µm/px-exact tiles, tissue mask, QC).")
     tile.add_argument("--input", help="directory, glob, slide file, or .txt/.csv list of slide paths")
@@ -247,23 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--model", help="model.onnx (ONNX Runtime) or backbone.pth (PyTorch)")
     extract.add_argument("--output", help="feature store (features.zarr)")
     _mark_required(sub)
+    add_chain_commands(sub)
 
-    retrain = sub.add_parser(
-        "retrain",
-        help="One scheduled-retraining cycle: tile new slides, train from the champion when the cohort grew, "
-        "evaluate, promote only if better, extract with the champion.",
-        description="One retraining cycle in a new versioned directory under --root (see README: Scheduled "
-        "retraining). Exits 0 whether it trained or skipped, printing which and why.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=RETRAIN_EPILOG,
-    )
-    retrain.add_argument("--config", help="YAML file, or a name under configs/retrain/ (tiny: CPU-sized; vitb16)")
-    retrain.add_argument("--slides", help="the cohort's slides: directory, glob, or .txt/.csv list")
-    retrain.add_argument("--root", help="where the tile store, cycles/ and features/ live")
-    retrain.add_argument("--annotations", help="QuPath GeoJSON folder or CSV for the evaluation")
-    retrain.add_argument("overrides", nargs="*", metavar="key=value", help="retrain or <stage>.<key> overrides")
-    launch_options(retrain)
-    retrain.set_defaults(func=cmd_retrain)
     return parser
 
 

@@ -24,6 +24,7 @@ What every stage gets from here (the stage functions know nothing of it):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -208,7 +209,8 @@ def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHoo
             "wsidino.reused_run_id": previous.mlflow_run_id or "",
             **lineage_tags(previous.lineage),
         }
-        with _stage_mlflow_run(cfg.tracking, spec.name, hooks, tags, None) as run:
+        quiet = dataclasses.replace(cfg.tracking, system_metrics=False)  # a record, not a workload to monitor
+        with _stage_mlflow_run(quiet, spec.name, hooks, tags, None) as run:
             if run is not None:
                 tracking.log_artifact(path, "manifest")
     return StageOutcome(spec.name, "skipped", decision.reason, path, previous)

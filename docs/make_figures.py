@@ -129,9 +129,9 @@ def orchestration() -> None:
         5.45,
         2.85,
         blue,
-        "Prefect: pipeline flow run",
-        "params: slides, workdir, start_at … stop_after, force[ ]   ·   "
-        "Retry of a failed run resumes at the failed stage",
+        "run_pipeline: Prefect flow or wsidino pipeline",
+        "slides, workdir, config, weights, start_at … stop_after, force[ ]   ·   "
+        "a rerun or Retry resumes at the failed stage",
         "",
     )
     band(
@@ -169,10 +169,9 @@ def orchestration() -> None:
     for i, (name, task_text, manifest, logged) in enumerate(ORCH):
         x, w = 0.25 + i * 2.13, 1.8
         cx = x + w / 2
-        # The stage's subflow and what it runs.
+        # The stage's task run and what it runs.
         ax.add_patch(FancyBboxPatch((x, 5.65), w, 2.1, boxstyle="round,pad=0.05", fc=blue_fc, ec=blue))
         ax.text(cx, 7.5, name, ha="center", va="center", fontsize=12, weight="bold")
-        ax.text(cx, 7.22, "subflow", ha="center", va="center", fontsize=7.5, color="#5f6368", style="italic")
         ax.text(cx, 6.4, task_text, ha="center", va="center", fontsize=7.8)
         if i < len(ORCH) - 1:
             arrow((x + w + 0.06, 6.7), (x + 2.13 - 0.06, 6.7), blue)

@@ -1,7 +1,7 @@
-"""The table in docs/hardware.md: for each GPU recipe and GPU memory size, the micro-batch and gradient
+"""The table in docs/hardware.md and README.md: for each GPU recipe and GPU memory size, the micro-batch and gradient
 accumulation `batch_size_per_gpu=auto` picks and the peak memory it expects (`dinov3_core.train.memory`).
 
-    .venv/bin/python docs/make_hardware_table.py          # rewrite the table in docs/hardware.md
+    .venv/bin/python docs/make_hardware_table.py          # rewrite the table in docs/hardware.md and README.md
     .venv/bin/python docs/make_hardware_table.py --check  # exit 1 when the table is stale (tests/test_hardware.py)
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent / "hardware.md"
+DOCS = (Path(__file__).resolve().parent / "hardware.md", Path(__file__).resolve().parents[1] / "README.md")
 BEGIN, END = "<!-- hardware-table: begin -->", "<!-- hardware-table: end -->"
 RECIPES = (  # (config, GPUs per run)
     ("vits16-1gpu", 1), ("vitb16-1gpu", 1), ("vitl16-1gpu", 1),
@@ -68,13 +68,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    text = DOC.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    new = f"{text[:start]}\n{table()}\n{text[end:]}"
-    if args.check:
-        return 0 if new == text else 1
-    DOC.write_text(new)
-    return 0
+    current = table()
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+        new = f"{text[:start]}\n{current}\n{text[end:]}"
+        if new != text:
+            stale.append(doc.name)
+            if not args.check:
+                doc.write_text(new)
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":

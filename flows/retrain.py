@@ -21,7 +21,8 @@ from prefect.states import Completed
 from dinov3_core.retrain.config import load_retrain_config
 from dinov3_core.retrain.cycle import run_cycle
 from tasks.params import RetrainParams
-from tasks.retrain import cycle_markdown, prefect_stage_runner
+from tasks.retrain import cycle_markdown
+from tasks.run import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 
 

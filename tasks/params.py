@@ -306,9 +306,9 @@ class ExtractParams(BaseModel):
 
 
 class PipelineParams(BaseModel):
-    """Slides → tiles → pretraining → gram anchoring → backbone → ONNX → features, in one work directory.
+    """Slides → tiles → pretraining → gram anchoring → backbone → ONNX → evaluation → features, in one work
+    directory: the fields of `wsidino pipeline` (README: "On your own slides").
 
-    Outputs: <workdir>/tiles.zarr, pretrain/, gram/, model/backbone.pth, model/model.onnx, features.zarr.
     Stages whose manifest shows the same inputs and config are skipped (unless listed in `force`), so a rerun
     or a retried failed run resumes at the first stage with something to do.
     """
@@ -321,52 +321,43 @@ class PipelineParams(BaseModel):
         json_schema_extra=ui(0),
     )  # fmt: skip
     workdir: str = Field(
-        min_length=1, title="Work directory", description="Every stage's output goes under it, e.g. /data/runs/lab1.",
+        min_length=1, title="Work directory",
+        description="Every stage's output goes under it, e.g. /data/runs/lab1 (the MLflow store too, unless a "
+        "tracking URI is set below).",
         json_schema_extra=ui(1),
     )  # fmt: skip
-    start_at: Stage = Field("tile", title="Start at", json_schema_extra=ui(2))
-    stop_after: Stage = Field("extract", title="Stop after", json_schema_extra=ui(3))
-    force: list[Stage] = Field(
-        default_factory=list, title="Force stages", description="Recompute these even when up to date.",
-        json_schema_extra=ui(4),
+    config: str = Field(
+        "cpu", title="Pipeline config",
+        description="A name under configs/pipeline/: cpu (demo and smoke runs), vits16-1gpu, vitb16-1gpu, "
+        "vitl16-1gpu (one GPU), vitb16, vitl16 (8 GPUs; docs/hardware.md), or a YAML path.",
+        json_schema_extra=ui(2),
     )  # fmt: skip
-    gram_anchoring: bool = Field(
-        True, title="Gram anchoring", description="Off: convert the pretraining run directly.",
-        json_schema_extra=ui(5),
-    )  # fmt: skip
-    pretrained_weights: str | None = Field(
-        None, title="Released DINOv3 weights", description="Local .pth to warm-start pretraining from.",
-        json_schema_extra=ui(6),
+    weights: str | None = Field(
+        None, title="Released DINOv3 weights",
+        description="Warm start: a local .pth, or a preset (vitb16, …) found in weights_dir / $WSIDINO_WEIGHTS_DIR. "
+        "Empty: random init.",
+        json_schema_extra=ui(3),
     )  # fmt: skip
     annotations: str | None = Field(
         None, title="Annotations",
         description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
         "Empty: label-free health only, no promotion.",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    start_at: Stage = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
+    stop_after: Stage = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
+    force: list[Stage] = Field(
+        default_factory=list, title="Force stages", description="Recompute these even when up to date.",
         json_schema_extra=ui(7),
     )  # fmt: skip
-    extract_model: Literal["champion", "candidate"] = Field(
-        "champion", title="Extract with",
-        description="champion: the registry's @champion after evaluation (the candidate when it was promoted, or "
-        "when there is no champion); candidate: this run's model.",
+    overrides: list[Override] = Field(
+        default_factory=list, title="Overrides",
+        description="Pipeline keys (gram_anchoring=false, extract_model=candidate, weights_dir=/weights) or any "
+        "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
         json_schema_extra=ui(8),
     )  # fmt: skip
-    tile: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="default", overrides=["workers=2"]), title="Tile config",
-        description="workers=N: tiling processes (one large slide is spread over all of them).",
-        json_schema_extra=ui(9),
-    )  # fmt: skip
-    pretrain: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Pretrain config", json_schema_extra=ui(10)
-    )
-    gram: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Gram config", json_schema_extra=ui(11)
-    )
-    convert: StageOptions = Field(default_factory=StageOptions, title="Convert config", json_schema_extra=ui(12))
-    export: StageOptions = Field(default_factory=StageOptions, title="Export config", json_schema_extra=ui(13))
-    evaluate: StageOptions = Field(default_factory=StageOptions, title="Evaluate config", json_schema_extra=ui(14))
-    extract: StageOptions = Field(default_factory=StageOptions, title="Extract config", json_schema_extra=ui(15))
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(16))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(17))
+    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(9))
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
@@ -374,10 +365,11 @@ class PipelineParams(BaseModel):
             raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
         return self
 
-    def selected(self) -> list[str]:
-        """The stages this run covers, in order (gram left out when gram anchoring is off)."""
-        chosen = STAGES[STAGES.index(self.start_at) : STAGES.index(self.stop_after) + 1]
-        return [s for s in chosen if s != "gram" or self.gram_anchoring]
+    def config_values(self) -> dict[str, Any]:
+        fields = {"slides": self.slides, "workdir": self.workdir, "weights": self.weights,
+                  "annotations": self.annotations, "start_at": self.start_at, "stop_after": self.stop_after,
+                  "force": list(self.force) or None, **self.tracking.config_values()}  # fmt: skip
+        return merge_values(self.overrides, fields, "pipeline")
 
 
 class RetrainParams(BaseModel):

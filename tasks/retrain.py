@@ -1,26 +1,9 @@
-"""What a retraining cycle needs from Prefect: each stage as the stage task (artifacts, GPU slots, retries of
-crashed training jobs) nested under the cycle's MLflow run, and the decision as an artifact."""
+"""What a retraining cycle shows in Prefect: the decision as an artifact (its stages run as
+`tasks.run.prefect_stage_runner`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.retrain.cycle import CycleResult, StageRunner
-from tasks.run import run_stage_task, run_training_stage
-from tasks.tracking import nested_under
-
-
-def prefect_stage_runner(launch: LaunchSettings) -> StageRunner:
-    """Run each cycle stage as the `run-stage` task (pretrain / gram with the launch's crash retries)."""
-
-    def run(stage: str, cfg: Any, parent: str | None) -> dict[str, Any]:
-        with nested_under(parent, cfg.tracking):
-            if stage in ("pretrain", "gram"):
-                return run_training_stage(stage, cfg, launch)
-            return run_stage_task(stage, cfg)
-
-    return run
+from dinov3_core.retrain.cycle import CycleResult
 
 
 def cycle_markdown(result: CycleResult) -> str:
@@ -49,4 +32,4 @@ def cycle_markdown(result: CycleResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["cycle_markdown", "prefect_stage_runner"]
+__all__ = ["cycle_markdown"]

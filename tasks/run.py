@@ -40,7 +40,7 @@ from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.run import RunHooks, StageOutcome, run_stage
 from dinov3_core.stage_specs import STAGE_SPECS
-from tasks.tracking import current_pipeline_run, mlflow_run_name, prefect_run_tags
+from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
 
 
 def load_stage_config(stage: str, config: str | None, values: Mapping[str, Any]) -> Any:
@@ -302,6 +302,19 @@ def run_training_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool
     return retrying(stage, cfg, force=force, launch=launch)
 
 
+def prefect_stage_runner(launch: LaunchSettings) -> Callable[..., dict[str, Any]]:
+    """Run each stage of a cycle or a pipeline as the `run-stage` task (pretrain / gram with the launch's crash
+    retries), its MLflow run nested under the cycle's or pipeline's."""
+
+    def run(stage: str, cfg: Any, parent: str | None, force: bool = False) -> dict[str, Any]:
+        with nested_under(parent, cfg.tracking):
+            if stage in ("pretrain", "gram"):
+                return run_training_stage(stage, cfg, launch, force=force)
+            return run_stage_task(stage, cfg, force=force)
+
+    return run
+
+
 def training_flow_result(outcome: dict[str, Any]) -> Any:
     """What a pretrain / gram flow returns: the outcome, in a Completed state whose message is the health verdict
     (`health.policy=warn` lets a run that does not learn complete: the flow run then ends saying so). Callers of
@@ -318,6 +331,7 @@ __all__ = [
     "gpu_slots",
     "is_retriable",
     "load_stage_config",
+    "prefect_stage_runner",
     "run_stage_task",
     "run_training_stage",
     "training_flow_result",

@@ -69,17 +69,6 @@ def flow_logs(flow_run_id: UUID) -> str:
                 return "\n".join(messages)
 
 
-def subflow_runs(parent: UUID) -> list[Any]:
-    """Every stage subflow run of a pipeline flow run (subflows hang off a task run of the parent)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    with get_client(sync_client=True) as client:
-        return client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent]))
-        )
-
-
 def job_processes(marker: str) -> list[psutil.Process]:
     """Live processes whose command line mentions `marker` (a run directory): torchrun and its ranks."""
     found = []

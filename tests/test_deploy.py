@@ -21,6 +21,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from dinov3_core.pipeline.config import load_pipeline_config
+from dinov3_core.pipeline.run import stage_config
+from dinov3_core.stage_choice import STAGES
 from tasks.params import (
     ConvertParams,
     EvaluateParams,
@@ -112,11 +115,9 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
                  and choice.get("config")]  # fmt: skip
         return [("retrain", params.config), *named]
     if isinstance(params, PipelineParams):
-        return [
-            (stage, options.config)
-            for stage in ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
-            if (options := getattr(params, stage)).config
-        ]
+        cfg = load_pipeline_config(params.config, params.config_values())
+        named = [(stage, cfg.choice(stage).config) for stage in STAGES if cfg.choice(stage).config]
+        return [("pipeline", params.config), *named]
     stage = {
         TileParams: "tile",
         PretrainParams: "pretrain",
@@ -169,12 +170,16 @@ def test_gpu_deployments(deployments: dict[str, dict[str, Any]]) -> None:
     pipeline = PipelineParams.model_validate(deployments["pipeline-gpu"]["parameters"]["params"])
     for launch in (gram.launch, pipeline.launch):
         assert launch.gpu_slots == "gpu-slots" and launch.nproc_per_node == 8
-    assert pipeline.pretrain.config == "vitb16-continued" and pipeline.pretrained_weights == pretrain.pretrained_weights
+    cfg = load_pipeline_config(pipeline.config, pipeline.config_values())
+    assert cfg.pretrain.config == "vitb16-continued" and cfg.weights == pretrain.pretrained_weights
+    assert cfg.tile.config == "cohort-jpeg" and cfg.tile.overrides[-1] == "workers=16"
 
 
 def test_cpu_pipeline_is_tiny_and_local(deployments: dict[str, dict[str, Any]]) -> None:
     params = PipelineParams.model_validate(deployments["pipeline"]["parameters"]["params"])
-    assert params.pretrain.config == "tiny" and params.gram.config == "tiny"
+    cfg = load_pipeline_config(params.config, params.config_values())
+    assert cfg.pretrain.config == "cpu" and cfg.gram.config == "tiny"
+    assert stage_config(cfg, "pretrain").train.device == stage_config(cfg, "gram").train.device == "cpu"
     assert params.launch.nproc_per_node == 1 and params.launch.gpu_slots is None
     # Relative to the checkout (the worker's working directory); make serve replaces them with absolute paths.
     assert not Path(params.slides).is_absolute() and not Path(params.workdir).is_absolute()

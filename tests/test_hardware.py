@@ -24,7 +24,8 @@ def test_every_pretrain_recipe_resolves(name: str) -> None:
 
 def test_the_hardware_table_is_current() -> None:
     done = subprocess.run([sys.executable, "docs/make_hardware_table.py", "--check"], cwd=REPO, check=False)
-    assert done.returncode == 0, "docs/hardware.md is stale: run .venv/bin/python docs/make_hardware_table.py"
+    stale = "the table in docs/hardware.md or README.md is stale: run .venv/bin/python docs/make_hardware_table.py"
+    assert done.returncode == 0, stale
 
 
 def test_one_gpu_recipes_halve_nothing_but_the_batch() -> None:

@@ -1,5 +1,5 @@
-"""Links between the UIs: a stage's Prefect artifact links its MLflow run when tracking goes to a server; the demo
-prints the experiment's page, not the MLflow UI's landing tab."""
+"""Links between the UIs: a stage's Prefect artifact links its MLflow run when tracking goes to a server;
+`wsidino pipeline` prints the experiment's page, not the MLflow UI's landing tab."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dinov3_core import tracking
+from dinov3_core.pipeline.report import experiment_page
 from dinov3_core.tracking import TrackingConfig
-from flows.demo import DEMO_EXPERIMENT, experiment_page
 from tests.helpers import sqlite_uri
 
 
@@ -42,10 +42,10 @@ def test_a_run_on_an_mlflow_server_links_to_its_page(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_the_demo_prints_its_experiment_page(tmp_path: Path) -> None:
+def test_the_pipeline_prints_its_experiment_page(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     uri = sqlite_uri(tmp_path)
-    assert experiment_page(uri) == ""
-    experiment = MlflowClient(tracking_uri=uri).create_experiment(DEMO_EXPERIMENT)
-    assert experiment_page(uri) == f"#/experiments/{experiment}"
+    assert experiment_page(uri, "wsidino") == ""
+    experiment = MlflowClient(tracking_uri=uri).create_experiment("wsidino")
+    assert experiment_page(uri, "wsidino") == f"#/experiments/{experiment}"

@@ -14,6 +14,7 @@ from dinov3_core import manifest as mf
 from dinov3_core.config import ConfigError, load_config
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.stage_specs import STAGE_SPECS
 from tasks.params import PipelineParams, StageOptions, merge_values
 from tests.helpers import by_name, read_json, slide_list
@@ -244,8 +245,9 @@ def test_fault_fires_through_the_runner_events(tmp_path: Path, monkeypatch: pyte
 
 
 def test_pipeline_params_validate_the_stage_range():
-    p = PipelineParams(slides="s", workdir="w", start_at="pretrain", stop_after="export", gram_anchoring=False)
-    assert p.selected() == ["pretrain", "convert", "export"]
+    p = PipelineParams(slides="s", workdir="w", start_at="pretrain", stop_after="export",
+                       overrides=["gram_anchoring=false"])  # fmt: skip
+    assert load_pipeline_config(p.config, p.config_values()).selected() == ["pretrain", "convert", "export"]
     with pytest.raises(ValidationError, match="comes after"):
         PipelineParams(slides="s", workdir="w", start_at="export", stop_after="tile")
     with pytest.raises(ValidationError):

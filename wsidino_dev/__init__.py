@@ -6,6 +6,6 @@
 * `wsidino_dev.faults`: fault drills (`WSIDINO_FAULT`), a listener of `dinov3_core.events`.
 
 Command line: ``python -m wsidino_dev samples OUT_DIR`` and ``python -m wsidino_dev serve`` (or ``wsidino-dev``).
-This package may import `dinov3_core`, `tasks` and `flows`; none of those may import it (`flows/demo.py`, the
-`make demo` entry point, is the one exception).
+This package may import `dinov3_core`, `tasks` and `flows`; none of those may import it (`make demo` calls
+``wsidino-dev samples`` and then ``wsidino pipeline``).
 """

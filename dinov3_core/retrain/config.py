@@ -18,22 +18,15 @@ from omegaconf import MISSING
 
 from dinov3_core.config import ConfigError, load_config, parse_overrides, require
 from dinov3_core.errors import WsidinoError
+from dinov3_core.stage_choice import STAGES, StageChoice, add_stage_overrides, route_overrides
 from dinov3_core.tracking import TrackingConfig
 
-CYCLE_STAGES = ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
+CYCLE_STAGES = STAGES
 
 
 class RetrainError(WsidinoError):
     """A cycle cannot start or go on: another cycle holds the root, the registry is unreachable, a champion that
     does not fit the configured architecture."""
-
-
-@dataclass
-class StageChoice:
-    """A stage's named config (or YAML path) and its overrides, as in the pipeline's form."""
-
-    config: str | None = None
-    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,37 +104,14 @@ class RetrainConfig:
         return getattr(self, stage)
 
 
-_CHOICE_KEYS = {"config", "overrides"}
-
-
-def route_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`pretrain.train.stop_at=4` → appended to `pretrain.overrides`; every other key is the cycle's own."""
-    routed: dict[str, Any] = {}
-    extra: dict[str, list[str]] = {}
-    for key, value in values.items():
-        stage, _, rest = key.partition(".")
-        if stage in CYCLE_STAGES and rest and rest not in _CHOICE_KEYS:
-            extra.setdefault(stage, []).append(f"{rest}={_as_override(value)}")
-        else:
-            routed[key] = value
-    for stage, items in extra.items():
-        given = routed.get(f"{stage}.overrides")
-        routed[f"{stage}.overrides"] = [*(given or []), *items] if given is not None else items
-    return routed
-
-
-def _as_override(value: Any) -> str:
-    import json
-
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def load_retrain_config(
     config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()
 ) -> RetrainConfig:  # fmt: skip
     """Schema defaults ← named config (configs/retrain/<name>.yaml) or YAML ← overrides (stage keys routed)."""
     values = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
-    cfg = load_config(RetrainConfig, config, route_overrides(values), stage="retrain")
+    own, extra = route_overrides(values)
+    cfg = load_config(RetrainConfig, config, own, stage="retrain")
+    add_stage_overrides(cfg, extra)
     if cfg.warm_start == "released" and not cfg.pretrained_weights:
         raise ConfigError("warm_start=released needs pretrained_weights (a local released DINOv3 backbone .pth)")
     return cfg

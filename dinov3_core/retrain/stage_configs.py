@@ -7,38 +7,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.config import ConfigError, load_config, named_config_keys, parse_overrides
 from dinov3_core.retrain.config import RetrainConfig
 from dinov3_core.retrain.cycles import CycleLayout
-from dinov3_core.stage_specs import STAGE_SPECS
-
-
-def tracking_values(cfg: RetrainConfig) -> dict[str, Any]:
-    t = cfg.tracking
-    return {"tracking.enabled": t.enabled, "tracking.uri": t.uri, "tracking.experiment": t.experiment}
+from dinov3_core.stage_choice import build_stage_config
 
 
 def stage_config(cfg: RetrainConfig, stage: str, paths: dict[str, Any], defaults: dict[str, Any] | None = None) -> Any:
     """defaults ← the stage's named config ← its overrides ← `paths` (and the cycle's tracking settings)."""
-    choice = cfg.choice(stage)
-    try:
-        user = parse_overrides(choice.overrides)
-    except ConfigError as err:
-        raise ConfigError(f"{stage}.overrides: {err}") from None
-    clash = sorted(set(user) & set(paths))
-    if clash:
-        raise ConfigError(
-            f"{stage}.overrides set {', '.join(clash)}: the cycle sets these itself (paths of the cycle directory); "
-            "leave them out"
-        )
-    named = named_config_keys(stage, choice.config)
-    fallback = {k: v for k, v in (defaults or {}).items() if k not in named}  # the named config's value wins
-    values = {**fallback, **user, **paths, **tracking_values(cfg)}
-    schema = STAGE_SPECS[stage].schema()
-    try:
-        return load_config(schema, choice.config, values, stage=stage)
-    except ConfigError as err:
-        raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {err}") from None
+    owner = "the cycle (paths of the cycle directory)"
+    return build_stage_config(stage, cfg.choice(stage), paths, cfg.tracking, defaults=defaults, owner=owner)
 
 
 def cycle_paths(layout: CycleLayout, cycle_id: str) -> dict[str, Path]:
