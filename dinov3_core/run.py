@@ -359,7 +359,9 @@ def _log_stage_artifacts(stage: str, cfg: Any) -> None:
         return
     mlflow.log_text(to_yaml(cfg), f"config/{stage}.yaml")
     if stage == "extract":
-        for png in sorted(Path(cfg.output).glob("slides/*/pca.png"))[:50]:
+        from dinov3_core.export.extract import pictures_dir
+
+        for png in sorted(pictures_dir(cfg.output).glob("*/pca.png"))[:50]:
             tracking.log_artifact(png, f"pca/{png.parent.name}")
 
 
