@@ -7,11 +7,11 @@
 Layout (zarr v3): `features.zarr/slides/<id>/{cls (N, D), mean_patch (N, D), coords (N, 2) int64 level-0 x, y,
 slide_embedding (D,) [, patch (N, n_patches, D)]}`, attrs `wsidino_features` (model path and hash, source store,
 created, …); rows are the tile store's rows (same order as its coords). The store holds only zarr: pictures and the
-resolved config go beside it (`pictures_dir`: features.zarr → `features/<id>/pca.png`, `features/extract_config.yaml`). Tiles are normalised as in
-training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and renamed into `slides/` when
-complete; a rerun skips slides already extracted with the same model (hash) and redoes the others.
-`num_shards` / `shard_index` split the slides over independent processes writing the same output (per-slide
-commits do not collide); within a process tiles are read and run batch by batch (no reader threads).
+resolved config go beside it (`pictures_dir`: features.zarr → `features/<id>/pca.png`, `features/extract_config.yaml`).
+Tiles are normalised as in training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and
+renamed into `slides/` when complete; a rerun skips slides already extracted with the same model (hash) and
+redoes the others. `num_shards` / `shard_index` split the slides over independent processes writing the same
+output (per-slide commits do not collide); within a process tiles are read and run batch by batch (no reader threads).
 """
 
 from __future__ import annotations
