@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import flat_params, to_yaml
+from dinov3_core.config import describe_changes, flat_params, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.launch import run_torchrun
 from dinov3_core.launch.training import LaunchSettings, training_job
@@ -113,6 +113,7 @@ def run_stage(
         return _record_skip(spec, cfg, decision, hooks)
     reason = "forced" if decision.up_to_date else decision.reason
     hooks.log(f"{stage}: running ({reason})")
+    hooks.log(describe_changes(stage, cfg))  # what this run sets on top of its named config
     path = spec.manifest_path(cfg)
     result = None
     with manifest_guard(spec, cfg, inputs) as m:
