@@ -6,6 +6,7 @@ the expected type, and the resolved config is saved beside each stage output so 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -225,6 +226,7 @@ def load_config(
     if path is not None:
         for source, loaded in _yaml_chain(stage or "", path):
             _merge_checked(base, loaded, f"config file {source}")
+    named = _flatten(OmegaConf.to_container(base, resolve=False))  # the named config, before the overrides
     if isinstance(overrides, Mapping):
         update = {k: v for k, v in overrides.items()}
         _merge_checked(base, update, "overrides")
@@ -233,7 +235,36 @@ def load_config(
     missing = sorted(OmegaConf.missing_keys(base))
     if missing:
         raise ConfigError(f"required config key(s) not set: {', '.join(missing)} (set them as key=value)")
-    return _instantiate(base)
+    cfg = _instantiate(base)
+    with contextlib.suppress(AttributeError, TypeError):  # remembered for `config_changes` (not a config field)
+        object.__setattr__(cfg, _NAMED_ATTR, (str(config) if config is not None else None, named))
+    return cfg
+
+
+_NAMED_ATTR = "_wsidino_named_config"
+
+
+def config_changes(cfg: Any, skip: tuple[str, ...] = ("tracking.",)) -> tuple[str | None, dict[str, tuple[Any, Any]]]:
+    """What the overrides changed on top of the named config `cfg` was loaded from: (config name or None,
+    {key: (the named config's value, "???" when it had none, the value now)})."""
+    name, named = getattr(cfg, _NAMED_ATTR, (None, None))
+    if named is None:
+        return None, {}
+    now = flat_params(cfg)
+    changed = {k: (named.get(k), v) for k, v in now.items() if named.get(k) != v and not k.startswith(skip)}
+    return name, changed
+
+
+def describe_changes(stage: str, cfg: Any, limit: int = 20) -> str:
+    """One line: the named config and every key set on top of it, e.g. `tile: config default + workers=1 (was 2),
+    input=/data/slides`."""
+    name, changed = config_changes(cfg)
+    base = f"config {name}" if name else "built-in defaults"
+    if not changed:
+        return f"{stage}: {base}, unchanged"
+    items = [f"{k}={v}" + ("" if old in (None, "???") else f" (was {old})") for k, (old, v) in changed.items()]
+    more = f", … {len(items) - limit} more (--print-config shows all)" if len(items) > limit else ""
+    return f"{stage}: {base} + {', '.join(items[:limit])}{more}"
 
 
 def _instantiate(cfg: DictConfig) -> Any:

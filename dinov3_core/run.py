@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import flat_params, to_yaml
+from dinov3_core.config import describe_changes, flat_params, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.launch import run_torchrun
 from dinov3_core.launch.training import LaunchSettings, training_job
@@ -114,6 +114,7 @@ def run_stage(
         return _record_skip(spec, cfg, decision, hooks)
     reason = "forced" if decision.up_to_date else decision.reason
     hooks.log(f"{stage}: running ({reason})")
+    hooks.log(describe_changes(stage, cfg))  # what this run sets on top of its named config
     path = spec.manifest_path(cfg)
     result = None
     with manifest_guard(spec, cfg, inputs) as m:
@@ -361,7 +362,9 @@ def _log_stage_artifacts(stage: str, cfg: Any) -> None:
         return
     mlflow.log_text(to_yaml(cfg), f"config/{stage}.yaml")
     if stage == "extract":
-        for png in sorted(Path(cfg.output).glob("slides/*/pca.png"))[:50]:
+        from dinov3_core.export.extract import pictures_dir
+
+        for png in sorted(pictures_dir(cfg.output).glob("*/pca.png"))[:50]:
             tracking.log_artifact(png, f"pca/{png.parent.name}")
 
 

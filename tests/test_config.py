@@ -115,3 +115,24 @@ def test_saved_config_reloads_identically(tmp_path: Path) -> None:
     path = save_config(cfg, tmp_path / "out" / "config.yaml")
     assert yaml.safe_load(path.read_text())["tile_size"] == 160
     assert to_dict(load_config(TileConfig, path)) == to_dict(cfg)
+
+
+def test_a_run_says_what_it_sets_on_top_of_its_named_config() -> None:
+    from dinov3_core.config import config_changes, describe_changes
+    from dinov3_core.train.config import PretrainConfig
+
+    values = {"data.stores": ["t.zarr"], "output_dir": "run", "train.stop_at": 7, "optim.epochs": 3,
+              "tracking.experiment": "x"}  # fmt: skip
+    cfg = load_config(PretrainConfig, "tiny", values, stage="pretrain")
+    name, changed = config_changes(cfg)
+    assert name == "tiny" and set(changed) == {"data.stores", "output_dir", "train.stop_at", "optim.epochs"}
+    line = describe_changes("pretrain", cfg)
+    named_epochs = load_config(PretrainConfig, "tiny", REQUIRED_PRETRAIN, stage="pretrain").optim.epochs
+    assert line.startswith("pretrain: config tiny + ") and f"optim.epochs=3 (was {named_epochs})" in line
+    assert "tracking" not in line  # where it logs is not a change of the run
+    tile = load_config(TileConfig, "default", REQUIRED, stage="tile")
+    assert describe_changes("tile", tile) == "tile: config default + input=slides/, output=t.zarr"
+    assert describe_changes("tile", load_config(TileConfig, None, REQUIRED)).startswith("tile: built-in defaults")
+
+
+REQUIRED_PRETRAIN = {"data.stores": ["t.zarr"], "output_dir": "run"}

@@ -14,7 +14,7 @@ from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import ATTRS_KEY, normalise, run_extract
+from dinov3_core.export.extract import ATTRS_KEY, normalise, pictures_dir, run_extract
 from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
 
 
@@ -51,10 +51,13 @@ def test_stored_features_are_the_backbone_outputs(torch_features, stage_extract_
         np.testing.assert_allclose(g["slide_embedding"][:], g["cls"][:].mean(0), atol=1e-6)
         attrs = g.attrs.asdict()[ATTRS_KEY]
         assert attrs["complete"] and attrs["model_hash"] == result.model_hash and attrs["n_tiles"] == n
-        png = result.output / "slides" / sid / "pca.png"
+        png = pictures_dir(result.output) / sid / "pca.png"  # beside the store: the store holds only zarr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert {p.name for p in (result.output / "slides" / sid).iterdir()} == {"zarr.json", *g.keys()}
         assert 0 < sum(attrs["pca_explained_variance"]) <= 1.0 + 1e-6
     assert not list((result.output / ".incoming").iterdir())
+    assert (pictures_dir(result.output) / "extract_config.yaml").is_file()
+    assert pictures_dir(result.output) == result.output.with_suffix("")
 
 
 def test_onnx_and_torch_paths_agree(torch_features, stage_extract_store, exported, tmp_path) -> None:

@@ -5,12 +5,13 @@
     result = run_extract(cfg)
 
 Layout (zarr v3): `features.zarr/slides/<id>/{cls (N, D), mean_patch (N, D), coords (N, 2) int64 level-0 x, y,
-slide_embedding (D,) [, patch (N, n_patches, D)]}` + `pca.png`, attrs `wsidino_features` (model path and hash,
-source store, created, …); rows are the tile store's rows (same order as its coords). Tiles are normalised as in
-training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and renamed into `slides/` when
-complete; a rerun skips slides already extracted with the same model (hash) and redoes the others.
-`num_shards` / `shard_index` split the slides over independent processes writing the same output (per-slide
-commits do not collide); within a process tiles are read and run batch by batch (no reader threads).
+slide_embedding (D,) [, patch (N, n_patches, D)]}`, attrs `wsidino_features` (model path and hash, source store,
+created, …); rows are the tile store's rows (same order as its coords). The store holds only zarr: pictures and the
+resolved config go beside it (`pictures_dir`: features.zarr → `features/<id>/pca.png`, `features/extract_config.yaml`).
+Tiles are normalised as in training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and
+renamed into `slides/` when complete; a rerun skips slides already extracted with the same model (hash) and
+redoes the others. `num_shards` / `shard_index` split the slides over independent processes writing the same
+output (per-slide commits do not collide); within a process tiles are read and run batch by batch (no reader threads).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 import zarr
 
 from dinov3_core import tracking
@@ -244,10 +246,13 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
     group.create_array("slide_embedding", data=cls_all.mean(0).astype(np.float32))
     tile_attrs = ds.slide_attrs(s)
     ratio = None
-    if cfg.pca_map:
+    picture = pictures_dir(out) / slide_id / "pca.png"
+    if cfg.pca_map:  # written beside the store, renamed into place once the slide is committed
         tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
         title = f"{slide_id}: {n} tiles, model {model.path.name} ({model.hash[:8]})"
-        ratio = write_pca_png(incoming / "pca.png", coords, cls_all, tile_level0, cfg.pca_max_side, title)
+        picture.parent.mkdir(parents=True, exist_ok=True)
+        staged = picture.with_name(".pca.png.incoming")
+        ratio = write_pca_png(staged, coords, cls_all, tile_level0, cfg.pca_max_side, title)
     group.attrs[ATTRS_KEY] = {
         **FORMAT,
         "slide_id": slide_id,
@@ -269,6 +274,15 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
     if final.exists():
         shutil.rmtree(final)  # extracted with another model: replaced
     os.replace(incoming, final)
+    if cfg.pca_map:
+        os.replace(staged, picture)
+
+
+def pictures_dir(output: str | os.PathLike[str]) -> Path:
+    """Where extract's pictures and resolved config go: beside the feature store, not inside it (a zarr store that
+    holds other files makes zarr warn, and copies of the store drag them along). features.zarr → features/."""
+    out = Path(output)
+    return out.with_suffix("") if out.suffix == ".zarr" else out.parent / f"{out.name}.pictures"
 
 
 def _init_output(out: Path, cfg: ExtractConfig) -> None:
@@ -324,7 +338,8 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
             seconds = time.perf_counter() - start_time
             if cfg.tracking.enabled:
                 tracking.log_metrics({"tiles": total, "tiles_per_s": total / max(seconds, 1e-9)})
-        (out / "extract_config.yaml").write_text(__import__("yaml").safe_dump(to_dict(cfg), sort_keys=False))
+        pictures_dir(out).mkdir(parents=True, exist_ok=True)
+        (pictures_dir(out) / "extract_config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     finally:
         torch.set_num_threads(threads)
     result = ExtractResult(

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dinov3_core.export.extract import pictures_dir
 from dinov3_core.files import write_text_atomic
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.cycles import utc_now
@@ -58,6 +59,7 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
     if changed and cycle.cfg.retention.delete_replaced_features and Path(previous["store"]).is_dir():
         replaced = previous["store"]
         shutil.rmtree(replaced)
+        shutil.rmtree(pictures_dir(replaced), ignore_errors=True)
         log(f"retrain {cid}: features of the previous champion ({replaced}) replaced by {store}")
     scope = "every slide (new champion)" if changed or not previous else "new slides only (same champion)"
     ran = outcome.get("status") == "ran"
