@@ -8,7 +8,7 @@ DEMO_DIR ?= demo-output
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: venv test lint format demo bench clean serve
+.PHONY: venv test lint format demo bench clean serve browser
 
 # Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
 $(STAMP): pyproject.toml
@@ -39,6 +39,12 @@ demo: venv
 # SERVE_ARGS, e.g. SERVE_ARGS="--prefect-port 4300 --mlflow-port 5001 --serve-dir /tmp/wsidino-serve"
 serve: venv
 	$(BIN)/python -m wsidino_dev serve $(SERVE_ARGS)
+
+# Debian's Chromium for the tests that open the Prefect and MLflow pages in a real headless browser
+# (tests/browser.py; they skip without it). CI installs it; on a workstation it is optional.
+browser:
+	@command -v chromium >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --output bench-output

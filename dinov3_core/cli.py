@@ -107,8 +107,10 @@ def cmd_stage(args: argparse.Namespace) -> int:
     try:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)
     except TorchrunFailed as err:
-        print(f"wsidino {stage}: {err}\nRerun the same command to resume from the last checkpoint.", file=sys.stderr)
-        return EXIT_USAGE if err.rank_exit_code == 2 else EXIT_FAILED
+        bad_input = err.rank_exit_code == 2
+        hint = "" if bad_input else "\nRerun the same command to resume from the last checkpoint."
+        print(f"wsidino {stage}: {err}{hint}", file=sys.stderr)
+        return EXIT_USAGE if bad_input else EXIT_FAILED
     finally:
         close_bar()
     if stage == "tile" and outcome.result is not None:

@@ -55,8 +55,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     try:
         result = run_pipeline(cfg, run)
     except TorchrunFailed as err:
-        print(f"wsidino pipeline: {err}\nRerun the same command to resume from the last checkpoint.", file=sys.stderr)
-        return EXIT_USAGE if err.rank_exit_code == 2 else EXIT_FAILED
+        bad_input = err.rank_exit_code == 2
+        hint = "" if bad_input else "\nRerun the same command to resume from the last checkpoint."
+        print(f"wsidino pipeline: {err}{hint}", file=sys.stderr)
+        return EXIT_USAGE if bad_input else EXIT_FAILED
     print(final_report(result.summary, cfg.tracking.experiment, time.perf_counter() - start))
     failed = [s for s, o in result.summary["stages"].items() if (o.get("summary") or {}).get("failed")]
     return EXIT_FAILED if failed else EXIT_OK

@@ -21,7 +21,7 @@ from typing import IO, Any
 logger = logging.getLogger(__name__)
 
 
-def _eta(seconds: float) -> str:
+def eta(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
@@ -87,7 +87,7 @@ class Progress:
             text += f" {self.unit}s"
         text += f", {rate:.1f} {self.unit}s/s"
         if self.total and rate > 0 and self.done < self.total:
-            text += f", ETA {_eta((self.total - self.done) / rate)}"
+            text += f", ETA {eta((self.total - self.done) / rate)}"
         return text
 
     def close(self, finished: bool = True) -> None:
@@ -95,7 +95,7 @@ class Progress:
             self.bar.close()
             self.bar = None
         elif self.lines and finished and self.done:
-            self.log(self.line() + f" in {_eta(time.monotonic() - self.start)}")
+            self.log(self.line() + f" in {eta(time.monotonic() - self.start)}")
         self.lines = False
 
 

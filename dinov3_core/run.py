@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
 from dinov3_core.config import describe_changes, flat_params, to_yaml
 from dinov3_core.errors import WsidinoError
-from dinov3_core.launch import run_torchrun
+from dinov3_core.launch import TorchrunFailed, run_torchrun
 from dinov3_core.launch.training import LaunchSettings, training_job
 from dinov3_core.stage_specs import STAGE_SPECS, StageSpec
 
@@ -81,6 +83,20 @@ class StageOutcome:
         }
 
 
+def default_tracking_store(spec: StageSpec, cfg: Any) -> None:
+    """With no tracking URI configured (config or $MLFLOW_TRACKING_URI), a stage logs to the `mlflow.db` of the
+    work directory its output lives in, never into whatever directory the command was started from: the nearest
+    `mlflow.db` in the output's folder or the one above it (a `wsidino pipeline` workdir), else a new one in the
+    output's folder (`runs/lab1/tiles.zarr` → `runs/lab1/mlflow.db`)."""
+    t = cfg.tracking
+    if not t.enabled or t.uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    out = Path(spec.output(cfg)).expanduser().resolve()
+    home = out.parent
+    found = next((d for d in (home, home.parent) if (d / "mlflow.db").is_file()), home)
+    t.uri = f"sqlite:///{found / 'mlflow.db'}"
+
+
 def lineage_tags(lineage: Mapping[str, str]) -> dict[str, str]:
     return {f"wsidino.lineage.{stage}_run_id": run_id for stage, run_id in lineage.items()}
 
@@ -107,6 +123,7 @@ def run_stage(
     """
     spec = STAGE_SPECS[stage]
     hooks = hooks or RunHooks()
+    default_tracking_store(spec, cfg)
     if spec.check is not None:
         spec.check(cfg)
     inputs, decision = spec.decide(cfg)
@@ -163,23 +180,50 @@ def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]])
         lineage=mf.lineage_of(paths),
         started_at=mf.now(),
     )
-    with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
-        mf.write_manifest(path, m)
-        try:
-            yield m
-        except BaseException as err:
-            m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+    created = _first_missing_dir(path.parent)  # removed again when the run stops on bad input
+    try:
+        with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
             mf.write_manifest(path, m)
-            raise
-        m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
-        missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
-        if missing:
-            m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+            try:
+                yield m
+            except BaseException as err:
+                m.status, m.error, m.finished_at = "failed", f"{type(err).__name__}: {err}"[:4000], mf.now()
+                mf.write_manifest(path, m)
+                raise
+            m.outputs = {k: str(Path(v).resolve()) for k, v in spec.outputs(cfg).items()}
+            missing = [k for k, v in m.outputs.items() if not Path(v).exists()]
+            if missing:
+                m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
+                mf.write_manifest(path, m)
+                raise OutputsMissing(f"{spec.name}: {m.error} (see {path})")
+            m.status, m.finished_at = "complete", mf.now()
+            m.output_fingerprint = mf.completion_fingerprint(m)
             mf.write_manifest(path, m)
-            raise WsidinoError(f"{spec.name}: {m.error} (see {path})")
-        m.status, m.finished_at = "complete", mf.now()
-        m.output_fingerprint = mf.completion_fingerprint(m)
-        mf.write_manifest(path, m)
+    except BaseException as err:
+        if created is not None and _bad_input(err):
+            shutil.rmtree(created, ignore_errors=True)  # nothing but an empty output, a lock and a failed manifest
+        raise
+
+
+def _first_missing_dir(directory: Path) -> Path | None:
+    """The outermost directory of `directory`'s chain that does not exist yet (None when it exists)."""
+    missing = None
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            return missing
+        missing = candidate
+    return missing
+
+
+class OutputsMissing(WsidinoError):
+    """A stage ended without error but without all of its outputs (what it wrote is kept for a look)."""
+
+
+def _bad_input(err: BaseException) -> bool:
+    """The run stopped before doing anything worth keeping: bad input, here or in a training rank (exit 2)."""
+    if isinstance(err, OutputsMissing):
+        return False
+    return isinstance(err, WsidinoError) or (isinstance(err, TorchrunFailed) and err.rank_exit_code == 2)
 
 
 @contextlib.contextmanager

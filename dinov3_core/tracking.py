@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -11,11 +12,17 @@ from typing import Any
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
+# MLflow's routine chatter (system-metrics monitor start/stop on every run, database set-up) is not news to a user;
+# its warnings and errors still show.
+for _name in ("mlflow.system_metrics", "mlflow.store.db.utils", "alembic.runtime.migration"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
 
 @dataclass
 class TrackingConfig:
     enabled: bool = True
-    uri: str | None = None  # null → $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
+    # null → $MLFLOW_TRACKING_URI, else the mlflow.db of the output's work directory (`run.default_tracking_store`)
+    uri: str | None = None
     experiment: str = "wsidino"
     system_metrics: bool | None = None  # CPU/GPU/memory every 10 s; null → $MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
 

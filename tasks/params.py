@@ -34,7 +34,7 @@ class TrackingParams(BaseModel):
     tracking_uri: str | None = Field(
         None, title="MLflow tracking URI",
         description="e.g. http://127.0.0.1:5000. Empty: the config's, else $MLFLOW_TRACKING_URI, "
-        "else sqlite:///mlflow.db in the working directory.",
+        "else the mlflow.db of the work directory the output is in (a pipeline's workdir, else the output's folder).",
         json_schema_extra=ui(0),
     )  # fmt: skip
     experiment: str | None = Field(

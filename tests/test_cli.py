@@ -3,6 +3,7 @@ reproduces the run when given back as `--config` (same config fingerprint as the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,18 @@ def test_help_names_required_options_and_stage_examples(stage: str, capsys: pyte
     required = [o for o in options if (stage, o) != ("gram", "--pretrain-dir")]
     assert text.count("(required, unless the --config file sets it)") == len(required)
     assert f"configs/{stage}/ (" in text
+
+
+def test_a_bad_input_exit_leaves_nothing_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.pth"
+    bad.write_text("not a weights file")
+    fresh = tmp_path / "new" / "model"
+    assert cli.main(["export", "--weights", str(bad), "--output", str(fresh / "model.onnx")]) == cli.EXIT_USAGE
+    (said,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("wsidino export:")]
+    assert "cannot be read as a weights file" in said and "give a backbone .pth" in said and len(said) < 400
+    assert not (tmp_path / "new").exists()  # no empty folder, lock or failed manifest that looks like output
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert cli.main(["export", "--weights", str(bad), "--output", str(existing / "model.onnx")]) == cli.EXIT_USAGE
+    failed = json.loads((existing / "model.onnx.stage_manifest.json").read_text())  # a folder of the user's: kept,
+    assert failed["status"] == "failed" and "cannot be read" in failed["error"]  # the attempt marked failed

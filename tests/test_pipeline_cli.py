@@ -5,6 +5,7 @@ written, and `--print-config` that reproduces the run."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from dinov3_core.config import ConfigError, config_dir
 from dinov3_core.pipeline.config import load_pipeline_config, resolve_weights
 from dinov3_core.pipeline.run import stage_config
 from dinov3_core.stage_choice import STAGES
+from tests.browser import needs_chromium, page_text
 from tests.helpers import by_name, read_json
 
 TRAIN = ["train.global_batch_size=8", "train.batch_size_per_gpu=4", "optim.warmup_epochs=0",
@@ -52,21 +54,27 @@ def good_slides(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) ->
     return folder
 
 
-@pytest.mark.timeout(900)
-def test_one_command_runs_every_stage_inside_the_workdir_and_a_rerun_skips_all(
-    good_slides: Path, tmp_path: Path
-) -> None:
-    from mlflow import MlflowClient
-
-    home = tmp_path / "fresh"
-    home.mkdir()
+@pytest.fixture(scope="module")
+def first_run(good_slides: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`wsidino pipeline` on the sample slides from a fresh directory: its home, args and result."""
+    home = tmp_path_factory.mktemp("fresh")
     slides_before = tree(good_slides)
     args = ["pipeline", "--slides", str(good_slides), "--workdir", "run", "--annotations",
             str(good_slides / "annotations"), *SMALL]  # fmt: skip
-    first = wsidino(*args, cwd=home)
+    done = wsidino(*args, cwd=home)
+    return {"home": home, "args": args, "done": done, "slides_before": slides_before}
+
+
+@pytest.mark.timeout(900)
+def test_one_command_runs_every_stage_inside_the_workdir_and_a_rerun_skips_all(
+    first_run: dict[str, Any], good_slides: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    home, args, first = first_run["home"], first_run["args"], first_run["done"]
     assert first.returncode == 0, first.stderr[-3000:]
     assert tree(home) == {Path("run"), *(Path("run") / p for p in tree(home / "run"))}  # nothing beside it
-    assert tree(good_slides) == slides_before
+    assert tree(good_slides) == first_run["slides_before"]
     work = home / "run"
     assert {"mlflow.db", "mlartifacts", "tiles.zarr", "pretrain", "gram", "model", "evaluation", "features.zarr"} <= {
         p.name for p in work.iterdir()
@@ -190,3 +198,49 @@ def test_a_weights_preset_is_found_in_the_weights_folder(tmp_path: Path) -> None
     cfg.weights = "vitl16"
     with pytest.raises(ConfigError, match=r"no dinov3_vitl16_pretrain_\*\.pth in .* never downloaded|download it"):
         resolve_weights(cfg)
+
+
+def test_a_stage_alone_logs_to_the_store_of_its_work_directory(
+    good_slides: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dinov3_core.config import load_config
+    from dinov3_core.export.config import ExportConfig
+    from dinov3_core.run import default_tracking_store
+    from dinov3_core.stage_specs import STAGE_SPECS
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    started_in = tmp_path / "elsewhere"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    work = tmp_path / "work"
+    args = ["tile", "--input", str(good_slides / "tissue_20x.svs"), "--output", str(work / "tiles.zarr"),
+            "tile_size=64", "mpp=2.0"]  # fmt: skip
+    assert cli.main(args) == cli.EXIT_OK
+    assert (work / "mlflow.db").is_file() and (work / "mlartifacts").is_dir()
+    assert not list(started_in.iterdir())  # nothing where the command was started
+    # export writes into work/model/: it finds the store one folder up, so its run joins the same registry.
+    values = {"weights": str(work / "model" / "backbone.pth"), "output": str(work / "model" / "model.onnx")}
+    export = load_config(ExportConfig, None, values, stage="export")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # mlflow.set_tracking_uri exported it for children
+    default_tracking_store(STAGE_SPECS["export"], export)
+    assert export.tracking.uri == f"sqlite:///{work / 'mlflow.db'}"
+
+
+@needs_chromium
+@pytest.mark.timeout(300)
+def test_the_printed_mlflow_link_opens_the_pipelines_runs_in_a_browser(first_run: dict[str, Any]) -> None:
+    """What a newcomer does next: starts the MLflow UI on the workdir's store and opens the printed link."""
+    from wsidino_dev.serve.servers import start_mlflow_server
+
+    work = first_run["home"] / "run"
+    (link,) = [line.split("→ ")[1].strip() for line in first_run["done"].stdout.splitlines() if "mlflow ui" in line]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_mlflow_server(work, port)  # the workdir's mlflow.db and mlartifacts/, as `mlflow ui` serves them
+    try:
+        text = page_text(link.replace("127.0.0.1:5000", f"127.0.0.1:{port}"))
+    finally:
+        server.stop()
+    assert "Training runs" in text and "pipeline" in text, text[:2000]
+    assert "No data available for the selected time range" not in text  # not the GenAI traces overview

@@ -10,7 +10,10 @@ rerun does not retrain; cancelling a running training flow leaves no process beh
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,8 @@ from uuid import UUID
 import psutil
 import pytest
 
-from tests.helpers import by_name, read_json, slide_list
+from tests.browser import needs_chromium, page_text
+from tests.helpers import REPO, by_name, read_json, slide_list
 from tests.prefect_deploy import deploy, flow_logs, job_processes, trigger, wait_final, worker
 from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
@@ -246,6 +250,47 @@ def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
     rerun = "skipped" if same_model else "ran"
     expected = {"convert": "skipped", "export": "skipped", "evaluate": rerun, "extract": rerun}
     assert statuses(pipeline_summary(mlflow_tracking, tail.id)) == expected
+
+
+@pytest.mark.timeout(300)
+def test_following_a_deployment_run_prints_its_states_and_each_log_line_once(
+    deployed_pipeline_run: dict[str, Any], prefect_api: str, tmp_path: Path
+) -> None:
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps({**deployed_pipeline_run["params"], "start_at": "export"}))
+    command = [sys.executable, "-m", "tasks.follow", "pipeline/pipeline-test", "--params", str(params)]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}  # the session's server (its settings live in this process)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    states = [line.split("state  ", 1)[1].split(":")[0] for line in lines if " state  " in line]
+    assert states[-2:] == ["Running", "Completed"], states
+    assert sum("pipeline: stage 1/3: export" in line for line in lines) == 1, done.stdout
+    for stage in ("export", "evaluate", "extract"):
+        assert sum(f"{stage}: up to date" in line for line in lines) == 1, (stage, done.stdout)
+
+
+@needs_chromium
+@pytest.mark.timeout(300)
+def test_the_prefect_ui_shows_the_pipeline_run_and_its_stage_logs(
+    deployed_pipeline_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flow run's page, rendered by a real browser: its final state and the stages' log lines. The test
+    server has no UI, so `make serve`'s Prefect server (with its UI) is started on the same database."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    from wsidino_dev.serve.servers import start_prefect_server
+
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", str(PREFECT_API_DATABASE_CONNECTION_URL.value()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_prefect_server(tmp_path / "serve", port)
+    try:
+        text = page_text(f"{server.url}/runs/flow-run/{deployed_pipeline_run['id']}")
+    finally:
+        server.stop()
+    assert "Completed" in text and "pipeline: stage 1/7: tile" in text, text[:3000]
 
 
 @pytest.mark.timeout(300)

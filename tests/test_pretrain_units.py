@@ -293,3 +293,13 @@ def test_device_choice_refuses_more_processes_than_gpus() -> None:
         choose_device("auto", 3, 4, gpu_count=2)
     with pytest.raises(WsidinoError, match="no CUDA GPU"):
         choose_device("cuda", 0, 1, gpu_count=0)
+
+
+def test_a_training_log_line_has_count_rate_and_eta() -> None:
+    from dinov3_core.train.metrics import progress_line
+
+    record = {"iteration": 9, "lr": 1e-3, "images_per_s": 64.0, "iter_time": 0.5, "rss_mb": 100.0}
+    line = progress_line(record, 1000)
+    assert line.startswith("it 9/1000 ") and "64.0 img/s" in line
+    assert "eta 0:08:15" in line  # 990 iterations left at 0.5 s each
+    assert "\r" not in line

@@ -30,6 +30,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.export.convert import read_arch_config
 from dinov3_core.models import DinoVisionTransformer, ReleasedWeightsError, load_released_backbone
+from dinov3_core.models.state_dict_check import UnreadableWeights
 
 __all__ = ["BackboneFeatures", "ExportConfig", "ExportError", "ExportResult", "load_backbone", "run_export"]
 
@@ -70,6 +71,8 @@ def load_backbone(weights: str | os.PathLike[str], device: str = "cpu") -> DinoV
         raise ExportError(f"weights file {path} not found; give a backbone.pth written by `wsidino convert`")
     try:
         return load_released_backbone(path, read_arch_config(path), overrides=INFERENCE_OVERRIDES, device=device)
+    except UnreadableWeights:
+        raise
     except ReleasedWeightsError as err:
         raise ExportError(
             f"weights file {path} does not fit its architecture ({path.parent / 'config.yaml'}):\n{err}"
@@ -116,11 +119,14 @@ def _export_onnx(weights: str, output: str, pooled: bool, half: bool, opset: int
     }
     example = torch.randn(2, 3, example_size, example_size, dtype=dtype)
     names = ["pooled"] if pooled else ["cls", "patch_tokens"]
+    # torch.onnx warns that torchvision's ops cannot be registered (we use none) and prints each export phase.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with torch.no_grad():
         program = torch.onnx.export(
             model,
             (example,),
             dynamo=True,
+            verbose=False,
             dynamic_shapes=(dims,),
             input_names=[INPUT_NAME],
             output_names=names,

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .arch_inference import infer_backbone_kwargs, resolve_arch
 from .heads import DINOHead
-from .state_dict_check import SHOW_KEYS, ReleasedWeightsError, check_backbone_state_dict
+from .state_dict_check import SHOW_KEYS, ReleasedWeightsError, UnreadableWeights, check_backbone_state_dict
 from .vision_transformer import DinoVisionTransformer
 
 __all__ = [
@@ -64,7 +64,11 @@ def read_backbone_state_dict(path: PathLike) -> dict[str, Tensor]:
             # weights_only: a checkpoint is data, never code.
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # unpickling errors come in many types; all mean "not a plain tensor file"
-            raise ReleasedWeightsError(f"{path}: cannot be read as a weights file ({type(e).__name__}: {e})") from e
+            # torch's own text is a page of advice on unsafe loading; a user's file is loaded as data only.
+            raise UnreadableWeights(
+                f"{path}: cannot be read as a weights file (torch.load with weights_only=True: {type(e).__name__}); "
+                "give a backbone .pth (released DINOv3, `wsidino convert` output) or .safetensors"
+            ) from e
     return unwrap_backbone_state_dict(obj, source=str(path))
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import Tensor
 
+from dinov3_core.errors import WsidinoError
+
 from .vision_transformer import DinoVisionTransformer
 
 __all__ = ["ReleasedWeightsError", "check_backbone_state_dict"]
@@ -26,8 +28,12 @@ BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 SHOW_KEYS = 10  # keys listed per category in error messages
 
 
-class ReleasedWeightsError(ValueError):
+class ReleasedWeightsError(WsidinoError, ValueError):
     """A weights file does not match the backbone it is loaded into; the message says which flag differs."""
+
+
+class UnreadableWeights(ReleasedWeightsError):
+    """The file is not a tensor file at all (not a mismatch of flags)."""
 
 
 def key_shapes(sd: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:

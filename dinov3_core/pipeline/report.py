@@ -31,14 +31,15 @@ def training_health(summary: Mapping[str, Any]) -> str:
 
 
 def experiment_page(uri: str, experiment: str) -> str:
-    """The experiment's page in the MLflow UI (it otherwise opens on another tab)."""
+    """The experiment's training-runs page in the MLflow UI (MLflow 3 opens an experiment on its GenAI traces
+    overview otherwise, checked in a real browser by tests/test_ui_pages.py)."""
     from mlflow import MlflowClient
 
     try:
         found = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
     except Exception:
         found = None
-    return f"#/experiments/{found.experiment_id}" if found is not None else ""
+    return f"#/experiments/{found.experiment_id}/runs" if found is not None else ""
 
 
 def where_everything_is(summary: Mapping[str, Any], experiment: str, seconds: float) -> str:
@@ -71,12 +72,25 @@ def where_everything_is(summary: Mapping[str, Any], experiment: str, seconds: fl
         lines += [
             "",
             "Open the MLflow UI:",
-            f"  mlflow ui --backend-store-uri {uri} --port 5000   → http://127.0.0.1:5000/{page}",
+            f"  {_mlflow_command()} ui --backend-store-uri {uri} --port 5000   → http://127.0.0.1:5000/{page}",
         ]
     elif uri.startswith(("http://", "https://")):
         lines += ["", f"MLflow UI: {uri.rstrip('/')}/{experiment_page(uri, experiment)}"]
     lines += ["", "Rerun the same command: every stage whose inputs and config are unchanged is skipped."]
     return "\n".join(lines) + "\n"
+
+
+def _mlflow_command() -> str:
+    """The `mlflow` of this environment, as a path a newcomer can paste (no activated venv needed)."""
+    import sys
+
+    path = Path(sys.executable).parent / "mlflow"
+    if not path.exists():
+        return "mlflow"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def final_report(summary: Mapping[str, Any], experiment: str, seconds: float) -> str:

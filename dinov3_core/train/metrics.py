@@ -23,6 +23,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from dinov3_core.progress import eta
+
 if TYPE_CHECKING:
     from dinov3_core.train.distributed import DistEnv
     from dinov3_core.train.optim import ScheduleValues
@@ -157,12 +159,14 @@ def progress_line(record: Mapping[str, Any], total_iterations: int) -> str:
         if isinstance(record.get("effective_rank"), float)
         else ""
     )
+    left = max(0, total_iterations - record["iteration"] - 1) * float(record.get("iter_time") or 0.0)
     return (
         f"it {record['iteration']}/{total_iterations}  loss {record.get('total_loss', math.nan):.4f} "
         f"(dino g {record.get('dino_global_loss', math.nan):.4f} l {record.get('dino_local_loss', math.nan):.4f}, "
         f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f}; "
         f"dino below ln K {record.get('dino_gap', math.nan):.3f}, agreement {record.get('agreement', math.nan):.3f})  "
-        f"lr {record['lr']:.2e}  {record['images_per_s']:.1f} img/s  data {record.get('data_time', math.nan):.3f}s  "
+        f"lr {record['lr']:.2e}  {record['images_per_s']:.1f} img/s  eta {eta(left)}  "
+        f"data {record.get('data_time', math.nan):.3f}s  "
         f"rss {record['rss_mb']:.0f} MiB{probe}"
     )
 

@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         for worker in workers:
             wait_worker(worker)
 
-        run_hint = f"PREFECT_API_URL={api} {_display(Path(sys.executable).parent / 'prefect')} deployment run"
+        # Starts a run of the deployment and prints its states and log lines as they come (tasks/follow.py).
+        run_hint = f"PREFECT_API_URL={api} {_display(Path(sys.executable))} -m tasks.follow"
         lines = [
             "",
             "wsidino serve is up (Ctrl-C stops everything):",
@@ -184,10 +185,10 @@ def run(args: argparse.Namespace) -> int:
         if registration.demo_params_file is not None:
             lines += [
                 "",
-                f"Run the demo pipeline (CPU, tiny configs, outputs under {serve_dir / 'runs' / 'pipeline'}):",
-                f"  {run_hint} 'pipeline/pipeline' --watch",
+                f"Run the demo pipeline (CPU, config cpu, outputs under {serve_dir / 'runs' / 'pipeline'}):",
+                f"  {run_hint} 'pipeline/pipeline'",
                 f"  (other parameters: edit a copy of {_display(registration.demo_params_file)} and add "
-                '--params "$(cat FILE)"; it replaces the whole params object)',
+                "--params FILE; it replaces the whole params object)",
             ]
         if not args.gpu_worker:
             gpu = [d for d in registration.deployments if d.split("/")[1] in GPU_DEPLOYMENTS]
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
                 f"Run a retraining cycle (CPU, configs/retrain/tiny.yaml; cycles under {serve_dir / 'runs' / 'retrain'}"
                 "): the first trains; run it again after adding slides to the sample folder and it trains from the "
                 "champion; with nothing new it is skipped:",
-                f"  {run_hint} 'retrain/retrain-cpu' --watch",
+                f"  {run_hint} 'retrain/retrain-cpu'",
             ]
         print("\n".join(lines), flush=True)
 
