@@ -133,6 +133,52 @@ def ensure_experiment(name: str, uri: str) -> str:
     return mlflow.set_experiment(name).experiment_id
 
 
+@contextlib.contextmanager
+def parent_run(
+    cfg: TrackingConfig, run_name: str, tags: Mapping[str, str], *, reopen: str | None = None, find: str | None = None
+) -> Iterator[str | None]:
+    """A run that stage runs nest under (a pipeline's, a retraining cycle's), or None when tracking is off.
+
+    Reopens `reopen` (a run id), else the first run matching the search filter `find` (a retried attempt), else
+    creates one with `tags`. Ends FINISHED, or FAILED when the block raises."""
+    if not cfg.enabled:
+        yield None
+        return
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
+    client = MlflowClient(tracking_uri=uri)
+    experiment = ensure_experiment(cfg.experiment, uri)
+    run_id = reopen
+    if run_id is None and find:
+        found = client.search_runs([experiment], filter_string=find, max_results=1)
+        run_id = found[0].info.run_id if found else None
+    if run_id:
+        client.update_run(run_id, status="RUNNING")
+    else:
+        run_id = client.create_run(experiment, run_name=run_name, tags=dict(tags)).info.run_id
+    with terminated_after(client, run_id):
+        yield run_id
+
+
+def log_config_params(tracking: TrackingConfig, run_id: str | None, cfg: Any) -> None:
+    """A typed config, flattened (`pretrain.config`, `trigger.min_new_slides`, …), as the params of a parent run.
+    Params are write-once: a retried run skips those it already has."""
+    if run_id is None:
+        return
+    from mlflow import MlflowClient
+
+    from dinov3_core.config import flat_params
+
+    client = MlflowClient(tracking_uri=tracking_uri(tracking))
+    existing = client.get_run(run_id).data.params
+    for key, value in flat_params(cfg).items():
+        if key not in existing:
+            client.log_param(run_id, key, ("null" if value is None else str(value))[:6000])
+
+
 def log_params(params: Mapping[str, Any]) -> None:
     """Log params, skipping keys that already hold a value (params are write-once in MLflow)."""
     import mlflow

@@ -48,8 +48,11 @@ def where_everything_is(summary: Mapping[str, Any], experiment: str, seconds: fl
     gram = (stages.get("gram") or {}).get("summary") or {}
     export = (stages.get("export") or {}).get("summary") or {}
     uri = summary.get("tracking_uri") or ""
+    evaluate = (stages.get("evaluate") or {}).get("summary") or {}
+    promoted = " → promoted to @champion" if evaluate.get("promoted") else ""
     registered = (
-        f"  (registered as {export['registered_model']} v{export.get('model_version')} @{export.get('alias')})"
+        f"  (registered as {export['registered_model']} v{export.get('model_version')} @{export.get('alias')}"
+        f"{promoted})"
         if export.get("registered_model")
         else ""
     )

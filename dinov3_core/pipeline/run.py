@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core import tracking
-from dinov3_core.config import ConfigError, flatten, to_dict
+from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.pipeline.config import PipelineConfig, resolve_weights
 from dinov3_core.stage_choice import build_stage_config
@@ -183,8 +183,7 @@ def check_weights(weights: Path, pretrain: Any) -> None:
     from dinov3_core.models.arch_inference import infer_backbone_kwargs
     from dinov3_core.models.released import read_backbone_state_dict
     from dinov3_core.models.state_dict_check import ReleasedWeightsError
-    from dinov3_core.models.vision_transformer import backbone_kwargs
-    from dinov3_core.train.config import backbone_overrides
+    from dinov3_core.train.config import structure_mismatch
 
     if pretrain.student.arch == "auto":
         return
@@ -192,11 +191,8 @@ def check_weights(weights: Path, pretrain: Any) -> None:
         name, theirs = infer_backbone_kwargs(read_backbone_state_dict(weights), source=str(weights))
     except ReleasedWeightsError as err:
         raise ConfigError(f"weights: {err}") from None
-    ours = backbone_kwargs(pretrain.student.arch, **backbone_overrides(pretrain))
-    shape = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
-    diff = {k: (theirs.get(k), ours.get(k)) for k in shape if theirs.get(k) != ours.get(k)}
-    if diff:
-        said = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
+    said = structure_mismatch(theirs, pretrain)
+    if said:
         raise ConfigError(
             f"weights {weights} ({name or 'not a released variant'}) do not fit the pretrain config's "
             f"student.arch={pretrain.student.arch} ({said}, file vs config); choose the --config of that model "
@@ -227,36 +223,17 @@ def _kept_anything(outcomes: Mapping[str, Mapping[str, Any]]) -> bool:
 def pipeline_mlflow_run(cfg: PipelineConfig, tags: Mapping[str, str], attempt_key: str | None) -> Iterator[str | None]:
     """The pipeline's parent run (None when tracking is off); stage runs nest under it. A retry with the same
     attempt key reopens its run. Ends FINISHED, or FAILED when the block raises."""
-    if not cfg.tracking.enabled:
-        yield None
-        return
-    import mlflow
-    from mlflow import MlflowClient
-
-    uri = tracking.tracking_uri(cfg.tracking)
-    mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
-    client = MlflowClient(tracking_uri=uri)
-    experiment_id = tracking.ensure_experiment(cfg.tracking.experiment, uri)
-    existing = []
-    if attempt_key:
-        query = f"tags.`{ATTEMPT_TAG}` = '{attempt_key}' and tags.`{PIPELINE_TAG}` = 'true'"
-        existing = client.search_runs([experiment_id], filter_string=query, max_results=1)
-    if existing:
-        run_id = existing[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
-    else:
-        all_tags = {
-            **dict(tags),
-            PIPELINE_TAG: "true",
-            tracking.STAGE_TAG: "pipeline",
-            "wsidino.workdir": str(Path(cfg.workdir).expanduser().resolve()),
-            "wsidino.stages": ",".join(cfg.selected()),
-            **({ATTEMPT_TAG: attempt_key} if attempt_key else {}),
-        }
-        name = tags.get("prefect.flow_run_name")
-        run_name = f"pipeline/{name}" if name else "pipeline"
-        run_id = client.create_run(experiment_id, run_name=run_name, tags=all_tags).info.run_id  # fmt: skip
-    with tracking.terminated_after(client, run_id):
+    all_tags = {
+        **dict(tags),
+        PIPELINE_TAG: "true",
+        tracking.STAGE_TAG: "pipeline",
+        "wsidino.workdir": str(Path(cfg.workdir).expanduser().resolve()),
+        "wsidino.stages": ",".join(cfg.selected()),
+        **({ATTEMPT_TAG: attempt_key} if attempt_key else {}),
+    }
+    name = tags.get("prefect.flow_run_name")
+    find = f"tags.`{ATTEMPT_TAG}` = '{attempt_key}' and tags.`{PIPELINE_TAG}` = 'true'" if attempt_key else None
+    with tracking.parent_run(cfg.tracking, f"pipeline/{name}" if name else "pipeline", all_tags, find=find) as run_id:
         yield run_id
 
 
@@ -266,12 +243,10 @@ def record(cfg: PipelineConfig, run_id: str | None, summary: Mapping[str, Any]) 
         return
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
-    existing = client.get_run(run_id).data.params
-    for key, value in flatten(to_dict(cfg)).items():
-        if key not in existing:  # a retried run logs the same parameters again; params are write-once
-            client.log_param(run_id, key, ("null" if value is None else str(value))[:6000])
-    client.log_dict(run_id, dict(summary), "pipeline_summary.json")
+    tracking.log_config_params(cfg.tracking, run_id, cfg)
+    MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking)).log_dict(
+        run_id, dict(summary), "pipeline_summary.json"
+    )
 
 
 def _summary(cfg: PipelineConfig, outcomes: Mapping[str, Mapping[str, Any]], run_id: str | None) -> dict[str, Any]:

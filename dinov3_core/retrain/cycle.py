@@ -228,24 +228,18 @@ def registry_uri(cfg: RetrainConfig) -> str:
     return tracking.tracking_uri(cfg.tracking)
 
 
-STRUCTURE = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
-
-
 def check_architecture(weights: Path, pretrain: Any, version: str, name: str) -> None:
     """The champion must have the shape the pretrain config trains (checked on the constructor settings convert
     wrote beside the backbone, so it fails here and not inside the training job)."""
-    from dinov3_core.models.vision_transformer import backbone_kwargs
-    from dinov3_core.train.config import backbone_overrides
+    from dinov3_core.train.config import structure_mismatch
 
     arch_file = weights.parent / "config.yaml"
     doc = (yaml.safe_load(arch_file.read_text()) if arch_file.is_file() else None) or {}
     theirs = doc.get("backbone_kwargs") or {}
     if pretrain.student.arch == "auto" or not theirs:
         return  # auto reads the architecture from the champion itself
-    ours = backbone_kwargs(pretrain.student.arch, **backbone_overrides(pretrain))
-    diff = {k: (theirs[k], ours[k]) for k in STRUCTURE if k in theirs and k in ours and theirs[k] != ours[k]}
-    if diff:
-        said = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
+    said = structure_mismatch(theirs, pretrain)
+    if said:
         raise RetrainError(
             f"the champion ({name} v{version}, {weights}) does not have the architecture the pretrain config "
             f"trains (student.arch={pretrain.student.arch}: {said}, champion vs config). Set pretrain.student.arch "

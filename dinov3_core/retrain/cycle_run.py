@@ -8,7 +8,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dinov3_core import tracking
-from dinov3_core.config import flatten, to_dict
 from dinov3_core.retrain.config import RetrainConfig
 from dinov3_core.retrain.cycles import CycleRecord
 
@@ -18,26 +17,9 @@ RETRAIN_TAG = "wsidino.retrain"
 @contextlib.contextmanager
 def cycle_mlflow_run(cfg: RetrainConfig, record: CycleRecord, tags: Mapping[str, str]) -> Iterator[str | None]:
     """The cycle's parent run (None when tracking is off): FINISHED at the end, FAILED when the block raises."""
-    if not cfg.tracking.enabled:
-        yield None
-        return
-    import mlflow
-    from mlflow import MlflowClient
-
-    uri = tracking.tracking_uri(cfg.tracking)
-    mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
-    client = MlflowClient(tracking_uri=uri)
-    if record.mlflow_run_id:
-        run_id = record.mlflow_run_id
-        client.update_run(run_id, status="RUNNING")
-    else:
-        experiment = tracking.ensure_experiment(cfg.tracking.experiment, uri)
-        all_tags = {**dict(tags), RETRAIN_TAG: "true", "wsidino.cycle": record.id, "wsidino.stage": "retrain"}
-        run_id = client.create_run(experiment, run_name=f"retrain/{record.id}", tags=all_tags).info.run_id
-        flat = flatten(to_dict(cfg))
-        for key, value in flat.items():
-            client.log_param(run_id, key, ("null" if value is None else str(value))[:6000])
-    with tracking.terminated_after(client, run_id):
+    all_tags = {**dict(tags), RETRAIN_TAG: "true", "wsidino.cycle": record.id, "wsidino.stage": "retrain"}
+    with tracking.parent_run(cfg.tracking, f"retrain/{record.id}", all_tags, reopen=record.mlflow_run_id) as run_id:
+        tracking.log_config_params(cfg.tracking, run_id, cfg)
         yield run_id
 
 

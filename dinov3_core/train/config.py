@@ -10,6 +10,7 @@ Schedule lengths are in DINOv3 "epochs" of `train.epoch_length` iterations (upst
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -300,6 +301,20 @@ def start_summary(cfg: PretrainConfig, resume_from: Any = None) -> str:
 
 def epochs_to_iterations(cfg: PretrainConfig, epochs: float) -> int:
     return round(epochs * cfg.train.epoch_length)
+
+
+# What makes two backbones' weights interchangeable: a warm start must match these exactly.
+STRUCTURE = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
+
+
+def structure_mismatch(theirs: Mapping[str, Any], cfg: PretrainConfig) -> str:
+    """The structural settings in which a backbone's constructor kwargs (`theirs`) differ from what `cfg` trains,
+    as "embed_dim 64 vs 768, …" (theirs vs the config's); empty when they fit or a setting is unknown."""
+    from dinov3_core.models.vision_transformer import backbone_kwargs
+
+    ours = backbone_kwargs(cfg.student.arch, **backbone_overrides(cfg))
+    diff = {k: (theirs[k], ours[k]) for k in STRUCTURE if k in theirs and k in ours and theirs[k] != ours[k]}
+    return ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
 
 
 def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
