@@ -116,7 +116,8 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
         "",
         f"- Architecture: {arch.get('arch', 'see the backbone config')} ({shape})",
         f"- Files: `{onnx}` (ONNX, outputs {', '.join(export.get('outputs', []))}; max abs difference to PyTorch "
-        f"{export.get('max_abs_error', float('nan')):.1e}), weights `{weights}` (released DINOv3 key layout)",
+        f"{export.get('max_abs_error', float('nan')):.1e}, {export.get('max_rel_error', float('nan')):.1e} of the "
+        f"output scale), weights `{weights}` (released DINOv3 key layout)",
         "- Input: RGB tiles scaled to [0, 1], normalised with ImageNet mean (0.485, 0.456, 0.406) and std "
         "(0.229, 0.224, 0.225); side a multiple of the patch size",
     ]
