@@ -55,6 +55,9 @@ class ExportConfig:
     # output|), so it means the same for a random model (|x| ~ 1) and a trained one (LayerNorm'd tokens ~ 10).
     parity_tolerance: float = 1e-4
     parity_rtol: float = 1e-5
+    # also write the backbone as a Hugging Face transformers model directory, `hf/` beside the ONNX file
+    # (DINOv3ViTModel / AutoModel.from_pretrained, offline; needs the `hf` extra), checked like the ONNX model
+    huggingface: bool = False
     register_name: str = "wsidino-backbone"  # MLflow registered model name (when tracking.enabled)
     register_alias: str = "candidate"
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -17,6 +17,7 @@ from dinov3_core.files import write_text_atomic
 from dinov3_core.tiling import store as ts
 
 CARD_FILE = "MODEL_CARD.md"
+HF_DIR, HF_CARD = "hf", "README.md"  # the Hugging Face copy of the model carries the same card as its README
 SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
 EVALUATION_HEADING = "## Evaluation"
 INTENDED_USE = """## Intended use and limits
@@ -137,7 +138,10 @@ def add_evaluation(candidate: Path, table: str, decision: str) -> Path | None:
     before, _, rest = text.partition(EVALUATION_HEADING)
     after = rest[rest.index("## Intended use") :] if "## Intended use" in rest else INTENDED_USE
     body = table.replace("# Evaluation\n", "").strip()
-    return write_text_atomic(card, f"{before}{EVALUATION_HEADING}\n\n{body}\n\nDecision: {decision}\n\n{after}")
+    text = f"{before}{EVALUATION_HEADING}\n\n{body}\n\nDecision: {decision}\n\n{after}"
+    if (card.parent / HF_DIR / HF_CARD).is_file():
+        write_text_atomic(card.parent / HF_DIR / HF_CARD, text)
+    return write_text_atomic(card, text)
 
 
-__all__ = ["CARD_FILE", "add_evaluation", "training_record", "write_model_card"]
+__all__ = ["CARD_FILE", "HF_CARD", "HF_DIR", "add_evaluation", "training_record", "write_model_card"]
