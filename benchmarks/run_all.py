@@ -24,6 +24,7 @@ SCRIPTS = [
     "evaluate.py",
     "training_health.py",
     "stage_manifest.py",
+    "onnx_parity.py",
 ]
 
 

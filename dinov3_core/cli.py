@@ -35,7 +35,7 @@ OVERRIDE_EXAMPLES: dict[str, str] = {
     "pretrain": "optim.epochs=30 train.stop_at=100 train.batch_size_per_gpu=32",
     "gram": "gram.teacher_policy=best_dense train.stop_at=50",
     "convert": "which=student safetensors=true",
-    "export": "fp16=true register_alias=candidate",
+    "export": "fp16=true huggingface=true register_alias=candidate",
     "evaluate": "gate.margin=0.01 probe.bootstrap=2000",
     "extract": "batch_size=128 patch_tokens=true",
 }
@@ -182,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--input", help="a ckpt/<iteration>/ directory, or a run directory (latest checkpoint)")
     convert.add_argument("--output-dir", help="where backbone.pth and config.yaml go")
 
-    export = stage_parser("export", "backbone.pth → ONNX (dynamic batch and size), checked with ONNX Runtime.")
+    export = stage_parser(
+        "export",
+        "backbone.pth → ONNX (dynamic batch and size), checked with ONNX Runtime; with huggingface=true also a "
+        "transformers model directory (hf/), checked the same way.",
+    )
     export.add_argument("--weights", help="backbone.pth or .safetensors (e.g. from wsidino convert)")
     export.add_argument("--output", help="model.onnx path")
 

@@ -125,6 +125,8 @@ def _export_outputs(cfg: ExportConfig) -> dict[str, str]:
     data = Path(f"{cfg.output}.data")
     if data.exists():
         out["onnx_data"] = str(data)
+    if cfg.huggingface:
+        out["huggingface"] = str(Path(cfg.output).parent / "hf" / "model.safetensors")
     return out
 
 

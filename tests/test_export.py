@@ -19,6 +19,8 @@ def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted
     assert result.max_abs_error < 1e-4
     assert {(r["batch"], r["height"], r["width"]) for r in result.parity} == {(1, 32, 64), (1, 64, 32), (3, 32, 64),
                                                                                (3, 64, 32)}  # fmt: skip
+    errors = [e for r in result.parity for e in r["outputs"].values()]
+    assert all(e["rel"] == pytest.approx(e["abs"] / e["scale"]) for e in errors) and result.max_rel_error < 1e-5
     proto = onnx.load(str(result.path))
     ops = {node.op_type for node in proto.graph.node}
     assert not ops & FORBIDDEN_OPS and {"Sin", "Cos", "Range"} <= ops  # RoPE computed in the graph
@@ -105,3 +107,23 @@ def test_timeout_and_bad_weights_give_clear_errors(converted, tmp_path) -> None:
     torch.save({"foo": torch.zeros(1)}, bad)
     with pytest.raises((WsidinoError, ValueError)):
         run_export(load_config(ExportConfig, "default", {**values, "weights": str(bad)}, stage="export"))
+
+
+def test_the_parity_gate_is_relative_to_the_output_scale(converted, tmp_path) -> None:
+    """Weights whose outputs are 10,000× larger (a scaled final LayerNorm) have 10,000× larger absolute errors in
+    fp32: the gate, relative to each output's scale, passes them; an absolute-only gate (parity_rtol=0) cannot."""
+    import shutil
+
+    state = torch.load(converted, map_location="cpu", weights_only=True)
+    state = {k: v * 1e4 if k in ("norm.weight", "norm.bias") else v for k, v in state.items()}
+    scaled = tmp_path / "scaled" / "backbone.pth"
+    scaled.parent.mkdir()
+    torch.save(state, scaled)
+    shutil.copy(converted.parent / "config.yaml", scaled.parent / "config.yaml")
+    values = {"weights": str(scaled), "output": str(tmp_path / "scaled.onnx"), "parity_sizes": [32],
+              "parity_batches": [2], "tracking.enabled": False}  # fmt: skip
+    result = run_export(load_config(ExportConfig, "default", values, stage="export"))
+    scales = [e["scale"] for r in result.parity for e in r["outputs"].values()]
+    assert min(scales) > 1e3 and result.max_rel_error < 1e-5 < result.max_abs_error / 1e3
+    with pytest.raises(WsidinoError, match="parity_rtol=0"):
+        run_export(load_config(ExportConfig, "default", {**values, "parity_rtol": 0.0}, stage="export"))

@@ -16,6 +16,7 @@ from dinov3_core.losses import (
     KoLeoLoss,
     LossesConfig,
     SSLLossWeights,
+    dino_pair_count,
     dino_teacher_targets,
     ibot_teacher_targets,
     iBOTPatchLoss,
@@ -145,6 +146,18 @@ def test_dino_loss_matches_explicit_loops() -> None:
     assert full.item() == pytest.approx(_explicit_dino(student_global, teacher, 0.1, False), rel=1e-5)
 
 
+@pytest.mark.parametrize(("n_student", "n_teacher"), [(4, 2), (2, 3), (1, 2)])
+def test_dino_loss_ignores_the_diagonal_of_a_rectangular_crop_matrix(n_student: int, n_teacher: int) -> None:
+    """Different student and teacher crop counts (e.g. 4 local student crops against 2 global teacher crops):
+    pairs (i, i) for i < min(S_s, S_t) are left out and the normaliser counts the rest, as upstream does."""
+    gen = torch.Generator().manual_seed(11)
+    teacher = dino_teacher_targets(torch.randn(n_teacher, 3, 7, generator=gen), 0.05)
+    student = torch.randn(n_student, 3, 7, generator=gen)
+    got = DINOLoss(student_temp=0.1)(student, teacher, ignore_diagonal=True)
+    assert got.item() == pytest.approx(_explicit_dino(student, teacher, 0.1, True), rel=1e-5)
+    assert dino_pair_count(n_student, n_teacher, True) == n_student * n_teacher - min(n_student, n_teacher)
+
+
 # ----------------------------------------------------------------------------------------------- iBOT
 
 
@@ -236,9 +249,7 @@ def _explicit_gram(student, teacher, img_level: bool, remove_neg: bool, teacher_
                 s_ij, t_ij = float(s_vecs[i] @ s_vecs[j]), float(t_vecs[i] @ t_vecs[j])
                 if remove_neg:
                     s_ij, t_ij = max(s_ij, 0.0), max(t_ij, 0.0)
-                elif teacher_only:
-                    if s_ij < 0 and t_ij < 0:
-                        s_ij = 0.0
+                elif teacher_only:  # upstream: target clamped first, so its "both negative" student mask is empty
                     t_ij = max(t_ij, 0.0)
                 total += (s_ij - t_ij) ** 2
                 count += 1

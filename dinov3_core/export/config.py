@@ -51,7 +51,13 @@ class ExportConfig:
     timeout_s: float = 1800.0  # the export runs in a spawned process, killed after this
     parity_sizes: list[int] = field(default_factory=lambda: [32, 64])  # image sides checked against PyTorch
     parity_batches: list[int] = field(default_factory=lambda: [1, 3])
-    parity_tolerance: float = 1e-4  # max abs error allowed (fp32)
+    # fp32 parity gate, per output: max abs error ≤ parity_tolerance + parity_rtol × the output's scale (max |PyTorch
+    # output|), so it means the same for a random model (|x| ~ 1) and a trained one (LayerNorm'd tokens ~ 10).
+    parity_tolerance: float = 1e-4
+    parity_rtol: float = 1e-5
+    # also write the backbone as a Hugging Face transformers model directory, `hf/` beside the ONNX file
+    # (DINOv3ViTModel / AutoModel.from_pretrained, offline; needs the `hf` extra), checked like the ONNX model
+    huggingface: bool = False
     register_name: str = "wsidino-backbone"  # MLflow registered model name (when tracking.enabled)
     register_alias: str = "candidate"
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

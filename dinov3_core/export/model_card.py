@@ -17,6 +17,7 @@ from dinov3_core.files import write_text_atomic
 from dinov3_core.tiling import store as ts
 
 CARD_FILE = "MODEL_CARD.md"
+HF_DIR, HF_CARD = "hf", "README.md"  # the Hugging Face copy of the model carries the same card as its README
 SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
 EVALUATION_HEADING = "## Evaluation"
 INTENDED_USE = """## Intended use and limits
@@ -116,7 +117,8 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
         "",
         f"- Architecture: {arch.get('arch', 'see the backbone config')} ({shape})",
         f"- Files: `{onnx}` (ONNX, outputs {', '.join(export.get('outputs', []))}; max abs difference to PyTorch "
-        f"{export.get('max_abs_error', float('nan')):.1e}), weights `{weights}` (released DINOv3 key layout)",
+        f"{export.get('max_abs_error', float('nan')):.1e}, {export.get('max_rel_error', float('nan')):.1e} of the "
+        f"output scale), weights `{weights}` (released DINOv3 key layout)",
         "- Input: RGB tiles scaled to [0, 1], normalised with ImageNet mean (0.485, 0.456, 0.406) and std "
         "(0.229, 0.224, 0.225); side a multiple of the patch size",
     ]
@@ -136,7 +138,10 @@ def add_evaluation(candidate: Path, table: str, decision: str) -> Path | None:
     before, _, rest = text.partition(EVALUATION_HEADING)
     after = rest[rest.index("## Intended use") :] if "## Intended use" in rest else INTENDED_USE
     body = table.replace("# Evaluation\n", "").strip()
-    return write_text_atomic(card, f"{before}{EVALUATION_HEADING}\n\n{body}\n\nDecision: {decision}\n\n{after}")
+    text = f"{before}{EVALUATION_HEADING}\n\n{body}\n\nDecision: {decision}\n\n{after}"
+    if (card.parent / HF_DIR / HF_CARD).is_file():
+        write_text_atomic(card.parent / HF_DIR / HF_CARD, text)
+    return write_text_atomic(card, text)
 
 
-__all__ = ["CARD_FILE", "add_evaluation", "training_record", "write_model_card"]
+__all__ = ["CARD_FILE", "HF_CARD", "HF_DIR", "add_evaluation", "training_record", "write_model_card"]

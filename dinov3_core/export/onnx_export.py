@@ -87,9 +87,12 @@ class ExportResult:
     n_nodes: int
     op_types: list[str]
     outputs: list[str]
-    parity: list[dict[str, Any]] = field(default_factory=list)  # per (batch, size): max abs error per output
+    # per (batch, size) and output: max abs error, the output's scale (max |PyTorch|) and their ratio
+    parity: list[dict[str, Any]] = field(default_factory=list)
     max_abs_error: float = 0.0
+    max_rel_error: float = 0.0  # max abs error / output scale, worst over outputs and shapes
     fp16_max_abs_error: float | None = None
+    fp16_max_rel_error: float | None = None
     export_seconds: float = 0.0
     model_uri: str | None = None
     model_version: str | None = None
@@ -198,14 +201,32 @@ def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None
     return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
 
 
+@dataclass
+class Parity:
+    """ONNX Runtime vs PyTorch on random inputs: per (batch, size) and output, the max abs error, the output's
+    scale (max |PyTorch value|) and the relative error (abs / scale)."""
+
+    rows: list[dict[str, Any]]
+    worst_abs: float
+    worst_rel: float
+
+    def within(self, atol: float, rtol: float) -> bool:
+        """Every output of every shape: abs error ≤ atol + rtol × its scale (and finite)."""
+        return all(
+            np.isfinite(e["abs"]) and e["abs"] <= atol + rtol * e["scale"]
+            for r in self.rows
+            for e in r["outputs"].values()
+        )
+
+
 def check_parity(
     path: Path, model: nn.Module, sizes: list[int], batches: list[int], half: bool = False, seed: int = 0
-) -> tuple[list[dict[str, Any]], float]:
-    """ONNX Runtime vs PyTorch on random inputs: per (batch, size), the max abs error of each output."""
+) -> Parity:
+    """ONNX Runtime vs PyTorch (fp32 reference) on random inputs of each batch and (non-square) size."""
     session = ort_session(path)
     names = [o.name for o in session.get_outputs()]
     gen = torch.Generator().manual_seed(seed)
-    rows, worst = [], 0.0
+    rows, worst_abs, worst_rel = [], 0.0, 0.0
     for b in batches:
         for i, s in enumerate(sizes):
             w = sizes[(i + 1) % len(sizes)]  # non-square as well
@@ -215,13 +236,15 @@ def check_parity(
             ref = ref if isinstance(ref, tuple) else (ref,)
             feed = x.half().numpy() if half else x.numpy()
             got = session.run(None, {INPUT_NAME: feed})
-            errs = {
-                n: float(np.abs(g.astype(np.float32) - r.float().numpy()).max())
-                for n, g, r in zip(names, got, ref, strict=True)
-            }
-            rows.append({"batch": b, "height": s, "width": w, **errs})
-            worst = max(worst, *errs.values())
-    return rows, worst
+            outputs = {}
+            for n, g, r in zip(names, got, ref, strict=True):
+                want = r.float().numpy()
+                err = float(np.abs(g.astype(np.float32) - want).max())
+                scale = float(np.abs(want).max())
+                outputs[n] = {"abs": err, "scale": scale, "rel": err / max(scale, 1e-12)}
+                worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, outputs[n]["rel"])
+            rows.append({"batch": b, "height": s, "width": w, "outputs": outputs})
+    return Parity(rows, worst_abs, worst_rel)
 
 
 EXPORT_KEY_TAG = "wsidino.export_key"
@@ -256,7 +279,8 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
 
     params = {"weights": cfg.weights, "pooled": cfg.pooled, "fp16": cfg.fp16, "n_nodes": result.n_nodes}
     with tracking.stage_run(cfg.tracking, "export", params=params, tags={"wsidino.stage": "export"}):
-        tracking.log_metrics({"max_abs_error": result.max_abs_error, "export_seconds": result.export_seconds})
+        tracking.log_metrics({"max_abs_error": result.max_abs_error, "max_rel_error": result.max_rel_error,
+                              "export_seconds": result.export_seconds})  # fmt: skip
         client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
         key = export_key(cfg)
         existing = registered_version(client, cfg.register_name, key) if cfg.register_name else None
@@ -304,7 +328,8 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     forbidden = FORBIDDEN_OPS & set(info["ops"])
     if forbidden:
         raise ExportError(f"exported graph has {sorted(forbidden)} nodes (TensorRT-hostile); RoPE must be in-graph")
-    rows, worst = check_parity(out, model, list(cfg.parity_sizes), list(cfg.parity_batches))
+    parity = check_parity(out, model, list(cfg.parity_sizes), list(cfg.parity_batches))
+    worst = parity.worst_abs
     result = ExportResult(
         path=out,
         data_path=Path(info["data"]) if info["data"] else None,
@@ -312,23 +337,28 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         n_nodes=info["n_nodes"],
         op_types=info["ops"],
         outputs=info["outputs"],
-        parity=rows,
+        parity=parity.rows,
         max_abs_error=worst,
+        max_rel_error=parity.worst_rel,
         export_seconds=seconds,
     )
-    logger.info("exported %s: %d nodes in %.1f s, max abs error vs PyTorch %.2e", out, result.n_nodes, seconds, worst)
-    if worst > cfg.parity_tolerance or not np.isfinite(worst):
+    logger.info("exported %s: %d nodes in %.1f s, vs PyTorch: max abs error %.2e, relative to the output scale %.2e",
+                out, result.n_nodes, seconds, worst, parity.worst_rel)  # fmt: skip
+    if not parity.within(cfg.parity_tolerance, cfg.parity_rtol):
         raise ExportError(
-            f"ONNX model {out} differs from PyTorch by {worst:.3g} > parity_tolerance={cfg.parity_tolerance:g} "
-            f"(per shape: {rows})"
+            f"ONNX model {out} differs from PyTorch by {worst:.3g} (relative {parity.worst_rel:.3g}): more than "
+            f"parity_tolerance={cfg.parity_tolerance:g} + parity_rtol={cfg.parity_rtol:g} × the output's scale "
+            f"(per shape: {parity.rows})"
         )
     if cfg.fp16:
         half = out.with_name(f"{out.stem}_fp16{out.suffix}")
         export_in_subprocess(cfg.timeout_s, output=str(half), half=True, **common)
         onnx.checker.check_model(str(half))
-        _, result.fp16_max_abs_error = check_parity(half, model, list(cfg.parity_sizes)[:1], [1], half=True)
+        fp16 = check_parity(half, model, list(cfg.parity_sizes)[:1], [1], half=True)
+        result.fp16_max_abs_error, result.fp16_max_rel_error = fp16.worst_abs, fp16.worst_rel
         result.fp16_path = half
-        logger.info("fp16 variant %s: max abs error vs fp32 PyTorch %.2e", half, result.fp16_max_abs_error)
+        logger.info("fp16 variant %s: vs fp32 PyTorch max abs error %.2e, relative %.2e", half, fp16.worst_abs,
+                    fp16.worst_rel)  # fmt: skip
     if cfg.tracking.enabled:
         _log_mlflow(cfg, result)
     return result

@@ -47,8 +47,10 @@ class GramLoss(nn.Module):
       masked tokens); MSE = Σ/N². It couples images, so it depends on the (micro-)batch composition, like the
       official per-GPU version.
     * `remove_neg`: negative similarities of BOTH matrices are set to 0.
-    * `remove_only_teacher_neg`: teacher negatives are set to 0, and student entries are zeroed only where
-      both are negative (the student is still pushed up where it is negative but the teacher is not).
+    * `remove_only_teacher_neg`: teacher negatives are set to 0; the student matrix is left as it is. Upstream
+      (facebookresearch/dinov3 `dinov3/loss/gram_loss.py`, HEAD 6876159) also zeroes student entries where both
+      are negative, but evaluates that condition after clamping the teacher, so it never fires: this matches what
+      upstream computes, and the student is pushed towards 0 wherever it is negative.
     """
 
     def __init__(
@@ -99,7 +101,5 @@ class GramLoss(nn.Module):
             student_sim = student_sim.clamp_min(0.0)
             teacher_sim = teacher_sim.clamp_min(0.0)
         elif self.remove_only_teacher_neg:
-            both_negative = (student_sim < 0) & (teacher_sim < 0)
-            student_sim = student_sim.masked_fill(both_negative, 0.0)
             teacher_sim = teacher_sim.clamp_min(0.0)
         return F.mse_loss(student_sim, teacher_sim)
