@@ -75,7 +75,7 @@ def _config(stage: str, args: argparse.Namespace) -> Any:
     return load_config(STAGE_SPECS[stage].schema(), args.config or DEFAULT_CONFIG.get(stage), values, stage=stage)
 
 
-def _progress(stage: str, cfg: Any) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+def tile_progress(stage: str, cfg: Any) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """Tile and extract progress: a bar on a terminal, else log lines with rate and ETA (dinov3_core.progress)."""
     from dinov3_core.progress import Progress
 
@@ -98,7 +98,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
     if stage == "tile":
-        hooks.progress, close_bar = _progress(stage, cfg)
+        hooks.progress, close_bar = tile_progress(stage, cfg)
     launch = None
     if stage in ("pretrain", "gram"):
         launch = LaunchSettings(

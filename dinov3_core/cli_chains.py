@@ -20,7 +20,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     with the stage runner of this process."""
     import time
 
-    from dinov3_core.cli import _progress
+    from dinov3_core.cli import tile_progress
     from dinov3_core.launch import TorchrunFailed
     from dinov3_core.launch.training import LaunchSettings
     from dinov3_core.pipeline.config import load_pipeline_config
@@ -44,7 +44,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         hooks = RunHooks(parent_run_id=parent)
         close_bar: Callable[[], None] = lambda: None  # noqa: E731
         if stage == "tile":
-            hooks.progress, close_bar = _progress(stage, stage_cfg)
+            hooks.progress, close_bar = tile_progress(stage, stage_cfg)
         training = stage in ("pretrain", "gram")
         try:
             return run_stage(stage, stage_cfg, force=force, launch=launch if training else None, hooks=hooks).as_dict()

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dinov3_core.errors import WsidinoError
+from dinov3_core.export.onnx_export import within_tolerance
 
 HF_DTYPE = torch.float32
 
@@ -202,7 +203,7 @@ def _tiles(fields: dict[str, Any]) -> Tensor:
 def _compare(hf: Any, ours: Any, fields: dict[str, Any], atol: float, rtol: float) -> tuple[float, float]:
     """Within atol + rtol × scale on CLS and patch tokens, or an error naming the first differing layer."""
     worst_abs, worst_rel, pairs = _differences(hf, ours, fields)
-    if any(err > atol + rtol * scale for err, scale in pairs):
+    if not all(within_tolerance(err, scale, atol, rtol) for err, scale in pairs):
         x = _tiles(fields)
         with torch.no_grad():
             out = hf(pixel_values=x, output_hidden_states=True)
@@ -229,7 +230,7 @@ def _first_differing_layer(hidden_states: Any, ours: Any, x: Tensor, atol: float
             handle.remove()
     for i, (theirs, mine) in enumerate(zip(hidden_states[1:], outputs, strict=False)):
         err, scale = float((theirs - mine).abs().max()), float(mine.abs().max())
-        if err > atol + rtol * scale:
+        if not within_tolerance(err, scale, atol, rtol):
             return f"layer {i} (model.layer.{i} vs blocks.{i}: max abs difference {err:.3g})"
     return "the final norm (every layer matched)"
 

@@ -201,6 +201,11 @@ def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None
     return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
 
 
+def within_tolerance(err: float, scale: float, atol: float, rtol: float) -> bool:
+    """The export gate for one output: finite, and abs error ≤ atol + rtol × the output's scale (max |value|)."""
+    return bool(np.isfinite(err)) and err <= atol + rtol * scale
+
+
 @dataclass
 class Parity:
     """ONNX Runtime vs PyTorch on random inputs: per (batch, size) and output, the max abs error, the output's
@@ -212,11 +217,7 @@ class Parity:
 
     def within(self, atol: float, rtol: float) -> bool:
         """Every output of every shape: abs error ≤ atol + rtol × its scale (and finite)."""
-        return all(
-            np.isfinite(e["abs"]) and e["abs"] <= atol + rtol * e["scale"]
-            for r in self.rows
-            for e in r["outputs"].values()
-        )
+        return all(within_tolerance(e["abs"], e["scale"], atol, rtol) for r in self.rows for e in r["outputs"].values())
 
 
 def check_parity(
