@@ -20,6 +20,9 @@ class ConvertConfig:
     which: Literal["teacher", "student"] = "teacher"
     safetensors: bool = False  # also write backbone.safetensors
     full_consolidation: bool = False  # also write every key of the checkpoint into full.pt (dcp_to_torch_save)
+    # A LoRA run (student.lora.rank > 0): backbone.pth always has the adapters merged in; this also writes the
+    # unmerged adapter tensors (adapter.safetensors) and their settings (adapter.yaml) beside it.
+    save_adapter: bool = False
     # Which checkpoint of a run: the latest (DCP), or the teacher-only eval checkpoint with the best kNN balanced
     # accuracy on `annotations` of `store` (dinov3_core.evaluate.checkpoints; the curve lands in <run>/eval/).
     select: Literal["latest", "best_knn"] = "latest"

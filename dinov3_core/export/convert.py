@@ -7,6 +7,10 @@
 Only `model.<which>.backbone.*` is read: the tensors are chosen from the checkpoint's `.metadata` and loaded with
 a partial-load planner in one CPU process (no optimizer state, any number of ranks wrote it; dinov3-facts §13,
 distributed-facts §6). `full_consolidation: true` also writes every key into `full.pt` (needs RAM for all).
+
+A LoRA run's checkpoint holds peft keys (`….base_layer.weight`, `….lora_A.default.weight`): they are merged
+(W + alpha/r · B@A, settings from the checkpoint's meta.json, else the run's config.yaml) so `backbone.pth` has the
+released layout; `save_adapter: true` also writes the adapter alone (`adapter.safetensors` + `adapter.yaml`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
 from dinov3_core.files import atomic_path
 from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
+from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
@@ -43,6 +48,8 @@ BACKBONE_FILE = "backbone.pth"
 SAFETENSORS_FILE = "backbone.safetensors"
 ARCH_FILE = "config.yaml"
 FULL_FILE = "full.pt"
+ADAPTER_FILE = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter.yaml"
 # Training-only constructor settings: left out of the exported architecture.
 _TRAINING_ONLY = ("drop_path_rate",)
 
@@ -59,6 +66,7 @@ class ConvertResult:
     arch_config: Path
     safetensors: Path | None
     full: Path | None
+    adapter: Path | None  # adapter.safetensors (save_adapter on a LoRA run)
     n_tensors: int
     backbone_bytes: int
     checkpoint_bytes: int  # size of the DCP directory
@@ -159,6 +167,39 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
     return name or "inferred", kwargs
 
 
+def lora_settings(ckpt: Path) -> dict[str, Any]:
+    """`student.lora` of the run that wrote `ckpt`: its meta.json (`adaptation.lora`), else its config.yaml."""
+    from dinov3_core.train.checkpoint import read_meta
+
+    lora = (read_meta(ckpt).get("adaptation") or {}).get("lora")
+    if lora:
+        return dict(lora)
+    run_cfg = _run_config(ckpt)
+    doc = yaml.safe_load(run_cfg.read_text()) if run_cfg is not None else None
+    lora = ((doc or {}).get("student") or {}).get("lora") if isinstance(doc, dict) else None
+    if not lora:
+        raise ConvertError(
+            f"checkpoint {ckpt} holds LoRA adapters but neither its meta.json nor the run's config.yaml records "
+            "student.lora (alpha / rank are needed to merge them); put the run's config.yaml beside ckpt/"
+        )
+    return dict(lora)
+
+
+def merge_checkpoint_lora(ckpt: Path, sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor], dict]:
+    """(merged released-layout state dict, adapter tensors, LoRA settings); no LoRA keys: (sd, {}, {})."""
+    adapter = {k: v for k, v in sd.items() if LORA_KEY in k}
+    if not adapter:
+        return sd, {}, {}
+    settings = lora_settings(ckpt)
+    rank = next(v.shape[0] for k, v in adapter.items() if ".lora_A." in k)
+    if int(settings.get("rank", 0)) != rank:
+        raise ConvertError(
+            f"checkpoint {ckpt}: LoRA tensors have rank {rank} but the recorded student.lora.rank is "
+            f"{settings.get('rank')}; the run's config.yaml does not belong to this checkpoint"
+        )
+    return merge_lora_state_dict(sd, float(settings["alpha"]) / rank), adapter, settings
+
+
 def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
     with atomic_path(path) as tmp:
         if path.suffix == ".safetensors":
@@ -181,6 +222,12 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         from dinov3_core.train.checkpoint import read_meta
 
         iteration = read_meta(ckpt).get("iteration", int(ckpt.name) if ckpt.name.isdigit() else None)
+    sd, adapter, lora = merge_checkpoint_lora(ckpt, sd)
+    if cfg.save_adapter and not adapter:
+        raise ConvertError(
+            f"save_adapter=true but {ckpt} holds no LoRA adapters (trained without student.lora, or an eval "
+            "checkpoint, whose adapters are already merged): set save_adapter=false"
+        )
     arch, kwargs = resolve_backbone_kwargs(ckpt, sd)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,10 +244,20 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         full = out / FULL_FILE
         with atomic_path(full) as tmp:
             dcp_to_torch_save(ckpt, tmp)
+    adapter_path = None
+    if cfg.save_adapter:
+        adapter_path = out / ADAPTER_FILE
+        _save_tensors(adapter, adapter_path)
+        doc = {"lora": lora, "scaling": float(lora["alpha"]) / int(lora["rank"]),
+               "target_modules": sorted({k.split(".lora_")[0] for k in adapter}),
+               "base": {"arch": arch, "backbone_kwargs": kwargs}, "source": str(ckpt.resolve())}  # fmt: skip
+        with atomic_path(out / ADAPTER_CONFIG) as tmp:
+            tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
     arch_doc = {
         "arch": arch,
         "backbone_kwargs": kwargs,
         "source": {"checkpoint": str(ckpt.resolve()), "which": cfg.which, "iteration": iteration},
+        "lora_merged": lora or None,
         "convert_config": yaml.safe_load(to_yaml(cfg)),
     }
     arch_path = out / ARCH_FILE
@@ -213,6 +270,7 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
         arch_config=arch_path,
         safetensors=st,
         full=full,
+        adapter=adapter_path,
         n_tensors=len(sd),
         backbone_bytes=backbone.stat().st_size,
         checkpoint_bytes=dir_bytes(ckpt),

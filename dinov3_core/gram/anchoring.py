@@ -42,6 +42,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.gram import teacher as T
 from dinov3_core.gram.config import GramConfig, validate_gram
 from dinov3_core.losses.gram import GramLoss, resize_patch_tokens
+from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.models.released import backbone_state_dict
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import health_probe as HP
@@ -238,8 +239,12 @@ class GramTrainer(Trainer):
 
     @torch.no_grad()
     def refresh_gram_teacher(self, iteration: int) -> None:
-        """Copy the EMA teacher's backbone into the gram teacher (all ranks: gathers under FSDP)."""
-        state = backbone_state_dict(self.model.teacher["backbone"])
+        """Copy the EMA teacher's backbone into the gram teacher (all ranks: gathers under FSDP). A LoRA teacher is
+        merged on the way (the gram teacher is a plain backbone, released key layout)."""
+        teacher = self.model.teacher["backbone"]
+        state = backbone_state_dict(teacher)
+        if has_lora(teacher):
+            state = merge_lora_state_dict(state, lora_scalings(teacher))
         self.gram.teacher.load_state_dict(state, strict=True)
         self.gram_updates += 1
         logger.info(

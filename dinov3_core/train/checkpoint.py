@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dinov3_core.errors import WsidinoError
+from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.train.distributed import DistEnv, barrier
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ def check_compatible(path: Path, model: nn.Module) -> None:
         for k, shape in expected.items()
         if k in saved_model and saved_model[k] != shape
     ]
+    _check_lora(path, saved, expected)
+    _check_trainable(path, saved, model)
     if missing or unexpected or misshaped:
         details = "; ".join(
             f"{title} ({len(items)}): {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
@@ -111,6 +114,52 @@ def check_compatible(path: Path, model: nn.Module) -> None:
             f"checkpoint {path} was written by a different architecture than this config builds ({details}). "
             "Nothing was changed. Use a new output_dir for this config, or the config the checkpoint was "
             "trained with (see its meta.json and config.yaml)"
+        )
+
+
+def _lora_rank(shapes: dict[str, tuple[int, ...]]) -> int:
+    """LoRA rank of a model's keys: rows of any `lora_A` weight ([r, in]), 0 without LoRA."""
+    return next((shape[0] for key, shape in shapes.items() if ".lora_A." in key), 0)
+
+
+def _check_lora(path: Path, saved: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """LoRA on one side only, another rank, or adapters on other layers: say which setting to change, before the
+    generic key listing (whose `base_layer` / `lora_A` names would leave the person guessing)."""
+    saved_shapes = {k: tuple(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")}
+    ours, theirs = _lora_rank(expected), _lora_rank(saved_shapes)
+    lora_keys = {k for k in (*saved_shapes, *expected) if ".lora_" in k}
+    meta = read_meta(path).get("adaptation", {})
+    if ours != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with student.lora.rank={theirs} (meta.json adaptation: "
+            f"{meta or 'not recorded'}) but this config has student.lora.rank={ours}. Nothing was changed. Set "
+            f"student.lora.rank={theirs} (and the checkpoint's other student.lora / student.freeze_blocks settings) "
+            "to resume it, or use a new output_dir for this config"
+        )
+    if any((k in saved_shapes) != (k in expected) for k in lora_keys):
+        raise CheckpointError(
+            f"checkpoint {path} has LoRA adapters on other layers than this config (student.lora.targets / "
+            f"student.freeze_blocks; checkpoint meta.json adaptation: {meta or 'not recorded'}). Nothing was "
+            "changed. Use the checkpoint's settings to resume it, or a new output_dir for this config"
+        )
+
+
+def _check_trainable(path: Path, saved: dict[str, Any], model: nn.Module) -> None:
+    """The parameters with AdamW state in the checkpoint must be the ones this config trains (frozen ones have
+    none): another `student.freeze_blocks` would otherwise fail inside the load, after config.yaml is written."""
+    from dinov3_core.train.param_groups import clean_param_name
+
+    prefix, suffix = "optimizer.state.", ".exp_avg"
+    theirs = {k[len(prefix) : -len(suffix)] for k in saved if k.startswith(prefix) and k.endswith(suffix)}
+    ours = {clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    if theirs and theirs != ours:
+        frozen_here, trained_here = sorted(theirs - ours), sorted(ours - theirs)
+        raise CheckpointError(
+            f"checkpoint {path} trained other parameters than this config (checkpoint meta.json adaptation: "
+            f"{read_meta(path).get('adaptation') or 'not recorded'}; trained there, frozen here: "
+            f"{len(frozen_here)} {frozen_here[:3]}; trained here only: {len(trained_here)} {trained_here[:3]}). "
+            "Nothing was changed. Set student.freeze_blocks / student.freeze_patch_embed as the checkpoint was "
+            "trained to resume it, or use a new output_dir for this config"
         )
 
 
@@ -223,8 +272,13 @@ def teacher_full_state_dict(teacher: nn.Module, env: DistEnv) -> dict[str, Tenso
 
 
 def save_eval_teacher(output_dir: Path, iteration: int, teacher: nn.Module, env: DistEnv) -> Path:
-    """`eval/training_<it>/teacher_checkpoint.pth` = {"teacher": full CPU state dict}; rank 0 writes, atomically."""
+    """`eval/training_<it>/teacher_checkpoint.pth` = {"teacher": full CPU state dict}; rank 0 writes, atomically.
+
+    LoRA adapters are merged into the base weights (on the CPU copy; the teacher is untouched), so the file has
+    the released key layout every consumer (gram teacher, evaluate, convert best_knn, warm start) loads strictly."""
     state = teacher_full_state_dict(teacher, env)
+    if has_lora(teacher) and env.is_main:
+        state = merge_lora_state_dict(state, lora_scalings(teacher))
     path = eval_checkpoint_path(output_dir, iteration)
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,28 @@ class CropsConfig(AugmentationConfig):
         require(0.0 <= lo < hi <= 1.0, "mask_ratio", f"must satisfy 0 <= min < max <= 1, got {[lo, hi]}")
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "ffn")  # dinov3_core.models.adaptation.TARGETS
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters on the student backbone's Linear layers (peft); the teacher follows them by EMA."""
+
+    rank: int = 0  # 0: off (every backbone weight trains, as upstream)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter input (student only: the teacher runs in eval mode)
+    # qkv, proj (attention), fc1, fc2 (GELU MLP), ffn (every FFN linear, SwiGLU w1/w2/w3 included)
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj"])
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 0, "rank", f"must be >= 0 (0: no LoRA), got {self.rank}")
+        require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        require(bool(self.targets), "targets", f"must name at least one of {list(LORA_TARGETS)}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        require(not unknown, "targets", f"unknown {unknown}; valid: {list(LORA_TARGETS)}")
+
+
 @dataclass
 class StudentConfig:
     """Backbone architecture, or a released backbone to continue from (warm start with fresh heads)."""
@@ -68,8 +90,16 @@ class StudentConfig:
     layerscale: float | None = None  # null: the arch's own setting (released archs: 1e-5)
     n_storage_tokens: int | None = None  # null: the arch's own setting (released archs: 4)
     backbone_overrides: dict[str, Any] = field(default_factory=dict)  # any other DinoVisionTransformer kwarg
+    # Parameter-efficient adaptation (dinov3_core.models.adaptation): the first freeze_blocks blocks get no
+    # gradient; with freeze_patch_embed also the patch embedding and learned tokens, so backward stops at block
+    # K (less activation memory). Checked against the depth when the model is built.
+    freeze_blocks: int = 0
+    freeze_patch_embed: bool = True
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        require(self.freeze_blocks >= 0, "freeze_blocks", f"must be >= 0 (0: every block trains), got "
+                                                          f"{self.freeze_blocks}")  # fmt: skip
         require(
             self.arch != "auto" or bool(self.pretrained_weights),
             "arch",
@@ -327,6 +357,13 @@ def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
         out["n_storage_tokens"] = s.n_storage_tokens
     out.update(s.backbone_overrides)
     return out
+
+
+def adaptation_meta(cfg: PretrainConfig) -> dict[str, Any]:
+    """The settings that shape the trainable model (checkpoint meta.json: convert merges LoRA with them)."""
+    s = cfg.student
+    lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "targets": list(s.lora.targets)}
+    return {"freeze_blocks": s.freeze_blocks, "freeze_patch_embed": s.freeze_patch_embed, "lora": lora}
 
 
 def head_kwargs(head: HeadConfig) -> dict[str, int]:

@@ -205,6 +205,7 @@ class Trainer:
             "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps,
             "config_hash": core_config.config_hash(self.cfg),
+            "adaptation": C.adaptation_meta(self.cfg),  # student.lora / freeze_blocks: convert and resume read it
         }
 
     # -------------------------------------------------------------------------------------------- loop

@@ -5,13 +5,17 @@
 
 The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the weights under FSDP):
 
-* weights, grads, AdamW: student fp32 params 4P/W, grads 4P/W (4P when accumulating under FSDP: unsharded
-  gradients are kept between micro-batches), AdamW 8P/W; EMA teacher 4P/W.
-* activations of one micro-batch image: Σ_crops tokens × depth × (17.3·D + 125·heads) saved elements per
+* weights, grads, AdamW: student fp32 params 4P/W, grads 4T/W (4T when accumulating under FSDP: unsharded
+  gradients are kept between micro-batches), AdamW 8T/W; EMA teacher 4P/W. T = trainable parameters: all of P
+  by default, fewer with `student.lora` (adapters + heads) or `student.freeze_blocks` (frozen ones get neither
+  gradients nor optimizer state; the weights and the teacher stay full size).
+* activations of one micro-batch image: Σ_crops tokens × depth' × (17.3·D + 125·heads) saved elements per
   token and block (measured with saved-tensor hooks on this backbone: 19.3·D per token-block for ViT-S), or
   ≈ (D + 125·heads) with activation checkpointing plus one block recomputed; heads: per DINO row
   4·hidden + 3·bottleneck + 2·K, DINO rows = S_g + S_l per image, iBOT rows = expected masked patches.
-  Elements are 4 bytes in fp32 and 2.5 on average in bf16 (norms and softmax stay fp32).
+  Elements are 4 bytes in fp32 and 2.5 on average in bf16 (norms and softmax stay fp32). depth' = the blocks
+  backward reaches: depth − K when blocks < K and everything before them are frozen (freeze_blocks with
+  freeze_patch_embed, or LoRA from block K), else depth. LoRA's own r-wide activations are left out (r ≪ D).
 * step buffers (whole rank step, whatever the micro-batch): crops, uint8 tiles, teacher logits and Sinkhorn
   targets (fp32, ×2 for the transient), KoLeo features.
 * loader workers (host budget only): a Python+torch process each plus its prefetched step batches.
@@ -50,6 +54,8 @@ class ModelShape:
     n_storage_tokens: int
     student_params: int
     teacher_params: int
+    trainable_params: int  # student parameters with requires_grad: what gets gradients and AdamW states
+    trained_depth: int  # blocks whose activations backward needs (depth − frozen leading blocks)
     dino_prototypes: int
     ibot_prototypes: int
     head_hidden: int
@@ -60,6 +66,7 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
     """Sizes of a built student (`ModuleDict(backbone, dino_head, ibot_head)`); the teacher is its copy."""
     vit = student["backbone"]
     params = sum(p.numel() for p in student.parameters())
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     return ModelShape(
         embed_dim=vit.embed_dim,
         depth=len(vit.blocks),
@@ -68,6 +75,8 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
         n_storage_tokens=vit.n_storage_tokens,
         student_params=params,
         teacher_params=params,
+        trainable_params=trainable,
+        trained_depth=len(vit.blocks) - frozen_prefix(vit),
         dino_prototypes=cfg.heads.dino.n_prototypes,
         ibot_prototypes=cfg.heads.ibot.n_prototypes,
         head_hidden=max(cfg.heads.dino.hidden_dim, cfg.heads.ibot.hidden_dim),
@@ -75,10 +84,25 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
     )
 
 
+def frozen_prefix(vit: nn.Module) -> int:
+    """Leading blocks backward never enters: K when blocks < K and everything before them (patch embedding,
+    tokens) need no gradient, else 0."""
+    from dinov3_core.models.adaptation import EMBEDDINGS
+
+    if any(p.requires_grad for name, p in vit.named_parameters() if name.split(".")[0] in EMBEDDINGS):
+        return 0
+    for i, block in enumerate(vit.blocks):
+        if any(p.requires_grad for p in block.parameters()):
+            return i
+    return len(vit.blocks)
+
+
 def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelShape:
-    """Sizes of the configured model, built on the meta device (no memory). `backbone`: constructor kwargs
-    when already known (a warm start reads them from the file)."""
+    """Sizes of the configured model, built on the meta device (no memory), with its `student.freeze_blocks` /
+    `student.lora` applied (peft injects adapters on the meta device too), so the trainable count is exact.
+    `backbone`: constructor kwargs when already known (a warm start reads them from the file)."""
     from dinov3_core.models import DINOHead, DinoVisionTransformer
+    from dinov3_core.models.adaptation import apply_adaptation
 
     kwargs = backbone if backbone is not None else backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
     with torch.device("meta"):
@@ -90,6 +114,8 @@ def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelSha
                 "ibot_head": DINOHead(vit.embed_dim, **C.head_kwargs(cfg.heads.ibot)),
             }
         )
+        s = cfg.student
+        apply_adaptation(vit, freeze_blocks=s.freeze_blocks, freeze_patch_embed=s.freeze_patch_embed, lora=s.lora)
     return shape_of(student, cfg)
 
 
@@ -145,9 +171,10 @@ def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, ch
     """Elements the student backbone saves for backward per image (all its crops)."""
     tokens = sum(tokens_per_image(cfg, shape))
     per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
     if checkpointing:  # block inputs kept, one block's activations recomputed at a time
-        return tokens * (shape.depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
-    return tokens * shape.depth * per_token_block
+        return tokens * (depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
+    return tokens * depth * per_token_block
 
 
 def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
@@ -201,14 +228,14 @@ def estimate_memory(
     bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
     shard = world_size  # FSDP shards over every rank (one process: world_size 1)
     accumulating = step_batch > micro_batch
-    p_s, p_t = shape.student_params, shape.teacher_params
+    p_s, p_t, p_train = shape.student_params, shape.teacher_params, shape.trainable_params
     activations = micro_batch * activation_bytes_per_image(
         cfg, shape, bf16=bf16, checkpointing=cfg.train.activation_checkpointing
     )
     return MemoryEstimate(
         weights=int(4 * p_s / shard),
-        grads=int(4 * p_s / (1 if accumulating and world_size > 1 else shard)),
-        optimizer=int(8 * p_s / shard),
+        grads=int(4 * p_train / (1 if accumulating and world_size > 1 else shard)),
+        optimizer=int(8 * p_train / shard),
         teacher=int(4 * p_t / shard),
         activations=int(SAFETY * activations),
         step_buffers=int(step_buffer_bytes(cfg, shape, step_batch, world_size)),

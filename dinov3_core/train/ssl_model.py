@@ -31,6 +31,7 @@ from dinov3_core.losses import (
     iBOTPatchLoss,
 )
 from dinov3_core.models import DINOHead, ReleasedWeightsError, build_backbone, build_student_teacher_from_released
+from dinov3_core.models.adaptation import apply_adaptation, lora_state_dict
 from dinov3_core.train import config as C
 
 LOSS_NAMES = ("dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "total_loss")
@@ -199,9 +200,18 @@ class SSLMetaArch(nn.Module):
 
     @torch.no_grad()
     def update_teacher(self, momentum: float) -> None:
-        """θ_t ← m·θ_t + (1−m)·θ_s on parameters (buffers are constant), on local shards under FSDP."""
-        teacher = [_local(p) for p in self.teacher.parameters()]
-        student = [_local(p) for p in self.student.parameters()]
+        """θ_t ← m·θ_t + (1−m)·θ_s on parameters (buffers are constant), on local shards under FSDP.
+
+        Only the pairs whose student parameter trains: frozen ones (LoRA base weights, frozen blocks) are equal
+        in both and never change, so averaging them would only cost time."""
+        pairs = [
+            (_local(t), _local(s))
+            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True)
+            if s.requires_grad
+        ]
+        if not pairs:
+            return
+        teacher, student = (list(x) for x in zip(*pairs, strict=True))
         torch._foreach_mul_(teacher, momentum)
         torch._foreach_add_(teacher, student, alpha=1.0 - momentum)
 
@@ -233,6 +243,19 @@ class BuiltModel:
     model: SSLMetaArch
     arch: str  # label: preset / released name, or "inferred from the file"
     backbone_kwargs: dict
+
+
+def adapt(student: nn.ModuleDict, teacher: nn.ModuleDict, s: C.StudentConfig) -> None:
+    """`student.freeze_blocks` / `student.lora` on the student backbone, and the same LoRA structure on the teacher's
+    with the student's adapter tensors copied in: both start identical (LoRA B is zero, so equal to the base model)
+    and the EMA then runs on the same parameterisation. Heads always train fully."""
+    settings = {"freeze_blocks": s.freeze_blocks, "freeze_patch_embed": s.freeze_patch_embed, "lora": s.lora}
+    apply_adaptation(student["backbone"], **settings)
+    if s.lora.rank > 0:
+        apply_adaptation(teacher["backbone"], **settings)
+        loaded = teacher["backbone"].load_state_dict(lora_state_dict(student["backbone"]), strict=False)
+        assert not loaded.unexpected_keys, loaded.unexpected_keys  # same structure: every adapter has its twin
+    teacher.requires_grad_(False)
 
 
 def build_ssl_model(cfg: C.PretrainConfig, meta_arch: type[SSLMetaArch] | None = None) -> BuiltModel:
@@ -277,6 +300,7 @@ def build_ssl_model(cfg: C.PretrainConfig, meta_arch: type[SSLMetaArch] | None =
         for block in teacher["backbone"].blocks:
             block.sample_drop_ratio = 0.0
         kwargs, arch = dict(overrides), cfg.student.arch
+    adapt(student, teacher, cfg.student)
     model = (meta_arch or SSLMetaArch)(
         student,
         teacher,
