@@ -60,9 +60,7 @@ def lora_target_names(backbone: nn.Module, targets: Sequence[str], first_block: 
             continue
         for sub, module in block.named_modules():
             if isinstance(module, nn.Linear) and any(
-                sub == path or (path.endswith(".") and sub.startswith(path))
-                for t in targets
-                for path in TARGETS[t]
+                sub == path or (path.endswith(".") and sub.startswith(path)) for t in targets for path in TARGETS[t]
             ):
                 names.append(f"blocks.{i}.{sub}")
     missing = [t for t in targets if not any(_matches(n, t) for n in names)]
