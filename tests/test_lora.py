@@ -64,9 +64,10 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def warm(store: Path, out: Path, weights: Path, **extra: Any) -> dict[str, Any]:
-    return pretrain_values(
-        store, out, **{**RUN, "student.arch": "auto", "student.pretrained_weights": str(weights), **extra}
-    )
+    # The arch named (not auto), so that the gram stage can inherit it.
+    arch = {"student.arch": "vit_test", "student.n_storage_tokens": 4, "student.layerscale": 1e-5,
+            "student.backbone_overrides": {"mask_k_bias": True}}  # fmt: skip
+    return pretrain_values(store, out, **{**RUN, **arch, "student.pretrained_weights": str(weights), **extra})
 
 
 def cfg_of(values: dict[str, Any]):
@@ -94,6 +95,15 @@ def optimizer_params(state: dict[str, Any]) -> set[str]:
 
 def images() -> torch.Tensor:
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def arch_of(values: dict[str, Any]) -> dict[str, Any]:
+    """The run's backbone kwargs (the preset's bf16 RoPE included: inferred from the file it would be fp32)."""
+    from dinov3_core.models import backbone_kwargs
+    from dinov3_core.train.config import backbone_overrides
+
+    cfg = cfg_of(values)
+    return backbone_kwargs(cfg.student.arch, **backbone_overrides(cfg))
 
 
 def adapted_teacher(values: dict[str, Any], ckpt: Path) -> nn.Module:
@@ -147,12 +157,12 @@ def test_merged_lora_loads_strictly_with_the_same_outputs(lora_run, tmp_path) ->
     with torch.no_grad():
         expected = teacher(images(), is_training=True)["x_norm_patchtokens"]
     # the eval teacher file: merged at save time, released layout, strict load
-    eval_model = load_released_backbone(out / "eval" / "training_1" / "teacher_checkpoint.pth")
+    eval_model = load_released_backbone(out / "eval" / "training_1" / "teacher_checkpoint.pth", arch_of(values))
     # convert: merged from the DCP checkpoint; save_adapter writes the adapter alone
     result = run_convert(
         load_config(ConvertConfig, None, {"input": str(out), "output_dir": str(tmp_path), "save_adapter": True})
     )
-    converted = load_released_backbone(result.backbone)
+    converted = load_released_backbone(result.backbone, arch_of(values))
     # peft's own merge on the module
     merged = merge_lora(teacher)
     assert not has_lora(merged)
@@ -322,7 +332,36 @@ def test_lora_under_fsdp2_trains_and_resumes(stage_tile_store: Path, weights: Pa
     teacher = adapted_teacher(first, out / "ckpt" / "2")
     with torch.no_grad():
         expected = teacher(images(), is_training=True)["x_norm_patchtokens"]
-        got = load_released_backbone(out / "eval" / "training_2" / "teacher_checkpoint.pth")(
+        got = load_released_backbone(out / "eval" / "training_2" / "teacher_checkpoint.pth", arch_of(first))(
             images(), is_training=True
         )["x_norm_patchtokens"]
     assert (got - expected).abs().max().item() < 1e-5  # gathered, merged eval teacher = the sharded LoRA teacher
+
+
+# ------------------------------------------------------------------------------------------------ gram
+
+
+def test_gram_continues_a_lora_run_with_lora(lora_run, stage_tile_store: Path, tmp_path: Path) -> None:
+    """The gram stage inherits student.lora, resumes the LoRA checkpoint and refreshes its (plain) gram teacher
+    from the merged LoRA teacher."""
+    from dinov3_core.gram.anchoring import run_gram
+    from dinov3_core.gram.config import GramConfig
+
+    values = {
+        "tracking.enabled": False,
+        "pretrain_dir": str(lora_run["out"]),
+        "data.stores": [str(stage_tile_store)],
+        "output_dir": str(tmp_path / "gram"),
+        "train.batch_size_per_gpu": 4,
+        "train.global_batch_size": 8,
+        "train.stop_at": 2,
+        "health.probe_tiles": 0,
+        "gram.update_frequency": 1,  # a refresh after stage iteration 0: merges the LoRA teacher
+    }
+    result = run_gram(load_config(GramConfig, "tiny", values, stage="gram"))
+    assert result.gram_updates >= 1
+    state = load_dcp(tmp_path / "gram" / "ckpt" / str(result.end_iteration - 1))
+    assert any(".lora_A." in k for k in state["model"])
+    before = initial_student(lora_run["values"])
+    moved = changed(before, state["model"], "student.")
+    assert {k for k in moved if not k.startswith(HEADS)} == {k for k in before if ".lora_" in k}

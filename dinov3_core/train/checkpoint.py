@@ -103,7 +103,6 @@ def check_compatible(path: Path, model: nn.Module) -> None:
         if k in saved_model and saved_model[k] != shape
     ]
     _check_lora(path, saved, expected)
-    _check_trainable(path, saved, model)
     if missing or unexpected or misshaped:
         details = "; ".join(
             f"{title} ({len(items)}): {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
@@ -115,6 +114,7 @@ def check_compatible(path: Path, model: nn.Module) -> None:
             "Nothing was changed. Use a new output_dir for this config, or the config the checkpoint was "
             "trained with (see its meta.json and config.yaml)"
         )
+    _check_trainable(path, saved, model)
 
 
 def _lora_rank(shapes: dict[str, tuple[int, ...]]) -> int:
