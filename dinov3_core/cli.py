@@ -16,7 +16,7 @@ from typing import Any
 
 from dinov3_core.cli_chains import add_chain_commands
 from dinov3_core.config import ConfigError, config_dir, load_config, parse_overrides
-from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WsidinoError
+from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WsidinoError, exit_code
 
 # Each stage's options that map onto config keys (option dest → config key).
 STAGE_OPTIONS: dict[str, dict[str, str]] = {
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except WsidinoError as err:
         print(f"wsidino {args.command}: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_code(err)  # a run that stopped itself (RunStopped) kept its output: rerun to resume
     except ValueError as err:  # launch settings out of bounds (pydantic names the field)
         print(f"wsidino {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -7,3 +7,13 @@ class WsidinoError(Exception):
 
 # Exit codes of the `wsidino` commands: done, a stage failed (rerun to resume), bad input (fix it first).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class RunStopped(WsidinoError):
+    """A run that stopped itself after saving its state (a checkpoint): diverging, or out of memory with nothing left
+    to re-plan. Unlike bad input its output is kept; the CLI exits with EXIT_FAILED (fix the cause, rerun to resume)."""
+
+
+def exit_code(err: WsidinoError) -> int:
+    """EXIT_FAILED for a run that stopped itself (rerun to resume), EXIT_USAGE for bad input (fix it first)."""
+    return EXIT_FAILED if isinstance(err, RunStopped) else EXIT_USAGE

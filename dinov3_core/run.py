@@ -36,7 +36,7 @@ from typing import Any, Literal
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
 from dinov3_core.config import describe_changes, flat_params, to_yaml
-from dinov3_core.errors import WsidinoError
+from dinov3_core.errors import RunStopped, WsidinoError
 from dinov3_core.launch import TorchrunFailed, run_torchrun
 from dinov3_core.launch.training import LaunchSettings, training_job
 from dinov3_core.stage_specs import STAGE_SPECS, StageSpec
@@ -221,7 +221,7 @@ class OutputsMissing(WsidinoError):
 
 def _bad_input(err: BaseException) -> bool:
     """The run stopped before doing anything worth keeping: bad input, here or in a training rank (exit 2)."""
-    if isinstance(err, OutputsMissing):
+    if isinstance(err, OutputsMissing | RunStopped):  # a stopped run keeps its checkpoints
         return False
     return isinstance(err, WsidinoError) or (isinstance(err, TorchrunFailed) and err.rank_exit_code == 2)
 
@@ -284,14 +284,18 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     metrics = out / "training_metrics.json"
     if metrics.is_file():
-        lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
-        if lines:
-            last = json.loads(lines[-1])
+        rows = [r for r in map(json.loads, filter(str.strip, metrics.read_text().splitlines())) if "event" not in r]
+        if rows:  # event lines (memory re-plans) are not steps
+            last = rows[-1]
             summary["iteration"] = last.get("iteration")
             for key in SUMMARY_KEYS:
                 if isinstance(last.get(key), int | float):
                     summary[key] = round(float(last[key]), 4)
-            probed = [r for r in map(json.loads, lines) if isinstance(r.get("effective_rank"), int | float)]
+            replans = sum(1 for r in map(json.loads, filter(str.strip, metrics.read_text().splitlines()))
+                          if r.get("event") == "memory_replan")  # fmt: skip
+            if replans:
+                summary["memory_replans"] = replans
+            probed = [r for r in rows if isinstance(r.get("effective_rank"), int | float)]
             if probed:  # the health probe's latest scores (dinov3_core.train.health_probe)
                 summary |= {k: round(float(probed[-1][k]), 4) for k in ("effective_rank", "invariance")}
     health = out / "health.json"

@@ -204,6 +204,13 @@ def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
+def set_tag(key: str, value: str) -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag(key, value[:5000])
+
+
 STAGE_TAG = "wsidino.stage"
 
 

@@ -206,6 +206,8 @@ class _TrainingArtifacts:
         new_probe = False
         for line in filter(str.strip, lines):
             record = json.loads(line)
+            if "event" in record:  # a memory re-plan, not a step: its figures are on the step lines
+                continue
             self.latest = record
             if isinstance(record.get("effective_rank"), int | float):
                 self.probe, new_probe = record, True

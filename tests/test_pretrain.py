@@ -185,7 +185,7 @@ def test_auto_batch_size_plans_accumulation_to_fit_the_budget(reference, small_t
     result = run_pretrain(cfg)
     assert (result.micro_batch, result.accumulation_steps, result.global_batch) == (4, 2, 8)
     rows = read_metrics(cfg_out(cfg) / "training_metrics.json")
-    assert rows[-1]["local_batch_size"] == 4 and rows[-1]["accumulation_steps"] == 2
+    assert rows[-1]["micro_batch_size"] == 4 and rows[-1]["accumulation_steps"] == 2
     assert_same_params(cfg_out(cfg) / "ckpt" / "1", reference["out"] / "ckpt" / "1")
     assert sorted(p.name for p in (cfg_out(cfg) / "ckpt").iterdir()) == ["0_keep", "1", "1_keep"]
 

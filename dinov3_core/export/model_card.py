@@ -37,7 +37,8 @@ def _yaml(path: Path) -> dict[str, Any]:
 def _last_metrics(run: Path) -> dict[str, Any]:
     path = run / "training_metrics.json"
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return json.loads(lines[-1]) if lines else {}
+    steps = [r for r in map(json.loads, lines) if "event" not in r]  # event lines: memory re-plans
+    return steps[-1] if steps else {}
 
 
 def _data(doc: dict[str, Any]) -> dict[str, Any]:

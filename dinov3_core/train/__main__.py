@@ -18,10 +18,8 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
-from dinov3_core.errors import WsidinoError
+from dinov3_core.errors import WsidinoError, exit_code
 from dinov3_core.procutil import die_with_parent
-
-EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_pretrain(cfg)
     except WsidinoError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return exit_code(err)  # 2: bad input (the stage removes what it created), 1: stopped, output kept
     if os.environ.get("RANK", "0") != "0":
         return 0
     print(

@@ -201,9 +201,18 @@ class TrainConfig:
     nan_patience: int = 3  # stop after this many consecutive non-finite losses (those steps are skipped)
     memory_budget_gb: float | None = None  # auto batch: per-rank budget; null: GPU memory or a share of RAM
     host_memory_fraction: float = 0.5  # auto batch on CPU: share of host RAM all local ranks may use
+    # Watch memory while training and re-plan on sustained pressure (dinov3_core.train.memory_watch): fewer loader
+    # workers, then a smaller micro-batch with more accumulation (same global batch), then activation checkpointing.
+    # The limit is memory_budget_gb × memory_watch_threshold (null budget: GPU memory on GPU, this rank's share of
+    # host RAM on CPU); host-wide low available memory or swapping in also count as pressure.
+    memory_watch: bool = True
+    memory_watch_period: int = 5  # iterations between checks (a window: its peak memory decides)
+    memory_watch_patience: int = 3  # consecutive windows over the limit before re-planning (a spike is not pressure)
+    memory_watch_threshold: float = 1.0  # share of the budget a window's peak may reach
 
     def __post_init__(self) -> None:
-        for key in ("epoch_length", "accumulation_steps", "log_period", "gc_period", "nan_patience"):
+        for key in ("epoch_length", "accumulation_steps", "log_period", "gc_period", "nan_patience",
+                    "memory_watch_period", "memory_watch_patience"):  # fmt: skip
             require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         bs = self.batch_size_per_gpu
         if isinstance(bs, str):
@@ -218,6 +227,12 @@ class TrainConfig:
         for key in ("global_batch_size", "stop_at"):
             value = getattr(self, key)
             require(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
+        require(self.memory_watch_threshold > 0, "memory_watch_threshold", "must be > 0 (a share of the budget)")
+        require(
+            self.memory_budget_gb is None or self.memory_budget_gb > 0,
+            "memory_budget_gb",
+            f"must be > 0 GiB or null, got {self.memory_budget_gb}",
+        )
 
 
 @dataclass

@@ -28,7 +28,8 @@ from dinov3_core import config as core_config
 from dinov3_core import events
 from dinov3_core.data.augment import MultiCropAugmentation
 from dinov3_core.data.masking import IBOTMasks
-from dinov3_core.errors import WsidinoError
+from dinov3_core.errors import RunStopped
+from dinov3_core.models import apply_activation_checkpointing
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import health_probe as HP
@@ -41,6 +42,16 @@ from dinov3_core.train.health import (
     schedule_summary,
     schedule_warnings,
 )
+from dinov3_core.train.memory_watch import (
+    MemoryWatch,
+    MemoryWindow,
+    Pressure,
+    Replan,
+    RunPlan,
+    next_plan,
+    pressure_limits,
+    release_freed_memory,
+)
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.sampler import SamplerState
@@ -51,14 +62,19 @@ from dinov3_core.train.trainer_setup import (
     checkpoint_to_resume,
     load_training_state,
     open_tiles,
+    plan_from_checkpoint,
     resolve_batch,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingDivergedError(WsidinoError):
+class TrainingDivergedError(RunStopped):
     """Too many consecutive non-finite losses."""
+
+
+class MemoryPressureError(RunStopped):
+    """Sustained memory pressure with nothing left to re-plan (the state is checkpointed first)."""
 
 
 @dataclass
@@ -77,6 +93,7 @@ class PretrainResult:
     metrics_path: Path | None = None
     loss_curve: Path | None = None
     final_losses: dict[str, float] = field(default_factory=dict)
+    memory_replans: int = 0  # re-plans by the memory watch, this invocation and those it resumed
     images_per_second: float = 0.0  # mean over this invocation's iterations (global batch / iteration time)
     health: str = ""  # learning / not learning (and why) / not judged yet: dinov3_core.train.health
 
@@ -109,10 +126,18 @@ class Trainer:
         self.probe_set, self.tiles = HP.prepare(cfg, self.tiles, patch, inherit=self.inherited_probe(cfg))
 
         self.plan = resolve_batch(cfg, env, self.model, self.tiles.tile_size)
-        self.micro_batch, self.accumulation_steps = self.plan.micro_batch, self.plan.accumulation_steps
         self.global_batch = self.plan.global_batch
-        self.rank_batch = self.micro_batch * self.accumulation_steps
         check_batch(cfg, len(self.tiles), self.plan)
+        # What the memory watch may change mid-run (micro-batch × accumulation stays the rank's step batch).
+        self.run_plan = RunPlan(
+            micro_batch=self.plan.micro_batch,
+            accumulation_steps=self.plan.accumulation_steps,
+            num_workers=cfg.data.num_workers,
+            prefetch_factor=cfg.data.prefetch_factor,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+        )
+        self.rank_batch = self.run_plan.step_batch
+        self.memory_replans = 0
 
         parallelize(
             self.model.student,
@@ -126,6 +151,12 @@ class Trainer:
         self.schedules = build_schedules(cfg, self.global_batch)
 
         latest = checkpoint_to_resume(cfg, self.ckpt_root, self.model)
+        resumed_plan, self.memory_replans = plan_from_checkpoint(latest, self.run_plan, env.world_size)
+        if resumed_plan != self.run_plan and env.is_main:
+            logger.info(
+                "%s: starts with the memory watch's plan from %s: %s", self.stage, latest, resumed_plan.describe()
+            )
+        self.set_run_plan(resumed_plan)
 
         # ---- from here on, output_dir is written
         if env.is_main:
@@ -160,22 +191,35 @@ class Trainer:
         try:
             if latest is not None:
                 self._resume(latest)
-            self.sampler, self.loader = build_step_loader(
-                cfg,
-                env,
-                self.tiles,
-                patch_size=self.model.student["backbone"].patch_size,
-                global_batch=self.global_batch,
-                start_iteration=self.start_iteration,
-                start_sample=self.start_sample,
-                stop_iteration=self.stop_iteration,
-            )
+            self.sampler, self.loader = self.build_loader(self.start_iteration, self.start_sample)
         except BaseException:
             self.close()  # in-process callers keep no dangling log handler
             raise
         self.augmentation = MultiCropAugmentation(cfg.crops)
         self.probe = HP.HealthProbe(self.probe_set, env, self.bf16) if self.probe_set else None
         self.nonfinite_streak = 0
+
+    def build_loader(self, start_iteration: int, start_sample: int) -> tuple[Any, Any]:
+        """The step sampler and loader from `start_iteration` on, with the run plan's worker settings."""
+        return build_step_loader(
+            self.cfg,
+            self.env,
+            self.tiles,
+            patch_size=self.model.student["backbone"].patch_size,
+            global_batch=self.global_batch,
+            start_iteration=start_iteration,
+            start_sample=start_sample,
+            stop_iteration=self.stop_iteration,
+            num_workers=self.run_plan.num_workers,
+            prefetch_factor=self.run_plan.prefetch_factor,
+        )
+
+    def set_run_plan(self, plan: RunPlan) -> None:
+        """Adopt `plan` for the coming steps (the loader is rebuilt by the caller when its settings changed)."""
+        self.run_plan = plan
+        self.micro_batch, self.accumulation_steps = plan.micro_batch, plan.accumulation_steps
+        if plan.activation_checkpointing:  # a flag on each block: switching it on needs no re-wrapping
+            apply_activation_checkpointing(self.model.student["backbone"])
 
     def inherited_probe(self, cfg: C.PretrainConfig) -> Path | None:
         """A probe record to reuse when the run has none of its own (the gram stage: its pretraining run's)."""
@@ -204,6 +248,8 @@ class Trainer:
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps,
+            "run_plan": self.run_plan.to_dict(),
+            "memory_replans": self.memory_replans,
             "config_hash": core_config.config_hash(self.cfg),
             "adaptation": C.adaptation_meta(self.cfg),  # student.lora / freeze_blocks: convert and resume read it
         }
@@ -240,6 +286,8 @@ class Trainer:
         for warning in schedule_warnings(cfg, self.stop_iteration) if env.is_main else []:
             logger.warning("%s: %s", self.stage, warning)
         run_time = 0.0
+        memory = self.memory_watch()
+        memory_seen: MemoryWindow | None = None  # the worst window since the last metrics line
         data_iter = iter(self.loader)
         try:
             for iteration in range(self.start_iteration, self.stop_iteration):
@@ -258,6 +306,10 @@ class Trainer:
                 alarm = watch.observe(iteration, {**values, **probe})  # raises under health.policy=stop, all ranks
                 if alarm is not None and env.is_main:
                     logger.warning("%s: %s", self.stage, alarm)
+                pressure = None
+                if memory is not None and ((iteration + 1) % cfg.train.memory_watch_period == 0 or last):
+                    seen, pressure = memory.check()  # collective: same iterations, same verdict on every rank
+                    memory_seen = seen if memory_seen is None else memory_seen.worst(seen)
                 run_time += iter_time
                 window.add({**values, "iter_time": iter_time, "data_time": data_time})
                 result.end_iteration = iteration + 1
@@ -266,9 +318,17 @@ class Trainer:
                 if (iteration + 1) % cfg.train.gc_period == 0:
                     gc.collect()  # same iteration on every rank: no rank stalls a collective alone
                 if probe or (iteration + 1) % cfg.train.log_period == 0 or iteration == self.start_iteration or last:
-                    record = self.log_metrics(iteration, {**window.flush(), **probe})
+                    memory_values = memory_seen.as_metrics() if memory_seen is not None else {}
+                    record = self.log_metrics(iteration, {**window.flush(), **probe, **memory_values})
+                    memory_seen = None
                     if on_metrics is not None and env.is_main:
                         on_metrics(record)
+                if pressure is not None and not last and self.replan(iteration, *pressure, on_metrics=on_metrics):
+                    del data_iter  # stops the old workers; their prefetched steps are read again, identically
+                    self.sampler, self.loader = self.build_loader(
+                        iteration + 1, self.sampler.state_after(iteration).consumed_samples
+                    )
+                    data_iter = iter(self.loader)
                 if self.nonfinite_streak:  # never save a diverging state: a restart resumes from the last good one
                     continue
                 if eval_due:
@@ -281,8 +341,12 @@ class Trainer:
                                 iteration=iteration, rank=env.rank)  # fmt: skip
         finally:
             del data_iter  # stops loader workers
+            if memory is not None:
+                memory.stop()
             gc.unfreeze()  # in-process callers (tests, notebooks) get their collector back as it was
         result.health = watch.verdict()
+        result.micro_batch, result.accumulation_steps = self.micro_batch, self.accumulation_steps  # as re-planned
+        result.memory_replans = self.memory_replans
         if env.is_main:  # the run's verdict for the stage summary (dinov3_core.run) and whoever looks at the run
             (self.output_dir / HEALTH_FILE).write_text(json.dumps({"iteration": result.end_iteration,
                                                                    "verdict": result.health}) + "\n")  # fmt: skip
@@ -290,6 +354,59 @@ class Trainer:
         if env.is_main:
             result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE, self.stage)
         return result
+
+    # ------------------------------------------------------------------------------------------ memory
+
+    def memory_watch(self) -> MemoryWatch | None:
+        """The running memory watch (`train.memory_watch`), its limits from the batch plan's budget."""
+        train = self.cfg.train
+        if not train.memory_watch:
+            return None
+        limits = pressure_limits(
+            budget_bytes=self.plan.budget_bytes,
+            explicit_budget=train.memory_budget_gb is not None,
+            device=self.env.device,
+            local_world_size=self.env.local_world_size,
+            threshold=train.memory_watch_threshold,
+        )
+        return MemoryWatch(limits, train.memory_watch_patience, self.env.device, self.env.distributed).start()
+
+    def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None) -> bool:
+        """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
+        must be rebuilt. With nothing left: checkpoint, then stop with what to change."""
+        step: Replan | None = next_plan(self.run_plan, pressure)
+        if step is None:
+            saved = self.save(iteration) if not self.nonfinite_streak else ckpt.latest_checkpoint(self.ckpt_root)
+            budget = self.cfg.train.memory_budget_gb
+            raise MemoryPressureError(
+                f"training does not fit its memory: {why}, already at {self.run_plan.describe()}. "
+                f"Limit: train.memory_budget_gb={budget if budget is not None else 'null (the machine)'} × "
+                f"train.memory_watch_threshold={self.cfg.train.memory_watch_threshold}. State saved in {saved}; to "
+                "resume, free memory (other programs), raise train.memory_budget_gb, train fewer weights "
+                "(student.lora.rank, student.freeze_blocks), use smaller crops (crops.global_size, crops.local_size, "
+                "crops.n_local_crops) or heads (heads.*.n_prototypes), or more processes; then rerun"
+            )
+        self.memory_replans += 1
+        self.set_run_plan(step.after)
+        release_freed_memory()  # same iteration on every rank, like the scheduled collections
+        event = {
+            "iteration": iteration,
+            "event": "memory_replan",
+            "what": step.what,
+            "why": why,
+            "before": step.before.to_dict(),
+            "after": step.after.to_dict(),
+            **M.batch_fields(self.global_batch, self.micro_batch, self.accumulation_steps),
+        }
+        self.metrics.write(event)
+        if self.env.is_main:
+            logger.warning(
+                "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",
+                self.stage, iteration, why, step.what, step.before.describe(), step.after.describe(),
+            )  # fmt: skip
+            if on_metrics is not None:
+                on_metrics(event)
+        return step.before.num_workers != step.after.num_workers
 
     def save(self, iteration: int) -> Path:
         return ckpt.save_checkpoint(

@@ -140,13 +140,20 @@ def step_record(
         **{k: v for k, v in means.items() if k not in SCHEDULE_KEYS},
         **schedule_values(sched),
         "images_per_s": global_batch / means["iter_time"] if means.get("iter_time") else 0.0,
-        "global_batch_size": global_batch,
-        "local_batch_size": micro_batch,
-        "accumulation_steps": accumulation_steps,
+        **batch_fields(global_batch, micro_batch, accumulation_steps),
         "rss_mb": float(rss.item()),
         "loader_rss_mb": children_rss_mb(),
         "max_rss_mb": max_rss,
         "peak_memory_mb": peak_memory_mb(env.device),
+    }
+
+
+def batch_fields(global_batch: int, micro_batch: int, accumulation_steps: int) -> dict[str, int]:
+    """How the step batch is split, on every metrics line: the memory watch may change it mid-run."""
+    return {
+        "global_batch_size": global_batch,
+        "micro_batch_size": micro_batch,
+        "accumulation_steps": accumulation_steps,
     }
 
 
@@ -192,7 +199,7 @@ LOSS_TERMS = ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", 
 def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain") -> Path | None:
     """Loss terms against iteration and the learning rate (matplotlib, Agg), titled with the stage and the run
     directory. None when there is nothing to plot."""
-    rows = read_metrics(metrics_path)
+    rows = [r for r in read_metrics(metrics_path) if "event" not in r]  # event lines: memory re-plans
     if not rows:
         return None
     import matplotlib

@@ -59,6 +59,13 @@ MLFLOW_METRICS = (
     "iter_time",
     "max_rss_mb",
     "peak_memory_mb",
+    # the memory watch's windows and the batch split it may change (dinov3_core.train.memory_watch)
+    "memory_process_mb",
+    "memory_host_available_mb",
+    "memory_swap_in_mb",
+    "memory_device_mb",
+    "micro_batch_size",
+    "accumulation_steps",
 )
 # The probe's scores (at eval checkpoints only), under the names the issue asks for.
 PROBE_METRICS = {"effective_rank": "health/effective_rank", "invariance": "health/invariance",
@@ -130,6 +137,8 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
         "global_batch_size": trainer.global_batch,
         "micro_batch_per_gpu": trainer.micro_batch,
         "accumulation_steps": trainer.accumulation_steps,
+        "memory_watch": cfg.train.memory_watch,
+        "memory_budget_gb": cfg.train.memory_budget_gb,
         "total_iterations": trainer.total_iterations,
         "epochs": cfg.optim.epochs,
         "epoch_length": cfg.train.epoch_length,
@@ -157,4 +166,7 @@ def mlflow_values(record: dict[str, Any], keys: tuple[str, ...] = MLFLOW_METRICS
 
 
 def _log_to_mlflow(record: dict[str, Any]) -> None:
+    if record.get("event") == "memory_replan":  # a tag per re-plan: what changed, why, before → after
+        text = f"{record['what']}: {record['why']}; {record['before']} -> {record['after']}"
+        tracking.set_tag(f"wsidino.memory_replan.{record['iteration']}", text)
     tracking.log_metrics(mlflow_values(record), step=int(record["iteration"]))

@@ -22,7 +22,8 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import DistEnv
-from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
+from dinov3_core.train.memory import GIB, BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
+from dinov3_core.train.memory_watch import RunPlan
 from dinov3_core.train.pipeline import StepTileSource, build_loader
 from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
 from dinov3_core.train.ssl_model import SSLMetaArch
@@ -33,6 +34,7 @@ __all__ = [
     "checkpoint_to_resume",
     "load_training_state",
     "open_tiles",
+    "plan_from_checkpoint",
     "resolve_batch",
 ]
 
@@ -86,7 +88,29 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
         device_type=env.device.type,
         tile_size=tile_size,
     )
+    model_bytes = estimate.weights + estimate.grads + estimate.optimizer + estimate.teacher
+    if train.memory_budget_gb is not None and model_bytes > budget:
+        raise core_config.ConfigError(
+            f"train.memory_budget_gb={train.memory_budget_gb} GiB is smaller than the model itself: weights, "
+            f"gradients, AdamW states and the EMA teacher take {model_bytes / GIB:.2f} GiB per process. Raise the "
+            "budget, train fewer weights (student.lora.rank, student.freeze_blocks), or shard over more processes"
+        )
     return BatchPlan(micro, accum, micro * accum * env.world_size, estimate, budget)
+
+
+def plan_from_checkpoint(latest: Path | None, plan: RunPlan, world_size: int) -> tuple[RunPlan, int]:
+    """The settings the memory watch chose before `latest` was written and how many re-plans led there, so a
+    resumed run starts with them rather than rediscovering the pressure; (`plan`, 0) when there were none, or the
+    processes or step batch changed (the config's plan is then safe: the watch re-plans if needed)."""
+    meta = ckpt.read_meta(latest) if latest is not None else {}
+    saved, replans = meta.get("run_plan"), int(meta.get("memory_replans") or 0)
+    if not replans or not isinstance(saved, dict) or meta.get("world_size") != world_size:
+        return plan, 0
+    try:
+        resumed = RunPlan(**saved)
+    except TypeError:  # written by another version
+        return plan, 0
+    return (resumed, replans) if resumed.step_batch == plan.step_batch else (plan, 0)
 
 
 def check_batch(cfg: C.PretrainConfig, n_tiles: int, plan: BatchPlan) -> None:
@@ -163,8 +187,11 @@ def build_step_loader(
     start_iteration: int,
     start_sample: int,
     stop_iteration: int,
+    num_workers: int,
+    prefetch_factor: int,
 ) -> tuple[StepSampler, Any]:
-    """This rank's step sampler and the DataLoader of its `StepBatch`es, from `start_iteration` on."""
+    """This rank's step sampler and the DataLoader of its `StepBatch`es, from `start_iteration` on, read by
+    `num_workers` processes `prefetch_factor` steps ahead (the memory watch may lower both mid-run)."""
     sampler = StepSampler(
         len(tiles),
         global_batch,
@@ -183,8 +210,8 @@ def build_step_loader(
     loader = build_loader(
         source,
         sampler,
-        num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
         pin_memory=env.device.type == "cuda",
         multiprocessing_context=cfg.data.multiprocessing_context,
     )
