@@ -25,6 +25,7 @@ SCRIPTS = [
     "training_health.py",
     "stage_manifest.py",
     "onnx_parity.py",
+    "small_machine.py",
 ]
 
 

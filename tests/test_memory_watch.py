@@ -32,7 +32,7 @@ from dinov3_core.train.memory_watch import (
 )
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
-from tests.helpers import REPO, load_dcp, max_diff, pretrain_config, pretrain_values
+from tests.helpers import REPO, load_dcp, max_diff, pretrain_config, pretrain_values, torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,10 +200,33 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
     assert result.memory_replans >= len(events)
 
 
+def test_every_rank_replans_alike_under_fsdp2(small_tile_store, tmp_path) -> None:
+    """2 gloo processes, FSDP2, every window over the budget: both re-plan after iterations 0 and 1 (4 → 2 → 1 per
+    rank) and end with the parameters of one process that never re-planned."""
+    common = {"losses.koleo_scope": "global", "train.stop_at": 3, "checkpointing.period": 3,
+              "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    reference = tmp_path / "one"
+    run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
+    out = tmp_path / "two"
+    squeezed = {"train.batch_size_per_gpu": 4, "train.memory_budget_gb": 0.05, "train.memory_watch_period": 1,
+                "train.memory_watch_patience": 1}  # fmt: skip
+    argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
+    torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
+    rows = read_metrics(out / "training_metrics.json")
+    assert [(r["iteration"], r["after"]["micro_batch"]) for r in rows if "event" in r] == [(0, 2), (1, 1)]
+    for log in ("log.txt", "log.txt.rank1"):
+        text = (out / "logs" / log).read_text()
+        assert text.count("re-planned micro_batch") == 2, log
+    got, ref = load_dcp(out / "ckpt" / "2")["model"], load_dcp(reference / "ckpt" / "2")["model"]
+    assert max_diff(got, ref, "student.") < 1e-5 and max_diff(got, ref, "teacher.") < 1e-5
+
+
 def test_nothing_left_to_replan_stops_with_a_checkpoint_and_keeps_the_output(small_tile_store, tmp_path) -> None:
-    """A budget below any plan: every rung is taken, then the run checkpoints and stops, its output kept."""
+    """A budget below any plan: every rung is taken (the loader is rebuilt mid-run twice), then the run checkpoints
+    and stops, its output kept."""
     out = tmp_path / "squeezed"
     extra = {
+        "data.num_workers": 2,
         "train.memory_budget_gb": 0.05,  # the tiny model fits; no process fits
         "train.memory_watch_period": 1,
         "train.memory_watch_patience": 1,
@@ -217,10 +240,13 @@ def test_nothing_left_to_replan_stops_with_a_checkpoint_and_keeps_the_output(sma
         run_stage("pretrain", cfg)
     message = str(info.value)
     assert "train.memory_budget_gb=0.05" in message and "micro-batch 1 × 8" in message
-    assert "activation checkpointing on" in message and "student.lora.rank" in message
+    assert "activation checkpointing on" in message and "0 loader worker(s)" in message
+    assert "student.lora.rank" in message
     rows = read_metrics(out / "training_metrics.json")
     rungs = [r["what"] for r in rows if r.get("event") == "memory_replan"]
-    assert rungs == ["micro_batch", "micro_batch", "micro_batch", "activation_checkpointing"]
+    assert rungs == ["loader", "loader", "micro_batch", "micro_batch", "micro_batch", "activation_checkpointing"]
+    steps = [r["iteration"] for r in rows if "event" not in r]
+    assert steps == list(range(len(steps)))  # the rebuilt loaders went on at the right step
     stopped_at = rows[-1]["iteration"]
     assert (out / "ckpt" / str(stopped_at) / ".metadata").is_file()  # saved before stopping: nothing lost
     # The stage ran it as a torchrun job: rank exit 1 (stopped, rerun to resume), not 2 (bad input, output removed).

@@ -205,7 +205,7 @@ class TrainConfig:
     # workers, then a smaller micro-batch with more accumulation (same global batch), then activation checkpointing.
     # The limit is memory_budget_gb × memory_watch_threshold (null budget: GPU memory on GPU, this rank's share of
     # host RAM on CPU); host-wide low available memory or swapping in also count as pressure.
-    memory_watch: bool = True
+    memory_watch: bool = True  # false: still sampled into the metrics lines, never re-planned
     memory_watch_period: int = 5  # iterations between checks (a window: its peak memory decides)
     memory_watch_patience: int = 3  # consecutive windows over the limit before re-planning (a spike is not pressure)
     memory_watch_threshold: float = 1.0  # share of the budget a window's peak may reach

@@ -307,7 +307,7 @@ class Trainer:
                 if alarm is not None and env.is_main:
                     logger.warning("%s: %s", self.stage, alarm)
                 pressure = None
-                if memory is not None and ((iteration + 1) % cfg.train.memory_watch_period == 0 or last):
+                if (iteration + 1) % cfg.train.memory_watch_period == 0 or last:
                     seen, pressure = memory.check()  # collective: same iterations, same verdict on every rank
                     memory_seen = seen if memory_seen is None else memory_seen.worst(seen)
                 run_time += iter_time
@@ -341,8 +341,7 @@ class Trainer:
                                 iteration=iteration, rank=env.rank)  # fmt: skip
         finally:
             del data_iter  # stops loader workers
-            if memory is not None:
-                memory.stop()
+            memory.stop()
             gc.unfreeze()  # in-process callers (tests, notebooks) get their collector back as it was
         result.health = watch.verdict()
         result.micro_batch, result.accumulation_steps = self.micro_batch, self.accumulation_steps  # as re-planned
@@ -357,11 +356,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ memory
 
-    def memory_watch(self) -> MemoryWatch | None:
-        """The running memory watch (`train.memory_watch`), its limits from the batch plan's budget."""
+    def memory_watch(self) -> MemoryWatch:
+        """The running memory watch, its limits from the batch plan's budget. It always samples (the metrics lines
+        carry its windows); only with `train.memory_watch` does it judge them and re-plan."""
         train = self.cfg.train
-        if not train.memory_watch:
-            return None
         limits = pressure_limits(
             budget_bytes=self.plan.budget_bytes,
             explicit_budget=train.memory_budget_gb is not None,
@@ -369,7 +367,9 @@ class Trainer:
             local_world_size=self.env.local_world_size,
             threshold=train.memory_watch_threshold,
         )
-        return MemoryWatch(limits, train.memory_watch_patience, self.env.device, self.env.distributed).start()
+        return MemoryWatch(
+            limits, train.memory_watch_patience, self.env.device, self.env.distributed, judging=train.memory_watch
+        ).start()
 
     def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None) -> bool:
         """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
@@ -399,13 +399,12 @@ class Trainer:
             **M.batch_fields(self.global_batch, self.micro_batch, self.accumulation_steps),
         }
         self.metrics.write(event)
-        if self.env.is_main:
-            logger.warning(
-                "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",
-                self.stage, iteration, why, step.what, step.before.describe(), step.after.describe(),
-            )  # fmt: skip
-            if on_metrics is not None:
-                on_metrics(event)
+        logger.warning(  # every rank: its own log file shows it took the same decision
+            "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",
+            self.stage, iteration, why, step.what, step.before.describe(), step.after.describe(),
+        )  # fmt: skip
+        if on_metrics is not None and self.env.is_main:
+            on_metrics(event)
         return step.before.num_workers != step.after.num_workers
 
     def save(self, iteration: int) -> Path:

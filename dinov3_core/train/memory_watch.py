@@ -170,11 +170,14 @@ def device_peak_bytes(device: torch.device) -> int:
 
 
 def release_freed_memory() -> None:
-    """Hand memory freed by Python and torch back to the OS, so that the next window measures the new plan: glibc
-    keeps freed heap pages mapped (they stay in RSS) until trimmed. A no-op where glibc is not the allocator."""
+    """Hand memory freed by Python and torch back to the OS and the GPU, so that the next window measures the new
+    plan: glibc keeps freed heap pages mapped (they stay in RSS) until trimmed, and torch's CUDA caching allocator
+    keeps freed blocks reserved. malloc_trim is a no-op where glibc is not the allocator."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- judging
@@ -299,8 +302,10 @@ def pressure_limits(
 class MemoryWatch:
     """The sampler, judged every check; `check()` is a collective (all ranks call it at the same iterations)."""
 
-    def __init__(self, limits: PressureLimits, patience: int, device: torch.device, distributed: bool) -> None:
-        self.limits, self.device, self.distributed = limits, device, distributed
+    def __init__(
+        self, limits: PressureLimits, patience: int, device: torch.device, distributed: bool, *, judging: bool = True
+    ) -> None:
+        self.limits, self.device, self.distributed, self.judging = limits, device, distributed, judging
         self.judge = PressureJudge(limits, patience)
         self.sampler = MemorySampler(device)
 
@@ -317,7 +322,7 @@ class MemoryWatch:
         window = self.sampler.window()
         if self.distributed:
             window = _worst_over_ranks(window, self.device)
-        return window, self.judge.observe(window)
+        return window, self.judge.observe(window) if self.judging else None
 
 
 def _worst_over_ranks(window: MemoryWindow, device: torch.device) -> MemoryWindow:

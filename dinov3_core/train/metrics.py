@@ -68,7 +68,8 @@ def children_rss_mb() -> float:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated GPU memory, or peak RSS of this process on CPU, MiB."""
+    """Peak allocated GPU memory since the memory watch's last window (it resets the GPU peaks), or peak RSS of this
+    process on CPU, MiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
