@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,9 @@ def trainable_parameters(overrides: dict[str, Any]) -> tuple[int, int]:
 
 
 def run(out: Path, overrides: dict[str, Any]) -> dict[str, Any]:
-    """One training process; its figures from `training_metrics.json` and system swap counters around it."""
+    """One fresh training process (a previous run's directory is removed: it would resume, not train); its figures
+    from `training_metrics.json` and system swap counters around it."""
+    shutil.rmtree(out, ignore_errors=True)
     argv = ["-m", "dinov3_core.train", "--config", "tiny", f"output_dir={json.dumps(str(out))}"]
     argv += [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     swap_before = psutil.swap_memory()
