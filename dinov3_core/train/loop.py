@@ -69,6 +69,16 @@ from dinov3_core.train.trainer_setup import (
 logger = logging.getLogger(__name__)
 
 
+def adaptation_summary(cfg: C.PretrainConfig) -> str:
+    """What of the backbone trains, for the start line ("" when all of it does)."""
+    s, parts = cfg.student, []
+    if s.lora.rank:
+        parts.append(f"LoRA r={s.lora.rank} on {', '.join(s.lora.targets)}, base weights frozen")
+    if s.freeze_blocks:
+        parts.append(f"first {s.freeze_blocks} block(s){' and patch embedding' if s.freeze_patch_embed else ''} frozen")
+    return "; ".join(parts)
+
+
 class TrainingDivergedError(RunStopped):
     """Too many consecutive non-finite losses."""
 
@@ -168,11 +178,15 @@ class Trainer:
         self.log_handler = M.setup_logging(self.output_dir, env.rank)
         self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
         logger.info(
-            "%s: %s backbone (%.2fM parameters) on %s: %d tiles, global batch %d = %d process(es) × micro-batch %d × "
-            "%d accumulation step(s); %s; %s; memory estimate %s (budget %.1f GiB); output %s",
+            "%s: %s backbone (%.2fM parameters; %.2fM of the student's %.2fM train%s) on %s: %d tiles, global batch "
+            "%d = %d process(es) × micro-batch %d × %d accumulation step(s); %s; %s; memory estimate %s (budget %.1f "
+            "GiB); output %s",
             self.stage,
             self.arch,
             sum(p.numel() for p in self.model.teacher["backbone"].parameters()) / 1e6,
+            sum(p.numel() for p in self.model.student.parameters() if p.requires_grad) / 1e6,
+            sum(p.numel() for p in self.model.student.parameters()) / 1e6,
+            f": {adaptation_summary(cfg)}" if adaptation_summary(cfg) else "",
             env.device,
             len(self.tiles),
             self.global_batch,
