@@ -344,6 +344,16 @@ def start_summary(cfg: PretrainConfig, resume_from: Any = None) -> str:
     return "backbone from random initialisation (seed train.seed)"
 
 
+def adaptation_summary(cfg: PretrainConfig) -> str:
+    """What of the backbone trains, for the start line ("" when all of it does)."""
+    s, parts = cfg.student, []
+    if s.lora.rank:
+        parts.append(f"LoRA r={s.lora.rank} on {', '.join(s.lora.targets)}, base weights frozen")
+    if s.freeze_blocks:
+        parts.append(f"first {s.freeze_blocks} block(s){' and patch embedding' if s.freeze_patch_embed else ''} frozen")
+    return "; ".join(parts)
+
+
 def epochs_to_iterations(cfg: PretrainConfig, epochs: float) -> int:
     return round(epochs * cfg.train.epoch_length)
 

@@ -42,18 +42,10 @@ from dinov3_core.train.health import (
     schedule_summary,
     schedule_warnings,
 )
-from dinov3_core.train.memory_watch import (
-    MemoryWatch,
-    MemoryWindow,
-    Pressure,
-    Replan,
-    RunPlan,
-    next_plan,
-    pressure_limits,
-    release_freed_memory,
-)
+from dinov3_core.train.memory_watch import MemoryWindow, Pressure, release_freed_memory
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
+from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
 from dinov3_core.train.sampler import SamplerState
 from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
 from dinov3_core.train.trainer_setup import (
@@ -69,22 +61,8 @@ from dinov3_core.train.trainer_setup import (
 logger = logging.getLogger(__name__)
 
 
-def adaptation_summary(cfg: C.PretrainConfig) -> str:
-    """What of the backbone trains, for the start line ("" when all of it does)."""
-    s, parts = cfg.student, []
-    if s.lora.rank:
-        parts.append(f"LoRA r={s.lora.rank} on {', '.join(s.lora.targets)}, base weights frozen")
-    if s.freeze_blocks:
-        parts.append(f"first {s.freeze_blocks} block(s){' and patch embedding' if s.freeze_patch_embed else ''} frozen")
-    return "; ".join(parts)
-
-
 class TrainingDivergedError(RunStopped):
     """Too many consecutive non-finite losses."""
-
-
-class MemoryPressureError(RunStopped):
-    """Sustained memory pressure with nothing left to re-plan (the state is checkpointed first)."""
 
 
 @dataclass
@@ -186,7 +164,7 @@ class Trainer:
             sum(p.numel() for p in self.model.teacher["backbone"].parameters()) / 1e6,
             sum(p.numel() for p in self.model.student.parameters() if p.requires_grad) / 1e6,
             sum(p.numel() for p in self.model.student.parameters()) / 1e6,
-            f": {adaptation_summary(cfg)}" if adaptation_summary(cfg) else "",
+            f": {C.adaptation_summary(cfg)}" if C.adaptation_summary(cfg) else "",
             env.device,
             len(self.tiles),
             self.global_batch,
@@ -300,7 +278,7 @@ class Trainer:
         for warning in schedule_warnings(cfg, self.stop_iteration) if env.is_main else []:
             logger.warning("%s: %s", self.stage, warning)
         run_time = 0.0
-        memory = self.memory_watch()
+        memory = start_watch(cfg, env, self.plan.budget_bytes)
         memory_seen: MemoryWindow | None = None  # the worst window since the last metrics line
         data_iter = iter(self.loader)
         try:
@@ -370,48 +348,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ memory
 
-    def memory_watch(self) -> MemoryWatch:
-        """The running memory watch, its limits from the batch plan's budget. It always samples (the metrics lines
-        carry its windows); only with `train.memory_watch` does it judge them and re-plan."""
-        train = self.cfg.train
-        limits = pressure_limits(
-            budget_bytes=self.plan.budget_bytes,
-            explicit_budget=train.memory_budget_gb is not None,
-            device=self.env.device,
-            local_world_size=self.env.local_world_size,
-            threshold=train.memory_watch_threshold,
-        )
-        return MemoryWatch(
-            limits, train.memory_watch_patience, self.env.device, self.env.distributed, judging=train.memory_watch
-        ).start()
-
     def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None) -> bool:
         """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
         must be rebuilt. With nothing left: checkpoint, then stop with what to change."""
-        step: Replan | None = next_plan(self.run_plan, pressure)
+        step = next_plan(self.run_plan, pressure)
         if step is None:
             saved = self.save(iteration) if not self.nonfinite_streak else ckpt.latest_checkpoint(self.ckpt_root)
-            budget = self.cfg.train.memory_budget_gb
-            raise MemoryPressureError(
-                f"training does not fit its memory: {why}, already at {self.run_plan.describe()}. "
-                f"Limit: train.memory_budget_gb={budget if budget is not None else 'null (the machine)'} × "
-                f"train.memory_watch_threshold={self.cfg.train.memory_watch_threshold}. State saved in {saved}; to "
-                "resume, free memory (other programs), raise train.memory_budget_gb, train fewer weights "
-                "(student.lora.rank, student.freeze_blocks), use smaller crops (crops.global_size, crops.local_size, "
-                "crops.n_local_crops) or heads (heads.*.n_prototypes), or more processes; then rerun"
-            )
+            raise out_of_memory(self.cfg, self.run_plan, why, saved)
         self.memory_replans += 1
         self.set_run_plan(step.after)
         release_freed_memory()  # same iteration on every rank, like the scheduled collections
-        event = {
-            "iteration": iteration,
-            "event": "memory_replan",
-            "what": step.what,
-            "why": why,
-            "before": step.before.to_dict(),
-            "after": step.after.to_dict(),
-            **M.batch_fields(self.global_batch, self.micro_batch, self.accumulation_steps),
-        }
+        event = step.event(iteration, why) | M.batch_fields(
+            self.global_batch, self.micro_batch, self.accumulation_steps
+        )
         self.metrics.write(event)
         logger.warning(  # every rank: its own log file shows it took the same decision
             "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",

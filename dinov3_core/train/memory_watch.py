@@ -1,14 +1,8 @@
-"""Memory pressure while training: sample it cheaply, judge it, and re-plan the run in place.
+"""Memory pressure while training: sample it cheaply and judge it (`dinov3_core.train.replan` acts on it).
 
 Why: a run planned to fit can still outgrow its machine (allocator growth, loader workers, other programs). Once
 RAM fills, the kernel compresses and swaps and a 1 s step becomes a 300 s one every few dozen steps; users then
-stop the run, lower the batch and restart by hand. The trainer instead re-plans at an optimizer-step boundary:
-
-1. fewer loader workers and less prefetch (host pressure only: workers live in host RAM);
-2. a smaller micro-batch with more accumulation steps — the per-rank step batch, hence the global batch, the
-   teacher's Sinkhorn targets (computed over the whole step) and the objective stay exactly the same;
-3. activation checkpointing;
-4. nothing left: stop with a checkpoint and an error naming the budget.
+stop the run, lower the batch and restart by hand. The trainer instead watches and re-plans in place.
 
 `MemorySampler` is a daemon thread reading, every `interval` seconds, this process's RSS plus the private memory of
 its children (the loader workers: summing their RSS would count the pages they share with the trainer once per
@@ -29,7 +23,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import psutil
@@ -225,57 +219,6 @@ class PressureJudge:
             self.streak = []  # the next decision needs fresh evidence (the re-plan changes what is measured)
             return kind, f"{why} in {self.patience} consecutive checks"
         return None
-
-
-# --------------------------------------------------------------------------------------------- re-planning
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The settings a re-plan may change. `micro_batch × accumulation_steps` is fixed: the per-rank step batch."""
-
-    micro_batch: int
-    accumulation_steps: int
-    num_workers: int
-    prefetch_factor: int
-    activation_checkpointing: bool
-
-    @property
-    def step_batch(self) -> int:
-        return self.micro_batch * self.accumulation_steps
-
-    def to_dict(self) -> dict[str, int | bool]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        return (
-            f"micro-batch {self.micro_batch} × {self.accumulation_steps} accumulation step(s), "
-            f"{self.num_workers} loader worker(s) × prefetch {self.prefetch_factor}, "
-            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
-        )
-
-
-@dataclass(frozen=True)
-class Replan:
-    what: str  # "loader", "micro_batch", "activation_checkpointing"
-    before: RunPlan
-    after: RunPlan
-
-
-def next_plan(plan: RunPlan, pressure: Pressure) -> Replan | None:
-    """The next rung of the ladder for this kind of pressure, or None when nothing is left to give."""
-    if pressure == "host" and plan.num_workers > 0:
-        after = replace(plan, num_workers=plan.num_workers // 2, prefetch_factor=1)
-        return Replan("loader", plan, after)
-    smaller = [d for d in range(1, plan.micro_batch // 2 + 1) if plan.step_batch % d == 0]
-    if smaller:
-        micro = smaller[-1]  # at least halves the micro-batch's activations
-        return Replan(
-            "micro_batch", plan, replace(plan, micro_batch=micro, accumulation_steps=plan.step_batch // micro)
-        )
-    if not plan.activation_checkpointing:
-        return Replan("activation_checkpointing", plan, replace(plan, activation_checkpointing=True))
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ the watch

@@ -24,7 +24,7 @@ import torch
 from dinov3_core import tracking
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
-from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError, adaptation_summary
+from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
 
 __all__ = [
     "PretrainResult",
@@ -150,7 +150,7 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
         "momentum_teacher": cfg.teacher.momentum_teacher,
         "teacher_temp": f"{cfg.teacher.warmup_teacher_temp}->{cfg.teacher.teacher_temp}",
         "drop_path_rate": cfg.student.drop_path_rate,
-        "adaptation": adaptation_summary(cfg) or "full fine-tuning",
+        "adaptation": C.adaptation_summary(cfg) or "full fine-tuning",
         "trainable_params": sum(p.numel() for p in trainer.model.student.parameters() if p.requires_grad),
         "layer_decay": cfg.optim.layer_decay,
         "koleo_weight": cfg.losses.koleo_weight,
