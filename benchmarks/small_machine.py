@@ -116,7 +116,8 @@ def run(out: Path, overrides: dict[str, Any]) -> dict[str, Any]:
     steps = [r for r in rows if "event" not in r]
     timed = [r["iter_time"] for r in steps if r["iteration"] >= 2] or [r["iter_time"] for r in steps]
     events = [r for r in rows if r.get("event") == "memory_replan"]
-    settled = [r for r in steps if r["iteration"] > (events[-1]["iteration"] if events else 1)] or steps
+    # Settled: from the second step after the last re-plan (the first one's window began before memory was released).
+    settled = [r for r in steps if r["iteration"] > (events[-1]["iteration"] + 1 if events else 1)] or steps
     return {
         "peak_mb": max(r["memory_process_mb"] for r in steps),
         "settled_peak_mb": max(r["memory_process_mb"] for r in settled),  # after the last re-plan
