@@ -151,6 +151,19 @@ def test_lora_trains_only_adapters_and_heads(lora_run) -> None:
     assert meta["adaptation"]["lora"]["rank"] == 4 and meta["adaptation"]["freeze_blocks"] == 0
 
 
+def test_one_process_lora_resumes_like_an_uninterrupted_run(lora_run, tmp_path) -> None:
+    """One process shares the frozen weights between student and teacher: DCP still saves and loads both names, and
+    a run resumed from iteration 0 ends where the uninterrupted one did."""
+    out = tmp_path / "resumed"
+    values = {**lora_run["values"], "output_dir": str(out)}
+    run_pretrain(cfg_of({**values, "train.stop_at": 1}))
+    result = run_pretrain(cfg_of(values))
+    assert result.start_iteration == 1 and result.end_iteration == 2
+    got, ref = load_dcp(out / "ckpt" / "1")["model"], load_dcp(lora_run["out"] / "ckpt" / "1")["model"]
+    assert set(got) == set(ref)
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref if torch.is_floating_point(ref[k])) < 1e-5
+
+
 def test_merged_lora_loads_strictly_with_the_same_outputs(lora_run, tmp_path) -> None:
     out, values = lora_run["out"], lora_run["values"]
     teacher = adapted_teacher(values, out / "ckpt" / "1")
@@ -237,7 +250,26 @@ def test_memory_estimate_counts_trainable_parameters_and_trained_depth(tmp_path:
     kw = {"micro_batch": 4, "step_batch": 4, "world_size": 1, "device_type": "cpu"}
     a, b = estimate_memory(cfg, full, **kw), estimate_memory(cfg, frozen, **kw)
     assert b.optimizer == 8 * frozen.trainable_params and b.grads == 4 * frozen.trainable_params
-    assert b.weights == a.weights and b.teacher == a.teacher and b.activations < a.activations
+    assert b.weights == a.weights and b.activations < a.activations
+    # One process: the teacher shares the frozen weights (only its trainable twins are its own); FSDP: full copies.
+    assert b.teacher == 4 * frozen.trainable_params < a.teacher
+    two = estimate_memory(cfg, frozen, **{**kw, "world_size": 2})
+    assert two.teacher == 4 * frozen.student_params // 2
+
+
+def test_one_process_shares_frozen_weights_between_student_and_teacher(tmp_path: Path) -> None:
+    from dinov3_core.train.distributed import DistEnv, parallelize
+
+    values = pretrain_values(tmp_path / "tiles.zarr", tmp_path / "out", **LORA)
+    model = build_ssl_model(cfg_of(values)).model
+    parallelize(model.student, model.teacher, DistEnv(), bf16=False, activation_checkpointing=False, compile=False)
+    student = dict(model.student.named_parameters())
+    for name, param in model.teacher.named_parameters():
+        assert (param is student[name]) == (not student[name].requires_grad), name  # frozen shared, trained own
+    shared = {id(p) for p in model.student.parameters()} & {id(p) for p in model.teacher.parameters()}
+    assert shared and len(shared) < len(student)
+    # The state dict (checkpoints, eval files) still lists every teacher weight under its own name.
+    assert {f"teacher.{k}" for k in student} | {f"student.{k}" for k in student} <= set(model.state_dict())
 
 
 # --------------------------------------------------------------------------------------------- units

@@ -111,6 +111,25 @@ def apply_adaptation(backbone: nn.Module, *, freeze_blocks: int, freeze_patch_em
                 part.requires_grad_(False)
 
 
+@torch.no_grad()
+def share_frozen_weights(student: nn.Module, teacher: nn.Module) -> int:
+    """Point the teacher at the student's frozen parameters (LoRA base weights, frozen blocks) instead of its own
+    copies; returns the bytes freed. Safe because frozen weights never change and the EMA skips them, so both copies
+    are equal forever (checked here); one process only: FSDP shards the two modules separately."""
+    theirs = dict(teacher.named_parameters())
+    freed = 0
+    for name, param in student.named_parameters():
+        twin = theirs.get(name)
+        if param.requires_grad or twin is None or twin is param or twin.shape != param.shape:
+            continue
+        if twin.dtype != param.dtype or twin.device != param.device or not torch.equal(twin, param):
+            continue  # not the same weight (a teacher loaded from elsewhere): keep both
+        owner, _, leaf = name.rpartition(".")
+        setattr(teacher.get_submodule(owner) if owner else teacher, leaf, param)
+        freed += twin.numel() * twin.element_size()
+    return freed
+
+
 def has_lora(module: nn.Module) -> bool:
     return any(LORA_KEY in name for name, _ in module.named_parameters())
 

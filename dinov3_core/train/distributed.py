@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import apply_activation_checkpointing, apply_fsdp, compile_blocks
+from dinov3_core.models.adaptation import share_frozen_weights
 
 
 @dataclass
@@ -114,6 +115,7 @@ def parallelize(
     if not env.distributed:
         student.to(env.device)
         teacher.to(env.device)
+        share_frozen_weights(student, teacher)  # LoRA / frozen blocks: one copy of what never changes
         return
     assert env.mesh is not None
     # The backbone returns dicts of views (CLS = a slice of the normed tokens); nothing modifies them in

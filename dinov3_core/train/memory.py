@@ -6,9 +6,9 @@
 The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the weights under FSDP):
 
 * weights, grads, AdamW: student fp32 params 4P/W, grads 4T/W (4T when accumulating under FSDP: unsharded
-  gradients are kept between micro-batches), AdamW 8T/W; EMA teacher 4P/W. T = trainable parameters: all of P
-  by default, fewer with `student.lora` (adapters + heads) or `student.freeze_blocks` (frozen ones get neither
-  gradients nor optimizer state; the weights and the teacher stay full size).
+  gradients are kept between micro-batches), AdamW 8T/W; EMA teacher 4P/W, or 4T in one process (it shares the
+  student's frozen weights there). T = trainable parameters: all of P by default, fewer with `student.lora`
+  (adapters + heads) or `student.freeze_blocks` (frozen ones get neither gradients nor optimizer state).
 * activations of one micro-batch image: Σ_crops tokens × depth' × (17.3·D + 125·heads) saved elements per
   token and block (measured with saved-tensor hooks on this backbone: 19.3·D per token-block for ViT-S), or
   ≈ (D + 125·heads) with activation checkpointing plus one block recomputed; heads: per DINO row
@@ -236,7 +236,7 @@ def estimate_memory(
         weights=int(4 * p_s / shard),
         grads=int(4 * p_train / (1 if accumulating and world_size > 1 else shard)),
         optimizer=int(8 * p_train / shard),
-        teacher=int(4 * p_t / shard),
+        teacher=int(4 * (p_train if world_size == 1 else p_t) / shard),  # one process: frozen weights shared
         activations=int(SAFETY * activations),
         step_buffers=int(step_buffer_bytes(cfg, shape, step_batch, world_size)),
         loader=int(loader_bytes(cfg, step_batch, tile_size)) if device_type == "cpu" else 0,
