@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
 from dinov3_core.config import ConfigError
 from dinov3_core.run import run_stage
-from dinov3_core.train.memory_watch import MemorySampler, MemoryWindow, PressureJudge, PressureLimits
+from dinov3_core.train.memory_watch import MemorySampler, MemoryWindow, PressureJudge, PressureLimits, pressure_limits
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
 from dinov3_core.train.replan import RunPlan, next_plan
@@ -112,6 +113,17 @@ def test_pressure_must_be_sustained_and_each_kind_is_named() -> None:
     assert "available memory fell to 300 MiB" in limits.judge(window(100, available_mb=300))[1]
     assert "swapped in 50.0 MiB/s" in limits.judge(window(100, swap_in_mb=50))[1]
     assert limits.judge(window(999, swap_in_mb=1)) == (None, "")
+
+    # The limit: an explicit budget × threshold; without one, this rank's share of the machine.
+    cpu, ram = torch.device("cpu"), psutil.virtual_memory().total / MIB
+    set_budget = pressure_limits(budget_bytes=2 * 1024 * MIB, explicit_budget=True, device=cpu, local_world_size=2,
+                                 threshold=0.5)  # fmt: skip
+    planned = pressure_limits(budget_bytes=2 * 1024 * MIB, explicit_budget=False, device=cpu, local_world_size=2,
+                              threshold=1.0)  # fmt: skip
+    assert set_budget.process_mb == 1024 and set_budget.device_mb == 0
+    assert planned.process_mb == pytest.approx(ram / 2) and planned.min_available_mb == pytest.approx(
+        max(256, ram / 20)
+    )
 
 
 def _hold_memory(mib: int, ready: Any, done: Any) -> None:

@@ -227,13 +227,15 @@ class PressureJudge:
 def pressure_limits(
     *, budget_bytes: int, explicit_budget: bool, device: torch.device, local_world_size: int, threshold: float
 ) -> PressureLimits:
-    """Limits from the estimator's budget. On GPU the budget is GPU memory; on CPU it is host memory, and without an
-    explicit `train.memory_budget_gb` only this rank's share of the machine binds (the estimator's default share is
-    a planning margin, not a limit). Host-wide: under 5 % of RAM available (at least 256 MiB) is pressure anywhere."""
+    """Limits from the estimator's budget. On GPU the budget is GPU memory; on CPU it is host memory. Without an
+    explicit `train.memory_budget_gb` only the machine binds: this rank's share of RAM, or 95 % of the GPU (the
+    estimator's default 90 % is a planning margin; the caching allocator's reserved peak may pass it without
+    trouble). Host-wide: under 5 % of RAM available (at least 256 MiB) is pressure anywhere."""
     host_total = psutil.virtual_memory().total
     host_share = host_total / local_world_size
     if device.type == "cuda":
-        device_mb, process_mb = budget_bytes * threshold / MIB, host_share / MIB
+        gpu = budget_bytes if explicit_budget else 0.95 * torch.cuda.get_device_properties(device).total_memory
+        device_mb, process_mb = gpu * threshold / MIB, host_share / MIB
     else:
         device_mb = 0.0
         process_mb = (budget_bytes if explicit_budget else host_share) * threshold / MIB
