@@ -367,6 +367,29 @@ def test_start_from_released_backbone(small_tile_store, tmp_path) -> None:
     assert read_metrics(tmp_path / "run" / "training_metrics.json")[-1]["gram_loss"] >= 0
 
 
+def test_continues_a_run_that_read_its_arch_from_the_weights_file(small_tile_store, tmp_path) -> None:
+    """`student.arch=auto` (the cpu-lora recipe's warm start): gram takes the arch the pretraining run resolved from
+    its file, recorded in the checkpoint; a file matching no known arch is still refused, naming the key."""
+    from dinov3_core.gram.anchoring import prepare_config
+
+    small = {"heads.dino": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+             "heads.ibot": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+             "train.stop_at": 1, "checkpointing.period": 1, "evaluation.eval_period_iterations": 0,
+             "health.probe_tiles": 0, "student.arch": "auto"}  # fmt: skip
+    for arch, expected in (("vits16", "vits16"), ("vit_test", None)):
+        weights = save_backbone(build_backbone(arch), tmp_path / f"{arch}.pth")
+        pre = tmp_path / f"pre-{arch}"
+        run_pretrain(pretrain_config(small_tile_store, pre, **small, **{"student.pretrained_weights": str(weights)}))
+        gram = load_config(
+            GramConfig, "tiny", {"pretrain_dir": str(pre), "output_dir": str(tmp_path / "g")}, stage="gram"
+        )
+        if expected:
+            assert prepare_config(gram).student.arch == expected
+        else:
+            with pytest.raises(ConfigError, match=r"student\.arch=auto and its checkpoint does not name"):
+                prepare_config(gram)
+
+
 def test_named_configs_load() -> None:
     for name in ("tiny", "vitb16"):
         cfg = load_config(GramConfig, name, {"output_dir": "x", "data.stores": ["s"]}, stage="gram")

@@ -268,13 +268,26 @@ def prepare_config(cfg: GramConfig) -> GramConfig:
         cfg.student, cfg.heads = pre.student, pre.heads
         if not cfg.data.stores:  # the tiles the run was pretrained on, unless others are given
             cfg.data.stores = list(pre.data.stores)
+        if cfg.student.arch == "auto":  # the warm start read it from its file; the checkpoint recorded what it found
+            cfg.student.arch = _resolved_arch(Path(cfg.pretrain_dir), path)
         cfg.student.pretrained_weights = None  # the weights come from the DCP checkpoint
-        if cfg.student.arch == "auto":
-            raise ConfigError(
-                f"{path}: student.arch=auto; set student.arch to the concrete arch and inherit_model=false"
-            )
     validate_gram(cfg)
     return cfg
+
+
+def _resolved_arch(pretrain_dir: Path, config_path: Path) -> str:
+    """The architecture a `student.arch=auto` pretraining run resolved from its weights file: its checkpoint's
+    meta.json names it when the file matched a released or preset architecture."""
+    from dinov3_core.models import PRESETS, RELEASED
+
+    latest = ckpt.latest_checkpoint(pretrain_dir / ckpt.CKPT_DIR)
+    arch = ckpt.read_meta(latest).get("arch") if latest is not None else None
+    if arch in RELEASED or arch in PRESETS:
+        return str(arch)
+    raise ConfigError(
+        f"{config_path}: student.arch=auto and its checkpoint does not name a known architecture ({arch!r}); set "
+        "student.arch to the concrete arch and inherit_model=false"
+    )
 
 
 def choose_teacher(cfg: GramConfig, *, write: bool, device: torch.device | str = "cpu") -> T.TeacherSelection | None:
