@@ -125,7 +125,6 @@ class Trainer:
             activation_checkpointing=cfg.train.activation_checkpointing,
         )
         self.rank_batch = self.run_plan.step_batch
-        self.memory_replans = 0
 
         parallelize(
             self.model.student,
