@@ -193,15 +193,22 @@ class DinoVisionTransformer(nn.Module):
             tokens, grid = self.prepare_tokens_with_masks(x, masks)
             xs.append(tokens)
             grids.append(grid)
+        xs = self.run_blocks(xs, grids, self.blocks)
+        return self.norm_outputs(xs, masks_list)
 
+    def run_blocks(self, xs: list[Tensor], grids: Sequence[tuple[int, int]], blocks: Any) -> list[Tensor]:
+        """The token lists through `blocks` (all of them, or one pipeline stage's), RoPE from each crop's grid."""
         ropes: list[Rope | None] | None = None
-        for block in self.blocks:
+        for block in blocks:
             # Upstream draws fresh RoPE coordinate augmentations for every block; without augmentation
             # the tables are identical, so compute them once.
             if ropes is None or self.rope_embed.augments:
                 ropes = [self.rope_embed(H=H, W=W) for H, W in grids]
             xs = block(xs, ropes)
+        return xs
 
+    def norm_outputs(self, xs: Sequence[Tensor], masks_list: Sequence[Tensor | None]) -> list[dict[str, Tensor | None]]:
+        """The final norm(s) on each crop list entry → the feature dicts of `forward_features`."""
         n_prefix = self.n_storage_tokens + 1
         outputs = []
         for idx, (x, masks) in enumerate(zip(xs, masks_list, strict=True)):

@@ -67,6 +67,9 @@ class SSLMetaArch(nn.Module):
         self.dino_loss = DINOLoss(losses.student_temp)
         self.ibot_loss = iBOTPatchLoss(losses.student_temp)
         self.koleo_loss = KoLeoLoss()
+        # Sinkhorn's all-reduce group: None = the default world (FSDP / DDP); under pipeline parallelism the
+        # data-parallel group only (PP peers hold the same images: pipeline_parallel).
+        self.dp_group: dist.ProcessGroup | None = None
 
     def train(self, mode: bool = True) -> SSLMetaArch:
         """The teacher always stays in eval mode (no drop path, no RoPE jitter), as upstream."""
@@ -109,8 +112,8 @@ class SSLMetaArch(nn.Module):
             for positions, logits in patch_logits:
                 ibot[positions] = logits
         return TeacherTargets(
-            dino=dino_teacher_targets(dino, teacher_temp, n_iterations=self.sinkhorn_iterations),
-            ibot=ibot_teacher_targets(ibot, teacher_temp, n_iterations=self.sinkhorn_iterations),
+            dino=dino_teacher_targets(dino, teacher_temp, n_iterations=self.sinkhorn_iterations, group=self.dp_group),
+            ibot=ibot_teacher_targets(ibot, teacher_temp, n_iterations=self.sinkhorn_iterations, group=self.dp_group),
         )
 
     # ------------------------------------------------------------------------------------------ student
@@ -165,7 +168,38 @@ class SSLMetaArch(nn.Module):
         dino_global, dino_local = dino_logits.split([n_global * b, n_local * b])
         masked_tokens = out_global["x_norm_patchtokens"].flatten(0, 1)[masks.mask_indices]
         ibot_logits = self.student["ibot_head"](masked_tokens)  # called even when empty: FSDP collectives
+        return self.loss_from_logits(
+            cls_global,
+            dino_global,
+            dino_local,
+            ibot_logits,
+            masks,
+            targets,
+            n_global=n_global,
+            n_local=n_local,
+            koleo_features=koleo_features,
+            koleo_offset=koleo_offset,
+        )
 
+    def loss_from_logits(
+        self,
+        cls_global: Tensor,
+        dino_global: Tensor,
+        dino_local: Tensor,
+        ibot_logits: Tensor,
+        masks: IBOTMasks,
+        targets: TeacherTargets,
+        *,
+        n_global: int,
+        n_local: int,
+        koleo_features: Tensor | None = None,
+        koleo_offset: int = 0,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`forward_loss` after the student: also the loss of the last pipeline stage (pipeline_parallel).
+
+        cls_global [S_g·b, D], dino_global [S_g·b, K], dino_local [S_l·b, K] (crop-major), ibot_logits [M_micro, K].
+        """
+        b = cls_global.shape[0] // n_global
         losses = {
             "dino_global_loss": self.dino_loss(dino_global.view(n_global, b, -1), targets.dino, ignore_diagonal=True),
             "agreement": dino_agreement(dino_global.detach().view(n_global, b, -1), targets.dino),
