@@ -89,7 +89,9 @@ def reference_step(meta: SSLMetaArch, batch, clip: float) -> dict:
     return {"loss": float(parts["total_loss"]), "norms": {k: float(v) for k, v in norms.items()}, "grads": grads}
 
 
-def pp_step(meta: SSLMetaArch, batch, *, schedule: str, n_mb: int, scaled: bool, clip: float, group) -> dict:
+def pp_step(
+    meta: SSLMetaArch, batch, *, schedule: str, n_mb: int, scaled: bool, clip: float, group, ga: int = 1
+) -> dict:
     rank, pp = dist.get_rank(group), dist.get_world_size(group)
     global_crops, local_crops, masks = batch
     stage_mod = build_stage(meta.student, rank, pp)
@@ -107,30 +109,35 @@ def pp_step(meta: SSLMetaArch, batch, *, schedule: str, n_mb: int, scaled: bool,
         if stage_mod.is_last:
             cls = out[0]  # merged along dim 0: [n_mb × (S_g × b), D], micro-batch-major
             koleo_features = cls.view(n_mb, S_G, B // n_mb, -1).transpose(0, 1).reshape(S_G, B, -1)
-    ctx = StepContext(masks, targets, n_mb, (1.0 / n_mb) if scaled else 1.0, koleo_features)
+    # Micro-batches of the whole step: GA chunks × PP micro-batches; the loss scale is 1/(GA × n_mb).
+    ctx = StepContext(masks, targets, ga * n_mb, (1.0 / (ga * n_mb)) if scaled else 1.0, koleo_features)
     parts: dict = {}
     loss_fn = make_loss_fn(meta, stage_mod, lambda: ctx, parts) if stage_mod.is_last else None
     sched = build_schedule(pipe_stage, schedule, n_mb, loss_fn=loss_fn if stage_mod.is_last else _unused_loss)
-    image_idx = torch.arange(B)
-    if stage_mod.is_first:
-        sched.step(global_crops, local_crops, masks.masks.view(S_G, B, -1))
-    elif stage_mod.is_last:
-        losses: list = []
-        sched.step(target=image_idx, losses=losses)
-        # the schedule's losses are the scaled ones: their sum is the step loss when scaled
-        step_loss = float(sum(x.detach() for x in losses))
-    else:
-        sched.step()
+    chunk = B // ga  # gradient accumulation: `ga` schedule steps per optimizer step, grads accumulate in .grad
+    step_loss = 0.0
+    for g in range(ga):
+        images = slice(g * chunk, (g + 1) * chunk)
+        if stage_mod.is_first:
+            step_masks = masks.masks.view(S_G, B, -1)[:, images]
+            sched.step(global_crops[:, images], local_crops[:, images], step_masks)
+        elif stage_mod.is_last:
+            losses: list = []
+            # target = the chunk's image indices within the step: the loss slices masks / targets with them
+            sched.step(target=torch.arange(B)[images], losses=losses)
+            step_loss += float(sum(x.detach() for x in losses))  # scaled losses: they sum to the step loss
+        else:
+            sched.step()
     norms = clip_gradients_pp(stage_mod, clip, group)
     grads = {n: p.grad.clone() for n, p in stage_mod.named_parameters()}
     with torch.no_grad():
         for p in stage_mod.parameters():
             p.add_(p.grad, alpha=-LR)
     update_teacher_pp(meta.teacher, stage_mod, MOMENTUM, group, stage_owners(meta.student, pp))
-    loss = sum(float(p["total_loss"]) for p in parts.values()) / n_mb if parts else None
+    loss = sum(float(p["total_loss"]) for p in parts.values()) / (n_mb * ga) if parts else None
     if stage_mod.is_last:
-        assert sorted(parts) == list(range(n_mb)), sorted(parts)
-        expected = loss if scaled else loss * n_mb
+        assert sorted(parts) == list(range(n_mb * ga)), sorted(parts)
+        expected = loss if scaled else loss * n_mb * ga
         assert abs(step_loss - expected) < 1e-5, (step_loss, expected)
     return {"stage": stage_mod, "loss": loss, "norms": {k: float(v) for k, v in norms.items()}, "grads": grads}
 
@@ -152,16 +159,19 @@ def main() -> int:
     batch = make_batch()
     results, failures = [], []
     cases = [
-        # (schedule, n_mb, loss scaled?, clip, koleo weight)
+        # (schedule, n_mb, loss scaled?, clip, koleo weight[, GA steps])
         ("GPipe", 2, True, 0.0, 0.0),
         ("1F1B", 2, True, 0.0, 0.0),
         ("1F1B", 4, True, 0.0, 0.0),
         ("1F1B", 2, False, 0.0, 0.0),  # must break parity
         ("1F1B", 2, True, 0.05, 0.0),  # cross-stage clipping active
         ("1F1B", 2, True, 0.0, 0.1),  # KoLeo with the step's neighbour set from a forward-only PP pass
+        ("1F1B", 2, True, 0.0, 0.1, 2),  # PP × GA: 2 schedule steps of 2 micro-batches, loss × 1/4
+        ("GPipe", 2, False, 0.0, 0.0, 2),  # PP × GA unscaled: 4× the gradients
     ]
-    for schedule, n_mb, scaled, clip, koleo in cases:
-        check_pp_contract(local_batch=B, microbatch_size=B // n_mb, pp_degree=world, schedule=schedule, depth=2)
+    for schedule, n_mb, scaled, clip, koleo, *rest in cases:
+        ga = rest[0] if rest else 1
+        check_pp_contract(local_batch=B // ga, microbatch_size=B // (n_mb * ga), pp_degree=world, schedule=schedule, depth=2)
         ref = build_meta(koleo)
         ref.dp_group = solo
         initial_student = copy.deepcopy(ref.student)
@@ -170,7 +180,7 @@ def main() -> int:
         meta = build_meta(koleo)
         meta.dp_group = solo
         meta.student.load_state_dict(initial_student.state_dict())
-        out = pp_step(meta, batch, schedule=schedule, n_mb=n_mb, scaled=scaled, clip=clip, group=group)
+        out = pp_step(meta, batch, schedule=schedule, n_mb=n_mb, scaled=scaled, clip=clip, group=group, ga=ga)
         stage = out["stage"]
         ref_params = dict(ref.student.named_parameters())
         mine = dict(stage.named_parameters())
@@ -178,6 +188,7 @@ def main() -> int:
             "rank": rank,
             "schedule": schedule,
             "n_mb": n_mb,
+            "ga": ga,
             "scaled": scaled,
             "clip": clip,
             "koleo": koleo,
