@@ -234,7 +234,10 @@ def submodule_of(name: str) -> str:
 
 
 def clip_gradients_pp(
-    stage: nn.Module, max_norm: float, group: dist.ProcessGroup | None, names: Sequence[str] = ("backbone", "dino_head", "ibot_head")
+    stage: nn.Module,
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    names: Sequence[str] = ("backbone", "dino_head", "ibot_head"),
 ) -> dict[str, Tensor]:
     """Per-submodule clipping like `optim.clip_gradients`, with norms over all stages: each rank's squared norms
     (zeros for submodules it lacks) are summed over the PP group, then every rank scales its own gradients.

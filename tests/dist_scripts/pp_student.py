@@ -171,7 +171,9 @@ def main() -> int:
     ]
     for schedule, n_mb, scaled, clip, koleo, *rest in cases:
         ga = rest[0] if rest else 1
-        check_pp_contract(local_batch=B // ga, microbatch_size=B // (n_mb * ga), pp_degree=world, schedule=schedule, depth=2)
+        check_pp_contract(
+            local_batch=B // ga, microbatch_size=B // (n_mb * ga), pp_degree=world, schedule=schedule, depth=2
+        )
         ref = build_meta(koleo)
         ref.dp_group = solo
         initial_student = copy.deepcopy(ref.student)
@@ -194,7 +196,9 @@ def main() -> int:
             "koleo": koleo,
             "stage_keys_subset": set(stage.state_dict()) <= set(ref.student.state_dict()),
             "n_stage_params": len(mine),
-            "max_param_diff": max_diff({k: v.detach() for k, v in mine.items()}, {k: ref_params[k].detach() for k in mine}),
+            "max_param_diff": max_diff(
+                {k: v.detach() for k, v in mine.items()}, {k: ref_params[k].detach() for k in mine}
+            ),
             "max_grad_diff": max_diff(out["grads"], ref_out["grads"]),
             "grad_ratio": float(
                 sum(g.norm() ** 2 for g in out["grads"].values()) ** 0.5
@@ -208,7 +212,9 @@ def main() -> int:
             "stage_keys": sorted(stage.state_dict()),
         }
         ok = record["max_param_diff"] < TOL and record["max_grad_diff"] < TOL and record["max_teacher_diff"] < TOL
-        ok = ok and all(abs(out["norms"][k] - ref_out["norms"][k]) < 1e-4 * max(1, ref_out["norms"][k]) for k in ref_out["norms"])
+        ok = ok and all(
+            abs(out["norms"][k] - ref_out["norms"][k]) < 1e-4 * max(1, ref_out["norms"][k]) for k in ref_out["norms"]
+        )
         if out["loss"] is not None:
             ok = ok and abs(out["loss"] - ref_out["loss"]) < 1e-5
         if scaled and not ok:
