@@ -20,6 +20,7 @@ from dinov3_core.config import ConfigError, require
 from dinov3_core.data.augment import AugmentationConfig
 from dinov3_core.losses import LossesConfig
 from dinov3_core.tracking import TrackingConfig
+from dinov3_core.train.parallel_config import ParallelismConfig, check_pipeline_contract
 from dinov3_core.train.schedules import ScalingRule
 
 
@@ -311,6 +312,7 @@ class PretrainConfig:
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # System metrics on: a training run is long enough for host/GPU utilisation curves to matter.
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(system_metrics=True))
 
@@ -427,6 +429,28 @@ def validate(cfg: PretrainConfig) -> None:
     for key, size in (("crops.global_size", cfg.crops.global_size), ("crops.local_size", cfg.crops.local_size)):
         if size % patch:
             raise ConfigError(f"{key}={size} is not a multiple of the patch size {patch}")
+
+
+def check_parallelism(cfg: PretrainConfig, world_size: int, micro_batch: int | None = None) -> None:
+    """The pipeline contract for `world_size` processes (`parallel_config`): before torchrun starts (the launcher,
+    micro-batch from the config) and again in every rank once the batch is planned and the model built."""
+    bs = cfg.train.batch_size_per_gpu
+    if micro_batch is None and not isinstance(bs, str):
+        micro_batch = int(bs)
+    depth = _depth(cfg)
+    if depth is not None:
+        check_pipeline_contract(cfg.parallelism, world_size=world_size, micro_batch=micro_batch, depth=depth)
+
+
+def _depth(cfg: PretrainConfig) -> int | None:
+    """Blocks of the configured backbone; None when only the weights file tells (student.arch=auto)."""
+    from dinov3_core.models import backbone_kwargs
+
+    if "depth" in cfg.student.backbone_overrides:
+        return int(cfg.student.backbone_overrides["depth"])
+    if cfg.student.arch == "auto":
+        return None
+    return int(backbone_kwargs(cfg.student.arch)["depth"])
 
 
 def _patch_size(cfg: PretrainConfig) -> int:
