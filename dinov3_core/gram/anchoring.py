@@ -27,12 +27,11 @@ import json
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -127,17 +126,17 @@ class GramMetaArch(SSLMetaArch):
     def attach_gram(self, gram: _GramState) -> None:
         object.__setattr__(self, "_gram", gram)  # not a registered submodule: no state_dict, no FSDP wrapping
 
-    def forward_loss(self, global_crops: Tensor, local_crops: Tensor, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def loss_from_outputs(  # type: ignore[override]
+        self, global_crops: Tensor, cls_global: Tensor, dino_logits: Tensor, patch_global: Tensor, *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+        """The SSL terms plus the gram term on the student's patch tokens (with and without a pipeline: this is
+        also the last pipeline stage's loss)."""
+        total, parts = super().loss_from_outputs(global_crops, cls_global, dino_logits, patch_global, *args, **kwargs)
         gram: _GramState | None = getattr(self, "_gram", None)
         if gram is None:  # used before the trainer attached the gram teacher (e.g. by the memory estimator)
-            return super().forward_loss(global_crops, local_crops, *args, **kwargs)
-        captured: list[Any] = []
-        hook = self.student["backbone"].register_forward_hook(lambda _m, _a, out: captured.append(out))
-        try:
-            total, parts = super().forward_loss(global_crops, local_crops, *args, **kwargs)
-        finally:
-            hook.remove()
-        student = captured[0][0]["x_norm_patchtokens"]  # [S_g·b, P, D] (masked crops, as upstream)
+            return total, parts
+        student = patch_global  # [S_g·b, P, D] (masked crops, as upstream)
         with torch.no_grad():
             crops = global_crops.flatten(0, 1)
             if gram.crop_size and gram.crop_size != crops.shape[-1]:
@@ -152,7 +151,6 @@ class GramMetaArch(SSLMetaArch):
             else gram.loss(student.flatten(0, 1), target.flatten(0, 1))
         )
         total = total + gram.weight * loss
-        gram.losses.append(loss.detach().float())
         parts["gram_loss"] = loss.detach().float()
         parts["total_loss"] = total.detach().float()
         return total, parts
@@ -164,7 +162,6 @@ class _GramState:
     loss: GramLoss
     weight: float = 0.0
     crop_size: int | None = None  # gram teacher input size (upsampled student global crops); None: as they are
-    losses: list[Tensor] = field(default_factory=list)  # this step's per-micro-batch gram losses
 
 
 class GramTrainer(Trainer):
@@ -172,6 +169,7 @@ class GramTrainer(Trainer):
 
     meta_arch = GramMetaArch
     stage = "gram"
+    extra_loss_names = ("gram_loss",)  # averaged over micro-batches and processes with the other terms
 
     def __init__(self, cfg: GramConfig, env: DistEnv, gram_teacher: nn.Module) -> None:
         g = cfg.gram
@@ -221,16 +219,10 @@ class GramTrainer(Trainer):
         weight = self.gram_schedules.weight(iteration)
         local = self.gram_schedules.local_weight(iteration)
         self.gram.weight, self.model.local_loss_weight = weight, local
-        self.gram.losses.clear()
         values = super().train_step(iteration, batch)
-        gram_loss = torch.stack(self.gram.losses).mean().reshape(1)
-        if self.env.distributed:
-            dist.all_reduce(gram_loss, op=dist.ReduceOp.SUM)
-            gram_loss /= self.env.world_size
         if self.gram_schedules.update_due(iteration, self.gram_updates):
             self.refresh_gram_teacher(iteration)
         values.update(
-            gram_loss=float(gram_loss.item()),
             gram_loss_weight=weight,
             dino_local_loss_weight=local,
             gram_updates=float(self.gram_updates),

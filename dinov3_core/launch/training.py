@@ -83,7 +83,10 @@ def training_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, st
         env: Extra environment for every rank (the MLflow run to join).
     """
     from dinov3_core.config import save_config
+    from dinov3_core.train.config import check_parallelism
 
+    # Bad parallelism settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
+    check_parallelism(cfg, launch.nproc_per_node * launch.nnodes)
     out = Path(cfg.output_dir)
     cfg_path = save_config(cfg, out / LAUNCH_CONFIG)
     return TorchrunJob(

@@ -21,6 +21,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +82,36 @@ def remove_partial(root: Path) -> None:
 # ------------------------------------------------------------------------------------------ compatibility
 
 
-def check_compatible(path: Path, model: nn.Module) -> None:
+@dataclass(frozen=True)
+class ModelLayout:
+    """Keys and shapes of the whole (unsplit) model, and the parameters it trains: what a checkpoint must match.
+    Taken before pipeline parallelism cuts the student into stages (each process then holds only some keys)."""
+
+    shapes: dict[str, tuple[int, ...]]  # `model.<fqn>` → full shape
+    trainable: frozenset[str]  # clean parameter names with requires_grad
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLayout:
+        from dinov3_core.train.param_groups import clean_param_name
+
+        shapes = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+        trainable = frozenset(clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad)
+        return cls(shapes, trainable)
+
+
+def check_compatible(path: Path, model: nn.Module | ModelLayout) -> None:
     """Raise CheckpointError unless `path` holds exactly this model's keys with these shapes.
 
     Reads only `.metadata`, before anything is loaded or written, so a checkpoint of another architecture in
-    output_dir stops the run with nothing overwritten.
+    output_dir stops the run with nothing overwritten. Under pipeline parallelism pass the `ModelLayout` taken
+    before the split: a checkpoint holds every stage's keys.
     """
+    layout = model if isinstance(model, ModelLayout) else ModelLayout.of(model)
     try:
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as err:  # unpickling / IO errors come in many types
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err}); delete it") from None
-    expected = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    expected = layout.shapes
     saved_model = {
         k: tuple(m.size) for k, m in saved.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
@@ -114,7 +134,7 @@ def check_compatible(path: Path, model: nn.Module) -> None:
             "Nothing was changed. Use a new output_dir for this config, or the config the checkpoint was "
             "trained with (see its meta.json and config.yaml)"
         )
-    _check_trainable(path, saved, model)
+    _check_trainable(path, saved, layout.trainable)
 
 
 def _lora_rank(shapes: dict[str, tuple[int, ...]]) -> int:
@@ -144,14 +164,11 @@ def _check_lora(path: Path, saved: dict[str, Any], expected: dict[str, tuple[int
         )
 
 
-def _check_trainable(path: Path, saved: dict[str, Any], model: nn.Module) -> None:
+def _check_trainable(path: Path, saved: dict[str, Any], ours: frozenset[str]) -> None:
     """The parameters with AdamW state in the checkpoint must be the ones this config trains (frozen ones have
     none): another `student.freeze_blocks` would otherwise fail inside the load, after config.yaml is written."""
-    from dinov3_core.train.param_groups import clean_param_name
-
     prefix, suffix = "optimizer.state.", ".exp_avg"
     theirs = {k[len(prefix) : -len(suffix)] for k in saved if k.startswith(prefix) and k.endswith(suffix)}
-    ours = {clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad}
     if theirs and theirs != ours:
         frozen_here, trained_here = sorted(theirs - ours), sorted(ours - theirs)
         raise CheckpointError(
@@ -166,9 +183,21 @@ def _check_trainable(path: Path, saved: dict[str, Any], model: nn.Module) -> Non
 # ----------------------------------------------------------------------------------------- save and load
 
 
-def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def _full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any], *, flat: bool = True
+) -> dict[str, Any]:
+    """The DCP state. The optimizer's param groups are written per parameter (`optimizer.param_groups.<fqn>.lr`):
+    each pipeline stage has its own groups, so a list of groups would differ between processes (and could not be
+    resumed on another pipeline layout). Checkpoints written before (`flat=False`) keep loading their way."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optimizer": optim_sd, "train_state": train_state}
+
+
+def _has_flat_optimizer(path: Path) -> bool:
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optimizer.param_groups."
+    return not any(k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0].isdigit() for k in keys)
 
 
 def save_checkpoint(
@@ -224,10 +253,14 @@ def load_checkpoint(
 
     Returns the loaded train state (same structure as the template, values from the checkpoint).
     """
-    state = _full_state(model, optimizer, train_state_template)  # also creates the optimizer state to load into
+    flat = _has_flat_optimizer(path)
+    state = _full_state(model, optimizer, train_state_template, flat=flat)  # also creates the optimizer state
     with _single_process_quiet(env):
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
     return state["train_state"]
 
 

@@ -17,26 +17,49 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import apply_activation_checkpointing, apply_fsdp, compile_blocks
 from dinov3_core.models.adaptation import share_frozen_weights
+from dinov3_core.train.parallel_config import ParallelismConfig
 
 
 @dataclass
 class DistEnv:
+    """This process's place in the job. Processes form a (pipeline × data-parallel) grid, pipeline outermost:
+    ranks `pp_rank·dp_size … (pp_rank+1)·dp_size − 1` hold pipeline stage `pp_rank`, so FSDP traffic stays among
+    neighbouring ranks (one node) and only activations cross nodes. Without pipeline parallelism every process is
+    a data-parallel rank (`dp_rank == rank`)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    mesh: DeviceMesh | None = None
+    mesh: DeviceMesh | None = None  # the data-parallel mesh FSDP shards over (None: one process per data shard)
     owns_process_group: bool = False  # created by `init_distributed` (and destroyed by `shutdown`)
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None  # the processes holding the other stages of this pipeline
+    dp_group: dist.ProcessGroup | None = None  # the processes holding this stage (None: the whole world, no PP)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel processes: how many ways the global batch is split."""
+        return self.world_size // self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp_size
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.dp_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -67,7 +90,9 @@ def choose_device(requested: str, local_rank: int, local_world_size: int, gpu_co
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(requested_device: str) -> DistEnv:
+def init_distributed(requested_device: str, pp_degree: int = 1) -> DistEnv:
+    """This process's `DistEnv`; the (pp, dp) device mesh is built here, once. `pp_degree` must divide the world
+    (the launcher and the config check it before any process starts: `train.config.check_parallelism`)."""
     rank, world, local_rank, local_world = env_world()
     device = choose_device(requested_device, local_rank, local_world)
     if device.type == "cuda":
@@ -78,8 +103,20 @@ def init_distributed(requested_device: str) -> DistEnv:
     if owns:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    mesh = init_device_mesh(device.type, (world,))
-    return DistEnv(rank, world, local_rank, local_world, device, mesh, owns)
+    if pp_degree == 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        return DistEnv(rank, world, local_rank, local_world, device, mesh, owns)
+    grid = init_device_mesh(device.type, (pp_degree, world // pp_degree), mesh_dim_names=("pp", "dp"))
+    dp_mesh = grid["dp"]
+    return DistEnv(
+        rank, world, local_rank, local_world, device,
+        mesh=dp_mesh if dp_mesh.size() > 1 else None,
+        owns_process_group=owns,
+        pp_size=pp_degree,
+        pp_rank=grid.get_local_rank("pp"),
+        pp_group=grid.get_group("pp"),
+        dp_group=dp_mesh.get_group(),
+    )  # fmt: skip
 
 
 def shutdown(env: DistEnv) -> None:
@@ -100,24 +137,31 @@ def parallelize(
     bf16: bool,
     activation_checkpointing: bool,
     compile: bool,
-) -> None:
-    """In place, in upstream's order: activation checkpointing → per-block compile → FSDP2 per block + root.
+    parallelism: ParallelismConfig | None = None,
+) -> nn.ModuleDict:
+    """All parallelism, in one place and upstream's order: [pipeline split] → activation checkpointing → per-block
+    compile → FSDP2 per block + root. Returns the student this process trains: the whole one, or its pipeline
+    stage (`pipeline_parallel.StudentStage`, same parameter names) when `parallelism.pp_degree` > 1.
 
-    One process: the modules are simply moved to the device (bf16 then comes from autocast in the loop).
-    Several: every backbone and head is sharded over the 1-D data-parallel mesh; the teacher too (resharded
-    after its forward), so it costs 1/world of its size per rank.
+    One data-parallel process: the modules are simply moved to the device (bf16 then comes from autocast in the
+    loop). Several: every backbone and head is sharded over the data-parallel mesh; the teacher too (resharded
+    after its forward), so it costs 1/dp of its size per process. The teacher is never split into stages.
     """
+    if parallelism is not None and parallelism.enabled:
+        from dinov3_core.train.pipeline_parallel import split_student
+
+        student = split_student(student, parallelism, env.pp_rank)
     if activation_checkpointing:
         apply_activation_checkpointing(student["backbone"])  # the teacher has no backward to save memory for
     if compile:
         compile_blocks(student["backbone"])
         compile_blocks(teacher["backbone"])
-    if not env.distributed:
+    if env.mesh is None:
         student.to(env.device)
         teacher.to(env.device)
-        share_frozen_weights(student, teacher)  # LoRA / frozen blocks: one copy of what never changes
-        return
-    assert env.mesh is not None
+        if not env.distributed:
+            share_frozen_weights(student, teacher)  # LoRA / frozen blocks: one copy of what never changes
+        return student
     # The backbone returns dicts of views (CLS = a slice of the normed tokens); nothing modifies them in
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -125,6 +169,11 @@ def parallelize(
     for part in (student, teacher):
         for module in part.values():
             apply_fsdp(module, env.mesh, mp_policy=mp)
+    if env.pp_size > 1:
+        # The stage as one FSDP root: the pipeline schedule then defers gradient reduce-scatters to the last
+        # micro-batch of each schedule step (torch's PipelineStage handles an FSDPModule submodule).
+        fully_shard(student, mesh=env.mesh, mp_policy=mp or MixedPrecisionPolicy())
+    return student
 
 
 def set_gradient_sync(student: nn.ModuleDict, enabled: bool) -> None:
@@ -136,8 +185,8 @@ def set_gradient_sync(student: nn.ModuleDict, enabled: bool) -> None:
 
 @contextlib.contextmanager
 def autocast(env: DistEnv, bf16: bool) -> Iterator[None]:
-    """bf16 autocast for single-process GPU training; FSDP runs use its MixedPrecisionPolicy instead."""
-    if bf16 and not env.distributed:
+    """bf16 autocast for GPU training without FSDP; FSDP runs use its MixedPrecisionPolicy instead."""
+    if bf16 and env.mesh is None:
         with torch.autocast(device_type=env.device.type, dtype=torch.bfloat16):
             yield
     else:

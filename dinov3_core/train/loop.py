@@ -45,6 +45,13 @@ from dinov3_core.train.health import (
 from dinov3_core.train.memory_watch import MemoryWindow, Pressure, release_freed_memory
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
+from dinov3_core.train.pipeline_parallel import (
+    Pipeline,
+    StepContext,
+    clip_gradients_pp,
+    stage_owners,
+    update_teacher_pp,
+)
 from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
 from dinov3_core.train.sampler import SamplerState
 from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
@@ -90,6 +97,7 @@ class Trainer:
     # Stages that add losses (gram anchoring) subclass the meta-architecture and name it here.
     meta_arch: type[SSLMetaArch] = SSLMetaArch
     stage = "pretrain"  # for logs and events
+    extra_loss_names: tuple[str, ...] = ()  # terms the meta-architecture adds to `LOSS_NAMES` (gram_loss)
 
     def __init__(self, cfg: C.PretrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
@@ -109,6 +117,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         built = build_ssl_model(cfg, meta_arch=self.meta_arch)
         self.model, self.arch = built.model, built.arch
+        self.layout = ckpt.ModelLayout.of(self.model)  # the whole model's keys: pipeline stages hold only some
         # The health probe's tiles; slides it holds out leave the training data (health_probe).
         patch = self.model.student["backbone"].patch_size
         self.probe_set, self.tiles = HP.prepare(cfg, self.tiles, patch, inherit=self.inherited_probe(cfg))
@@ -116,6 +125,7 @@ class Trainer:
         self.plan = resolve_batch(cfg, env, self.model, self.tiles.tile_size)
         self.global_batch = self.plan.global_batch
         check_batch(cfg, len(self.tiles), self.plan)
+        C.check_parallelism(cfg, env.world_size, self.plan.micro_batch)
         # What the memory watch may change mid-run (micro-batch × accumulation stays the rank's step batch).
         self.run_plan = RunPlan(
             micro_batch=self.plan.micro_batch,
@@ -126,18 +136,24 @@ class Trainer:
         )
         self.rank_batch = self.run_plan.step_batch
 
-        parallelize(
+        latest = checkpoint_to_resume(cfg, self.ckpt_root, self.layout)
+        self.model.student = parallelize(
             self.model.student,
             self.model.teacher,
             env,
             bf16=self.bf16,
             activation_checkpointing=cfg.train.activation_checkpointing,
             compile=cfg.train.compile,
+            parallelism=cfg.parallelism,
         )
+        self.model.dp_group = env.dp_group  # Sinkhorn and the KoLeo gather: the processes with other images
+        self.pipeline: Pipeline | None = None  # built by set_run_plan under pipeline parallelism
+        trained = [n.removeprefix("student.") for n in sorted(self.layout.trainable) if n.startswith("student.")]
+        depth = self.model.student["backbone"].n_blocks
+        self.teacher_owner = stage_owners(trained, cfg.parallelism, depth) if cfg.parallelism.enabled else {}
         self.optimizer = build_optimizer(self.model.student, cfg)
         self.schedules = build_schedules(cfg, self.global_batch)
 
-        latest = checkpoint_to_resume(cfg, self.ckpt_root, self.model)
         resumed_plan, self.memory_replans = plan_from_checkpoint(latest, self.run_plan, env.world_size)
         if resumed_plan != self.run_plan and env.is_main:
             logger.info(
@@ -156,7 +172,8 @@ class Trainer:
         self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
         logger.info(
             "%s: %s backbone (%.2fM parameters; %.2fM of the student's %.2fM train%s) on %s: %d tiles, global batch "
-            "%d = %d process(es) × micro-batch %d × %d accumulation step(s); %s; %s; memory estimate %s (budget %.1f "
+            "%d = %d data-parallel process(es) × micro-batch %d × %d accumulation step(s)%s; %s; %s; memory estimate %s "
+            "(budget %.1f "
             "GiB); output %s",
             self.stage,
             self.arch,
@@ -167,9 +184,10 @@ class Trainer:
             env.device,
             len(self.tiles),
             self.global_batch,
-            env.world_size,
+            env.dp_size,
             self.micro_batch,
             self.accumulation_steps,
+            self.pipeline.describe() if self.pipeline else "",
             C.length_summary(cfg),
             C.start_summary(cfg, latest),
             self.plan.estimate.describe(),
@@ -211,6 +229,11 @@ class Trainer:
         self.micro_batch, self.accumulation_steps = plan.micro_batch, plan.accumulation_steps
         if plan.activation_checkpointing:  # a flag on each block: switching it on needs no re-wrapping
             apply_activation_checkpointing(self.model.student["backbone"])
+        if self.cfg.parallelism.enabled and (self.pipeline is None or self.pipeline.micro_batch != plan.micro_batch):
+            self.pipeline = Pipeline(self.model, self.env, self.cfg.parallelism, plan.micro_batch)
+            patch = self.model.teacher["backbone"].patch_size
+            self.pipeline.stage.set_grids([(self.cfg.crops.global_size // patch,) * 2,
+                                           (self.cfg.crops.local_size // patch,) * 2])  # fmt: skip
 
     def inherited_probe(self, cfg: C.PretrainConfig) -> Path | None:
         """A probe record to reuse when the run has none of its own (the gram stage: its pretraining run's)."""
@@ -350,7 +373,7 @@ class Trainer:
     def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None) -> bool:
         """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
         must be rebuilt. With nothing left: checkpoint, then stop with what to change."""
-        step = next_plan(self.run_plan, pressure)
+        step = next_plan(self.run_plan, pressure, micro_ok=self.micro_batch_ok)
         if step is None:
             saved = self.save(iteration) if not self.nonfinite_streak else ckpt.latest_checkpoint(self.ckpt_root)
             raise out_of_memory(self.cfg, self.run_plan, why, saved)
@@ -368,6 +391,14 @@ class Trainer:
         if on_metrics is not None and self.env.is_main:
             on_metrics(event)
         return step.before.num_workers != step.after.num_workers
+
+    def micro_batch_ok(self, micro_batch: int) -> bool:
+        """Whether a re-plan may use this micro-batch: under pipeline parallelism it must keep the contract."""
+        try:
+            C.check_parallelism(self.cfg, self.env.world_size, micro_batch)
+        except core_config.ConfigError:
+            return False
+        return True
 
     def save(self, iteration: int) -> Path:
         return ckpt.save_checkpoint(
@@ -403,20 +434,33 @@ class Trainer:
             group_size=cfg.crops.rng_group_size,
         )
         masks = IBOTMasks.from_masks(batch.masks.to(env.device, non_blocking=True), cfg.crops.n_global_crops)
-
+        koleo_base = env.dp_rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
+        # Per-term losses, signals and the teacher's entropy, summed over micro-batches, then averaged over the
+        # data-parallel processes (under a pipeline only the last stage computes them; the others add zeros).
+        keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names, "teacher_entropy")
+        loss_sum = torch.zeros(len(keys), device=env.device)
+        pipeline = self.pipeline
         with autocast(env, self.bf16):
-            targets = model.teacher_targets(crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp)
-        # A health signal, not a loss: 16 images a crop estimate it at a fraction of the cost for 65,536 prototypes.
-        q = targets.dino[:, :16].float()
-        teacher_entropy = float(-(q * q.clamp_min(1e-12).log()).sum(-1).mean()) / math.log(q.shape[-1])
-        with autocast(env, self.bf16):
+            targets = None  # the teacher runs where the loss is computed: every process, or the last stage
+            if pipeline is None or pipeline.stage.is_last:
+                targets = model.teacher_targets(
+                    crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp
+                )
+                # A health signal, not a loss: 16 images a crop estimate it at a fraction of the cost.
+                q = targets.dino[:, :16].float()
+                loss_sum[-1] = -(q * q.clamp_min(1e-12).log()).sum(-1).mean() / math.log(q.shape[-1])
             koleo_features = None
-            if n_micro > 1 and model.needs_koleo:
+            if pipeline is not None and model.needs_koleo:  # PP micro-batches split the step: whole-step set
+                koleo_features = pipeline.koleo_features(crops.global_stack, crops.local_stack, masks, n_micro)
+            elif n_micro > 1 and model.needs_koleo:
                 koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
-        koleo_base = env.rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
 
-        loss_sum = torch.zeros(len(LOSS_NAMES) + len(SIGNAL_NAMES), device=env.device)
-        for m in range(n_micro):
+            if pipeline is not None:
+                ctx = StepContext(crops.global_stack, masks, targets, n_micro * pipeline.n_mb, koleo_features,
+                                  koleo_base)  # fmt: skip
+                for parts in pipeline.run(ctx, crops.local_stack, n_micro):
+                    loss_sum[:-1] += torch.stack([parts[k] for k in keys[:-1]]) / ctx.n_microbatches
+        for m in range(n_micro if pipeline is None else 0):
             micro = slice(m * b, (m + 1) * b)
             micro_masks, positions = masks.microbatch(m, n_micro)
             micro_targets = TeacherTargets(dino=targets.dino[:, micro], ibot=targets.ibot[positions])
@@ -432,24 +476,30 @@ class Trainer:
                     koleo_offset=koleo_base + m * b,
                 )
             (loss / n_micro).backward()
-            loss_sum += torch.stack([parts[k] for k in (*LOSS_NAMES, *SIGNAL_NAMES)]) / n_micro
+            loss_sum[:-1] += torch.stack([parts[k] for k in keys[:-1]]) / n_micro
         del crops, targets, koleo_features
 
-        if env.distributed:  # the mean over ranks is the loss of the global batch (equal rank batches)
+        if env.distributed:  # the mean over data-parallel processes is the loss of the global batch
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-            loss_sum /= env.world_size
-        means = dict(zip((*LOSS_NAMES, *SIGNAL_NAMES), loss_sum.tolist(), strict=True))
+            loss_sum /= env.dp_size
+        means = dict(zip(keys, loss_sum.tolist(), strict=True))
         losses = {k: means[k] for k in LOSS_NAMES}
-        values: dict[str, float] = {**means, **M.schedule_values(sched), "teacher_entropy": teacher_entropy}
+        values: dict[str, float] = {**means, **M.schedule_values(sched)}
 
         finite = all(math.isfinite(v) for v in losses.values())
         if finite:
-            norms = clip_gradients(model.student, cfg.optim.clip_grad)
+            if pipeline is None:
+                norms = clip_gradients(model.student, cfg.optim.clip_grad)
+            else:
+                norms = clip_gradients_pp(model.student, cfg.optim.clip_grad)
             values.update({k: float(v) for k, v in norms.items()})
             finite = all(math.isfinite(values[k]) for k in norms)
         if finite:
             self.optimizer.step()
-            model.update_teacher(sched.momentum)
+            if pipeline is None:
+                model.update_teacher(sched.momentum)
+            else:
+                update_teacher_pp(model, sched.momentum, env, self.teacher_owner)
             self.nonfinite_streak = 0
         else:
             self.nonfinite_streak += 1

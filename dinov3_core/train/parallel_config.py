@@ -131,8 +131,8 @@ def check_pipeline_contract(p: ParallelismConfig, *, world_size: int, micro_batc
         if micro_batch % n_mb or (n_mb < p.n_stages and get_schedule_class(p.pp_schedule) is not ScheduleGPipe):
             raise ConfigError(
                 f"train.batch_size_per_gpu={micro_batch} cannot be cut into {p.n_stages} or {2 * p.n_stages} "
-                f"pipeline micro-batches; use a multiple of {p.n_stages} (e.g. {p.n_stages * max(1, micro_batch // p.n_stages)}) "
-                "or set parallelism.pp_microbatch_size",
+                f"pipeline micro-batches; use a multiple of {p.n_stages} (e.g. "
+                f"{p.n_stages * max(1, micro_batch // p.n_stages)}) or set parallelism.pp_microbatch_size",
             )
         return
     if micro_batch % size:

@@ -23,7 +23,7 @@ import torch
 
 from dinov3_core import tracking
 from dinov3_core.train import config as C
-from dinov3_core.train.distributed import DistEnv, init_distributed, shutdown
+from dinov3_core.train.distributed import DistEnv, env_world, init_distributed, shutdown
 from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
 
 __all__ = [
@@ -87,10 +87,11 @@ def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
 def training_process(cfg: C.PretrainConfig) -> Iterator[DistEnv]:
     """One training rank's set-up and teardown, for pretrain and gram alike: torch threads set before any compute
     (distributed-facts §1), the process group, and both restored however training ends."""
+    C.check_parallelism(cfg, env_world()[1])  # the pipeline contract, before any process group exists
     threads = torch.get_num_threads()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    env = init_distributed(cfg.train.device)
+    env = init_distributed(cfg.train.device, cfg.parallelism.pp_degree)
     try:
         yield env
     finally:

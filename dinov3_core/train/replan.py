@@ -12,6 +12,7 @@ optimizer-step boundary, the same on every rank, one rung at a time:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,12 @@ class Replan:
         }
 
 
-def next_plan(plan: RunPlan, pressure: Pressure) -> Replan | None:
-    """The next rung of the ladder for this kind of pressure, or None when nothing is left to give."""
+def next_plan(plan: RunPlan, pressure: Pressure, micro_ok: Callable[[int], bool] = lambda _: True) -> Replan | None:
+    """The next rung of the ladder for this kind of pressure, or None when nothing is left to give. `micro_ok`: which
+    micro-batches the run can take (pipeline parallelism: those that keep its micro-batch contract)."""
     if pressure == "host" and plan.num_workers > 0:
         return Replan("loader", plan, replace(plan, num_workers=plan.num_workers // 2, prefetch_factor=1))
-    smaller = [d for d in range(1, plan.micro_batch // 2 + 1) if plan.step_batch % d == 0]
+    smaller = [d for d in range(1, plan.micro_batch // 2 + 1) if plan.step_batch % d == 0 and micro_ok(d)]
     if smaller:
         micro = smaller[-1]  # at least halves the micro-batch's activations
         after = replace(plan, micro_batch=micro, accumulation_steps=plan.step_batch // micro)

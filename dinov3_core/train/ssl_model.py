@@ -157,16 +157,46 @@ class SSLMetaArch(nn.Module):
         Returns:
             (total loss with gradient, detached per-term losses keyed by `LOSS_NAMES`, and `SIGNAL_NAMES`).
         """
-        n_global, b = global_crops.shape[:2]
-        n_local = local_crops.shape[0]
         out_global, out_local = self.student["backbone"](
             [global_crops.flatten(0, 1), local_crops.flatten(0, 1)], masks=[masks.masks, None], is_training=True
         )
         cls_global = out_global["x_norm_clstoken"]  # [S_g·b, D]
         # One DINO-head call for global and local CLS tokens (one FSDP all-gather, one launch per layer).
         dino_logits = self.student["dino_head"](torch.cat([cls_global, out_local["x_norm_clstoken"]]))
+        return self.loss_from_outputs(
+            global_crops,
+            cls_global,
+            dino_logits,
+            out_global["x_norm_patchtokens"],
+            masks,
+            targets,
+            koleo_features=koleo_features,
+            koleo_offset=koleo_offset,
+        )
+
+    def loss_from_outputs(
+        self,
+        global_crops: Tensor,
+        cls_global: Tensor,
+        dino_logits: Tensor,
+        patch_global: Tensor,
+        masks: IBOTMasks,
+        targets: TeacherTargets,
+        *,
+        koleo_features: Tensor | None = None,
+        koleo_offset: int = 0,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The micro-batch loss from the student's outputs: what `forward_loss` does after the backbone and the
+        DINO head, and what the last pipeline stage computes (`pipeline_parallel`). Stages that add terms (gram
+        anchoring) override this one method, so they work with and without pipeline parallelism.
+
+        global_crops [S_g, b, 3, H, W]; cls_global [S_g·b, D]; dino_logits [(S_g+S_l)·b, K] (crop-major, globals
+        first); patch_global [S_g·b, N, D], the normed patch tokens of the (masked) global crops.
+        """
+        n_global, b = global_crops.shape[:2]
+        n_local = dino_logits.shape[0] // b - n_global
         dino_global, dino_local = dino_logits.split([n_global * b, n_local * b])
-        masked_tokens = out_global["x_norm_patchtokens"].flatten(0, 1)[masks.mask_indices]
+        masked_tokens = patch_global.flatten(0, 1)[masks.mask_indices]
         ibot_logits = self.student["ibot_head"](masked_tokens)  # called even when empty: FSDP collectives
         return self.loss_from_logits(
             cls_global,
@@ -195,7 +225,7 @@ class SSLMetaArch(nn.Module):
         koleo_features: Tensor | None = None,
         koleo_offset: int = 0,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """`forward_loss` after the student: also the loss of the last pipeline stage (pipeline_parallel).
+        """The DINO, iBOT and KoLeo terms from the heads' outputs.
 
         cls_global [S_g·b, D], dino_global [S_g·b, K], dino_local [S_l·b, K] (crop-major), ibot_logits [M_micro, K].
         """
@@ -208,8 +238,8 @@ class SSLMetaArch(nn.Module):
         }
         if self.needs_koleo:
             features = cls_global.view(n_global, b, -1)
-            if koleo_features is None and self.koleo_scope == "global" and _world() > 1:
-                koleo_features, koleo_offset = self._maybe_gather(features.detach()), dist.get_rank() * b
+            if koleo_features is None and self.koleo_scope == "global" and _world(self.dp_group) > 1:
+                koleo_features, koleo_offset = self._maybe_gather(features.detach()), dist.get_rank(self.dp_group) * b
             losses["koleo_loss"] = self.koleo_loss(features, step_features=koleo_features, offset=koleo_offset)
         else:
             losses["koleo_loss"] = dino_global.new_zeros((), dtype=torch.float32)
@@ -224,10 +254,11 @@ class SSLMetaArch(nn.Module):
         return total, {k: v.detach().float() for k, v in losses.items()}
 
     def _maybe_gather(self, features: Tensor) -> Tensor:
-        if self.koleo_scope != "global" or _world() == 1:
+        world = _world(self.dp_group)
+        if self.koleo_scope != "global" or world == 1:
             return features
-        parts = [torch.empty_like(features) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, features.contiguous())
+        parts = [torch.empty_like(features) for _ in range(world)]
+        dist.all_gather(parts, features.contiguous(), group=self.dp_group)
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------------------------------------ EMA
@@ -238,11 +269,9 @@ class SSLMetaArch(nn.Module):
 
         Only the pairs whose student parameter trains: frozen ones (LoRA base weights, frozen blocks) are equal
         in both and never change, so averaging them would only cost time."""
-        pairs = [
-            (_local(t), _local(s))
-            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True)
-            if s.requires_grad
-        ]
+        # By name: under pipeline parallelism the student is one stage, the teacher whole (same names).
+        teacher_params = dict(self.teacher.named_parameters())
+        pairs = [(_local(teacher_params[n]), _local(s)) for n, s in self.student.named_parameters() if s.requires_grad]
         if not pairs:
             return
         teacher, student = (list(x) for x in zip(*pairs, strict=True))
@@ -265,8 +294,9 @@ def _local(p: Tensor) -> Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _world(group: dist.ProcessGroup | None = None) -> int:
+    """Processes in `group` (None: the default world); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 # ----------------------------------------------------------------------------------------------- building

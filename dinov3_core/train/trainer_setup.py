@@ -68,12 +68,13 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
     if train.global_batch_size is None:
         accum = train.accumulation_steps
     else:
-        if train.global_batch_size % (micro * env.world_size):
+        if train.global_batch_size % (micro * env.dp_size):
             raise core_config.ConfigError(
                 f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                f"train.batch_size_per_gpu × processes = {micro} × {env.world_size}"
+                f"train.batch_size_per_gpu × data-parallel processes = {micro} × {env.dp_size} (processes / "
+                "parallelism.pp_degree)"
             )
-        accum = train.global_batch_size // (micro * env.world_size)
+        accum = train.global_batch_size // (micro * env.dp_size)
         if train.accumulation_steps not in (1, accum):
             raise core_config.ConfigError(
                 f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
@@ -95,7 +96,7 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
             f"gradients, AdamW states and the EMA teacher take {model_bytes / GIB:.2f} GiB per process. Raise the "
             "budget, train fewer weights (student.lora.rank, student.freeze_blocks), or shard over more processes"
         )
-    return BatchPlan(micro, accum, micro * accum * env.world_size, estimate, budget)
+    return BatchPlan(micro, accum, micro * accum * env.dp_size, estimate, budget)
 
 
 def plan_from_checkpoint(latest: Path | None, plan: RunPlan, world_size: int) -> tuple[RunPlan, int]:
@@ -195,8 +196,8 @@ def build_step_loader(
     sampler = StepSampler(
         len(tiles),
         global_batch,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=env.dp_rank,  # the processes of one pipeline read the same images
+        world_size=env.dp_size,
         seed=cfg.train.seed,
         start_iteration=start_iteration,
         start_sample=start_sample,
