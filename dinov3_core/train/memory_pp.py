@@ -77,7 +77,22 @@ def estimate_pipeline_memory(
     device_type: str,
     tile_size: int = 224,
 ) -> MemoryEstimate:
-    """Bytes per process of the stage needing the most (see the module docstring)."""
+    """Bytes per process of the stage needing the most (the first of equals); see the module docstring."""
+    kw = {"micro_batch": micro_batch, "step_batch": step_batch, "world_size": world_size, "tile_size": tile_size}
+    return max(stage_estimates(cfg, shape, device_type=device_type, **kw), key=lambda e: e.total)
+
+
+def stage_estimates(
+    cfg: C.PretrainConfig,
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    step_batch: int,
+    world_size: int,
+    device_type: str,
+    tile_size: int = 224,
+) -> list[MemoryEstimate]:
+    """Bytes per process of every pipeline stage, first to last."""
     p = cfg.parallelism
     check_pipeline_contract(p, world_size=world_size, micro_batch=None, depth=shape.depth)
     dp = world_size // p.pp_degree
@@ -118,7 +133,7 @@ def estimate_pipeline_memory(
                 stage=s,
             )
         )
-    return max(estimates, key=lambda e: e.total)  # the first of equals
+    return estimates
 
 
 def pipeline_micro_batches(cfg: C.PretrainConfig, shape: ModelShape, *, world_size: int) -> tuple[int, list[int]]:
