@@ -21,6 +21,14 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
 * loader workers (host budget only): a Python+torch process each plus its prefetched step batches.
 * workspace: CUDA context and allocator slack (1.5 GiB) or the process baseline on CPU (0.5 GiB).
 
+Pipeline parallelism (`parallelism.pp_degree` > 1, `memory_pp`): each process holds one stage of the student
+(its blocks; the first also the embedding, the last also the norms and heads) FSDP-sharded over the dp =
+world_size / pp_degree processes holding it, and a whole teacher sharded over dp. Activations are the stage's
+share of the blocks for the images in flight (all PP micro-batches with GPipe, at most pp_degree − stage with
+1F1B), heads and teacher targets only on the last stage; the estimate is that of the stage needing the most
+(`MemoryEstimate.stage`). `plan_batch` then splits global / dp and tries only micro-batches the pipeline
+contract accepts. With pp_degree 1 none of this applies.
+
 The estimate is deliberately simple and errs high; `measure_activation_bytes` measures the real thing for
 calibration (tests compare the two).
 """
@@ -60,6 +68,36 @@ class ModelShape:
     ibot_prototypes: int
     head_hidden: int
     head_bottleneck: int
+    # Parameters per part of the student, for pipeline stages (`memory_pp`); the rest (none today) is on every
+    # stage. (params, trainable) of: the patch embedding and cls/storage/mask tokens (first stage), each block,
+    # the final norms and both heads (last stage). Empty / 0 in a shape built without them.
+    embed_params: tuple[int, int] = (0, 0)
+    block_params: tuple[tuple[int, int], ...] = ()
+    last_params: tuple[int, int] = (0, 0)
+
+
+# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`StudentStage`).
+FIRST_STAGE_PARTS = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
+LAST_STAGE_PARTS = ("norm", "cls_norm", "local_cls_norm")
+HEADS = ("dino_head", "ibot_head")
+
+
+def part_params(student: nn.Module, depth: int) -> dict[str, tuple[int, int]]:
+    """(params, trainable) per part of the student: "embed", "block.<i>", "last", "other" (by parameter name)."""
+    parts = {"embed": (0, 0), **{f"block.{i}": (0, 0) for i in range(depth)}, "last": (0, 0), "other": (0, 0)}
+    for name, p in student.named_parameters():
+        top, sub, *rest = (*name.split("."), "", "")
+        if top in HEADS or (top == "backbone" and sub in LAST_STAGE_PARTS):
+            key = "last"
+        elif top == "backbone" and sub in FIRST_STAGE_PARTS:
+            key = "embed"
+        elif top == "backbone" and sub == "blocks":
+            key = f"block.{rest[0]}"
+        else:
+            key = "other"
+        n, t = parts[key]
+        parts[key] = (n + p.numel(), t + p.numel() * p.requires_grad)
+    return parts
 
 
 def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
@@ -67,6 +105,7 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
     vit = student["backbone"]
     params = sum(p.numel() for p in student.parameters())
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    parts = part_params(student, len(vit.blocks))
     return ModelShape(
         embed_dim=vit.embed_dim,
         depth=len(vit.blocks),
@@ -81,6 +120,9 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
         ibot_prototypes=cfg.heads.ibot.n_prototypes,
         head_hidden=max(cfg.heads.dino.hidden_dim, cfg.heads.ibot.hidden_dim),
         head_bottleneck=max(cfg.heads.dino.bottleneck_dim, cfg.heads.ibot.bottleneck_dim),
+        embed_params=parts["embed"],
+        block_params=tuple(parts[f"block.{i}"] for i in range(len(vit.blocks))),
+        last_params=parts["last"],
     )
 
 
@@ -133,6 +175,7 @@ class MemoryEstimate:
     workspace: int
     micro_batch: int
     step_batch: int
+    stage: int | None = None  # pipeline parallelism: the stage this is for (the one needing the most memory)
 
     @property
     def total(self) -> int:
@@ -150,7 +193,8 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = ("weights", "grads", "optimizer", "teacher", "activations", "step_buffers", "loader", "workspace")
         listed = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
-        return f"{self.total / GIB:.2f} GiB per rank (micro-batch {self.micro_batch}: {listed} GiB)"
+        where = "" if self.stage is None else f" at pipeline stage {self.stage}, the largest"
+        return f"{self.total / GIB:.2f} GiB per rank{where} (micro-batch {self.micro_batch}: {listed} GiB)"
 
 
 def tokens_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> tuple[int, int]:
@@ -186,16 +230,28 @@ def activation_bytes_per_image(cfg: C.PretrainConfig, shape: ModelShape, *, bf16
     """Saved activations of one image (all its crops) in the student forward, plus its head rows."""
     elem = 2.5 if bf16 else 4.0
     backbone = backbone_activation_elements(cfg, shape, checkpointing=checkpointing)
+    return (backbone + head_activation_elements(cfg, shape)) * elem
+
+
+def head_activation_elements(cfg: C.PretrainConfig, shape: ModelShape) -> float:
+    """Elements both heads save per image: its DINO rows (one per crop) and expected iBOT masked rows."""
     dino_rows = cfg.crops.n_global_crops + cfg.crops.n_local_crops
     heads = dino_rows * head_row_elements(shape, shape.dino_prototypes)
     heads += masked_patches_per_image(cfg, shape) * head_row_elements(shape, shape.ibot_prototypes)
-    return (backbone + heads) * elem
+    return heads
+
+
+def crop_bytes(cfg: C.PretrainConfig, step_batch: int) -> float:
+    """The step's augmented crops (fp32)."""
+    crops = cfg.crops
+    pixels = crops.n_global_crops * crops.global_size**2 + crops.n_local_crops * crops.local_size**2
+    return pixels * 3 * 4 * step_batch
 
 
 def step_buffer_bytes(cfg: C.PretrainConfig, shape: ModelShape, step_batch: int, world_size: int) -> float:
+    """Crops, teacher targets (×2: the Sinkhorn transient) and KoLeo features of a whole step (`world_size`: the
+    processes KoLeo gathers over with koleo_scope=global)."""
     crops = cfg.crops
-    pixels = crops.n_global_crops * crops.global_size**2 + crops.n_local_crops * crops.local_size**2
-    crop_bytes = pixels * 3 * 4 * step_batch
     targets = (
         4
         * 2
@@ -206,7 +262,7 @@ def step_buffer_bytes(cfg: C.PretrainConfig, shape: ModelShape, step_batch: int,
     )
     koleo_rows = step_batch * (world_size if cfg.losses.koleo_scope == "global" else 1)
     koleo = 4 * crops.n_global_crops * koleo_rows * shape.embed_dim
-    return crop_bytes + targets + koleo
+    return crop_bytes(cfg, step_batch) + targets + koleo
 
 
 def loader_bytes(cfg: C.PretrainConfig, step_batch: int, tile_size: int) -> float:
@@ -225,6 +281,12 @@ def estimate_memory(
     device_type: str,
     tile_size: int = 224,
 ) -> MemoryEstimate:
+    """Bytes per process; with pipeline parallelism those of its worst stage (`memory_pp`)."""
+    if cfg.parallelism.enabled:
+        from dinov3_core.train.memory_pp import estimate_pipeline_memory
+
+        kw = {"micro_batch": micro_batch, "step_batch": step_batch, "world_size": world_size, "tile_size": tile_size}
+        return estimate_pipeline_memory(cfg, shape, device_type=device_type, **kw)
     bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
     shard = world_size  # FSDP shards over every rank (one process: world_size 1)
     accumulating = step_batch > micro_batch
@@ -264,15 +326,24 @@ def plan_batch(
     device_type: str,
     tile_size: int = 224,
 ) -> BatchPlan:
-    """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`."""
+    """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`; with pipeline
+    parallelism the per-process step batch is global / data-parallel degree and only micro-batches the pipeline
+    contract accepts are tried (`memory_pp.pipeline_micro_batches`)."""
     global_batch = cfg.train.global_batch_size
-    if global_batch is None or global_batch % world_size:
-        raise WsidinoError(
-            f"train.global_batch_size={global_batch} must be set and divisible by the {world_size} process(es)"
-        )
-    step_batch = global_batch // world_size
+    if cfg.parallelism.enabled:
+        from dinov3_core.train.memory_pp import pipeline_micro_batches
+
+        step_batch, candidates = pipeline_micro_batches(cfg, shape, world_size=world_size)
+    else:
+        if global_batch is None or global_batch % world_size:
+            raise WsidinoError(
+                f"train.global_batch_size={global_batch} must be set and divisible by the {world_size} process(es)"
+            )
+        step_batch = global_batch // world_size
+        candidates = sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True)
+    assert global_batch is not None
     tried = None
-    for micro in sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True):
+    for micro in candidates:
         est = estimate_memory(
             cfg,
             shape,
@@ -288,8 +359,8 @@ def plan_batch(
     assert tried is not None
     raise WsidinoError(
         f"a global batch of {global_batch} does not fit {budget_bytes / GIB:.2f} GiB per rank even with "
-        f"micro-batch 1: estimated {tried.describe()}. Set train.activation_checkpointing=true, use smaller "
-        "crops or heads, more processes, or raise train.memory_budget_gb"
+        f"micro-batch {tried.micro_batch}: estimated {tried.describe()}. Set train.activation_checkpointing=true, "
+        "use smaller crops or heads, more processes, or raise train.memory_budget_gb"
     )
 
 

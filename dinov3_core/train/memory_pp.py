@@ -1,0 +1,167 @@
+"""Per-process memory of a pipeline-parallel step (`parallelism.pp_degree` > 1), and the micro-batches such a
+step accepts: `memory.estimate_memory` and `memory.plan_batch` come here when pipelining is on.
+
+world_size = pp_degree × dp processes. Each holds one stage of the student (`parallel_config.split_blocks`; the
+first stage also the patch embedding and tokens, the last also the norms and both heads), FSDP-sharded over the
+dp processes holding that stage, and a whole EMA teacher sharded over dp (dp 1: all of it, nothing shared with
+the student). The micro-batch is cut into n_mb PP micro-batches (`pipeline_microbatches`). For stage s, with
+P_s / T_s the parameters / trainable parameters it holds (`ModelShape.*_params`):
+
+* weights 4P_s/dp, plus the stage's unsharded weights (2 bytes each in bf16, else 4) when dp > 1 and n_mb > 1:
+  the schedule keeps FSDP from resharding between PP micro-batches; grads 4T_s/dp, or 4T_s when dp > 1 and
+  gradients accumulate unsharded (gradient accumulation, or n_mb > 1); AdamW 8T_s/dp; teacher 4P/dp.
+* activations: the stage's trained blocks × the per-block activations of one image × the images in flight =
+  PP micro-batch size × (n_mb with GPipe, min(n_mb, pp_degree − s) with 1F1B). With checkpointing: block inputs
+  of the images in flight plus one block of one PP micro-batch recomputed. The last stage adds the heads' rows
+  of its PP micro-batches in flight (one with 1F1B).
+* step buffers: crops on every process; teacher targets and KoLeo features (over dp) on the last stage only.
+* loader and workspace as without pipelining (every process loads the step's images).
+
+The estimate is the largest stage's (every process must fit); `MemoryEstimate.stage` says which.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining.schedules import ScheduleGPipe, get_schedule_class
+
+from dinov3_core.config import ConfigError
+from dinov3_core.errors import WsidinoError
+from dinov3_core.train import config as C
+from dinov3_core.train.memory import (
+    GIB,
+    PER_TOKEN_D,
+    PER_TOKEN_HEAD,
+    SAFETY,
+    MemoryEstimate,
+    ModelShape,
+    crop_bytes,
+    head_activation_elements,
+    loader_bytes,
+    step_buffer_bytes,
+    tokens_per_image,
+)
+from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
+
+
+def stage_params(shape: ModelShape, blocks: range, *, first: bool, last: bool) -> tuple[int, int]:
+    """(parameters, trainable parameters) a stage holds: its blocks, the embedding on the first, the norms and
+    heads on the last, and anything outside those parts (none in this backbone) on every stage."""
+    if len(shape.block_params) != shape.depth:
+        raise WsidinoError(
+            "this ModelShape has no per-block parameter counts, which pipeline parallelism needs: build it with "
+            "memory.shape_of or memory.model_shape"
+        )
+    parts = [shape.embed_params, *shape.block_params, shape.last_params]
+    other = (shape.student_params - sum(n for n, _ in parts), shape.trainable_params - sum(t for _, t in parts))
+    held = [shape.block_params[i] for i in blocks] + [other]
+    held += [shape.embed_params] * first + [shape.last_params] * last
+    return sum(n for n, _ in held), sum(t for _, t in held)
+
+
+def images_in_flight(cfg: C.PretrainConfig, micro_batch: int, stage: int) -> float:
+    """Images whose activations stage `stage` holds at once."""
+    p = cfg.parallelism
+    n_mb = pipeline_microbatches(p, micro_batch)
+    gpipe = get_schedule_class(p.pp_schedule) is ScheduleGPipe
+    in_flight = n_mb if gpipe else min(n_mb, p.pp_degree - stage)  # 1F1B: backward after pp_degree − s forwards
+    return in_flight * micro_batch / n_mb
+
+
+def estimate_pipeline_memory(
+    cfg: C.PretrainConfig,
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    step_batch: int,
+    world_size: int,
+    device_type: str,
+    tile_size: int = 224,
+) -> MemoryEstimate:
+    """Bytes per process of the stage needing the most (the first of equals); see the module docstring."""
+    kw = {"micro_batch": micro_batch, "step_batch": step_batch, "world_size": world_size, "tile_size": tile_size}
+    return max(stage_estimates(cfg, shape, device_type=device_type, **kw), key=lambda e: e.total)
+
+
+def stage_estimates(
+    cfg: C.PretrainConfig,
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    step_batch: int,
+    world_size: int,
+    device_type: str,
+    tile_size: int = 224,
+) -> list[MemoryEstimate]:
+    """Bytes per process of every pipeline stage, first to last."""
+    p = cfg.parallelism
+    check_pipeline_contract(p, world_size=world_size, micro_batch=None, depth=shape.depth)
+    dp = world_size // p.pp_degree
+    bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
+    elem = 2.5 if bf16 else 4.0
+    n_mb = pipeline_microbatches(p, micro_batch)
+    grads_unsharded = dp > 1 and (step_batch > micro_batch or n_mb > 1)
+    tokens = sum(tokens_per_image(cfg, shape))
+    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    first_trained = shape.depth - shape.trained_depth  # frozen leading blocks save nothing
+    ranges = split_blocks(p, shape.depth)
+    estimates = []
+    for s, blocks in enumerate(ranges):
+        first, last = s == 0, s == len(ranges) - 1
+        params, trainable = stage_params(shape, blocks, first=first, last=last)
+        unsharded = (2 if bf16 else 4) * params if dp > 1 and n_mb > 1 else 0
+        images = images_in_flight(cfg, micro_batch, s)
+        trained = sum(i >= first_trained for i in blocks)
+        if cfg.train.activation_checkpointing:
+            recompute = per_token_block * micro_batch / n_mb if trained else 0.0
+            backbone = tokens * (trained * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) * images + recompute)
+        else:
+            backbone = tokens * trained * per_token_block * images
+        heads = head_activation_elements(cfg, shape) * images if last else 0.0
+        buffers = step_buffer_bytes(cfg, shape, step_batch, dp) if last else crop_bytes(cfg, step_batch)
+        estimates.append(
+            MemoryEstimate(
+                weights=int(4 * params / dp + unsharded),
+                grads=int(4 * trainable / (1 if grads_unsharded else dp)),
+                optimizer=int(8 * trainable / dp),
+                teacher=int(4 * shape.teacher_params / dp),  # whole teacher on every stage, nothing shared
+                activations=int(SAFETY * (backbone + heads) * elem),
+                step_buffers=int(buffers),
+                loader=int(loader_bytes(cfg, step_batch, tile_size)) if device_type == "cpu" else 0,
+                workspace=int(1.5 * GIB) if device_type == "cuda" else int(0.5 * GIB),
+                micro_batch=micro_batch,
+                step_batch=step_batch,
+                stage=s,
+            )
+        )
+    return estimates
+
+
+def pipeline_micro_batches(cfg: C.PretrainConfig, shape: ModelShape, *, world_size: int) -> tuple[int, list[int]]:
+    """(per-process step batch = global batch / data-parallel degree, the micro-batches dividing it that the
+    pipeline contract accepts, largest first)."""
+    p = cfg.parallelism
+    check_pipeline_contract(p, world_size=world_size, micro_batch=None, depth=shape.depth)
+    dp = world_size // p.pp_degree
+    global_batch = cfg.train.global_batch_size
+    if global_batch is None or global_batch % dp:
+        raise WsidinoError(
+            f"train.global_batch_size={global_batch} must be set and divisible by the data-parallel degree {dp} "
+            f"({world_size} processes / parallelism.pp_degree={p.pp_degree})"
+        )
+    step_batch = global_batch // dp
+    accepted, reason = [], ""
+    for micro in sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True):
+        try:
+            check_pipeline_contract(p, world_size=world_size, micro_batch=micro, depth=shape.depth)
+        except ConfigError as err:
+            reason = reason or str(err)
+            continue
+        accepted.append(micro)
+    if not accepted:
+        raise WsidinoError(
+            f"no micro-batch dividing the per-process step batch {step_batch} (train.global_batch_size="
+            f"{global_batch} / data-parallel degree {dp}) can be cut into pipeline micro-batches "
+            f"(parallelism.pp_microbatch_size={p.pp_microbatch_size}, pp_schedule={p.pp_schedule}, "
+            f"{p.n_stages} stages). For the whole step batch: {reason}"
+        )
+    return step_batch, accepted
