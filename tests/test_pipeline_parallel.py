@@ -24,8 +24,9 @@ def test_split_keeps_fqns() -> None:
     def student() -> nn.ModuleDict:
         torch.manual_seed(0)
         head = {"hidden_dim": 32, "bottleneck_dim": 16}
-        return nn.ModuleDict({"backbone": build_backbone("vit_test", **HUB_SETTINGS, depth=3),
-                              "dino_head": DINOHead(64, 32, **head), "ibot_head": DINOHead(64, 32, **head)})  # fmt: skip
+        backbone = build_backbone("vit_test", **HUB_SETTINGS, depth=3)
+        return nn.ModuleDict({"backbone": backbone, "dino_head": DINOHead(64, 32, **head),
+                              "ibot_head": DINOHead(64, 32, **head)})  # fmt: skip
 
     whole = student()
     stages = [split_student(student(), p, r) for r in range(2)]

@@ -172,9 +172,8 @@ class Trainer:
         self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
         logger.info(
             "%s: %s backbone (%.2fM parameters; %.2fM of the student's %.2fM train%s) on %s: %d tiles, global batch "
-            "%d = %d data-parallel process(es) × micro-batch %d × %d accumulation step(s)%s; %s; %s; memory estimate %s "
-            "(budget %.1f "
-            "GiB); output %s",
+            "%d = %d data-parallel process(es) × micro-batch %d × %d accumulation step(s)%s; %s; %s; memory "
+            "estimate %s (budget %.1f GiB); output %s",
             self.stage,
             self.arch,
             sum(p.numel() for p in self.model.teacher["backbone"].parameters()) / 1e6,

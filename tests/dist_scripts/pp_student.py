@@ -30,8 +30,8 @@ from dinov3_core.data.masking import IBOTMaskSampler
 from dinov3_core.losses import SSLLossWeights
 from dinov3_core.losses.weights import LossesConfig
 from dinov3_core.models import HUB_SETTINGS, DINOHead, build_backbone
-from dinov3_core.train.optim import clip_gradients
 from dinov3_core.train.distributed import DistEnv
+from dinov3_core.train.optim import clip_gradients
 from dinov3_core.train.parallel_config import ParallelismConfig
 from dinov3_core.train.pipeline_parallel import (
     Pipeline,
@@ -128,8 +128,13 @@ def pp_step(meta: SSLMetaArch, batch, *, schedule: str, n_mb: int, scale: str, c
     loss = sum(float(x["total_loss"]) for x in parts) / n_total if parts else None
     if stage.is_last:
         assert len(parts) == n_total, len(parts)
-    return {"stage": stage, "loss": loss, "norms": {k: float(v) for k, v in norms.items()}, "grads": grads,
-            "targets": targets}
+    return {
+        "stage": stage,
+        "loss": loss,
+        "norms": {k: float(v) for k, v in norms.items()},
+        "grads": grads,
+        "targets": targets,
+    }
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
