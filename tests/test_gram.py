@@ -297,7 +297,7 @@ def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_s
     teacher = build_backbone("vit_test").eval()
     model.__class__ = GramMetaArch
     loss_fn = GramLoss(img_level=img_level)
-    model.__dict__["_gram"] = state = _GramState(teacher=teacher, loss=loss_fn, weight=0.7, crop_size=teacher_size)
+    model.__dict__["_gram"] = _GramState(teacher=teacher, loss=loss_fn, weight=0.7, crop_size=teacher_size)
     b, p = 2, (64 // 16) ** 2
     g, loc = torch.randn(2, b, 3, 64, 64), torch.randn(2, b, 3, 32, 32)
     masks = IBOTMasks.from_masks(torch.zeros(2 * b, p, dtype=torch.bool).index_fill_(1, torch.tensor([0, 5]), True), 2)
@@ -324,7 +324,6 @@ def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_s
     torch.manual_seed(1)
     plain_total, _ = model.forward_loss(g, loc, masks, targets)
     assert total.item() == pytest.approx(plain_total.item() + 0.7 * expected.item(), rel=1e-6)
-    assert state.losses and state.losses[0].item() == pytest.approx(expected.item())
 
 
 def test_two_processes_gloo(small_tile_store, pretrain_dir, tmp_path) -> None:

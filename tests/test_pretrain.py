@@ -263,6 +263,48 @@ def test_two_processes_and_changing_world_size(reference, small_tile_store, tmp_
     assert_same_params(two / "ckpt" / "3", ref / "ckpt" / "3")
 
 
+def test_pipeline_by_data_parallel_trains_resumes_and_converts(reference, small_tile_store, tmp_path) -> None:
+    """torchrun, 4 gloo processes = 2 pipeline stages × 2 data-parallel (FSDP) processes, 1F1B, 2 pipeline
+    micro-batches of 2 per process: (a) from scratch to iteration 2 and (b) resumed on the same layout to 4 equal
+    the single-process full-batch reference; (c) its checkpoint resumed without a pipeline (pp 2 → 1) still does,
+    and (d) converts to a backbone that loads strictly."""
+    from dinov3_core.config import load_config
+    from dinov3_core.export.config import ConvertConfig
+    from dinov3_core.export.convert import run_convert
+    from dinov3_core.models import load_released_backbone
+
+    ref, out = reference["out"], tmp_path / "pp"
+    pp = {"parallelism.pp_degree": 2, "parallelism.pp_microbatch_size": 2, "train.batch_size_per_gpu": 4}
+    runs = [
+        overrides(small_tile_store, out, **pp, **{"train.stop_at": 2}),
+        overrides(small_tile_store, out, **pp, **{"train.stop_at": 4}),
+    ]
+    proc = torchrun(str(PRETRAIN_RUNS_SCRIPT), *(json.dumps(r) for r in runs), timeout=600, nproc=4)
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"run"')]
+    assert [(s["world_size"], s["micro_batch"], s["accumulation_steps"]) for s in summaries] == [(4, 4, 1)] * 2
+    assert Path(summaries[1]["resumed_from"]).name == "1"
+    log = (out / "logs" / "log.txt.rank3").read_text()
+    assert "pipeline stage 2/2 (blocks 1–1, heads), 2 pipeline micro-batches of 2" in log
+    assert "global batch 8 = 2 data-parallel process(es)" in log
+    for it in (1, 3):  # (a), (b)
+        assert_same_params(out / "ckpt" / str(it), ref / "ckpt" / str(it))
+    assert_same_metrics(out, ref, range(4))
+    teacher = torch.load(out / "eval" / "training_3" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
+    expected = torch.load(ref / "eval" / "training_3" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
+    assert max_diff(teacher, expected) < TOL
+
+    result = run_pretrain(config(small_tile_store, out, **{"train.stop_at": 6}))  # (c) pp 2 → 1, one process
+    assert result.resumed_from == out / "ckpt" / "3" and result.world_size == 1
+    assert_same_params(out / "ckpt" / "5", ref / "ckpt" / "5")
+
+    values = {"input": str(out / "ckpt" / "3"), "output_dir": str(tmp_path / "converted")}
+    converted = run_convert(load_config(ConvertConfig, "default", values, stage="convert"))  # (d)
+    backbone = load_released_backbone(converted.backbone)
+    got = torch.load(converted.backbone, weights_only=True)
+    assert set(got) == set(backbone.state_dict())
+    assert max_diff({f"backbone.{k}": v for k, v in got.items()}, teacher, "backbone.") == 0.0
+
+
 # --------------------------------------------------------------------------------- warm start, bad input
 
 
