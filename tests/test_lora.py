@@ -90,7 +90,10 @@ def changed(before: dict[str, torch.Tensor], model: dict[str, Any], prefix: str)
 
 
 def optimizer_params(state: dict[str, Any]) -> set[str]:
-    return {k.removeprefix("student.") for k in state["optimizer"]["state"]}
+    """Parameters with AdamW state (the checkpoint's flat optimizer keys: `state.student.<fqn>.exp_avg`)."""
+    suffix = ".exp_avg"
+    keys = state["optimizer"]
+    return {k.removeprefix("state.student.").removesuffix(suffix) for k in keys if k.endswith(suffix)}
 
 
 def images() -> torch.Tensor:

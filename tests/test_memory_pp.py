@@ -3,6 +3,8 @@ activations in flight, data-parallel sharding, contract-aware plans, and calibra
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from torch import nn
 
@@ -208,7 +210,7 @@ def test_stage_parameter_bytes_match_the_real_stages(overrides: dict, pp: dict) 
     params = dict(student.named_parameters())
     for s, est in enumerate(estimates):
         names = stage_names(student, s, ranges)
-        real = StudentStage(student, s, len(ranges), ranges[s])
+        real = StudentStage(copy.deepcopy(student), s, len(ranges), ranges[s])  # the split is in place
         assert sorted(n for n, _ in real.named_parameters()) == sorted(names)  # the FQNs are kept
         held = sum(p.numel() for p in real.parameters())
         assert est.weights == 4 * held  # dp 1: the stage's fp32 weights

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +57,61 @@ def test_pipeline_matches_unsplit_step() -> None:
             assert abs(r["grad_ratio"] - expected) < 1e-4, r
         if r["rank"] == 1:  # the last stage: its micro-batch losses saw exactly the unsplit Sinkhorn targets
             assert r["max_target_diff"] == 0.0 and r["per_microbatch_sinkhorn_kl"] > 1e-3, r
+
+
+# ------------------------------------------------------------------------------------------- the command line
+
+
+def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "dinov3_core.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nproc", "settings", "message"),
+    [
+        (2, ["parallelism.pp_degree=3"], "parallelism.pp_degree=3 does not divide the 2 processes"),
+        (2, ["parallelism.pp_microbatch_size=3"], "pp_microbatch_size=3 does not divide the micro-batch"),
+        (2, ["parallelism.pp_microbatch_size=8"], "1F1B needs at least as many micro-batches as stages"),
+        (2, ["train.batch_size_per_gpu=3"], "cannot be cut into 2 or 4 pipeline micro-batches"),
+        (2, ["parallelism.pp_split=[1,2]"], "covers 3 blocks but the backbone has 2"),
+        (4, ["parallelism.pp_degree=4"], "4 pipeline stages (parallelism.pp_degree × pp_stages_per_rank) but the"),
+        (2, ["parallelism.pp_schedule=Interleaved1F1B"], "runs several stages per process"),
+        (2, ["parallelism.pp_schedule=1f1c"], "unknown schedule '1f1c'"),
+    ],
+)
+def test_contract_violations_stop_before_any_process_starts(
+    nproc: int, settings: list[str], message: str, small_tile_store: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    pp = [] if any("pp_degree" in s for s in settings) else ["parallelism.pp_degree=2"]
+    proc = wsidino("pretrain", "--config", "tiny", "--store", str(small_tile_store), "--output-dir", str(out),
+                   "--nproc-per-node", str(nproc), "tracking.enabled=false", *pp, *settings, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "torchrun_logs").exists() and not (out / "ckpt").exists()  # no rank ever started
+
+
+@pytest.mark.slow
+def test_wsidino_pretrain_with_two_pipeline_stages_trains_and_converts(small_tile_store: Path, tmp_path: Path) -> None:
+    """The issue's "done when": `wsidino pretrain --nproc-per-node 2 parallelism.pp_degree=2` on the sample tiles
+    with the tiny config, then `wsidino convert` of its checkpoint gives a backbone that loads strictly."""
+    from dinov3_core.models import load_released_backbone
+    from dinov3_core.train.metrics import read_metrics
+
+    run, model = tmp_path / "pp", tmp_path / "model"
+    proc = wsidino("pretrain", "--config", "tiny", "--store", str(small_tile_store), "--output-dir", str(run),
+                   "--nproc-per-node", "2", "parallelism.pp_degree=2", "train.stop_at=6", "tracking.enabled=false",
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pipeline stage 1/2 (blocks 0–0, patch embedding), 4 pipeline micro-batches of 2" in (
+        run / "logs" / "log.txt"
+    ).read_text()
+    assert [r["iteration"] for r in read_metrics(run / "training_metrics.json")] == list(range(6))
+    assert {"ckpt", "eval"} <= {p.name for p in run.iterdir()}
+
+    proc = wsidino("convert", "--input", str(run), "--output-dir", str(model), "tracking.enabled=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    backbone = load_released_backbone(model / "backbone.pth")  # strict: every released key, nothing else
+    assert backbone.n_blocks == 2

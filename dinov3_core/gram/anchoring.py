@@ -202,7 +202,7 @@ class GramTrainer(Trainer):
                 f"no training checkpoint in {pretrain_dir / ckpt.CKPT_DIR}: pretrain_dir must be a pretraining "
                 "output_dir with ckpt/<it>/ (or set pretrain_dir=null and student.pretrained_weights)"
             )
-        ckpt.check_compatible(latest, self.model)
+        ckpt.check_compatible(latest, self.layout)  # the whole model: a pipeline stage holds only some keys
         load_weights(latest, self.model, self.optimizer, self.env)  # the stage's own train state starts at 0
         logger.info("gram stage starts from %s (student, teacher, optimizer); stage iteration 0", latest)
 

@@ -166,13 +166,22 @@ def parallelize(
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for part in (student, teacher):
-        for module in part.values():
+    for module in teacher.values():
+        apply_fsdp(module, env.mesh, mp_policy=mp)
+    if env.pp_size == 1:
+        for module in student.values():
             apply_fsdp(module, env.mesh, mp_policy=mp)
-    if env.pp_size > 1:
-        # The stage as one FSDP root: the pipeline schedule then defers gradient reduce-scatters to the last
-        # micro-batch of each schedule step (torch's PipelineStage handles an FSDPModule submodule).
-        fully_shard(student, mesh=env.mesh, mp_policy=mp or MixedPrecisionPolicy())
+        return student
+    # A pipeline stage: blocks and heads are their own FSDP units; the stage is the root. It holds what the stage
+    # calls without going through the backbone's forward (patch embedding, tokens, norms), and the pipeline
+    # schedule, seeing an FSDP module, defers gradient reduce-scatters to the last micro-batch of each step.
+    kwargs = {"mesh": env.mesh, "mp_policy": mp or MixedPrecisionPolicy()}
+    for block in student["backbone"].blocks:
+        fully_shard(block, **kwargs)
+    for name in ("dino_head", "ibot_head"):
+        if name in student:
+            apply_fsdp(student[name], env.mesh, mp_policy=mp)
+    fully_shard(student, **kwargs)
     return student
 
 

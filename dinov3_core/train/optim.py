@@ -93,7 +93,10 @@ def temperature_schedule(cfg: C.PretrainConfig) -> WarmupCosineSchedule:
 def build_optimizer(student: nn.Module, cfg: C.PretrainConfig) -> torch.optim.AdamW:
     """AdamW over layer-decayed groups; call after FSDP wrapping (the groups hold the sharded parameters)."""
     groups = build_param_groups(
-        student, layer_decay=cfg.optim.layer_decay, patch_embed_lr_mult=cfg.optim.patch_embed_lr_mult
+        student,
+        layer_decay=cfg.optim.layer_decay,
+        patch_embed_lr_mult=cfg.optim.patch_embed_lr_mult,
+        n_blocks=student["backbone"].n_blocks,  # the whole depth: a pipeline stage holds only some blocks
     )
     for group in groups:
         group.pop("names")  # not needed after grouping; kept out of every checkpoint
