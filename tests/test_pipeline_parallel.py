@@ -105,9 +105,10 @@ def test_wsidino_pretrain_with_two_pipeline_stages_trains_and_converts(small_til
                    "--nproc-per-node", "2", "parallelism.pp_degree=2", "train.stop_at=6", "tracking.enabled=false",
                    cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pipeline stage 1/2 (blocks 0–0, patch embedding), 4 pipeline micro-batches of 2" in (
-        run / "logs" / "log.txt"
-    ).read_text()
+    assert (
+        "pipeline stage 1/2 (blocks 0–0, patch embedding), 4 pipeline micro-batches of 2"
+        in (run / "logs" / "log.txt").read_text()
+    )
     assert [r["iteration"] for r in read_metrics(run / "training_metrics.json")] == list(range(6))
     assert {"ckpt", "eval"} <= {p.name for p in run.iterdir()}
 
