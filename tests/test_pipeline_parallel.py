@@ -116,3 +116,28 @@ def test_wsidino_pretrain_with_two_pipeline_stages_trains_and_converts(small_til
     assert proc.returncode == 0, proc.stderr[-3000:]
     backbone = load_released_backbone(model / "backbone.pth")  # strict: every released key, nothing else
     assert backbone.n_blocks == 2
+
+
+@pytest.mark.slow
+def test_memory_replans_keep_the_pipeline_contract_and_the_objective(small_tile_store: Path, tmp_path: Path) -> None:
+    """2 pipeline stages, every window over the budget: the watch halves the micro-batch (8 → 4 → 2, each still cut
+    into ≥ 2 pipeline micro-batches) and rebuilds the pipeline; micro-batch 1 could not be cut, so the next rung is
+    activation checkpointing. The run ends with the parameters of one process that never re-planned."""
+    from dinov3_core.train.metrics import read_metrics
+    from dinov3_core.train.pretrain import run_pretrain
+    from tests.helpers import load_dcp, max_diff, pretrain_config, pretrain_values
+
+    common = {"losses.koleo_scope": "global", "train.stop_at": 4, "checkpointing.period": 4,
+              "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    reference = tmp_path / "one"
+    run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
+    out = tmp_path / "pp"
+    squeezed = {"parallelism.pp_degree": 2, "train.memory_budget_gb": 0.05, "train.memory_watch_period": 1,
+                "train.memory_watch_patience": 1}  # fmt: skip
+    argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
+    torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
+    rows = read_metrics(out / "training_metrics.json")
+    events = [(r["iteration"], r["what"], r["after"]["micro_batch"]) for r in rows if "event" in r]
+    assert events == [(0, "micro_batch", 4), (1, "micro_batch", 2), (2, "activation_checkpointing", 2)]
+    got, ref = load_dcp(out / "ckpt" / "3")["model"], load_dcp(reference / "ckpt" / "3")["model"]
+    assert max_diff(got, ref, "student.") < 1e-5 and max_diff(got, ref, "teacher.") < 1e-5
