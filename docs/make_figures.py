@@ -55,6 +55,58 @@ def pipeline() -> None:
     fig.savefig(OUT / "pipeline.png", dpi=110, bbox_inches="tight")
 
 
+def pipeline_parallel() -> None:
+    """Left: who holds what with 2 pipeline stages × 2 data-parallel processes. Right: one optimizer step of 1F1B
+    with 4 pipeline micro-batches (one accumulation step), with the whole-step teacher pass before it."""
+    fig, (grid, time) = plt.subplots(1, 2, figsize=(13, 3.9), gridspec_kw={"width_ratios": [1, 1.55]})
+    grid.set_xlim(0, 6.2)
+    grid.set_ylim(0, 4.2)
+    grid.axis("off")
+    holds = [
+        "patch embedding, tokens\nblocks 0 … k−1\n(FSDP shard of the stage)",
+        "blocks k … depth−1, norms,\nDINO + iBOT heads, loss\nteacher pass, Sinkhorn",
+    ]
+    for stage in range(2):
+        for dp in range(2):
+            x, y = 0.2 + stage * 3.0, 2.2 - dp * 2.0
+            rank = stage * 2 + dp
+            grid.add_patch(FancyBboxPatch((x, y), 2.7, 1.7, boxstyle="round,pad=0.04", fc="#e8f0fe", ec="#1a73e8"))
+            grid.text(x + 1.35, y + 1.42, f"rank {rank}: stage {stage}, dp {dp}", ha="center", fontsize=9,
+                      weight="bold")  # fmt: skip
+            grid.text(x + 1.35, y + 0.75, holds[stage], ha="center", va="center", fontsize=7.5)
+            grid.text(x + 1.35, y + 0.14, "+ the EMA teacher, whole", ha="center", fontsize=7, color="#5f6368")
+        grid.add_patch(FancyArrowPatch((2.95, 3.05 - 2.0 * 0), (3.2, 3.05), arrowstyle="-|>", mutation_scale=12))
+        grid.add_patch(FancyArrowPatch((2.95, 1.05), (3.2, 1.05), arrowstyle="-|>", mutation_scale=12))
+    grid.text(3.1, 4.05, "activations →  ← gradients (pipeline group: same dp index)", ha="center", fontsize=8)
+    grid.text(3.1, -0.05, "FSDP all-gather / reduce-scatter within a stage (data-parallel group: same stage)",
+              ha="center", fontsize=8, color="#5f6368")  # fmt: skip
+
+    # 1F1B, 2 stages, 4 micro-batches: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; stage 1 F0 B0 F1 B1 … one slot later.
+    slots = {0: ["F0", "F1", None, "B0", "F2", "B1", "F3", "B2", None, "B3"],
+             1: [None, "F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", None]}  # fmt: skip
+    time.set_xlim(-5.2, 11.3)
+    time.set_ylim(-0.9, 2.4)
+    time.axis("off")
+    for stage, row in slots.items():
+        y = 1.3 - stage * 1.1
+        time.text(-5.1, y + 0.35, f"stage {stage}", fontsize=9, weight="bold", va="center")
+        if stage == 1:
+            time.add_patch(FancyBboxPatch((-3.0, y), 2.8, 0.7, boxstyle="round,pad=0.02", fc="#fde7c8", ec="#e37400"))
+            time.text(-1.55, y + 0.35, "teacher over the step,\nSinkhorn once", ha="center", va="center", fontsize=7)
+        for t, op in enumerate(row):
+            if op is None:
+                time.add_patch(FancyBboxPatch((t, y), 0.92, 0.7, boxstyle="square,pad=0", fc="#f1f3f4", ec="#dadce0"))
+                continue
+            colour = "#c6dafc" if op[0] == "F" else "#ceead6"
+            time.add_patch(FancyBboxPatch((t, y), 0.92, 0.7, boxstyle="square,pad=0", fc=colour, ec="#5f6368"))
+            time.text(t + 0.46, y + 0.35, op, ha="center", va="center", fontsize=9)
+    time.add_patch(FancyBboxPatch((10.05, 0.2), 1.0, 1.8, boxstyle="round,pad=0.02", fc="#fce8e6", ec="#d93025"))
+    time.text(10.55, 1.1, "clip\nAdamW\nEMA,\nteacher\nexchange", ha="center", va="center", fontsize=7)
+    note = "grey: the pipeline bubble, (p − 1)/(m + p − 1) of the schedule (here 1/5); each loss × 1/(GA·m)"
+    time.text(4.5, -0.75, note, ha="center", fontsize=8, color="#3c4043")
+    fig.savefig(OUT / "pipeline_parallel.png", dpi=110, bbox_inches="tight")
+
+
 # Orchestration: what each stage subflow runs, the manifest it writes, the MLflow child run it logs to.
 ORCH = [
     (
@@ -225,5 +277,6 @@ if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
     pipeline()
     orchestration()
+    pipeline_parallel()
     if args.health:
         training_health(args.health)
