@@ -64,7 +64,7 @@ def pipeline_parallel() -> None:
     grid.axis("off")
     holds = [
         "patch embedding, tokens\nblocks 0 … k−1\n(FSDP shard of the stage)",
-        "blocks k … depth−1, norms,\nDINO + iBOT heads, loss\nteacher pass, Sinkhorn",
+        "blocks k … depth−1, norms,\nDINO + iBOT heads, loss,\nteacher heads, Sinkhorn",
     ]
     for stage in range(2):
         for dp in range(2):
@@ -74,7 +74,7 @@ def pipeline_parallel() -> None:
             grid.text(x + 1.35, y + 1.42, f"rank {rank}: stage {stage}, dp {dp}", ha="center", fontsize=9,
                       weight="bold")  # fmt: skip
             grid.text(x + 1.35, y + 0.75, holds[stage], ha="center", va="center", fontsize=7.5)
-            grid.text(x + 1.35, y + 0.14, "+ the EMA teacher, whole", ha="center", fontsize=7, color="#5f6368")
+            grid.text(x + 1.35, y + 0.14, "+ that stage of the teacher", ha="center", fontsize=7, color="#5f6368")
         grid.add_patch(FancyArrowPatch((2.95, 3.05 - 2.0 * 0), (3.2, 3.05), arrowstyle="-|>", mutation_scale=12))
         grid.add_patch(FancyArrowPatch((2.95, 1.05), (3.2, 1.05), arrowstyle="-|>", mutation_scale=12))
     grid.text(3.1, 4.05, "activations →  ← gradients (pipeline group: same dp index)", ha="center", fontsize=8)
@@ -90,9 +90,9 @@ def pipeline_parallel() -> None:
     for stage, row in slots.items():
         y = 1.3 - stage * 1.1
         time.text(-5.1, y + 0.35, f"stage {stage}", fontsize=9, weight="bold", va="center")
-        if stage == 1:
-            time.add_patch(FancyBboxPatch((-3.0, y), 2.8, 0.7, boxstyle="round,pad=0.02", fc="#fde7c8", ec="#e37400"))
-            time.text(-1.55, y + 0.35, "teacher over the step,\nSinkhorn once", ha="center", va="center", fontsize=7)
+        what = "teacher forward,\nwhole step" if stage == 0 else "teacher forward,\nheads, Sinkhorn"
+        time.add_patch(FancyBboxPatch((-3.0, y), 2.8, 0.7, boxstyle="round,pad=0.02", fc="#fde7c8", ec="#e37400"))
+        time.text(-1.6, y + 0.35, what, ha="center", va="center", fontsize=7)
         for t, op in enumerate(row):
             if op is None:
                 time.add_patch(FancyBboxPatch((t, y), 0.92, 0.7, boxstyle="square,pad=0", fc="#f1f3f4", ec="#dadce0"))
@@ -101,7 +101,7 @@ def pipeline_parallel() -> None:
             time.add_patch(FancyBboxPatch((t, y), 0.92, 0.7, boxstyle="square,pad=0", fc=colour, ec="#5f6368"))
             time.text(t + 0.46, y + 0.35, op, ha="center", va="center", fontsize=9)
     time.add_patch(FancyBboxPatch((10.05, 0.2), 1.0, 1.8, boxstyle="round,pad=0.02", fc="#fce8e6", ec="#d93025"))
-    time.text(10.55, 1.1, "clip\nAdamW\nEMA,\nteacher\nexchange", ha="center", va="center", fontsize=7)
+    time.text(10.55, 1.1, "clip\nAdamW\nEMA\n(local)", ha="center", va="center", fontsize=7)
     note = "grey: the pipeline bubble, (p − 1)/(m + p − 1) of the schedule (here 1/5); each loss × 1/(GA·m)"
     time.text(4.5, -0.75, note, ha="center", fontsize=8, color="#3c4043")
     fig.savefig(OUT / "pipeline_parallel.png", dpi=110, bbox_inches="tight")

@@ -25,7 +25,7 @@ from dinov3_core.train.memory import (
 )
 from dinov3_core.train.memory_pp import stage_estimates
 from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
-from dinov3_core.train.pipeline_parallel import StudentStage
+from dinov3_core.train.pipeline_stages import ModelStage
 from dinov3_core.train.ssl_model import build_ssl_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,7 +81,8 @@ def test_two_stages_hold_half_the_blocks_each_and_the_last_the_heads() -> None:
     assert last.weights == pytest.approx(4 * (blocks / 2 + tail), rel=0.01)
     assert first.weights + last.weights == pytest.approx(unsplit.weights, rel=1e-6)
     assert first.optimizer + last.optimizer == pytest.approx(unsplit.optimizer, rel=1e-6)
-    assert first.teacher == last.teacher == 4 * shape.teacher_params  # not split, nothing shared with dp 1
+    assert (first.teacher, last.teacher) == (first.weights, last.weights)  # cut like the student (dp 1)
+    assert first.teacher + last.teacher == pytest.approx(4 * shape.teacher_params, rel=1e-6)
     assert first.activations < unsplit.activations / 4  # half the blocks for 2 of 4 PP micro-batches (1F1B)
     assert last.step_buffers > first.step_buffers  # teacher targets live on the last stage
     worst = estimate_memory(cfg, shape, **kw)
@@ -130,7 +131,8 @@ def test_a_frozen_student_does_not_share_the_teacher_under_pp() -> None:
     assert estimate_memory(cfg, shape, **kw).teacher == 4 * shape.trainable_params  # one process: shared
     cfg.parallelism.pp_degree = 2
     stages = stage_estimates(cfg, shape, **{**kw, "world_size": 2})
-    assert all(s.teacher == 4 * shape.teacher_params for s in stages)
+    assert sum(s.teacher for s in stages) == 4 * shape.teacher_params  # cut in stages, not shared
+    assert all(s.teacher == 4 * (s.weights // 4) for s in stages)
     assert stages[0].activations == 0  # the frozen first block saves nothing for backward
 
 
@@ -210,7 +212,7 @@ def test_stage_parameter_bytes_match_the_real_stages(overrides: dict, pp: dict) 
     params = dict(student.named_parameters())
     for s, est in enumerate(estimates):
         names = stage_names(student, s, ranges)
-        real = StudentStage(copy.deepcopy(student), s, len(ranges), ranges[s])  # the split is in place
+        real = ModelStage(copy.deepcopy(student), s, len(ranges), ranges[s])  # the split is in place
         assert sorted(n for n, _ in real.named_parameters()) == sorted(names)  # the FQNs are kept
         held = sum(p.numel() for p in real.parameters())
         assert est.weights == 4 * held  # dp 1: the stage's fp32 weights

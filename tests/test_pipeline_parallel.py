@@ -19,28 +19,35 @@ def test_split_keeps_fqns() -> None:
 
     from dinov3_core.models import HUB_SETTINGS, DINOHead, build_backbone
     from dinov3_core.train.parallel_config import ParallelismConfig, split_blocks
-    from dinov3_core.train.pipeline_parallel import split_student, stage_owners
+    from dinov3_core.train.pipeline_stages import split_model
 
     p = ParallelismConfig(pp_degree=2)
     assert [list(r) for r in split_blocks(p, 5)] == [[0, 1, 2], [3, 4]]
     assert [list(r) for r in split_blocks(ParallelismConfig(pp_degree=2, pp_split=[1, 4]), 5)] == [[0], [1, 2, 3, 4]]
 
-    def student() -> nn.ModuleDict:
+    def model() -> nn.ModuleDict:
         torch.manual_seed(0)
         head = {"hidden_dim": 32, "bottleneck_dim": 16}
         backbone = build_backbone("vit_test", **HUB_SETTINGS, depth=3)
         return nn.ModuleDict({"backbone": backbone, "dino_head": DINOHead(64, 32, **head),
                               "ibot_head": DINOHead(64, 32, **head)})  # fmt: skip
 
-    whole = student()
-    stages = [split_student(student(), p, r) for r in range(2)]
-    keys = [set(s.state_dict()) for s in stages]
-    assert keys[0] | keys[1] == set(whole.state_dict())
-    assert keys[0] & keys[1] == {"backbone.rope_embed.periods"}  # the one constant buffer every stage needs
-    assert all(torch.equal(whole.state_dict()[k], v) for s in stages for k, v in s.state_dict().items())
-    owners = stage_owners([n for n, _ in whole.named_parameters()], p, 3)
-    assert {n for n, r in owners.items() if r == 0} == {n for n, _ in stages[0].named_parameters()}
-    assert {n for n, r in owners.items() if r == 1} == {n for n, _ in stages[1].named_parameters()}
+    whole = model()
+    for features_only in (False, True):  # the student, and the teacher cut at the same blocks
+        stages = [split_model(model(), p, r, features_only=features_only) for r in range(2)]
+        keys = [set(s.state_dict()) for s in stages]
+        assert keys[0] | keys[1] == set(whole.state_dict())
+        assert keys[0] & keys[1] == {"backbone.rope_embed.periods"}  # the one constant buffer every stage needs
+        assert all(torch.equal(whole.state_dict()[k], v) for s in stages for k, v in s.state_dict().items())
+        assert sorted(stages[0]["backbone"].blocks.keys()) == ["0", "1"] and "dino_head" in stages[1]
+    images = torch.randn(1, 2, 3, 32, 32)  # the teacher's stages give the unsplit backbone's normed outputs
+    first, last = (split_model(model(), p, r, features_only=True) for r in range(2))
+    for stage in (first, last):
+        stage.set_grids([(2, 2)])
+    cls, patch = last(*first(images))
+    out = whole["backbone"](images.flatten(0, 1), is_training=True)
+    assert torch.allclose(cls, out["x_norm_clstoken"], atol=1e-6)
+    assert torch.allclose(patch, out["x_norm_patchtokens"], atol=1e-6)
 
 
 @pytest.mark.slow

@@ -297,7 +297,7 @@ def test_pipeline_by_data_parallel_trains_resumes_and_converts(reference, small_
     assert result.resumed_from == out / "ckpt" / "3" and result.world_size == 1
     assert_same_params(out / "ckpt" / "5", ref / "ckpt" / "5")
 
-    values = {"input": str(out / "ckpt" / "3"), "output_dir": str(tmp_path / "converted")}
+    values = {"input": str(out / "ckpt" / "3"), "output_dir": str(tmp_path / "converted"), "tracking.enabled": False}
     converted = run_convert(load_config(ConvertConfig, "default", values, stage="convert"))  # (d)
     backbone = load_released_backbone(converted.backbone)
     got = torch.load(converted.backbone, weights_only=True)

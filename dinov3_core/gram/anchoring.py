@@ -48,7 +48,9 @@ from dinov3_core.train import health_probe as HP
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.loop import PretrainResult, Trainer
+from dinov3_core.train.param_groups import clean_param_name
 from dinov3_core.train.pipeline import StepBatch
+from dinov3_core.train.pipeline_stages import gather_stage_state
 from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, mlflow_values, train_and_log, training_process
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
@@ -234,7 +236,10 @@ class GramTrainer(Trainer):
         """Copy the EMA teacher's backbone into the gram teacher (all ranks: gathers under FSDP). A LoRA teacher is
         merged on the way (the gram teacher is a plain backbone, released key layout)."""
         teacher = self.model.teacher["backbone"]
-        state = backbone_state_dict(teacher)
+        if self.env.pp_size > 1:  # each process holds one pipeline stage of it
+            state = {clean_param_name(k): v for k, v in gather_stage_state(teacher, self.env, everywhere=True).items()}
+        else:
+            state = backbone_state_dict(teacher)
         if has_lora(teacher):
             state = merge_lora_state_dict(state, lora_scalings(teacher))
         self.gram.teacher.load_state_dict(state, strict=True)

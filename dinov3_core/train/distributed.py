@@ -138,19 +138,20 @@ def parallelize(
     activation_checkpointing: bool,
     compile: bool,
     parallelism: ParallelismConfig | None = None,
-) -> nn.ModuleDict:
+) -> tuple[nn.ModuleDict, nn.ModuleDict]:
     """All parallelism, in one place and upstream's order: [pipeline split] → activation checkpointing → per-block
-    compile → FSDP2 per block + root. Returns the student this process trains: the whole one, or its pipeline
-    stage (`pipeline_parallel.StudentStage`, same parameter names) when `parallelism.pp_degree` > 1.
+    compile → FSDP2 per block + root. Returns the student and teacher this process holds: the whole ones, or their
+    pipeline stages (`pipeline_stages.ModelStage`, same parameter names) when `parallelism.pp_degree` > 1.
 
     One data-parallel process: the modules are simply moved to the device (bf16 then comes from autocast in the
-    loop). Several: every backbone and head is sharded over the data-parallel mesh; the teacher too (resharded
-    after its forward), so it costs 1/dp of its size per process. The teacher is never split into stages.
+    loop). Several: every block and head is sharded over the data-parallel mesh, the teacher too (resharded after
+    its forward), so it costs 1/dp of its size per process.
     """
     if parallelism is not None and parallelism.enabled:
-        from dinov3_core.train.pipeline_parallel import split_student
+        from dinov3_core.train.pipeline_stages import split_model
 
-        student = split_student(student, parallelism, env.pp_rank)
+        student = split_model(student, parallelism, env.pp_rank)
+        teacher = split_model(teacher, parallelism, env.pp_rank, features_only=True)  # cut at the same blocks
     if activation_checkpointing:
         apply_activation_checkpointing(student["backbone"])  # the teacher has no backward to save memory for
     if compile:
@@ -161,28 +162,31 @@ def parallelize(
         teacher.to(env.device)
         if not env.distributed:
             share_frozen_weights(student, teacher)  # LoRA / frozen blocks: one copy of what never changes
-        return student
+        return student, teacher
     # The backbone returns dicts of views (CLS = a slice of the normed tokens); nothing modifies them in
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    for module in teacher.values():
-        apply_fsdp(module, env.mesh, mp_policy=mp)
-    if env.pp_size == 1:
-        for module in student.values():
-            apply_fsdp(module, env.mesh, mp_policy=mp)
-        return student
-    # A pipeline stage: blocks and heads are their own FSDP units; the stage is the root. It holds what the stage
-    # calls without going through the backbone's forward (patch embedding, tokens, norms), and the pipeline
-    # schedule, seeing an FSDP module, defers gradient reduce-scatters to the last micro-batch of each step.
-    kwargs = {"mesh": env.mesh, "mp_policy": mp or MixedPrecisionPolicy()}
-    for block in student["backbone"].blocks:
+    for part in (student, teacher):
+        if env.pp_size == 1:
+            for module in part.values():
+                apply_fsdp(module, env.mesh, mp_policy=mp)
+        else:
+            shard_stage(part, env.mesh, mp)
+    return student, teacher
+
+
+def shard_stage(stage: nn.ModuleDict, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+    """FSDP2 on a pipeline stage: blocks and heads are their own units and the stage is the root. The root holds
+    what the stage calls without going through the backbone's forward (patch embedding, tokens, norms), and the
+    pipeline schedule, seeing an FSDP module, defers gradient reduce-scatters to the last micro-batch of a step."""
+    kwargs = {"mesh": mesh, "mp_policy": mp or MixedPrecisionPolicy()}
+    for block in stage["backbone"].blocks:
         fully_shard(block, **kwargs)
     for name in ("dino_head", "ibot_head"):
-        if name in student:
-            apply_fsdp(student[name], env.mesh, mp_policy=mp)
-    fully_shard(student, **kwargs)
-    return student
+        if name in stage:
+            apply_fsdp(stage[name], mesh, mp_policy=mp)
+    fully_shard(stage, **kwargs)
 
 
 def set_gradient_sync(student: nn.ModuleDict, enabled: bool) -> None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dinov3_core.config import ConfigError
 from dinov3_core.data import TileDataset
@@ -164,28 +164,36 @@ class HealthProbe:
         self.probe, self.env, self.bf16 = probe, env, bf16
         self.n = len(probe.tiles)
         groups = LF.n_groups(self.n)
-        per_rank = -(-groups // env.world_size)  # equal calls on every rank (FSDP collectives); extras discarded
-        self.groups = [g if g < groups else 0 for g in range(env.rank, per_rank * env.world_size, env.world_size)]
+        # Shared over the data-parallel processes (the stages of one pipeline score the same groups together);
+        # equal calls on every process (FSDP collectives), extras discarded.
+        rank, world = env.dp_rank, env.dp_size
+        per_rank = -(-groups // world)
+        self.groups = [g if g < groups else 0 for g in range(rank, per_rank * world, world)]
         self.n_groups = groups
         positions = [p for g in self.groups for p in LF.group_rows(self.n, g)]
         tiles = probe.read(positions).to(env.device)
         self.tiles = tiles.view(len(self.groups), LF.GROUP, *tiles.shape[1:])
 
     @torch.no_grad()
-    def measure(self, backbone: nn.Module) -> dict[str, float]:
-        """`effective_rank`, `invariance` (identical on every rank) and `probe_seconds`. A collective."""
+    def measure(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """`effective_rank`, `invariance` (identical on every process) and `probe_seconds`. A collective.
+
+        `embed(images [b, 3, S, S]) -> CLS [b, D]`: the teacher backbone, or its pipeline stages (real features on
+        the last stage only, whose scores are then sent to the other stages)."""
         start = time.perf_counter()
-
-        def embed(x: torch.Tensor) -> torch.Tensor:
-            return backbone(x, is_training=True)["x_norm_clstoken"]
-
-        with autocast(self.env, self.bf16):
+        env = self.env
+        with autocast(env, self.bf16):
             local = torch.stack([LF.embed_group(embed, t, g, self.probe.views) for t, g in
                                  zip(self.tiles, self.groups, strict=True)])  # fmt: skip
-        if self.env.distributed:  # rank r holds groups r, r + world, …: interleave back into group order
-            parts = [torch.empty_like(local) for _ in range(self.env.world_size)]
-            dist.all_gather(parts, local.contiguous())
+        if env.data_parallel:  # process r holds groups r, r + dp, …: interleave back into group order
+            parts = [torch.empty_like(local) for _ in range(env.dp_size)]
+            dist.all_gather(parts, local.contiguous(), group=env.dp_group)
             local = torch.stack(parts, dim=1).flatten(0, 1)
         features = local[: self.n_groups].permute(1, 0, 2, 3).flatten(1, 2)  # [3, groups·GROUP, D]
-        scores = LF.scores(features.cpu(), self.n)
+        scores = LF.scores(features.cpu(), self.n) if env.pp_rank == env.pp_size - 1 else {}
+        if env.pp_size > 1:  # the last stage's scores
+            shared = [scores]
+            last = dist.get_global_rank(env.pp_group, env.pp_size - 1)
+            dist.broadcast_object_list(shared, src=last, group=env.pp_group)
+            scores = shared[0]
         return {**scores, "probe_seconds": time.perf_counter() - start}

@@ -49,8 +49,6 @@ from dinov3_core.train.pipeline_parallel import (
     Pipeline,
     StepContext,
     clip_gradients_pp,
-    stage_owners,
-    update_teacher_pp,
 )
 from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
 from dinov3_core.train.sampler import SamplerState
@@ -137,7 +135,7 @@ class Trainer:
         self.rank_batch = self.run_plan.step_batch
 
         latest = checkpoint_to_resume(cfg, self.ckpt_root, self.layout)
-        self.model.student = parallelize(
+        self.model.student, self.model.teacher = parallelize(
             self.model.student,
             self.model.teacher,
             env,
@@ -148,9 +146,6 @@ class Trainer:
         )
         self.model.dp_group = env.dp_group  # Sinkhorn and the KoLeo gather: the processes with other images
         self.pipeline: Pipeline | None = None  # built by set_run_plan under pipeline parallelism
-        trained = [n.removeprefix("student.") for n in sorted(self.layout.trainable) if n.startswith("student.")]
-        depth = self.model.student["backbone"].n_blocks
-        self.teacher_owner = stage_owners(trained, cfg.parallelism, depth) if cfg.parallelism.enabled else {}
         self.optimizer = build_optimizer(self.model.student, cfg)
         self.schedules = build_schedules(cfg, self.global_batch)
 
@@ -229,10 +224,10 @@ class Trainer:
         if plan.activation_checkpointing:  # a flag on each block: switching it on needs no re-wrapping
             apply_activation_checkpointing(self.model.student["backbone"])
         if self.cfg.parallelism.enabled and (self.pipeline is None or self.pipeline.micro_batch != plan.micro_batch):
-            self.pipeline = Pipeline(self.model, self.env, self.cfg.parallelism, plan.micro_batch)
             patch = self.model.teacher["backbone"].patch_size
-            self.pipeline.stage.set_grids([(self.cfg.crops.global_size // patch,) * 2,
-                                           (self.cfg.crops.local_size // patch,) * 2])  # fmt: skip
+            grids = [(self.cfg.crops.global_size // patch,) * 2, (self.cfg.crops.local_size // patch,) * 2]
+            self.pipeline = Pipeline(self.model, self.env, self.cfg.parallelism, micro_batch=plan.micro_batch,
+                                     accumulation=plan.accumulation_steps, grids=grids)  # fmt: skip
 
     def inherited_probe(self, cfg: C.PretrainConfig) -> Path | None:
         """A probe record to reuse when the run has none of its own (the gram stage: its pretraining run's)."""
@@ -315,7 +310,7 @@ class Trainer:
                 last = iteration == self.stop_iteration - 1
                 period = cfg.evaluation.eval_period_iterations
                 eval_due = bool(period and (iteration + 1) % period == 0) or last
-                probe = self.probe.measure(self.model.teacher["backbone"]) if eval_due and self.probe else {}
+                probe = self.probe.measure(self.teacher_embed) if eval_due and self.probe else {}
                 alarm = watch.observe(iteration, {**values, **probe})  # raises under health.policy=stop, all ranks
                 if alarm is not None and env.is_main:
                     logger.warning("%s: %s", self.stage, alarm)
@@ -391,6 +386,12 @@ class Trainer:
             on_metrics(event)
         return step.before.num_workers != step.after.num_workers
 
+    def teacher_embed(self, images: torch.Tensor) -> torch.Tensor:
+        """The EMA teacher's CLS features of `images` (the health probe): its backbone, or its pipeline stages."""
+        if self.pipeline is not None:
+            return self.pipeline.embed(images)
+        return self.model.teacher["backbone"](images, is_training=True)["x_norm_clstoken"]
+
     def micro_batch_ok(self, micro_batch: int) -> bool:
         """Whether a re-plan may use this micro-batch: under pipeline parallelism it must keep the contract."""
         try:
@@ -440,24 +441,26 @@ class Trainer:
         loss_sum = torch.zeros(len(keys), device=env.device)
         pipeline = self.pipeline
         with autocast(env, self.bf16):
-            targets = None  # the teacher runs where the loss is computed: every process, or the last stage
-            if pipeline is None or pipeline.stage.is_last:
+            if pipeline is None:
                 targets = model.teacher_targets(
                     crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp
                 )
+            else:  # the teacher's stages over the whole step; the targets exist on the last stage
+                targets = pipeline.teacher_targets(crops.global_stack, masks, sched.teacher_temp)
+            if targets is not None:
                 # A health signal, not a loss: 16 images a crop estimate it at a fraction of the cost.
                 q = targets.dino[:, :16].float()
                 loss_sum[-1] = -(q * q.clamp_min(1e-12).log()).sum(-1).mean() / math.log(q.shape[-1])
             koleo_features = None
             if pipeline is not None and model.needs_koleo:  # PP micro-batches split the step: whole-step set
-                koleo_features = pipeline.koleo_features(crops.global_stack, crops.local_stack, masks, n_micro)
+                koleo_features = pipeline.koleo_features(crops.global_stack, crops.local_stack, masks)
             elif n_micro > 1 and model.needs_koleo:
                 koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
 
             if pipeline is not None:
                 ctx = StepContext(crops.global_stack, masks, targets, n_micro * pipeline.n_mb, koleo_features,
                                   koleo_base)  # fmt: skip
-                for parts in pipeline.run(ctx, crops.local_stack, n_micro):
+                for parts in pipeline.run(ctx, crops.local_stack):
                     loss_sum[:-1] += torch.stack([parts[k] for k in keys[:-1]]) / ctx.n_microbatches
         for m in range(n_micro if pipeline is None else 0):
             micro = slice(m * b, (m + 1) * b)
@@ -495,10 +498,7 @@ class Trainer:
             finite = all(math.isfinite(values[k]) for k in norms)
         if finite:
             self.optimizer.step()
-            if pipeline is None:
-                model.update_teacher(sched.momentum)
-            else:
-                update_teacher_pp(model, sched.momentum, env, self.teacher_owner)
+            model.update_teacher(sched.momentum)  # by name: under a pipeline, each stage's teacher from its student
             self.nonfinite_streak = 0
         else:
             self.nonfinite_streak += 1

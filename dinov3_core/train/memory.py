@@ -76,7 +76,7 @@ class ModelShape:
     last_params: tuple[int, int] = (0, 0)
 
 
-# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`StudentStage`).
+# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pipeline_stages.ModelStage`).
 FIRST_STAGE_PARTS = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
 LAST_STAGE_PARTS = ("norm", "cls_norm", "local_cls_norm")
 HEADS = ("dino_head", "ibot_head")

@@ -3,18 +3,19 @@ step accepts: `memory.estimate_memory` and `memory.plan_batch` come here when pi
 
 world_size = pp_degree × dp processes. Each holds one stage of the student (`parallel_config.split_blocks`; the
 first stage also the patch embedding and tokens, the last also the norms and both heads), FSDP-sharded over the
-dp processes holding that stage, and a whole EMA teacher sharded over dp (dp 1: all of it, nothing shared with
-the student). The micro-batch is cut into n_mb PP micro-batches (`pipeline_microbatches`). For stage s, with
+dp processes holding that stage, and the same stage of the EMA teacher, sharded alike (nothing shared with the
+student). The micro-batch is cut into n_mb PP micro-batches (`pipeline_microbatches`). For stage s, with
 P_s / T_s the parameters / trainable parameters it holds (`ModelShape.*_params`):
 
 * weights 4P_s/dp, plus the stage's unsharded weights (2 bytes each in bf16, else 4) when dp > 1 and n_mb > 1:
   the schedule keeps FSDP from resharding between PP micro-batches; grads 4T_s/dp, or 4T_s when dp > 1 and
-  gradients accumulate unsharded (gradient accumulation, or n_mb > 1); AdamW 8T_s/dp; teacher 4P/dp.
+  gradients accumulate unsharded (gradient accumulation, or n_mb > 1); AdamW 8T_s/dp; teacher 4P_s/dp.
 * activations: the stage's trained blocks × the per-block activations of one image × the images in flight =
   PP micro-batch size × (n_mb with GPipe, min(n_mb, pp_degree − s) with 1F1B). With checkpointing: block inputs
   of the images in flight plus one block of one PP micro-batch recomputed. The last stage adds the heads' rows
   of its PP micro-batches in flight (one with 1F1B).
-* step buffers: crops on every process; teacher targets and KoLeo features (over dp) on the last stage only.
+* step buffers: crops on every process; on the last stage also teacher targets, KoLeo features (over dp) and the
+  teacher stages' merged outputs over the whole step (normed CLS and patch tokens, fp32), which the heads read.
 * loader and workspace as without pipelining (every process loads the step's images).
 
 The estimate is the largest stage's (every process must fit); `MemoryEstimate.stage` says which.
@@ -117,13 +118,18 @@ def stage_estimates(
         else:
             backbone = tokens * trained * per_token_block * images
         heads = head_activation_elements(cfg, shape) * images if last else 0.0
-        buffers = step_buffer_bytes(cfg, shape, step_batch, dp) if last else crop_bytes(cfg, step_batch)
+        if last:
+            tokens_global = 1 + (cfg.crops.global_size // shape.patch_size) ** 2
+            teacher_out = 4 * cfg.crops.n_global_crops * step_batch * tokens_global * shape.embed_dim
+            buffers = step_buffer_bytes(cfg, shape, step_batch, dp) + teacher_out
+        else:
+            buffers = crop_bytes(cfg, step_batch)
         estimates.append(
             MemoryEstimate(
                 weights=int(4 * params / dp + unsharded),
                 grads=int(4 * trainable / (1 if grads_unsharded else dp)),
                 optimizer=int(8 * trainable / dp),
-                teacher=int(4 * shape.teacher_params / dp),  # whole teacher on every stage, nothing shared
+                teacher=int(4 * params / dp),  # the teacher's same stage, nothing shared with the student
                 activations=int(SAFETY * (backbone + heads) * elem),
                 step_buffers=int(buffers),
                 loader=int(loader_bytes(cfg, step_batch, tile_size)) if device_type == "cpu" else 0,

@@ -1,125 +1,39 @@
-"""Pipeline parallelism (PP) for the student, with `torch.distributed.pipelining` (design: docs/pipeline-parallel.md).
+"""Pipeline parallelism (PP) for the student and the EMA teacher, with `torch.distributed.pipelining`
+(design: docs/pipeline-parallel.md; the stages themselves: `pipeline_stages`).
 
-The student `ModuleDict(backbone, dino_head, ibot_head)` is cut in place into this process's `StudentStage`:
+`Pipeline` runs one optimizer step through this process's stages:
 
-    stage 0:    patch_embed, cls/storage/mask tokens, rope_embed, blocks[0:k1]
-    stage i:    rope_embed, blocks[k_i:k_{i+1}]
-    last stage: rope_embed, blocks[k_{n-1}:], norm(s), dino_head, ibot_head
+1. the teacher: a forward-only pass over the whole step batch; the last stage applies the heads to the merged
+   outputs and computes the Sinkhorn-Knopp targets once, over the data-parallel group, exactly as without PP
+   (no per-micro-batch drift);
+2. [KoLeo] a forward-only pass of the student over the whole step: the neighbour set, gathered on the last stage;
+3. the student: `accumulation` schedule steps of `n_mb` micro-batches (1F1B or GPipe). The last stage's loss reads
+   the micro-batch's slice of the step's targets: the schedule's `target` is the micro-batch's image indices.
+   Each micro-batch loss is scaled by 1/(accumulation steps × PP micro-batches).
 
-A stage is still a `ModuleDict` named like the student, and its blocks keep their index (`backbone.blocks.7.*`), so
-its keys are a subset of the unsplit student's: DCP checkpoints, eval files and `convert` see the same names, and
-a checkpoint resumes on another pipeline layout. The EMA teacher is not split: every process holds it (FSDP-sharded
-over its data-parallel peers), and only the last stage runs it, over the whole step, so Sinkhorn-Knopp targets and
-the KoLeo neighbour set are computed once per optimizer step exactly as without PP (no per-micro-batch drift).
-
-Stage I/O is tensor-only:
-    stage 0 input:     global crops [S_g, b, 3, H, W], local crops [S_l, b, 3, h, w], masks bool [S_g, b, N]
-                       (crop-major like `StepBatch`; the schedule splits dim 1 = images into PP micro-batches)
-    between stages:    (x_global [S_g·m, 1+R+N, D], x_local [S_l·m, 1+R+n, D]), one tensor per crop size
-    last stage output: (cls_global [S_g·m, D], dino_logits [(S_g+S_l)·m, K], patch_global [S_g·m, N, D])
-The iBOT head runs in the loss function (the masked-patch count is data-dependent: no stage output may be). The
-loss function's `target` is the micro-batch's image indices, which slice the step's masks and teacher targets the
-way gradient accumulation does; each micro-batch loss is scaled by 1/(accumulation steps × PP micro-batches).
+After the step, `clip_gradients_pp` clips with norms over every stage and shard; the EMA is local (the teacher is
+cut at the same blocks). `embed` runs images through the teacher's stages for the health probe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.train.distributed import DistEnv
-from dinov3_core.train.parallel_config import ParallelismConfig, pipeline_microbatches, split_blocks
-from dinov3_core.train.param_groups import clean_param_name
+from dinov3_core.train.parallel_config import ParallelismConfig, pipeline_microbatches
+from dinov3_core.train.pipeline_stages import ModelStage
 from dinov3_core.train.ssl_model import SSLMetaArch, TeacherTargets, _local
 
-FIRST_STAGE_ONLY = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
-LAST_STAGE_ONLY = ("norm", "cls_norm", "local_cls_norm")
 SUBMODULES = ("backbone", "dino_head", "ibot_head")
-
-
-class StageBlocks(nn.ModuleDict):
-    """Blocks of one stage keyed by their index in the unsplit backbone (FQN `blocks.<i>` unchanged). Iterates over
-    the blocks like the `nn.ModuleList` it replaces, so activation checkpointing, per-block compile and FSDP's
-    per-block wrapping work unchanged."""
-
-    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
-        return iter(self.values())
-
-
-class StudentStage(nn.ModuleDict):
-    """One pipeline stage of the student (module docstring: layout and I/O)."""
-
-    def __init__(self, student: nn.ModuleDict, stage_index: int, num_stages: int, blocks: range) -> None:
-        super().__init__()
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        backbone = student["backbone"]
-        backbone.blocks = StageBlocks({str(i): backbone.blocks[i] for i in blocks})  # the others are freed
-        for name in () if self.is_first else FIRST_STAGE_ONLY:
-            if hasattr(backbone, name):
-                delattr(backbone, name)
-        for name in () if self.is_last else LAST_STAGE_ONLY:
-            if hasattr(backbone, name):
-                delattr(backbone, name)
-        self["backbone"] = backbone
-        if self.is_last:
-            self["dino_head"], self["ibot_head"] = student["dino_head"], student["ibot_head"]
-        self.grids: list[tuple[int, int]] = []
-
-    def set_grids(self, grids: Sequence[tuple[int, int]]) -> None:
-        """Patch grids (H/p, W/p) of the [global, local] crops: fixed by the config, so set once (no host sync)."""
-        self.grids = list(grids)
-
-    def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
-        bb = self["backbone"]
-        if self.is_first:
-            global_crops, local_crops, masks = args
-            xg, grid_g = bb.prepare_tokens_with_masks(global_crops.flatten(0, 1), masks.flatten(0, 1))
-            xl, grid_l = bb.prepare_tokens_with_masks(local_crops.flatten(0, 1), None)
-            if [grid_g, grid_l] != self.grids:
-                raise ValueError(f"stage grids {self.grids} do not match the crops' {[grid_g, grid_l]}")
-            xs = [xg, xl]
-        else:
-            xs = list(args)
-        xs = bb.run_blocks(xs, self.grids, bb.blocks)
-        if not self.is_last:
-            return tuple(xs)
-        out_global, out_local = bb.norm_outputs(xs, [None, None])
-        cls_global = out_global["x_norm_clstoken"]
-        dino_logits = self["dino_head"](torch.cat([cls_global, out_local["x_norm_clstoken"]]))
-        return cls_global, dino_logits, out_global["x_norm_patchtokens"]
-
-
-def split_student(student: nn.ModuleDict, p: ParallelismConfig, pp_rank: int) -> StudentStage:
-    """This process's stage, cut from `student` in place (one stage per process: GPipe, 1F1B)."""
-    ranges = split_blocks(p, len(student["backbone"].blocks))
-    return StudentStage(student, pp_rank, p.n_stages, ranges[pp_rank])
-
-
-def stage_owners(names: Sequence[str], p: ParallelismConfig, depth: int) -> dict[str, int]:
-    """Student parameter name → the pipeline rank whose stage holds it (every process computes the same)."""
-    block_owner = {i: r for r, rng in enumerate(split_blocks(p, depth)) for i in rng}
-    owner: dict[str, int] = {}
-    for name in names:
-        parts = name.split(".")
-        if parts[0] != "backbone":
-            owner[name] = p.pp_degree - 1  # heads
-        elif parts[1] == "blocks":
-            owner[name] = block_owner[int(parts[2])]
-        else:
-            owner[name] = 0 if parts[1] in FIRST_STAGE_ONLY else p.pp_degree - 1
-    return owner
-
-
-# ------------------------------------------------------------------------------------------------- the step
 
 
 @dataclass
@@ -141,15 +55,30 @@ class StepContext:
 
 
 class Pipeline:
-    """This process's part of the pipeline: its `PipelineStage`, the training schedule and a forward-only one (the
-    KoLeo neighbour set), and the loss the last stage computes. Rebuilt when the micro-batch changes."""
+    """This process's part of the pipelines: the student's `PipelineStage` with its training schedule and a
+    forward-only one (the KoLeo neighbour set), the teacher's with a forward-only schedule over the whole step, and
+    the loss the last stage computes. Rebuilt when the micro-batch changes (memory re-plans)."""
 
-    def __init__(self, meta: SSLMetaArch, env: DistEnv, p: ParallelismConfig, micro_batch: int) -> None:
-        stage = meta.student
-        assert isinstance(stage, StudentStage), "split the student first (parallelize)"
+    def __init__(
+        self,
+        meta: SSLMetaArch,
+        env: DistEnv,
+        p: ParallelismConfig,
+        *,
+        micro_batch: int,
+        accumulation: int,
+        grids: list[tuple[int, int]],
+    ) -> None:
+        """`grids`: the patch grids of the [global, local] crops (the teacher sees the global ones)."""
+        stage, teacher = meta.student, meta.teacher
+        assert isinstance(stage, ModelStage) and isinstance(teacher, ModelStage), "split the model first (parallelize)"
         self.meta, self.env, self.stage = meta, env, stage
+        self.teacher_grids = grids[:1]
+        stage.set_grids(grids)
+        teacher.set_grids(self.teacher_grids)
+        self.patch_size, self.embed_dim = teacher["backbone"].patch_size, teacher["backbone"].embed_dim
         self.n_mb = pipeline_microbatches(p, micro_batch)
-        self.micro_batch = micro_batch
+        self.micro_batch, self.accumulation = micro_batch, accumulation
         self.parts: dict[int, dict[str, Tensor]] = {}  # per-term losses by micro-batch index (last stage)
         self.ctx: StepContext | None = None
         self.pipe_stage = PipelineStage(stage, env.pp_rank, env.pp_size, env.device, group=env.pp_group)
@@ -165,6 +94,12 @@ class Pipeline:
 
         self.train_schedule = schedule(self._loss if stage.is_last else _no_loss)
         self.forward_schedule = schedule(None)
+        # The teacher: the whole step in micro-batches of the student's size, forward only (GPipe = all forwards).
+        self.teacher = teacher
+        teacher_stage = PipelineStage(teacher, env.pp_rank, env.pp_size, env.device, group=env.pp_group)
+        self.teacher_schedule = ScheduleGPipe(teacher_stage, n_microbatches=accumulation * self.n_mb,
+                                              args_chunk_spec=(TensorChunkSpec(1),))  # fmt: skip
+        self.probe_schedules: dict[tuple[int, ...], ScheduleGPipe] = {}  # per probe input shape
 
     def describe(self) -> str:
         s = self.stage
@@ -199,24 +134,55 @@ class Pipeline:
         self.parts[m] = parts
         return loss * c.loss_scale
 
-    def koleo_features(self, global_crops: Tensor, local_crops: Tensor, masks: IBOTMasks, accumulation: int) -> Tensor:
+    def koleo_features(self, global_crops: Tensor, local_crops: Tensor, masks: IBOTMasks) -> Tensor:
         """The student's CLS features of the whole step [S_g, B, D] (no grad), gathered on the last stage; a
         forward-only pass of the pipeline (empty on other stages)."""
         out: list[Tensor] = []
         with torch.no_grad():
-            for chunk in self._chunks(global_crops, local_crops, masks, accumulation):
+            for chunk in self._chunks(global_crops, local_crops, masks):
                 result = self.forward_schedule.step(*chunk) if self.stage.is_first else self.forward_schedule.step()
                 if self.stage.is_last:  # micro-batch-major [n_mb·S_g·m, D] → [S_g, b, D]
                     cls = result[0].view(self.n_mb, global_crops.shape[0], -1, result[0].shape[-1])
                     out.append(cls.transpose(0, 1).flatten(1, 2))
         return self.meta._maybe_gather(torch.cat(out, dim=1)) if out else global_crops.new_empty(0)
 
-    def run(self, ctx: StepContext, local_crops: Tensor, accumulation: int) -> list[dict[str, Tensor]]:
+    @torch.no_grad()
+    def teacher_targets(self, global_crops: Tensor, masks: IBOTMasks, teacher_temp: float) -> TeacherTargets | None:
+        """The step's teacher targets on the last stage (None elsewhere): the teacher's stages over all of the
+        step's global crops [S_g, B, 3, H, W], then heads and Sinkhorn once on the merged outputs."""
+        n_global, batch = global_crops.shape[:2]
+        out = self.teacher_schedule.step(global_crops) if self.stage.is_first else self.teacher_schedule.step()
+        if not self.stage.is_last:
+            return None
+        n = self.accumulation * self.n_mb  # merged micro-batch-major → crop-major, as one forward would give
+        cls = out[0].view(n, n_global, -1, out[0].shape[-1]).transpose(0, 1).reshape(n_global, batch, -1)
+        patch = out[1].view(n, n_global, -1, *out[1].shape[1:]).transpose(0, 1).flatten(0, 2)
+        return self.meta.targets_from_features(cls, patch, masks, teacher_temp=teacher_temp)
+
+    @torch.no_grad()
+    def embed(self, images: Tensor) -> Tensor:
+        """Teacher CLS features of `images` [b, 3, H, W] for the health probe: [b, D] on the last stage, zeros
+        elsewhere (the probe takes them from the last stage). Every stage calls it with the same shapes."""
+        key = tuple(images.shape)
+        if key not in self.probe_schedules:  # a stage per input shape: the pipeline infers shapes once
+            self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
+            stage = PipelineStage(self.teacher, self.env.pp_rank, self.env.pp_size, self.env.device,
+                                  group=self.env.pp_group)  # fmt: skip
+            self.probe_schedules[key] = ScheduleGPipe(stage, n_microbatches=1, args_chunk_spec=(TensorChunkSpec(1),))
+        self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
+        schedule = self.probe_schedules[key]
+        out = schedule.step(images.unsqueeze(0)) if self.stage.is_first else schedule.step()
+        self.teacher.set_grids(self.teacher_grids)
+        if self.stage.is_last:
+            return out[0]
+        return images.new_zeros(images.shape[0], self.embed_dim)
+
+    def run(self, ctx: StepContext, local_crops: Tensor) -> list[dict[str, Tensor]]:
         """Forward and backward of the whole step: `accumulation` schedule steps of `n_mb` micro-batches each
         (gradients accumulate in .grad). Returns the per-term losses of every micro-batch (last stage; else [])."""
         self.ctx, self.parts = ctx, {}
         batch = ctx.global_crops.shape[1]
-        chunks = self._chunks(ctx.global_crops, local_crops, ctx.masks, accumulation)
+        chunks = self._chunks(ctx.global_crops, local_crops, ctx.masks)
         for g, chunk in enumerate(chunks):
             if self.stage.is_first:
                 self.train_schedule.step(*chunk)
@@ -228,9 +194,7 @@ class Pipeline:
         self.ctx = None
         return [self.parts[m] for m in sorted(self.parts)]
 
-    def _chunks(
-        self, global_crops: Tensor, local_crops: Tensor, masks: IBOTMasks, accumulation: int
-    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    def _chunks(self, global_crops: Tensor, local_crops: Tensor, masks: IBOTMasks) -> list[tuple[Tensor, ...]]:
         """The stage-0 inputs of each accumulation step (crop-major, images along dim 1)."""
         n_global, batch = global_crops.shape[:2]
         grid = masks.masks.view(n_global, batch, -1)
@@ -238,7 +202,7 @@ class Pipeline:
         return [
             (global_crops[:, g * step : (g + 1) * step], local_crops[:, g * step : (g + 1) * step],
              grid[:, g * step : (g + 1) * step])
-            for g in range(accumulation)
+            for g in range(self.accumulation)
         ]  # fmt: skip
 
 
@@ -271,21 +235,3 @@ def clip_gradients_pp(stage: nn.ModuleDict, max_norm: float) -> dict[str, Tensor
         if max_norm > 0 and grads[name]:
             torch._foreach_mul_(grads[name], (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return {f"{name}_grad_norm": norm for name, norm in zip(SUBMODULES, norms, strict=True)}
-
-
-@torch.no_grad()
-def update_teacher_pp(meta: SSLMetaArch, momentum: float, env: DistEnv, owner: dict[str, int]) -> None:
-    """EMA of the whole teacher from a pipelined student: each process updates the teacher parameters its stage
-    holds, then each stage's share is broadcast from its owner to the other stages (same data-parallel shard,
-    so local shards line up). Cost: one teacher-size exchange over the pipeline group per step."""
-    meta.update_teacher(momentum)
-    teacher = {clean_param_name(n): t for n, t in meta.teacher.named_parameters()}
-    for src in range(env.pp_size):
-        params = [_local(teacher[n]) for n, r in owner.items() if r == src]
-        if not params:
-            continue
-        flat = torch.cat([t.flatten() for t in params])
-        dist.broadcast(flat, src=dist.get_global_rank(env.pp_group, src), group=env.pp_group)
-        if src != env.pp_rank:
-            for t, new in zip(params, torch._utils._unflatten_dense_tensors(flat, params), strict=True):
-                t.copy_(new)

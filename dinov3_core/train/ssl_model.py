@@ -111,6 +111,21 @@ class SSLMetaArch(nn.Module):
             ibot = dino.new_empty(masks.n_masked_patches, patch_logits[0][1].shape[-1], dtype=patch_logits[0][1].dtype)
             for positions, logits in patch_logits:
                 ibot[positions] = logits
+        return self._sinkhorn(dino, ibot, teacher_temp)
+
+    @torch.no_grad()
+    def targets_from_features(
+        self, cls: Tensor, patch: Tensor, masks: IBOTMasks, *, teacher_temp: float
+    ) -> TeacherTargets:
+        """`teacher_targets` from the teacher backbone's outputs of the whole step (a pipelined teacher's last
+        stage): cls [S_g, B, D] and patch tokens [S_g·B, N, D], crop-major; heads, then Sinkhorn once."""
+        n_crops, batch = cls.shape[:2]
+        dino = self.teacher["dino_head"](cls.flatten(0, 1)).view(n_crops, batch, -1)
+        ibot = self.teacher["ibot_head"](patch.flatten(0, 1)[masks.mask_indices])
+        return self._sinkhorn(dino, ibot, teacher_temp)
+
+    def _sinkhorn(self, dino: Tensor, ibot: Tensor, teacher_temp: float) -> TeacherTargets:
+        """Sinkhorn-Knopp over the step's DINO [S_g, B, K] and iBOT [M, K] logits, across the data-parallel group."""
         return TeacherTargets(
             dino=dino_teacher_targets(dino, teacher_temp, n_iterations=self.sinkhorn_iterations, group=self.dp_group),
             ibot=ibot_teacher_targets(ibot, teacher_temp, n_iterations=self.sinkhorn_iterations, group=self.dp_group),

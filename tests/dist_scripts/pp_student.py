@@ -6,8 +6,9 @@ Every rank builds the same seeded `vit_test` student (+ DINO and iBOT heads) and
 unsplit single-process reference step on the whole step batch: teacher targets (Sinkhorn once), `forward_loss`,
 backward, per-submodule clipping, SGD, EMA. Then, for each case, a fresh copy of the same student is cut into 2
 stages and trained one step through the trainer's own `Pipeline` (torch.distributed.pipelining) on the same batch
-(2 crop sizes: global 64 px with iBOT masks, local 32 px): only the last stage runs the teacher (over the whole
-step) and computes the real DINO + iBOT (+ KoLeo) loss, sliced per micro-batch. Parameters, gradients and the
+(2 crop sizes: global 64 px with iBOT masks, local 32 px): the teacher, cut at the same blocks, runs forward over
+the whole step and the last stage computes the Sinkhorn targets once and the real DINO + iBOT (+ KoLeo) loss,
+sliced per micro-batch. Parameters, gradients and the
 teacher after the EMA must equal the reference within 1e-5 (fp32) with the loss scaled by 1/(GA × n_mb); a loss
 left unscaled or scaled by GA only must NOT. The targets every micro-batch loss saw must equal the unsplit ones
 exactly, while per-micro-batch Sinkhorn targets measurably drift. SGD is used because AdamW's first step is
@@ -33,14 +34,8 @@ from dinov3_core.models import HUB_SETTINGS, DINOHead, build_backbone
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.optim import clip_gradients
 from dinov3_core.train.parallel_config import ParallelismConfig
-from dinov3_core.train.pipeline_parallel import (
-    Pipeline,
-    StepContext,
-    clip_gradients_pp,
-    split_student,
-    stage_owners,
-    update_teacher_pp,
-)
+from dinov3_core.train.pipeline_parallel import Pipeline, StepContext, clip_gradients_pp
+from dinov3_core.train.pipeline_stages import split_model
 from dinov3_core.train.ssl_model import SSLMetaArch
 
 B, S_G, S_L, GLOBAL_PX, LOCAL_PX, PATCH = 4, 2, 3, 64, 32, 16
@@ -101,30 +96,30 @@ class Recording(SSLMetaArch):
 
 
 def pp_step(meta: SSLMetaArch, batch, *, schedule: str, n_mb: int, scale: str, clip: float, group, solo, ga: int = 1):
-    """One optimizer step of the pipelined student through the trainer's own `Pipeline`; `scale` = "right"
-    (1/(GA·n_mb)), "none" or "ga" (1/GA only): the last two must break parity."""
+    """One optimizer step of the pipelined student and teacher through the trainer's own `Pipeline`; `scale` =
+    "right" (1/(GA·n_mb)), "none" or "ga" (1/GA only): the last two must break parity."""
     rank, pp = dist.get_rank(group), dist.get_world_size(group)
     global_crops, local_crops, masks = batch
     p = ParallelismConfig(pp_degree=pp, pp_microbatch_size=B // (ga * n_mb), pp_schedule=schedule)
     env = DistEnv(rank, pp, 0, pp, torch.device("cpu"), None, pp_size=pp, pp_rank=rank, pp_group=group, dp_group=solo)
-    owner = stage_owners([n for n, _ in meta.student.named_parameters()], p, len(meta.student["backbone"].blocks))
-    meta.student = split_student(meta.student, p, rank)
-    pipeline = Pipeline(meta, env, p, micro_batch=B // ga)
-    pipeline.stage.set_grids([(GLOBAL_PX // PATCH,) * 2, (LOCAL_PX // PATCH,) * 2])
+    meta.student = split_model(meta.student, p, rank)
+    meta.teacher = split_model(meta.teacher, p, rank, features_only=True)
+    grids = [(GLOBAL_PX // PATCH,) * 2, (LOCAL_PX // PATCH,) * 2]
+    pipeline = Pipeline(meta, env, p, micro_batch=B // ga, accumulation=ga, grids=grids)
     stage = pipeline.stage
-    # As the trainer: only the last stage runs the teacher, over the whole step (Sinkhorn once).
-    targets = meta.teacher_targets(global_crops, masks, n_micro=ga, teacher_temp=TEMP) if stage.is_last else None
-    koleo = pipeline.koleo_features(global_crops, local_crops, masks, ga) if meta.needs_koleo else None
+    # As the trainer: the teacher's stages over the whole step, Sinkhorn once on the last stage.
+    targets = pipeline.teacher_targets(global_crops, masks, TEMP)
+    koleo = pipeline.koleo_features(global_crops, local_crops, masks) if meta.needs_koleo else None
     n_total = ga * pipeline.n_mb
     loss_scale = {"right": 1.0 / n_total, "none": 1.0, "ga": 1.0 / ga}[scale]
     ctx = StepContext(global_crops, masks, targets, n_total, koleo, 0, loss_scale=loss_scale)
-    parts = pipeline.run(ctx, local_crops, ga)
+    parts = pipeline.run(ctx, local_crops)
     norms = clip_gradients_pp(stage, clip)
     grads = {n: q.grad.clone() for n, q in stage.named_parameters()}
     with torch.no_grad():
         for q in stage.parameters():
             q.add_(q.grad, alpha=-LR)
-    update_teacher_pp(meta, MOMENTUM, env, owner)
+    meta.update_teacher(MOMENTUM)  # local: the teacher is cut at the same blocks
     loss = sum(float(x["total_loss"]) for x in parts) / n_total if parts else None
     if stage.is_last:
         assert len(parts) == n_total, len(parts)
@@ -211,7 +206,10 @@ def main() -> int:
                 sum(g.norm() ** 2 for g in out["grads"].values()) ** 0.5
                 / sum(ref_out["grads"][k].norm() ** 2 for k in out["grads"]) ** 0.5
             ),
-            "max_teacher_diff": max_diff(dict(meta.teacher.named_parameters()), dict(ref.teacher.named_parameters())),
+            "max_teacher_diff": max_diff(
+                dict(meta.teacher.named_parameters()),
+                {k: v for k, v in ref.teacher.named_parameters() if k in dict(meta.teacher.named_parameters())},
+            ),
             "norms_pp": out["norms"],
             "norms_ref": ref_out["norms"],
             "loss_pp": out["loss"],
