@@ -303,3 +303,39 @@ def test_a_training_log_line_has_count_rate_and_eta() -> None:
     assert line.startswith("it 9/1000 ") and "64.0 img/s" in line
     assert "eta 0:08:15" in line  # 990 iterations left at 0.5 s each
     assert "\r" not in line
+
+
+def test_checkpoints_with_the_older_optimizer_layout_still_resume(tmp_path) -> None:
+    """Checkpoints store the optimizer's param groups per parameter since pipeline parallelism (each stage has its
+    own groups); one written with the earlier list of groups still loads, values and AdamW state intact."""
+    import torch.distributed.checkpoint as dcp
+
+    from dinov3_core.train import checkpoint as ckpt
+    from dinov3_core.train.distributed import DistEnv
+
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        cfg = tiny()
+        torch.manual_seed(0)
+        model = build_ssl_model(cfg).model
+        optimizer = build_optimizer(model.student, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3
+        for p in model.student.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained()
+    for flat, name in ((False, "old"), (True, "new")):
+        path = tmp_path / name
+        dcp.save(ckpt._full_state(model, optimizer, {"iteration": 3}, flat=flat), checkpoint_id=str(path))
+        assert ckpt._has_flat_optimizer(path) is flat
+        fresh = build_ssl_model(tiny()).model
+        fresh_optimizer = build_optimizer(fresh.student, tiny())
+        state = ckpt.load_checkpoint(path, fresh, fresh_optimizer, {"iteration": -1}, DistEnv())
+        assert state["iteration"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+        before, after = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+        assert before.keys() == after.keys() and all(
+            torch.equal(before[i]["exp_avg"], after[i]["exp_avg"]) for i in before
+        )

@@ -5,8 +5,8 @@ config checks → tile stores → model (fresh or warm start) → batch plan →
 compatibility → (now writing) config.yaml, logs → resume → data loader. The steps themselves live in
 `trainer_setup`; what a metrics line holds lives in `metrics`.
 
-One iteration (`train_step`): crops on the device → teacher targets over the whole step → [KoLeo neighbour
-set] → per micro-batch forward/backward (loss × 1/n, FSDP gradient sync on the last one only) → all-reduced
+One iteration (`train_step`): crops on the device → `step.forward_backward` (teacher targets over the whole step,
+[KoLeo neighbour set], the student micro-batch by micro-batch or through its pipeline stages) → all-reduced
 losses, NaN guard → per-submodule clipping → AdamW → EMA teacher.
 """
 
@@ -34,7 +34,7 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import health_probe as HP
 from dinov3_core.train import metrics as M
-from dinov3_core.train.distributed import DistEnv, autocast, barrier, parallelize, set_gradient_sync
+from dinov3_core.train.distributed import DistEnv, barrier, parallelize
 from dinov3_core.train.health import (
     HEALTH_FILE,
     HealthWatch,
@@ -45,18 +45,16 @@ from dinov3_core.train.health import (
 from dinov3_core.train.memory_watch import MemoryWindow, Pressure, release_freed_memory
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
-from dinov3_core.train.pipeline_parallel import (
-    Pipeline,
-    StepContext,
-    clip_gradients_pp,
-)
+from dinov3_core.train.pipeline_parallel import Pipeline, clip_gradients_pp
 from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
 from dinov3_core.train.sampler import SamplerState
-from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, TeacherTargets, build_ssl_model
+from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, build_ssl_model
+from dinov3_core.train.step import ENTROPY, forward_backward
 from dinov3_core.train.trainer_setup import (
     build_step_loader,
     check_batch,
     checkpoint_to_resume,
+    describe_start,
     load_training_state,
     open_tiles,
     plan_from_checkpoint,
@@ -165,29 +163,7 @@ class Trainer:
         barrier(env)
         self.log_handler = M.setup_logging(self.output_dir, env.rank)
         self.metrics = M.MetricsWriter(self.output_dir, enabled=env.is_main)
-        logger.info(
-            "%s: %s backbone (%.2fM parameters; %.2fM of the student's %.2fM train%s) on %s: %d tiles, global batch "
-            "%d = %d data-parallel process(es) × micro-batch %d × %d accumulation step(s)%s; %s; %s; memory "
-            "estimate %s (budget %.1f GiB); output %s",
-            self.stage,
-            self.arch,
-            sum(p.numel() for p in self.model.teacher["backbone"].parameters()) / 1e6,
-            sum(p.numel() for p in self.model.student.parameters() if p.requires_grad) / 1e6,
-            sum(p.numel() for p in self.model.student.parameters()) / 1e6,
-            f": {C.adaptation_summary(cfg)}" if C.adaptation_summary(cfg) else "",
-            env.device,
-            len(self.tiles),
-            self.global_batch,
-            env.dp_size,
-            self.micro_batch,
-            self.accumulation_steps,
-            self.pipeline.describe() if self.pipeline else "",
-            C.length_summary(cfg),
-            C.start_summary(cfg, latest),
-            self.plan.estimate.describe(),
-            self.plan.budget_bytes / 2**30,
-            self.output_dir,
-        )
+        logger.info("%s", describe_start(self, latest))
 
         self.start_iteration, self.start_sample = 0, 0
         self.resumed_from = latest
@@ -417,7 +393,7 @@ class Trainer:
 
     def train_step(self, iteration: int, batch: StepBatch) -> dict[str, float]:
         cfg, env, model = self.cfg, self.env, self.model
-        n_micro, b = self.accumulation_steps, self.micro_batch
+        n_micro = self.accumulation_steps
         sched = self.schedules.at(iteration)
         apply_schedules(self.optimizer, sched)
         # Drop path and RoPE jitter draw from the global RNG: reseed per (iteration, rank) so that a resumed
@@ -435,62 +411,21 @@ class Trainer:
         )
         masks = IBOTMasks.from_masks(batch.masks.to(env.device, non_blocking=True), cfg.crops.n_global_crops)
         koleo_base = env.dp_rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
-        # Per-term losses, signals and the teacher's entropy, summed over micro-batches, then averaged over the
-        # data-parallel processes (under a pipeline only the last stage computes them; the others add zeros).
-        keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names, "teacher_entropy")
-        loss_sum = torch.zeros(len(keys), device=env.device)
-        pipeline = self.pipeline
-        with autocast(env, self.bf16):
-            if pipeline is None:
-                targets = model.teacher_targets(
-                    crops.global_stack, masks, n_micro=n_micro, teacher_temp=sched.teacher_temp
-                )
-            else:  # the teacher's stages over the whole step; the targets exist on the last stage
-                targets = pipeline.teacher_targets(crops.global_stack, masks, sched.teacher_temp)
-            if targets is not None:
-                # A health signal, not a loss: 16 images a crop estimate it at a fraction of the cost.
-                q = targets.dino[:, :16].float()
-                loss_sum[-1] = -(q * q.clamp_min(1e-12).log()).sum(-1).mean() / math.log(q.shape[-1])
-            koleo_features = None
-            if pipeline is not None and model.needs_koleo:  # PP micro-batches split the step: whole-step set
-                koleo_features = pipeline.koleo_features(crops.global_stack, crops.local_stack, masks)
-            elif n_micro > 1 and model.needs_koleo:
-                koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
-
-            if pipeline is not None:
-                ctx = StepContext(crops.global_stack, masks, targets, n_micro * pipeline.n_mb, koleo_features,
-                                  koleo_base)  # fmt: skip
-                for parts in pipeline.run(ctx, crops.local_stack):
-                    loss_sum[:-1] += torch.stack([parts[k] for k in keys[:-1]]) / ctx.n_microbatches
-        for m in range(n_micro if pipeline is None else 0):
-            micro = slice(m * b, (m + 1) * b)
-            micro_masks, positions = masks.microbatch(m, n_micro)
-            micro_targets = TeacherTargets(dino=targets.dino[:, micro], ibot=targets.ibot[positions])
-            if env.distributed:
-                set_gradient_sync(model.student, m == n_micro - 1)
-            with autocast(env, self.bf16):
-                loss, parts = model.forward_loss(
-                    crops.global_stack[:, micro],
-                    crops.local_stack[:, micro],
-                    micro_masks,
-                    micro_targets,
-                    koleo_features=koleo_features,
-                    koleo_offset=koleo_base + m * b,
-                )
-            (loss / n_micro).backward()
-            loss_sum[:-1] += torch.stack([parts[k] for k in keys[:-1]]) / n_micro
-        del crops, targets, koleo_features
+        keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names)
+        loss_sum = forward_backward(model, self.pipeline, env, crops, masks, keys=keys, n_micro=n_micro,
+                                    teacher_temp=sched.teacher_temp, koleo_base=koleo_base, bf16=self.bf16)  # fmt: skip
+        del crops
 
         if env.distributed:  # the mean over data-parallel processes is the loss of the global batch
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_sum /= env.dp_size
-        means = dict(zip(keys, loss_sum.tolist(), strict=True))
+        means = dict(zip((*keys, ENTROPY), loss_sum.tolist(), strict=True))
         losses = {k: means[k] for k in LOSS_NAMES}
         values: dict[str, float] = {**means, **M.schedule_values(sched)}
 
         finite = all(math.isfinite(v) for v in losses.values())
         if finite:
-            if pipeline is None:
+            if self.pipeline is None:
                 norms = clip_gradients(model.student, cfg.optim.clip_grad)
             else:
                 norms = clip_gradients_pp(model.student, cfg.optim.clip_grad)

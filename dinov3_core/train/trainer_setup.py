@@ -10,6 +10,7 @@ iBOT masks and the step-batch DataLoader, starting where the run left off).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "build_step_loader",
     "check_batch",
     "checkpoint_to_resume",
+    "describe_start",
     "load_training_state",
     "open_tiles",
     "plan_from_checkpoint",
@@ -217,3 +219,25 @@ def build_step_loader(
         multiprocessing_context=cfg.data.multiprocessing_context,
     )
     return sampler, loader
+
+
+def describe_start(trainer: Any, latest: Path | None) -> str:
+    """The run's first log line: model and what this process trains, data, batch split, length, start, memory."""
+    cfg, env, model = trainer.cfg, trainer.env, trainer.model
+    backbone = sum(
+        math.prod(shape) for k, shape in trainer.layout.shapes.items() if k.startswith("model.teacher.backbone.")
+    )
+    student = model.student.parameters()
+    held = sum(p.numel() for p in model.student.parameters())
+    trained = sum(p.numel() for p in student if p.requires_grad)
+    adaptation = C.adaptation_summary(cfg)
+    where = "this process's pipeline stage" if trainer.pipeline is not None else "the student"
+    return (
+        f"{trainer.stage}: {trainer.arch} backbone ({backbone / 1e6:.2f}M parameters; {trained / 1e6:.2f}M of "
+        f"{where}'s {held / 1e6:.2f}M train{f': {adaptation}' if adaptation else ''}) on {env.device}: "
+        f"{len(trainer.tiles)} tiles, global batch {trainer.global_batch} = {env.dp_size} data-parallel process(es) × "
+        f"micro-batch {trainer.micro_batch} × {trainer.accumulation_steps} accumulation step(s)"
+        f"{trainer.pipeline.describe() if trainer.pipeline else ''}; {C.length_summary(cfg)}; "
+        f"{C.start_summary(cfg, latest)}; memory estimate {trainer.plan.estimate.describe()} (budget "
+        f"{trainer.plan.budget_bytes / 2**30:.1f} GiB); output {trainer.output_dir}"
+    )
