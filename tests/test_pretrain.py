@@ -267,22 +267,28 @@ def test_pipeline_by_data_parallel_trains_resumes_and_converts(reference, small_
     """torchrun, 4 gloo processes = 2 pipeline stages × 2 data-parallel (FSDP) processes, 1F1B, 2 pipeline
     micro-batches of 2 per process: (a) from scratch to iteration 2 and (b) resumed on the same layout to 4 equal
     the single-process full-batch reference; (c) its checkpoint resumed without a pipeline (pp 2 → 1) still does,
-    and (d) converts to a backbone that loads strictly."""
+    and (d) converts to a backbone that loads strictly; (e) the reference's own checkpoint resumes on the pipeline."""
     from dinov3_core.config import load_config
     from dinov3_core.export.config import ConvertConfig
     from dinov3_core.export.convert import run_convert
     from dinov3_core.models import load_released_backbone
 
-    ref, out = reference["out"], tmp_path / "pp"
+    ref, out, from_one = reference["out"], tmp_path / "pp", tmp_path / "from_one"
+    shutil.copytree(ref, from_one)
+    for path in (from_one / "ckpt").iterdir():
+        if int(path.name) > 1:
+            shutil.rmtree(path)  # as if the single-process reference had stopped after iteration 1
     pp = {"parallelism.pp_degree": 2, "parallelism.pp_microbatch_size": 2, "train.batch_size_per_gpu": 4}
     runs = [
         overrides(small_tile_store, out, **pp, **{"train.stop_at": 2}),
         overrides(small_tile_store, out, **pp, **{"train.stop_at": 4}),
+        overrides(small_tile_store, from_one, **pp, **{"train.stop_at": 4}),  # (e) no pipeline → 2 stages
     ]
     proc = torchrun(str(PRETRAIN_RUNS_SCRIPT), *(json.dumps(r) for r in runs), timeout=600, nproc=4)
     summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"run"')]
-    assert [(s["world_size"], s["micro_batch"], s["accumulation_steps"]) for s in summaries] == [(4, 4, 1)] * 2
-    assert Path(summaries[1]["resumed_from"]).name == "1"
+    assert [(s["world_size"], s["micro_batch"], s["accumulation_steps"]) for s in summaries] == [(4, 4, 1)] * 3
+    assert Path(summaries[1]["resumed_from"]).name == Path(summaries[2]["resumed_from"]).name == "1"
+    assert_same_params(from_one / "ckpt" / "3", ref / "ckpt" / "3")  # (e)
     log = (out / "logs" / "log.txt.rank3").read_text()
     assert "pipeline stage 2/2 (blocks 1–1, heads), 2 pipeline micro-batches of 2" in log
     assert "global batch 8 = 2 data-parallel process(es)" in log
