@@ -1,8 +1,8 @@
 """The pretraining loop, torchtitan style: `Trainer.__init__` builds and checks everything, `train()` runs.
 
 Order of setup, chosen so that bad input fails before anything in output_dir is written or overwritten:
-config checks → tile stores → model (fresh or warm start) → batch plan → sharding + optimizer → checkpoint
-compatibility → (now writing) config.yaml, logs → resume → data loader. The steps themselves live in
+config checks → tile stores → model (fresh or warm start) → batch plan → checkpoint compatibility → pipeline split,
+sharding + optimizer → (now writing) config.yaml, logs → resume → data loader. The steps themselves live in
 `trainer_setup`; what a metrics line holds lives in `metrics`.
 
 One iteration (`train_step`): crops on the device → `step.forward_backward` (teacher targets over the whole step,
@@ -148,6 +148,8 @@ class Trainer:
         self.schedules = build_schedules(cfg, self.global_batch)
 
         resumed_plan, self.memory_replans = plan_from_checkpoint(latest, self.run_plan, env.world_size)
+        if not self.micro_batch_ok(resumed_plan.micro_batch):  # re-planned under another pipeline layout
+            resumed_plan = self.run_plan
         if resumed_plan != self.run_plan and env.is_main:
             logger.info(
                 "%s: starts with the memory watch's plan from %s: %s", self.stage, latest, resumed_plan.describe()
