@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,11 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
         "global_batch_size": trainer.global_batch,
         "micro_batch_per_gpu": trainer.micro_batch,
         "accumulation_steps": trainer.accumulation_steps,
+        "pipeline": (
+            f"{cfg.parallelism.pp_degree} stages, {cfg.parallelism.pp_schedule}, {trainer.pipeline.n_mb} micro-batches"
+            if trainer.pipeline is not None
+            else "off"
+        ),
         "memory_watch": cfg.train.memory_watch,
         "memory_budget_gb": cfg.train.memory_budget_gb,
         "total_iterations": trainer.total_iterations,
@@ -152,7 +158,7 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
         "teacher_temp": f"{cfg.teacher.warmup_teacher_temp}->{cfg.teacher.teacher_temp}",
         "drop_path_rate": cfg.student.drop_path_rate,
         "adaptation": C.adaptation_summary(cfg) or "full fine-tuning",
-        "trainable_params": sum(p.numel() for p in trainer.model.student.parameters() if p.requires_grad),
+        "trainable_params": sum(math.prod(trainer.layout.shapes[f"model.{n}"]) for n in trainer.layout.trainable),
         "layer_decay": cfg.optim.layer_decay,
         "koleo_weight": cfg.losses.koleo_weight,
         "koleo_scope": cfg.losses.koleo_scope,
