@@ -1,7 +1,7 @@
 """Pipeline parallelism: step time and peak memory per rank of FSDP-only vs PP(2) vs PP(2)×DP(2), and the bubble.
 
-    python benchmarks/pipeline_parallel.py --output bench-output            # ~15 minutes on 2 cores
-    python benchmarks/pipeline_parallel.py --quick --output bench-output    # ~4 minutes
+    python benchmarks/pipeline_parallel.py --output bench-output            # ~5 minutes on 2 cores
+    python benchmarks/pipeline_parallel.py --quick --output bench-output    # ~2 minutes
     python benchmarks/pipeline_parallel.py --device cuda --output bench-output   # ViT-L / ViT-7B shapes, ≥ 4 GPUs
 
 Part 1, per model, all layouts at the same global batch (16), each a fresh training launch (`python -m
@@ -269,7 +269,9 @@ def print_layouts(model: str, rows: list[dict[str, Any]], gpu: bool) -> None:
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']} | | | | | | |")
         elif "error" in r:
-            print(f"{head} FAILED: {r['error'][:200]} | | {high} / {low} until it failed | {per_rank} | | |")
+            print(
+                f"{head} FAILED: {r['error'].split('!')[0][:120]} | | {high} / {low} until it failed | {per_rank} | | |"
+            )
         else:
             vs_time = f"{r['step_p50_s'] / fsdp['step_p50_s']:.2f}×" if fsdp else "–"
             vs_mem = f"{float(high) / fsdp_mem:.2f}×" if fsdp_mem and high != "–" else "–"
@@ -293,7 +295,7 @@ def main() -> None:
     gpu = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if gpu else 0
     models = GPU_MODELS if gpu else CPU_MODELS
-    iterations = 6 if args.quick else 12
+    iterations = 6 if args.quick else 16
     layouts = [LAYOUTS[i] for i in QUICK_LAYOUTS] if args.quick else LAYOUTS
     started = time.perf_counter()
 
@@ -324,7 +326,7 @@ def main() -> None:
         print_layouts(model, rows, gpu)
     # Part 2: the bubble per schedule, measured.
     n_mb = [2, 4] if args.quick else [2, 4, 8]
-    reps = 5 if args.quick else 10
+    reps = 5 if args.quick else 20
     bubble_models = dict(list(models.items())[-1:]) if args.quick else models
     if gpu and n_gpus < 2:
         print(f"## Pipeline bubble: skipped (needs 2 GPUs, {n_gpus} here)\n")
