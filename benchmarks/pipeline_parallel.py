@@ -22,11 +22,13 @@ With `--device cuda`: ViT-L/16 and a ViT-7B-shaped backbone (4096-d, SwiGLU), bo
 crops; a layout needs one GPU per process, rows that need more GPUs than there are are marked skipped.
 
 Step time: the median `iter_time` of `training_metrics.json` (rank 0's; the step is collective), skipping the first
-two iterations; images/s = global batch / that. Peak memory per rank: the kernel's high-water mark of each training
-process's RSS (`VmHWM` in /proc/<pid>/status, which includes the ~300 MiB of the torch runtime; the baseline of a
-bare `import` is printed), read every 50 ms by a thread here from the launcher's children (`RANK` in their
-environment), since the metrics file only holds the maximum over ranks. On CUDA, each process's GPU memory as
-`nvidia-smi` reports it is sampled too.
+two iterations; images/s = global batch / that. Memory per rank (the metrics file only holds the maximum over
+ranks), read by a thread here from /proc every 25 ms for each of the launcher's children (`RANK` in their
+environment): the largest RSS sampled once training runs (from the first metrics line on: the state of the
+training steps), and the kernel's whole-life peak (`VmHWM`), which also holds the setup, where every rank builds the
+whole student and teacher before cutting out its stage or sharding them. Both include the ~300 MiB of the torch
+runtime (the peak of a bare trainer import is printed). On CUDA, each process's GPU memory as `nvidia-smi` reports
+it is sampled instead.
 
 Part 2, the pipeline bubble, measured (benchmarks/pp_bubble_worker.py under torchrun, 2 ranks = 2 stages): the
 wall time of the trainer's `Pipeline.run` per schedule and number of pipeline micro-batches n_mb (2 images each)
@@ -115,14 +117,14 @@ def base_overrides(store: Path, iterations: int, device: str) -> dict[str, Any]:
     }
 
 
-def _hwm_mib(pid: int) -> float | None:
-    """The kernel's peak RSS of a process (VmHWM), MiB; None once it is gone."""
+def _rss_hwm_mib(pid: int) -> tuple[float, float] | None:
+    """A process's RSS now and the kernel's peak of it (VmRSS, VmHWM), MiB; None once it is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    match = re.search(r"^VmHWM:\s+(\d+) kB", text, re.M)
-    return int(match.group(1)) / 1024 if match else None
+    found = [re.search(rf"^{key}:\s+(\d+) kB", text, re.M) for key in ("VmRSS", "VmHWM")]
+    return (int(found[0][1]) / 1024, int(found[1][1]) / 1024) if found[0] and found[1] else None
 
 
 def _gpu_mib() -> dict[int, float]:
@@ -137,13 +139,17 @@ def _gpu_mib() -> dict[int, float]:
 
 
 class RankMemory(threading.Thread):
-    """Samples the peak RSS (and GPU memory) of each training rank of a launch, keyed by its RANK."""
+    """Samples the memory of each training rank of a launch, keyed by its RANK: the kernel's whole-life peak RSS
+    (VmHWM: includes the setup, where every rank builds the whole student and teacher before splitting or sharding
+    them), the largest RSS sampled once `training` says the first step is done, and GPU memory."""
 
-    def __init__(self, root: int, launcher: bool, gpu: bool, interval: float = 0.05) -> None:
+    def __init__(self, root: int, launcher: bool, gpu: bool, training: Any, interval: float = 0.025) -> None:
         super().__init__(daemon=True)
         self.root, self.launcher, self.gpu, self.interval = root, launcher, gpu, interval
+        self.training = training
         self.rank_of: dict[int, int | None] = {}
         self.peak_mib: dict[int, float] = {}
+        self.train_mib: dict[int, float] = {}
         self.gpu_mib: dict[int, float] = {}
         self.done = threading.Event()
 
@@ -165,10 +171,13 @@ class RankMemory(threading.Thread):
         last_gpu = 0.0
         while not self.done.is_set():
             ranks = self._ranks()
+            training = self.training()
             for pid, rank in ranks.items():
-                hwm = _hwm_mib(pid)
-                if hwm is not None:
-                    self.peak_mib[rank] = max(self.peak_mib.get(rank, 0.0), hwm)
+                read = _rss_hwm_mib(pid)
+                if read is not None:
+                    self.peak_mib[rank] = max(self.peak_mib.get(rank, 0.0), read[1])
+                    if training:
+                        self.train_mib[rank] = max(self.train_mib.get(rank, 0.0), read[0])
             if self.gpu and time.monotonic() - last_gpu > 0.5:
                 last_gpu = time.monotonic()
                 for pid, mb in _gpu_mib().items():
@@ -188,7 +197,8 @@ def launch(out: Path, overrides: dict[str, Any], nproc: int, gpu: bool, timeout:
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    watch = RankMemory(proc.pid, launcher=nproc > 1, gpu=gpu)
+    metrics = out / "training_metrics.json"  # its first line: iteration 0 is done
+    watch = RankMemory(proc.pid, launcher=nproc > 1, gpu=gpu, training=metrics.exists)
     watch.start()
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -199,7 +209,11 @@ def launch(out: Path, overrides: dict[str, Any], nproc: int, gpu: bool, timeout:
     watch.done.set()
     watch.join()
     wall = time.perf_counter() - start
-    figures: dict[str, Any] = {"wall_s": wall, "peak_rss_mib_per_rank": [watch.peak_mib.get(r) for r in range(nproc)]}
+    figures: dict[str, Any] = {
+        "wall_s": wall,
+        "peak_rss_mib_per_rank": [watch.peak_mib.get(r) for r in range(nproc)],  # VmHWM, setup included
+        "training_rss_mib_per_rank": [watch.train_mib.get(r) for r in range(nproc)],  # sampled from iteration 1
+    }
     if gpu:
         figures["gpu_mib_per_rank"] = [watch.gpu_mib.get(r) for r in range(nproc)]
     if proc.returncode != 0:
@@ -250,32 +264,33 @@ def fmt_mib(values: list[float | None]) -> tuple[str, str, str]:
 
 
 def memory_of(row: dict[str, Any], gpu: bool) -> list[float | None]:
-    return row.get("gpu_mib_per_rank" if gpu else "peak_rss_mib_per_rank") or []
+    return row.get("gpu_mib_per_rank" if gpu else "training_rss_mib_per_rank") or []
 
 
 def print_layouts(model: str, rows: list[dict[str, Any]], gpu: bool) -> None:
     """One model's table; ratios against the FSDP-only row (time: higher is slower; memory: the max rank's)."""
-    memory_col = "GPU memory per rank, max / min (MiB)" if gpu else "peak RSS per rank, max / min (MiB)"
+    what = "GPU memory" if gpu else "peak RSS while training"
     print(f"## {model}\n")
-    print(f"| processes | layout | schedule | step p50 (s) | images/s | {memory_col} | per rank (MiB) | "
-          "vs FSDP-only: step time | vs FSDP-only: peak memory (max rank) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| processes | layout | schedule | step p50 (s) | images/s | {what} per rank, max / min (MiB) | "
+          "per rank (MiB) | per rank incl. setup, VmHWM (MiB) | vs FSDP-only: step time | "
+          "vs FSDP-only: memory (max rank) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     fsdp = next((r for r in rows if r["layout"] == "FSDP-only" and "step_p50_s" in r), None)
     fsdp_mem = max((v for v in memory_of(fsdp, gpu) if v is not None), default=None) if fsdp else None
     for r in rows:
         procs = f"{r['processes']}" + (" (oversubscribed)" if not gpu and r["processes"] > psutil.cpu_count() else "")
         head = f"| {procs} | {r['layout']} | {r['schedule'] or '–'} |"
         high, low, per_rank = fmt_mib(memory_of(r, gpu))
+        hwm = fmt_mib(r.get("peak_rss_mib_per_rank") or [])[2]
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']} | | | | | | |")
         elif "error" in r:
-            print(
-                f"{head} FAILED: {r['error'].split('!')[0][:120]} | | {high} / {low} until it failed | {per_rank} | | |"
-            )
+            print(f"{head} FAILED: {r['error'].split('!')[0][:120]} | | {high} / {low} | {per_rank} | {hwm} "
+                  "(until it failed) | | |")  # fmt: skip
         else:
             vs_time = f"{r['step_p50_s'] / fsdp['step_p50_s']:.2f}×" if fsdp else "–"
             vs_mem = f"{float(high) / fsdp_mem:.2f}×" if fsdp_mem and high != "–" else "–"
-            print(f"{head} {r['step_p50_s']:.3f} | {r['images_per_s']:.1f} | {high} / {low} | {per_rank} | "
+            print(f"{head} {r['step_p50_s']:.3f} | {r['images_per_s']:.1f} | {high} / {low} | {per_rank} | {hwm} | "
                   f"{vs_time} | {vs_mem} |")  # fmt: skip
     print(flush=True)
 

@@ -15,7 +15,8 @@ so the step batch is n_mb × that size):
 * compute: each stage's forward + backward of the same n_mb micro-batches alone, without the pipeline (no sends,
   no waits): stage 0 on the real crops with a random output gradient, later stages on random activations of the
   received shape (input gradients on, as the pipeline computes them) and the last stage through the same loss.
-  All ranks time their compute at the same time, as they run in the pipeline (one core or device each).
+  All ranks time their compute at the same time, as they run in the pipeline (one core or device each); steps and
+  compute runs alternate, so a load from elsewhere on a shared machine hits both alike.
 
 bubble = 1 − Σ_stages compute / (stages × step): the share of the step's rank-time not spent computing (idle in
 the ramp-up / drain, waiting on an unbalanced neighbour, and send/receive overhead). Beside it: the textbook
@@ -147,7 +148,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             steps, computes = [], []
-            for _ in range(args.reps):
+            for _ in range(args.reps):  # alternated, so both see the same load on a shared machine
                 dist.barrier()
                 sync(device)
                 start = time.perf_counter()
@@ -156,11 +157,10 @@ def main() -> None:
                 dist.barrier()
                 steps.append(time.perf_counter() - start)
                 stage.zero_grad()
-            peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
-            for _ in range(args.reps):
                 dist.barrier()
                 computes.append(stage_compute(pipeline, ctx, local_crops, shapes[0], device))
                 stage.zero_grad()
+            peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None  # (compute alone: lower)
             mine = {"step_s": statistics.median(steps), "compute_s": statistics.median(computes), "peak_mb": peak_mb}
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
