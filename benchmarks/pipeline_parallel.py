@@ -159,7 +159,7 @@ class RankMemory(threading.Thread):
         except psutil.Error:
             return {}
         for proc in procs:
-            if proc.pid not in self.rank_of:
+            if self.rank_of.get(proc.pid) is None:  # asked again until known: between fork and exec, no RANK yet
                 try:
                     rank = proc.environ().get("RANK") if self.launcher else "0"
                 except psutil.Error:
