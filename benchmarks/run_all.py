@@ -26,6 +26,7 @@ SCRIPTS = [
     "stage_manifest.py",
     "onnx_parity.py",
     "small_machine.py",
+    "pipeline_parallel.py",
 ]
 
 
