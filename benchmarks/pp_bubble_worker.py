@@ -4,8 +4,8 @@
         benchmarks/pp_bubble_worker.py --overrides '{"student.backbone_overrides": {"depth": 8}}'
 
 Every rank builds the same seeded student + EMA teacher from the `tiny` pretrain config with the given overrides
-(`build_ssl_model`, as the trainer) and cuts its pipeline stage out of it (`split_student`, one stage per rank, even
-split). Then, for each schedule (GPipe, 1F1B) and number of pipeline micro-batches n_mb (a fixed micro-batch size,
+(`build_ssl_model`, as the trainer) and cuts its pipeline stages out of it (`pipeline_stages.split_model`, one
+per rank, even split). Then, for each schedule (GPipe, 1F1B) and number of pipeline micro-batches n_mb (a fixed micro-batch size,
 so the step batch is n_mb × that size):
 
 * step: the wall time of `Pipeline.run` (forward + backward of every micro-batch through `torch.distributed
@@ -44,7 +44,8 @@ from dinov3_core.data.masking import IBOTMaskSampler
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.parallel_config import ParallelismConfig
-from dinov3_core.train.pipeline_parallel import Pipeline, StepContext, split_student
+from dinov3_core.train.pipeline_parallel import Pipeline, StepContext
+from dinov3_core.train.pipeline_stages import split_model
 from dinov3_core.train.ssl_model import build_ssl_model
 
 
@@ -107,7 +108,8 @@ def main() -> None:
     meta = build_ssl_model(cfg).model
     meta.dp_group = solo
     p0 = ParallelismConfig(pp_degree=world)
-    meta.student = split_student(meta.student, p0, rank)
+    meta.student = split_model(meta.student, p0, rank)
+    meta.teacher = split_model(meta.teacher, p0, rank, features_only=True)
     meta.to(device)
     env = DistEnv(rank, world, rank, world, device, None, pp_size=world, pp_rank=rank, pp_group=group, dp_group=solo)
     s_g, s_l = cfg.crops.n_global_crops, cfg.crops.n_local_crops
@@ -123,14 +125,11 @@ def main() -> None:
         masks = type(masks).from_masks(masks.masks.to(device), s_g)
         for schedule in args.schedules.split(","):
             p = ParallelismConfig(pp_degree=world, pp_microbatch_size=args.micro_size, pp_schedule=schedule)
-            pipeline = Pipeline(meta, env, p, micro_batch=batch)
-            pipeline.stage.set_grids([(g_px // patch,) * 2, (l_px // patch,) * 2])
+            grids = [(g_px // patch,) * 2, (l_px // patch,) * 2]
+            pipeline = Pipeline(meta, env, p, micro_batch=batch, accumulation=1, grids=grids)
             stage = pipeline.stage
-            with torch.no_grad():
-                targets = (
-                    meta.teacher_targets(global_crops, masks, n_micro=1, teacher_temp=0.07) if stage.is_last else None
-                )
-            koleo = pipeline.koleo_features(global_crops, local_crops, masks, 1) if meta.needs_koleo else None
+            targets = pipeline.teacher_targets(global_crops, masks, 0.07)  # the teacher's stages, whole step
+            koleo = pipeline.koleo_features(global_crops, local_crops, masks) if meta.needs_koleo else None
             ctx = StepContext(global_crops, masks, targets, pipeline.n_mb, koleo, 0)
             # The activation shapes between stages (the same at every cut): from stage 0's output.
             shapes: list = [None]
@@ -143,7 +142,7 @@ def main() -> None:
             dist.broadcast_object_list(shapes, src=0)
 
             for _ in range(args.warmup):
-                pipeline.run(ctx, local_crops, 1)
+                pipeline.run(ctx, local_crops)
                 stage.zero_grad()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -152,7 +151,7 @@ def main() -> None:
                 dist.barrier()
                 sync(device)
                 start = time.perf_counter()
-                pipeline.run(ctx, local_crops, 1)
+                pipeline.run(ctx, local_crops)
                 sync(device)
                 dist.barrier()
                 steps.append(time.perf_counter() - start)
