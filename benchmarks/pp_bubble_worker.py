@@ -5,8 +5,8 @@
 
 Every rank builds the same seeded student + EMA teacher from the `tiny` pretrain config with the given overrides
 (`build_ssl_model`, as the trainer) and cuts its pipeline stages out of it (`pipeline_stages.split_model`, one
-per rank, even split). Then, for each schedule (GPipe, 1F1B) and number of pipeline micro-batches n_mb (a fixed micro-batch size,
-so the step batch is n_mb × that size):
+per rank, even split). Then, for each schedule (GPipe, 1F1B) and number of pipeline micro-batches n_mb (a fixed
+micro-batch size, so the step batch is n_mb × that size):
 
 * step: the wall time of `Pipeline.run` (forward + backward of every micro-batch through `torch.distributed
   .pipelining`, the last stage computing the real DINO + iBOT + KoLeo loss), from a barrier to a barrier, median
