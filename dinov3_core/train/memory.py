@@ -283,10 +283,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Bytes per process; with pipeline parallelism those of its worst stage (`memory_pp`)."""
     if cfg.parallelism.enabled:
-        from dinov3_core.train.memory_pp import estimate_pipeline_memory
+        from dinov3_core.train.memory_pp import stage_estimates
 
-        kw = {"micro_batch": micro_batch, "step_batch": step_batch, "world_size": world_size, "tile_size": tile_size}
-        return estimate_pipeline_memory(cfg, shape, device_type=device_type, **kw)
+        stages = stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
+                                 device_type=device_type, tile_size=tile_size)  # fmt: skip
+        return max(stages, key=lambda e: e.total)  # every process must fit: the stage needing the most
     bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
     shard = world_size  # FSDP shards over every rank (one process: world_size 1)
     accumulating = step_batch > micro_batch

@@ -68,21 +68,6 @@ def images_in_flight(cfg: C.PretrainConfig, micro_batch: int, stage: int) -> flo
     return in_flight * micro_batch / n_mb
 
 
-def estimate_pipeline_memory(
-    cfg: C.PretrainConfig,
-    shape: ModelShape,
-    *,
-    micro_batch: int,
-    step_batch: int,
-    world_size: int,
-    device_type: str,
-    tile_size: int = 224,
-) -> MemoryEstimate:
-    """Bytes per process of the stage needing the most (the first of equals); see the module docstring."""
-    kw = {"micro_batch": micro_batch, "step_batch": step_batch, "world_size": world_size, "tile_size": tile_size}
-    return max(stage_estimates(cfg, shape, device_type=device_type, **kw), key=lambda e: e.total)
-
-
 def stage_estimates(
     cfg: C.PretrainConfig,
     shape: ModelShape,
