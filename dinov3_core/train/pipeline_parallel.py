@@ -164,12 +164,11 @@ class Pipeline:
         """Teacher CLS features of `images` [b, 3, H, W] for the health probe: [b, D] on the last stage, zeros
         elsewhere (the probe takes them from the last stage). Every stage calls it with the same shapes."""
         key = tuple(images.shape)
+        self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
         if key not in self.probe_schedules:  # a stage per input shape: the pipeline infers shapes once
-            self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
             stage = PipelineStage(self.teacher, self.env.pp_rank, self.env.pp_size, self.env.device,
                                   group=self.env.pp_group)  # fmt: skip
             self.probe_schedules[key] = ScheduleGPipe(stage, n_microbatches=1, args_chunk_spec=(TensorChunkSpec(1),))
-        self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
         schedule = self.probe_schedules[key]
         out = schedule.step(images.unsqueeze(0)) if self.stage.is_first else schedule.step()
         self.teacher.set_grids(self.teacher_grids)

@@ -213,38 +213,6 @@ class SSLMetaArch(nn.Module):
         dino_global, dino_local = dino_logits.split([n_global * b, n_local * b])
         masked_tokens = patch_global.flatten(0, 1)[masks.mask_indices]
         ibot_logits = self.student["ibot_head"](masked_tokens)  # called even when empty: FSDP collectives
-        return self.loss_from_logits(
-            cls_global,
-            dino_global,
-            dino_local,
-            ibot_logits,
-            masks,
-            targets,
-            n_global=n_global,
-            n_local=n_local,
-            koleo_features=koleo_features,
-            koleo_offset=koleo_offset,
-        )
-
-    def loss_from_logits(
-        self,
-        cls_global: Tensor,
-        dino_global: Tensor,
-        dino_local: Tensor,
-        ibot_logits: Tensor,
-        masks: IBOTMasks,
-        targets: TeacherTargets,
-        *,
-        n_global: int,
-        n_local: int,
-        koleo_features: Tensor | None = None,
-        koleo_offset: int = 0,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The DINO, iBOT and KoLeo terms from the heads' outputs.
-
-        cls_global [S_g·b, D], dino_global [S_g·b, K], dino_local [S_l·b, K] (crop-major), ibot_logits [M_micro, K].
-        """
-        b = cls_global.shape[0] // n_global
         losses = {
             "dino_global_loss": self.dino_loss(dino_global.view(n_global, b, -1), targets.dino, ignore_diagonal=True),
             "agreement": dino_agreement(dino_global.detach().view(n_global, b, -1), targets.dino),
