@@ -120,19 +120,31 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.manifest.summary.get("failed") else EXIT_OK
 
 
-def _mark_required(sub: Any) -> None:
-    """Append "(required)" to the help of each stage option whose config key has no default: argparse cannot
-    require it, since a --config file may set it instead."""
+class StageParser(argparse.ArgumentParser):
+    """A stage's sub-parser: its help marks each option whose config key has no default "(required, …)" — argparse
+    cannot require it, since a --config file may set it instead. Marked when help is shown, not when the parser is
+    built: finding the keys imports the stage's config schema (pretrain's pulls in torch, ~2 s of every command)."""
+
+    stage: str | None = None
+
+    def format_help(self) -> str:
+        if self.stage in STAGE_OPTIONS:
+            _mark_required(self, self.stage)
+            self.stage = None  # once
+        return super().format_help()
+
+
+def _mark_required(parser: argparse.ArgumentParser, stage: str) -> None:
     from omegaconf import OmegaConf
 
     from dinov3_core.stage_specs import STAGE_SPECS
 
-    for stage, options in STAGE_OPTIONS.items():
-        missing = set(OmegaConf.missing_keys(OmegaConf.structured(STAGE_SPECS[stage].schema())))
-        for action in sub.choices[stage]._actions:
-            key = options.get(action.dest)
-            if key in missing or (stage, key) == ("pretrain", "data.stores"):
-                action.help = f"{action.help} (required, unless the --config file sets it)"
+    options = STAGE_OPTIONS[stage]
+    missing = set(OmegaConf.missing_keys(OmegaConf.structured(STAGE_SPECS[stage].schema())))
+    for action in parser._actions:
+        key = options.get(action.dest)
+        if key in missing or (stage, key) == ("pretrain", "data.stores"):
+            action.help = f"{action.help} (required, unless the --config file sets it)"
 
 
 def launch_options(p: argparse.ArgumentParser) -> None:
@@ -144,10 +156,11 @@ def launch_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wsidino", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=StageParser)
 
     def stage_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.stage = name
         named = sorted(q.stem for q in (config_dir() / name).glob("*.yaml"))
         p.add_argument("--config", help=f"YAML file, or a name under configs/{name}/ ({', '.join(named)})")
         p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -208,7 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--store", help="tile store (tiles.zarr)")
     extract.add_argument("--model", help="model.onnx (ONNX Runtime) or backbone.pth (PyTorch)")
     extract.add_argument("--output", help="feature store (features.zarr)")
-    _mark_required(sub)
     add_chain_commands(sub)
 
     return parser

@@ -146,15 +146,31 @@ def run_stage(
             **lineage_tags(m.lineage),
             **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
         }
-        with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of) as run:
-            m.mlflow_run_id = run.info.run_id if run is not None else None
-            mf.write_manifest(path, m)  # a crash mid-run still leaves the run id on record
+        background = stage in LOGS_AFTER_WORK
+        with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of, background) as pending:
+
+            def record_run() -> Any:
+                run = pending.wait()
+                m.mlflow_run_id = run.info.run_id if run is not None else None
+                mf.write_manifest(path, m)  # a crash mid-run still leaves the run id on record
+                return run
+
+            run = None if background else record_run()
             events.emit("stage.start", stage=stage, output=str(path.parent), training=spec.distributed)
             if spec.distributed:
                 m.summary = _launch_training(stage, cfg, launch or LaunchSettings(), run, hooks)
             else:
-                result, m.summary = IN_PROCESS[stage](cfg, hooks)
+                try:
+                    result, m.summary = IN_PROCESS[stage](cfg, hooks)
+                except BaseException:
+                    if background:
+                        with contextlib.suppress(Exception):  # the stage's error is the one to report
+                            record_run()
+                    raise
+                if background:
+                    run = record_run()
                 if run is not None:
+                    LOGS_AFTER_WORK.get(stage, _no_log)(cfg, result)
                     _log_stage_artifacts(stage, cfg)
             if run is not None and stage == "export":
                 _tag_model_version(m.summary, m.lineage, cfg)
@@ -228,16 +244,21 @@ def _bad_input(err: BaseException) -> bool:
 
 @contextlib.contextmanager
 def _stage_mlflow_run(
-    cfg: tracking.TrackingConfig, stage: str, hooks: RunHooks, tags: Mapping[str, str], resume: str | None
-) -> Iterator[Any]:
+    cfg: tracking.TrackingConfig,
+    stage: str,
+    hooks: RunHooks,
+    tags: Mapping[str, str],
+    resume: str | None,
+    background: bool = False,
+) -> Iterator[tracking.PendingRun]:
     """Inside a pipeline: the unfinished child a failed attempt left, or a new child; alone: `resume` or new."""
     parent = hooks.parent_run_id if cfg.enabled else None
     run_id = tracking.find_stage_run(cfg, parent, stage) if parent else resume
     all_tags = {tracking.STAGE_TAG: stage, **hooks.tags, **tags}
-    with tracking.stage_run(
-        cfg, hooks.run_name or stage, tags=all_tags, run_id=run_id, parent_run_id=parent
-    ) as run:  # fmt: skip
-        yield run
+    with tracking.pending_stage_run(
+        cfg, hooks.run_name or stage, tags=all_tags, run_id=run_id, parent_run_id=parent, background=background
+    ) as pending:  # fmt: skip
+        yield pending
 
 
 def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHooks) -> StageOutcome:
@@ -255,8 +276,8 @@ def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHoo
             **lineage_tags(previous.lineage),
         }
         quiet = dataclasses.replace(cfg.tracking, system_metrics=False)  # a record, not a workload to monitor
-        with _stage_mlflow_run(quiet, spec.name, hooks, tags, None) as run:
-            if run is not None:
+        with _stage_mlflow_run(quiet, spec.name, hooks, tags, None) as pending:
+            if pending.wait() is not None:
                 tracking.log_artifact(path, "manifest")
     return StageOutcome(spec.name, "skipped", decision.reason, path, previous)
 
@@ -313,15 +334,22 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
 
 
 def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
-    from dinov3_core.tiling import report
     from dinov3_core.tiling.engine import run_tile
 
     result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide)
-    if cfg.tracking.enabled:
-        tracking.log_params(flat_params(cfg))
-        report.log_to_mlflow(result)
     failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
     return result, {**result.counts, "tiles_total": result.total_tiles, "failed_slides": failed}
+
+
+def _log_tile(cfg: Any, result: Any) -> None:
+    from dinov3_core.tiling import report
+
+    tracking.log_params(flat_params(cfg))
+    report.log_to_mlflow(result)
+
+
+def _no_log(cfg: Any, result: Any) -> None:
+    """The other in-process stages log to MLflow themselves, as they go."""
 
 
 def _convert(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
@@ -414,6 +442,11 @@ IN_PROCESS: dict[str, Callable[[Any, RunHooks], tuple[Any, dict[str, Any]]]] = {
     "evaluate": _evaluate,
     "extract": _extract,
 }
+
+
+# Stages that log to MLflow only once their work is done: their run opens on a thread while they work (importing
+# MLflow and opening its store take ~2 s, a large share of a short tile run), and this logs their results after.
+LOGS_AFTER_WORK: dict[str, Callable[[Any, Any], None]] = {"tile": _log_tile}
 
 
 def _log_stage_artifacts(stage: str, cfg: Any) -> None:

@@ -21,7 +21,13 @@ from dinov3_core.config import config_hash
 from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
 from dinov3_core.manifest import manifest_path
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.train.config import PretrainConfig
+
+
+def _pretrain_config() -> type:
+    # Imported when a pretrain config is loaded, not with this module: it pulls in torch (~2 s of every command).
+    from dinov3_core.train.config import PretrainConfig
+
+    return PretrainConfig
 
 
 def _gram_config() -> type:
@@ -137,7 +143,7 @@ STAGE_SPECS: dict[str, StageSpec] = {
         volatile=("tracking.", "progress", "workers"), check=_check_tile_output,
     ),
     "pretrain": StageSpec(
-        "pretrain", lambda: PretrainConfig, True, True, lambda c: c.output_dir,
+        "pretrain", _pretrain_config, True, True, lambda c: c.output_dir,
         lambda c: {**_stores(c), "pretrained_weights": c.student.pretrained_weights}, _pretrain_outputs,
         volatile=("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor"),
     ),

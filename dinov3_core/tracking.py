@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,62 @@ def tracking_uri(cfg: TrackingConfig) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
+class PendingRun:
+    """An MLflow run that may still be opening on a background thread.
+
+    Importing MLflow and setting up its SQLite store take about 2 s; a stage that logs only after its work (tile)
+    lets that happen beside the work. `wait()` returns the run (None when tracking is off), active in the calling
+    thread; a failure to open it is raised there.
+    """
+
+    def __init__(self, open_run: Any = None, *, run: Any = None, system_metrics: bool | None = None) -> None:
+        self._run, self._run_id, self._error = run, None, None
+        self._system_metrics = system_metrics
+        self._thread: threading.Thread | None = None
+        if open_run is not None:
+            self._thread = threading.Thread(target=self._open, args=(open_run,), name="mlflow-open", daemon=True)
+            self._thread.start()
+
+    def _open(self, open_run: Any) -> None:
+        try:
+            self._run_id = open_run()
+        except BaseException as err:  # handed to the thread that waits
+            self._error = err
+
+    def wait(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise self._error
+            import mlflow
+
+            # The opening thread's active-run stack is its own (MLflow keeps it per thread): resume the run here.
+            self._run = mlflow.start_run(run_id=self._run_id, log_system_metrics=self._system_metrics)
+        return self._run
+
+
+def _start_run(
+    cfg: TrackingConfig, run_name: str, tags: Mapping[str, str] | None, run_id: str | None,
+    parent_run_id: str | None, system_metrics: bool | None,
+) -> Any:  # fmt: skip
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    resume = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+    if not resume:
+        ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
+    parent = None if resume else parent_run_id or os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
+    return mlflow.start_run(
+        run_id=resume,
+        run_name=None if resume else run_name,
+        parent_run_id=parent or None,
+        tags=dict(tags or {}),
+        log_system_metrics=system_metrics,
+    )
+
+
 @contextlib.contextmanager
 def stage_run(
     cfg: TrackingConfig,
@@ -50,41 +108,65 @@ def stage_run(
     `$WSIDINO_MLFLOW_PARENT_RUN_ID` otherwise. A failure inside marks the run FAILED (unless the caller owns the
     run) and re-raises.
     """
-    if not cfg.enabled:
-        yield None
-        return
-    import mlflow
+    with pending_stage_run(cfg, run_name, params, tags, run_id=run_id, parent_run_id=parent_run_id) as pending:
+        yield pending.wait()
 
-    active = mlflow.active_run()
+
+@contextlib.contextmanager
+def pending_stage_run(
+    cfg: TrackingConfig,
+    run_name: str,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
+    parent_run_id: str | None = None,
+    background: bool = False,
+) -> Iterator[PendingRun]:
+    """`stage_run` as a `PendingRun`; with `background`, a new run is opened on a thread while the block runs."""
+    if not cfg.enabled:
+        yield PendingRun()
+        return
+    # Not imported yet: nobody opened a run, and importing it here would cost the ~1 s the background saves.
+    mlflow = sys.modules.get("mlflow")
+    active = mlflow.active_run() if mlflow is not None else None
     if active is not None:  # the orchestration layer opened this stage's run (a pipeline child): log into it
         if params:
             log_params(params)
         if tags:
             mlflow.set_tags(dict(tags))
-        yield active
+        yield PendingRun(run=active)
         return
-    uri = tracking_uri(cfg)
-    mlflow.set_tracking_uri(uri)
-    resume = run_id or os.environ.get("MLFLOW_RUN_ID") or None
-    if not resume:
-        ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
-    parent = None if resume else parent_run_id or os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
-    run = mlflow.start_run(
-        run_id=resume,
-        run_name=None if resume else run_name,
-        parent_run_id=parent or None,
-        tags=dict(tags or {}),
-        log_system_metrics=cfg.system_metrics,
-    )
-    try:
+
+    def open_run() -> str:
+        # On the background thread MLflow's own system-metrics monitor is not started: `wait` starts it.
+        run = _start_run(cfg, run_name, tags, run_id, parent_run_id, False if background else cfg.system_metrics)
         if params:
             log_params(params)
-        yield run
+        return run.info.run_id
+
+    if background:
+        pending = PendingRun(open_run, system_metrics=cfg.system_metrics)
+    else:
+        open_run()
+        pending = PendingRun(run=_mlflow().active_run())
+    try:
+        yield pending
     except BaseException:
-        mlflow.end_run(status="FAILED")
+        with contextlib.suppress(Exception):  # the stage's own error is the one to report
+            pending.wait()
+        if _mlflow().active_run() is not None:
+            _mlflow().end_run(status="FAILED")
         raise
     else:
-        mlflow.end_run(status="FINISHED")
+        pending.wait()
+        _mlflow().end_run(status="FINISHED")
+
+
+def _mlflow() -> Any:
+    import mlflow
+
+    return mlflow
 
 
 @contextlib.contextmanager

@@ -97,25 +97,46 @@ def test_missing_path_is_recorded_and_exit_code_reports_failures(tiled):
     assert tiled["code"] == 1  # some slides failed; everything else completed
 
 
-def test_tiles_are_micron_exact(tiled, sample_slides):
-    """Stored tiles equal an area-downsample of the level-0 read (0.25 µm/px slide) / a native read (0.5)."""
-    store = tiled["store"]
-    for name in ("tissue_40x.svs", "tissue_20x.svs"):
-        path = by_name(sample_slides, name)
+def _openslide_reference(path, attrs, coords) -> np.ndarray:
+    """The tile as OpenSlide reads it: the level read, area-reduced to 224 px when the level is finer."""
+    slide = openslide.OpenSlide(str(path))
+    x, y = (int(v) for v in coords)
+    size = attrs["read_size"]
+    region = slide.read_region((x, y), attrs["level_used"], (size, size)).convert("RGB")
+    return np.asarray(region.reduce(size // 224) if size != 224 else region)
+
+
+def test_lossless_tiles_are_micron_exact(sample_slides, tmp_path):
+    """With lossless storage and full decoding, stored tiles equal an area-downsample of the level-0 read
+    (0.25 µm/px slide) / a native read (0.5 µm/px slide), pixel for pixel."""
+    slides = [by_name(sample_slides, n) for n in ("tissue_40x.svs", "tissue_20x.svs")]
+    store = tmp_path / "exact.zarr"
+    run_tile(tile_config(slide_list(tmp_path / "s.txt", slides), store, compressor="zstd", scaled_decode=False))
+    for path in slides:
         attrs = ts.read_slide_attrs(store, path.stem)
+        assert attrs["reader"] == "tifffile" and attrs["compressor"] == "zstd"
         group = zarr.open_group(str(store / "slides" / path.stem), mode="r")
-        slide = openslide.OpenSlide(str(path))
         for i in (0, attrs["tile_count"] // 2, attrs["tile_count"] - 1):
-            x, y = (int(v) for v in group["coords"][i])
-            size = attrs["read_size"]
-            region = slide.read_region((x, y), attrs["level_used"], (size, size)).convert("RGB")
-            if size != 224:
-                region = region.reduce(size // 224)
-            np.testing.assert_array_equal(group["tiles"][i], np.asarray(region))
-        if name == "tissue_20x.svs":
+            np.testing.assert_array_equal(group["tiles"][i], _openslide_reference(path, attrs, group["coords"][i]))
+        if path.name == "tissue_20x.svs":
             assert attrs["read_size"] == 224 and attrs["level_used"] == 0
         else:
             assert attrs["read_size"] == 448 and attrs["tile_size_level0"] == 448
+
+
+def test_default_tiles_stay_close_to_the_exact_pixels(tiled, sample_slides):
+    """The defaults (JPEG storage; the 40× slide decoded at half scale in the IDCT) stay within JPEG-q90 error of
+    OpenSlide's exact pixels, tile for tile."""
+    store = tiled["store"]
+    for name, reader in (("tissue_40x.svs", "tifffile-dct"), ("tissue_20x.svs", "tifffile")):
+        path = by_name(sample_slides, name)
+        attrs = ts.read_slide_attrs(store, path.stem)
+        assert (attrs["reader"], attrs["compressor"]) == (reader, "jpeg")
+        group = zarr.open_group(str(store / "slides" / path.stem), mode="r")
+        for i in (0, attrs["tile_count"] // 2, attrs["tile_count"] - 1):
+            diff = np.abs(group["tiles"][i].astype(int) - _openslide_reference(path, attrs, group["coords"][i]))
+            psnr = 10 * np.log10(255**2 / (diff.astype(float) ** 2).mean())
+            assert diff.mean() < 4.0 and psnr > 33, (name, i, diff.mean(), psnr)
 
 
 def test_coords_are_level0_row_major_and_inside_the_slide(tiled):
@@ -201,7 +222,7 @@ def test_two_workers_write_the_same_tiles_as_one(sample_slides, tmp_path):
 
 def test_jpeg_store_reads_with_plain_zarr_and_is_smaller(sample_slides, tmp_path):
     slide = by_name(sample_slides, "tissue_20x.svs")
-    lossless = run_tile(tile_config(slide, tmp_path / "zstd.zarr"))
+    lossless = run_tile(tile_config(slide, tmp_path / "zstd.zarr", compressor="zstd"))
     lossy = run_tile(tile_config(slide, tmp_path / "jpeg.zarr", compressor="jpeg", jpeg_quality=90))
     assert lossy.outcomes[0].bytes_per_tile < lossless.outcomes[0].bytes_per_tile / 2
     code = (

@@ -32,7 +32,7 @@ class SlidePlan:
     task: SlideTask
     info: slide_io.SlideInfo
     read: slide_io.ReadPlan
-    reader: str  # tile reader backend: tifffile | openslide
+    reader: str  # tile reader backend: tifffile | tifffile-dct | openslide
     fingerprint: str
     size: int
     params_hash: str
@@ -75,6 +75,7 @@ def tiling_params(cfg: TileConfig) -> dict[str, Any]:
         "tissue",
         "filters",
         "reader",
+        "scaled_decode",
         "compressor",
         "jpeg_quality",
     ]
@@ -90,20 +91,30 @@ def slide_params_hash(cfg: TileConfig, mpp_override: float | None) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def choose_reader(path: Path, info: slide_io.SlideInfo, level: int, wanted: str) -> str:
-    """`tifffile` where the level is a plain tiled TIFF page OpenSlide would read as is, else `openslide`."""
-    if wanted == "openslide":
+def choose_reader(path: Path, info: slide_io.SlideInfo, read: slide_io.ReadPlan, cfg: TileConfig) -> str:
+    """`tifffile` where the level is a plain tiled TIFF page OpenSlide would read as is, `tifffile-dct` where its JPEG
+    tiles can also be decoded at the reduced scale the target needs (`scaled_decode`), else `openslide`."""
+    if cfg.reader == "openslide":
         return "openslide"
+    level = read.level
     if info.vendor in TIFF_VENDORS:
+        reduce = read.whole_reduction
+        # Reduced decoding needs every tile origin on the reduced grid: whole level downsamples keep it there.
+        if cfg.scaled_decode and reduce > 1 and float(info.level_downsamples[level]).is_integer():
+            try:
+                TiffLevelReader(path, info.level_dimensions[level], reduce).close()
+                return "tifffile-dct"
+            except (UnsupportedTiff, OSError, ValueError, tifffile.TiffFileError):
+                pass  # not JPEG/YCbCr, odd tile size …: decode in full below
         try:
             TiffLevelReader(path, info.level_dimensions[level]).close()
             return "tifffile"
         except (UnsupportedTiff, OSError, ValueError, tifffile.TiffFileError) as err:
-            if wanted == "tifffile":
+            if cfg.reader == "tifffile":
                 raise slide_io.SlideError(
                     f"{path}: cannot read level {level} directly ({err}); use reader=auto"
                 ) from None
-    elif wanted == "tifffile":
+    elif cfg.reader == "tifffile":
         raise slide_io.SlideError(f"{path}: reader=tifffile needs an SVS or generic TIFF (vendor is {info.vendor})")
     return "openslide"
 
@@ -143,7 +154,7 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
             blur = np.full(len(grid), np.nan, dtype=np.float32)
     finally:
         slide.close()
-    reader = choose_reader(task.path, info, read.level, cfg.reader)
+    reader = choose_reader(task.path, info, read, cfg)
     keep = np.ones(len(grid), dtype=bool)
     if cfg.filters.pen_filter:
         keep &= pen_fraction <= cfg.filters.pen_max_fraction

@@ -64,6 +64,11 @@ class ReadPlan:
         return self.read_size != self.tile_size
 
     @property
+    def whole_reduction(self) -> int:
+        """The whole factor by which tiles are reduced from the level read (1: none, or not a whole factor)."""
+        return self.read_size // self.tile_size if self.read_size % self.tile_size == 0 else 1
+
+    @property
     def downsample(self) -> float:
         return self.tile_size_level0 / self.read_size
 

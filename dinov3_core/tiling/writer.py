@@ -38,6 +38,10 @@ class RegionReader(Protocol):
         """RGB (h, w, 3) of `size` px at the reader's level, from level-0 `location`."""
         ...
 
+    def read_reduced(self, location: tuple[int, int], size: tuple[int, int], factor: int) -> np.ndarray | None:
+        """`read_rgb` reduced `factor`× by the decoder itself, or None where this reader cannot."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -49,21 +53,37 @@ class OpenSlideRegions:
     def read_rgb(self, location: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
         return slide_io.read_rgb(self._slide, location, self._level, size)
 
+    def read_reduced(self, location: tuple[int, int], size: tuple[int, int], factor: int) -> np.ndarray | None:
+        return None
+
     def close(self) -> None:
         self._slide.close()
 
 
 class TiffRegions:
-    def __init__(self, path: Path, level: int, level_size: tuple[int, int], downsample: float) -> None:
-        self._reader = TiffLevelReader(path, level_size)
+    def __init__(self, path: Path, level_size: tuple[int, int], downsample: float, reduce: int = 1) -> None:
+        self._reader = TiffLevelReader(path, level_size, reduce)
+        self._full = self._reader if reduce == 1 else None  # opened only if a read falls off the reduced grid
+        self._args = (path, level_size)
         self._downsample = downsample
 
     def read_rgb(self, location: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+        if self._full is None:
+            self._full = TiffLevelReader(*self._args)
         x, y = (round(v / self._downsample) for v in location)
-        return self._reader.read(x, y, size[0], size[1])
+        return self._full.read(x, y, size[0], size[1])
+
+    def read_reduced(self, location: tuple[int, int], size: tuple[int, int], factor: int) -> np.ndarray | None:
+        r = self._reader.reduce
+        x, y = (round(v / self._downsample) for v in location)
+        if r != factor or (x | y | size[0] | size[1]) % r:
+            return None  # not a reduced reader, or not on its pixel grid
+        return self._reader.read(x // r, y // r, size[0] // r, size[1] // r)
 
     def close(self) -> None:
         self._reader.close()
+        if self._full is not None and self._full is not self._reader:
+            self._full.close()
 
 
 @dataclass(frozen=True)
@@ -71,7 +91,7 @@ class WriteUnit:
     incoming: IncomingSlide
     source: Path
     read: slide_io.ReadPlan
-    reader: str  # tifffile | openslide
+    reader: str  # tifffile | tifffile-dct (JPEG decoded at reduced scale) | openslide
     level_size: tuple[int, int]
     level_downsample: float
     start: int
@@ -85,8 +105,9 @@ def _region_reader(unit: WriteUnit) -> RegionReader:
     if key in readers:
         readers.move_to_end(key)
         return readers[key]
-    if unit.reader == "tifffile":
-        reader: RegionReader = TiffRegions(unit.source, unit.read.level, unit.level_size, unit.level_downsample)
+    if unit.reader in ("tifffile", "tifffile-dct"):
+        reduce = unit.read.whole_reduction if unit.reader == "tifffile-dct" else 1
+        reader: RegionReader = TiffRegions(unit.source, unit.level_size, unit.level_downsample, reduce)
     else:
         reader = OpenSlideRegions(unit.source, unit.read.level)
     readers[key] = reader
@@ -129,14 +150,17 @@ def read_tiles(reader: RegionReader, read: slide_io.ReadPlan, coords: np.ndarray
         x0, y0 = int(coords[a, 0]), int(coords[a, 1])
         offsets = np.rint((coords[a:b, 0] - x0) / ds).astype(np.int64)
         width = int(offsets[-1]) + read.read_size
-        region = reader.read_rgb((x0, y0), (width, read.read_size))
         if integer_factor and factor > 1 and not (offsets % factor).any():
-            # One box reduction of the whole run: identical pixels to reducing each tile (boundaries fall on
-            # multiples of the factor), without two array conversions per tile.
-            reduced = np.asarray(Image.fromarray(region).reduce(factor))
+            # Reduced in the decoder (reader=tifffile-dct), or one box reduction of the whole run: identical
+            # pixels to reducing each tile (boundaries fall on multiples of the factor), without two array
+            # conversions per tile.
+            reduced = reader.read_reduced((x0, y0), (width, read.read_size), factor)
+            if reduced is None:
+                reduced = np.asarray(Image.fromarray(reader.read_rgb((x0, y0), (width, read.read_size))).reduce(factor))
             for k, off in enumerate(offsets // factor):
                 out[a + k] = reduced[:, off : off + read.tile_size]
             continue
+        region = reader.read_rgb((x0, y0), (width, read.read_size))
         for k, off in enumerate(offsets):
             tile = region[:, off : off + read.read_size]
             if read.needs_resize:
