@@ -213,7 +213,7 @@ def test_flow_logs_one_mlflow_run(
     assert metrics["slides_ok"] == 3 and metrics["slides_failed"] == 4 and metrics["slides_skipped"] == 0
     assert metrics["tiles_total"] == run.summary["summary"]["tiles_total"] > 0
     assert metrics["bytes_per_tile"] > 0
-    assert ml.data.params["tile_size"] == "224" and ml.data.params["compressor"] == "zstd"
+    assert ml.data.params["tile_size"] == "224" and ml.data.params["compressor"] == "jpeg"
     assert ml.data.params["output"] == str(run.root)
     tags = ml.data.tags
     assert tags["wsidino.stage"] == "tile" and tags["prefect.flow_name"] == "tile"

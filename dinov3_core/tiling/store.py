@@ -26,6 +26,7 @@ import zarr.codecs
 from dinov3_core import locks
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling.codecs import JpegCodec
+from dinov3_core.tiling.shard_writer import tile_encoder, write_shard
 
 STORE_FORMAT = {"format": "tile-store", "version": 1}
 SLIDES = "slides"
@@ -171,6 +172,18 @@ class IncomingSlide:
     def write_tiles(self, start: int, tiles: np.ndarray, array: zarr.Array | None = None) -> None:
         if start % self.tiles_per_shard:
             raise ValueError(f"write at {start} is not shard-aligned (shard = {self.tiles_per_shard} tiles)")
+        if len(tiles) > self.tiles_per_shard or (
+            len(tiles) < self.tiles_per_shard and start + len(tiles) != self.n_tiles
+        ):
+            raise ValueError(
+                f"a write covers whole shards: {len(tiles)} tiles at {start} (shard = {self.tiles_per_shard})"
+            )
+        direct = tile_encoder(self.path / "tiles") if array is None else None
+        if direct is not None:  # the same bytes as zarr's, without its codec pipeline's per-chunk overhead
+            encode, separator = direct
+            write_shard(self.path / "tiles", start // self.tiles_per_shard, tiles, self.tiles_per_shard, encode,
+                        separator)  # fmt: skip
+            return
         # Encode the whole shard's chunks in one batch: zarr's default batch of 1 doubles the write cost.
         with zarr.config.set({"codec_pipeline.batch_size": max(1, len(tiles))}):
             (array or self.tiles_array())[start : start + len(tiles)] = tiles
