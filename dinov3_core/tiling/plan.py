@@ -14,7 +14,6 @@ import tifffile
 
 from dinov3_core.config import to_dict
 from dinov3_core.tiling import slide as slide_io
-from dinov3_core.tiling import tissue
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, UnsupportedTiff
 
@@ -121,6 +120,9 @@ def choose_reader(path: Path, info: slide_io.SlideInfo, read: slide_io.ReadPlan,
 
 def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> SlidePlan:
     """Open the slide, resolve µm/px, build the tissue mask and the kept-tile grid with QC scores."""
+    # Imported here, in the worker that plans: the parent process never needs scikit-image (~0.5 s to import).
+    from dinov3_core.tiling import tissue
+
     start = time.perf_counter()
     slide = slide_io.open_slide(task.path)  # first: it explains a missing or unreadable file
     try:
