@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 ATTRS_KEY = "wsidino_features"
 INCOMING = ".incoming"
 FORMAT = {"format": "wsidino-features", "version": 1}
+CHUNK_ROWS = 4096  # rows per chunk of cls / mean_patch
 Batch = tuple[int, int, np.ndarray]  # slide index, first row in the slide, global tile indices
 
 
@@ -153,7 +154,7 @@ class _SlideArrays:
     encodes each chunk once instead of reading and re-encoding it for every batch that lands in it."""
 
     def __init__(self, group: Any, n: int, d: int, p: int, patch_tokens: bool, batch_size: int) -> None:
-        self.n, self.chunk = n, max(1, min(n, 4096))
+        self.n, self.chunk = n, max(1, min(n, CHUNK_ROWS))
         self.arrays = {name: group.create_array(name, shape=(n, d), chunks=(self.chunk, d), dtype="float32")
                        for name in ("cls", "mean_patch")}  # fmt: skip
         self.buffers = {name: np.empty((self.chunk, d), np.float32) for name in self.arrays}
