@@ -232,6 +232,7 @@ def test_tuned_ort_session_options_are_applied(exported) -> None:
     assert opts.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
     assert opts.intra_op_num_threads == len(os.sched_getaffinity(0))  # not ORT's 0 (= all physical cores)
     assert opts.inter_op_num_threads == 1
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert opts.enable_cpu_mem_arena and opts.enable_mem_pattern
     assert ort_session(exported.path, threads=1).get_session_options().intra_op_num_threads == 1
 

@@ -199,7 +199,10 @@ def session_options(threads: int = 0) -> Any:
     pool sized to the cores this process may run on (`threads` if given; ORT's own default counts the machine's
     physical cores, which oversubscribes a CPU-limited container or a process pinned with taskset), one inter-op
     thread and sequential execution (a ViT is one chain of ops: a parallel executor only adds a second pool).
-    The memory arena and memory patterns stay on (ORT's defaults): turning the arena off halves throughput."""
+    Idle intra-op threads sleep instead of spinning: spinning burns the cores that extract's reader threads (and
+    anything else on a shared machine) need, and a ViT's ops are long enough that waking costs nothing measurable
+    (docs/benchmarks.md, "Extract"). The memory arena and memory patterns stay on (ORT's defaults): the arena off
+    halves throughput, memory patterns made no difference."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -207,6 +210,7 @@ def session_options(threads: int = 0) -> Any:
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.intra_op_num_threads = threads or usable_cores()
     opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
