@@ -169,7 +169,8 @@ STAGE_SPECS: dict[str, StageSpec] = {
     "extract": StageSpec(
         "extract", lambda: ExtractConfig, False, True, lambda c: c.output,
         lambda c: {"tile_store": c.store, "model": c.model}, lambda c: {"features": c.output},
-        volatile=("tracking.", "progress", "num_threads", "batch_size", "providers"),
+        volatile=("tracking.", "progress", "num_threads", "batch_size", "providers", "device", "loader_threads",
+                  "prefetch_batches"),
     ),
 }  # fmt: skip
 

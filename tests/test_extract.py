@@ -151,3 +151,125 @@ def test_progress_lines_count_rate_and_eta() -> None:
     assert seen[0].startswith("extract: 4/10 tiles (40 %), ") and "tiles/s, ETA 0:00:" in seen[0]
     assert seen[-1].startswith("extract: 10/10 tiles (100 %)") and " in 0:00:" in seen[-1]
     assert calls == [(4, 10), (10, 10)]
+
+
+# ------------------------------------------------------------------ overlapped reading / writing, ORT session, keys
+
+
+def _slides(path) -> dict[str, dict[str, np.ndarray]]:
+    root = zarr.open_group(str(path), mode="r")["slides"]
+    return {sid: {name: np.asarray(root[sid][name][:]) for name in root[sid].array_keys()} for sid in root.group_keys()}
+
+
+@pytest.mark.parametrize("which", ["torch", "onnx"])
+def test_overlapped_extraction_is_bit_identical_to_serial(which, stage_extract_store, converted, exported, tmp_path,
+                                                         monkeypatch) -> None:  # fmt: skip
+    """Reader threads, a read-ahead depth and the background writer change nothing in the output, row for row; small
+    zarr chunks (10 rows, batches of 7) make batches straddle chunks, so the chunk buffering is exercised too."""
+    from dinov3_core.export import extract
+
+    monkeypatch.setattr(extract, "CHUNK_ROWS", 10)
+    model = converted if which == "torch" else exported.path
+    common = {"store": stage_extract_store, "model": model, "batch_size": 7, "patch_tokens": True, "pca_map": False}
+    serial = run_extract(cfg(**common, output=tmp_path / "serial.zarr", loader_threads=0))
+    overlapped = run_extract(cfg(**common, output=tmp_path / "overlap.zarr", loader_threads=2, prefetch_batches=3))
+    assert serial.backend == overlapped.backend == which
+    a, b = _slides(serial.output), _slides(overlapped.output)
+    assert sorted(a) == sorted(b) == sorted(serial.extracted) and len(a) == 2
+    ds = TileDataset(stage_extract_store, image_format="numpy")
+    for s, sid in enumerate(ds.slide_ids):
+        assert sorted(a[sid]) == ["cls", "coords", "mean_patch", "patch", "slide_embedding"]
+        for name in a[sid]:
+            np.testing.assert_array_equal(a[sid][name], b[sid][name], err_msg=f"{sid}/{name}")
+        if which == "torch":  # every row is the backbone's output for the store's tile at that row
+            start = int(np.cumsum(np.r_[0, ds.tile_counts])[s])
+            x = torch.from_numpy(normalise(ds.read_batch(np.arange(start, start + ds.tile_counts[s]))))
+            with torch.no_grad():
+                cls, _ = BackboneFeatures(load_backbone(converted)).eval()(x)
+            np.testing.assert_allclose(b[sid]["cls"], cls.numpy(), atol=1e-5, rtol=0)
+
+
+def _corrupt_tile(store, slide_id: str, row: int) -> None:
+    """Overwrite the start of one stored tile (its zstd frame header) in its shard file, leaving the index intact."""
+    import json
+
+    tiles = store / "slides" / slide_id / "tiles"
+    per_shard = json.loads((tiles / "zarr.json").read_text())["chunk_grid"]["configuration"]["chunk_shape"][0]
+    (shard,) = [p for p in tiles.rglob("*") if p.is_file() and p.name != "zarr.json"]  # the sample slides: one shard
+    assert row < per_shard
+    data = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(data[-(per_shard * 16 + 4) : -4]), dtype="<u8").reshape(-1, 2)
+    offset = int(index[row][0])
+    data[offset : offset + 8] = b"\xff" * 8
+    shard.write_bytes(bytes(data))
+
+
+def test_a_read_error_in_a_background_batch_names_the_slide_and_leaves_no_half_written_slide(
+    stage_extract_store, converted, tmp_path
+) -> None:
+    store = tmp_path / "tiles.zarr"
+    shutil.copytree(stage_extract_store, store)
+    ds = TileDataset(store, image_format="numpy")
+    good, bad = ds.slide_ids
+    _corrupt_tile(store, bad, 40)  # batch 5 of 8-tile batches: read ahead on a thread, after batches were written
+    out = tmp_path / "f.zarr"
+    with pytest.raises(WsidinoError, match=rf"tiles 40-47 of slide {bad} in tile store .* cannot be read"):
+        run_extract(cfg(store=store, model=converted, output=out, batch_size=8, loader_threads=2, prefetch_batches=2))
+    assert not (out / "slides" / bad).exists() and not (out / ".incoming" / bad).exists()
+    assert not (pictures_dir(out) / bad / "pca.png").exists()
+    assert zarr.open_group(str(out / "slides" / good), mode="r").attrs.asdict()[ATTRS_KEY]["complete"]
+
+
+def test_tuned_ort_session_options_are_applied(exported) -> None:
+    import os
+
+    import onnxruntime as ort
+
+    from dinov3_core.export.onnx_export import ort_session
+
+    opts = ort_session(exported.path).get_session_options()
+    assert opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert opts.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    assert opts.intra_op_num_threads == len(os.sched_getaffinity(0))  # not ORT's 0 (= all physical cores)
+    assert opts.inter_op_num_threads == 1
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert opts.enable_cpu_mem_arena and opts.enable_mem_pattern
+    assert ort_session(exported.path, threads=1).get_session_options().intra_op_num_threads == 1
+
+
+def test_gpu_code_paths_give_the_cpu_features_when_run_on_the_cpu(exported, converted, stage_extract_store) -> None:
+    """The CUDA paths' code, run on the CPU: ORT I/O binding (outputs bound to a device, copied out) and the PyTorch
+    uint8 path (tiles shipped as uint8, normalised on the device, patch mean taken there)."""
+    from dinov3_core.export.feature_model import TorchRunner, bound_runner, open_model
+    from dinov3_core.export.onnx_export import INPUT_NAME, ort_session
+
+    tiles = TileDataset(stage_extract_store, image_format="numpy").read_batch(np.arange(5))
+    x = normalise(tiles)
+    session = ort_session(exported.path)
+    want = session.run(None, {INPUT_NAME: x})
+    for got, ref in zip(bound_runner(session, "cpu")(x), want, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    model = open_model(converted, backend="torch")
+    runner = TorchRunner(BackboneFeatures(load_backbone(converted)).eval(), torch.device("cpu"))
+    cls, mean, patch = runner.infer_uint8(runner.prepare_uint8(tiles), keep_patch=True)
+    ref_cls, ref_patch = model.run(x)
+    np.testing.assert_allclose(cls, ref_cls, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(patch, ref_patch, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(mean, ref_patch.mean(1), atol=1e-6, rtol=0)
+    assert runner.infer_uint8(runner.prepare_uint8(tiles), keep_patch=False)[2] is None
+    assert model.prepare is normalise  # CPU: extract keeps numpy's normalise, so its features do not change
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("loader_threads", -1), ("prefetch_batches", 0), ("num_threads", -2), ("precision", "fp8")]
+)
+def test_extract_config_rejects_bad_values(key, value) -> None:
+    from dinov3_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        cfg(store="s.zarr", model="m.onnx", output="f.zarr", **{key: value})
+
+
+def test_bf16_is_refused_for_onnx(exported, stage_extract_store, tmp_path) -> None:
+    with pytest.raises(WsidinoError, match="precision=bf16 is for the torch backend"):
+        run_extract(cfg(store=stage_extract_store, model=exported.path, output=tmp_path / "f.zarr", precision="bf16"))

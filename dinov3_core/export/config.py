@@ -82,13 +82,23 @@ class ExtractConfig:
     pca_map: bool = True  # pca.png per slide
     pca_max_side: int = 768  # px of the PCA map's long side
     providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
-    num_threads: int = 0  # torch / ORT intra-op threads; 0 → library default
+    num_threads: int = 0  # torch / ORT intra-op threads; 0 → torch's default, ORT: the cores this process may use
+    # Reading overlaps the model: this many threads read, decode and normalise the next batches while the model runs
+    # on the current one, and one more writes the outputs behind it. 0: one thread does everything in turn (serial).
+    # The features are the same either way.
+    loader_threads: int = 2
+    prefetch_batches: int = 2  # batches read ahead of the model (and writes pending behind it); memory ∝ this
+    device: str | None = None  # torch backend: null → cuda when available, else cpu (ORT: `providers`)
+    precision: Literal["fp32", "bf16"] = "fp32"  # torch backend: bf16 autocast (for GPUs; features differ ~1e-2)
     progress: bool = True
     progress_every_s: float = 30.0  # without a terminal: a progress line (count, rate, ETA) this often
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.loader_threads >= 0, "loader_threads", f"must be >= 0 (0: serial), got {self.loader_threads}")
+        require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")
         require(self.num_shards >= 1, "num_shards", f"must be >= 1, got {self.num_shards}")
         require(
             0 <= self.shard_index < self.num_shards,

@@ -11,18 +11,20 @@ resolved config go beside it (`pictures_dir`: features.zarr → `features/<id>/p
 Tiles are normalised as in training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and
 renamed into `slides/` when complete; a rerun skips slides already extracted with the same model (hash) and
 redoes the others. `num_shards` / `shard_index` split the slides over independent processes writing the same
-output (per-slide commits do not collide); within a process tiles are read and run batch by batch (no reader threads).
+output (per-slide commits do not collide). Within a process `loader_threads` threads read, decode and normalise the
+next `prefetch_batches` batches while the model runs and one thread writes behind it (`dinov3_core.export.loader`);
+the features are bit-identical to the serial loop (`loader_threads=0`). The model: `dinov3_core.export.feature_model`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,92 +36,31 @@ import zarr
 from dinov3_core import tracking
 from dinov3_core.config import to_dict
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
+from dinov3_core.export.feature_model import ExtractError, FeatureModel, file_hash, normalise, open_model
+from dinov3_core.export.loader import BackgroundWriter, TileReader, read_ahead
 from dinov3_core.manifest import MANIFEST_NAME
 from dinov3_core.progress import Progress
 from dinov3_core.tiling import store as ts
 
-__all__ = ["ExtractConfig", "ExtractError", "ExtractResult", "FeatureModel", "open_model", "run_extract"]
+__all__ = [
+    "ExtractConfig",
+    "ExtractError",
+    "ExtractResult",
+    "FeatureModel",
+    "file_hash",
+    "normalise",
+    "open_model",
+    "run_extract",
+]
 
 logger = logging.getLogger(__name__)
 
 ATTRS_KEY = "wsidino_features"
 INCOMING = ".incoming"
 FORMAT = {"format": "wsidino-features", "version": 1}
-Features = tuple[np.ndarray, np.ndarray]  # cls (N, D), patch tokens (N, P, D), float32
-
-
-class ExtractError(WsidinoError):
-    """Bad extract input: tile store, model file or output."""
-
-
-def file_hash(path: str | os.PathLike[str]) -> str:
-    """sha256 (16 hex) of a model file and, for ONNX, its external data file."""
-    h = hashlib.sha256()
-    for p in (Path(path), Path(f"{path}.data")):
-        if p.is_file():
-            with p.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()[:16]
-
-
-def normalise(tiles: np.ndarray) -> np.ndarray:
-    """(N, T, T, 3) uint8 → (N, 3, T, T) float32, ImageNet mean / std (as in training)."""
-    x = tiles.astype(np.float32).transpose(0, 3, 1, 2) / 255.0
-    mean = np.asarray(IMAGENET_MEAN, np.float32).reshape(1, 3, 1, 1)
-    std = np.asarray(IMAGENET_STD, np.float32).reshape(1, 3, 1, 1)
-    return np.ascontiguousarray((x - mean) / std)
-
-
-@dataclass
-class FeatureModel:
-    """A callable (N, 3, H, W) float32 → (cls, patch tokens) with its identity."""
-
-    backend: str
-    path: Path
-    hash: str
-    run: Callable[[np.ndarray], Features]
-    providers: list[str] = field(default_factory=list)
-    patch_size: int | None = None  # known for the PyTorch backbone
-
-
-def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: list[str] | None = None,
-               threads: int = 0) -> FeatureModel:  # fmt: skip
-    p = Path(path)
-    if not p.is_file():
-        raise ExtractError(f"model file {p} not found; give a model.onnx (export) or backbone.pth (convert)")
-    if backend == "auto":
-        backend = "onnx" if p.suffix == ".onnx" else "torch"
-    if backend == "onnx":
-        from dinov3_core.export.onnx_export import INPUT_NAME, ort_session
-
-        try:
-            session = ort_session(p, providers, threads)
-        except Exception as err:  # ORT raises its own exception types
-            raise ExtractError(f"model {p} cannot be loaded by ONNX Runtime ({err})") from None
-        outputs = [o.name for o in session.get_outputs()]
-        if outputs != ["cls", "patch_tokens"]:
-            raise ExtractError(f"model {p} outputs {outputs}; extract needs cls + patch_tokens (export pooled=false)")
-
-        def run_onnx(x: np.ndarray) -> Features:
-            cls, patch = session.run(None, {INPUT_NAME: x})
-            return cls.astype(np.float32), patch.astype(np.float32)
-
-        return FeatureModel("onnx", p, file_hash(p), run_onnx, session.get_providers())
-    if backend == "torch":
-        from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
-
-        model = BackboneFeatures(load_backbone(p)).eval()
-
-        def run_torch(x: np.ndarray) -> Features:
-            with torch.inference_mode():
-                cls, patch = model(torch.from_numpy(x))
-            return cls.float().numpy(), patch.float().numpy()
-
-        return FeatureModel("torch", p, file_hash(p), run_torch, ["torch-cpu"], model.backbone.patch_size)
-    raise ExtractError(f"backend={backend!r}: use auto, onnx or torch")
+CHUNK_ROWS = 4096  # rows per chunk of cls / mean_patch
+Batch = tuple[int, int, np.ndarray]  # slide index, first row in the slide, global tile indices
 
 
 @dataclass
@@ -144,9 +85,9 @@ def _open_dataset(cfg: ExtractConfig) -> Any:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
 
 
-def _done(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None) -> bool:
-    """Extracted completely, with this model, from this version of the slide (a re-scanned slide that was
-    re-tiled under the same id has another source fingerprint: its features are stale)."""
+def _done(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str) -> bool:
+    """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
+    was re-tiled under the same id has another source fingerprint: its features are stale)."""
     meta = out / "slides" / slide_id / "zarr.json"
     if not meta.is_file():
         return False
@@ -158,6 +99,7 @@ def _done(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | N
         bool(attrs.get("complete"))
         and attrs.get("model_hash") == model_hash
         and attrs.get("source_fingerprint") == source_fingerprint
+        and attrs.get("precision", "fp32") == precision
     )
 
 
@@ -207,18 +149,87 @@ def write_pca_png(
     return [float(r) for r in ratio]
 
 
-def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: FeatureModel, out: Path, bar: Any) -> None:
+class _SlideArrays:
+    """A slide's output arrays, written in whole chunks: rows are buffered until their chunk is complete, so zarr
+    encodes each chunk once instead of reading and re-encoding it for every batch that lands in it."""
+
+    def __init__(self, group: Any, n: int, d: int, p: int, patch_tokens: bool, batch_size: int) -> None:
+        self.n, self.chunk = n, max(1, min(n, CHUNK_ROWS))
+        self.arrays = {name: group.create_array(name, shape=(n, d), chunks=(self.chunk, d), dtype="float32")
+                       for name in ("cls", "mean_patch")}  # fmt: skip
+        self.buffers = {name: np.empty((self.chunk, d), np.float32) for name in self.arrays}
+        pc = max(1, min(n, batch_size))  # one chunk per batch: written whole as it comes
+        self.patch = None
+        if patch_tokens:
+            self.patch = group.create_array("patch", shape=(n, p, d), chunks=(pc, p, d), dtype="float32")
+
+    def write(self, b0: int, cls: np.ndarray, mean: np.ndarray, patch: np.ndarray | None) -> None:
+        if self.patch is not None:
+            self.patch[b0 : b0 + len(cls)] = patch
+        i = 0
+        while i < len(cls):
+            row = b0 + i
+            c0 = row - row % self.chunk
+            k = min(len(cls) - i, c0 + self.chunk - row)
+            for name, rows in (("cls", cls), ("mean_patch", mean)):
+                self.buffers[name][row - c0 : row - c0 + k] = rows[i : i + k]
+            i += k
+            end = min(c0 + self.chunk, self.n)
+            if row + k == end:
+                for name, array in self.arrays.items():
+                    array[c0:end] = self.buffers[name][: end - c0]
+
+
+def _batches(ds: Any, slides: list[int], offsets: np.ndarray, batch_size: int) -> Iterator[Batch]:
+    for s in slides:
+        n, start = int(ds.tile_counts[s]), int(offsets[s])
+        for b0 in range(0, n, batch_size):
+            yield s, b0, np.arange(start + b0, start + min(n, b0 + batch_size))
+
+
+def _batch_reader(ds: Any, model: FeatureModel) -> Callable[[Batch], Any]:
+    """Reads and prepares a batch on any thread; a failure names the slide and its rows (it surfaces in the main
+    thread when the model reaches that batch)."""
+    reader = TileReader(ds, model.prepare)
+
+    def read(batch: Batch) -> Any:
+        s, b0, idx = batch
+        try:
+            return reader(idx)
+        except Exception as err:
+            raise ExtractError(
+                f"tiles {b0}-{b0 + len(idx) - 1} of slide {ds.slide_ids[s]} in tile store {ds.slide_store(s)} cannot "
+                f"be read ({type(err).__name__}: {str(err)[:300]}); re-tile the slide"
+            ) from err
+
+    return read
+
+
+def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, model: FeatureModel, out: Path, bar: Any,
+                   batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter) -> None:  # fmt: skip
     slide_id = ds.slide_ids[s]
-    n = int(ds.tile_counts[s])
     incoming = out / INCOMING / slide_id
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_slide(cfg, ds, s, model, out, bar, batches, writer, incoming)
+    except BaseException:
+        writer.discard()  # nothing may still be writing into the staging directory we remove
+        shutil.rmtree(incoming, ignore_errors=True)
+        raise
+
+
+def _write_slide(cfg: ExtractConfig, ds: Any, s: int, model: FeatureModel, out: Path, bar: Any,
+                 batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter, incoming: Path) -> None:  # fmt: skip
+    slide_id = ds.slide_ids[s]
+    n = int(ds.tile_counts[s])
     group = zarr.open_group(str(incoming), mode="w")
-    arrays: dict[str, Any] = {}
-    for b0 in range(0, n, cfg.batch_size):
-        idx = np.arange(start + b0, start + min(n, b0 + cfg.batch_size))
+    arrays: _SlideArrays | None = None
+    for _ in range(0, n, cfg.batch_size):
+        (bs, b0, idx), prepared = next(batches)
+        assert bs == s, "batches out of step with slides"
         try:
-            cls, patch = model.run(normalise(ds.read_batch(idx)))
+            cls, mean, patch = model.infer(prepared, cfg.patch_tokens)
         except (RuntimeError, ValueError, AssertionError) as err:
             if b0:
                 raise
@@ -226,23 +237,16 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
                 f"model {model.path} failed on the {ds.tile_size} px tiles of slide {slide_id} ({type(err).__name__}: "
                 f"{str(err)[:300]}); the tile size must be a multiple of the model's patch size"
             ) from None
-        if not arrays:
-            d, p = cls.shape[1], patch.shape[1]
-            chunk = max(1, min(n, 4096))
-            arrays["cls"] = group.create_array("cls", shape=(n, d), chunks=(chunk, d), dtype="float32")
-            arrays["mean_patch"] = group.create_array("mean_patch", shape=(n, d), chunks=(chunk, d), dtype="float32")
-            if cfg.patch_tokens:
-                pc = max(1, min(n, cfg.batch_size))
-                arrays["patch"] = group.create_array("patch", shape=(n, p, d), chunks=(pc, p, d), dtype="float32")
-        sl = slice(b0, b0 + len(idx))
-        arrays["cls"][sl] = cls
-        arrays["mean_patch"][sl] = patch.mean(axis=1)
-        if cfg.patch_tokens:
-            arrays["patch"][sl] = patch
+        if arrays is None:
+            p = patch.shape[1] if patch is not None else 0
+            arrays = _SlideArrays(group, n, cls.shape[1], p, cfg.patch_tokens, cfg.batch_size)
+        writer.submit(arrays.write, b0, cls, mean, patch)
         bar.update(len(idx))
+    writer.drain()
     coords = ds.slide_coords(s)
     group.create_array("coords", data=coords.astype(np.int64))
-    cls_all = np.asarray(arrays["cls"][:])
+    assert arrays is not None  # a slide in the index has at least one tile
+    cls_all = np.asarray(arrays.arrays["cls"][:])
     group.create_array("slide_embedding", data=cls_all.mean(0).astype(np.float32))
     tile_attrs = ds.slide_attrs(s)
     ratio = None
@@ -261,6 +265,7 @@ def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, start: int, model: Featu
         "model_path": str(model.path.resolve()),
         "model_hash": model.hash,
         "backend": model.backend,
+        "precision": cfg.precision,
         "source_store": str(ds.slide_store(s).resolve()),
         "source_fingerprint": tile_attrs.get("source_fingerprint"),
         "tile_size": int(ds.tile_size),
@@ -305,11 +310,11 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
     `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s."""
     start_time = time.perf_counter()
     ds = _open_dataset(cfg)
-    threads = torch.get_num_threads()
+    torch_threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     try:
-        model = open_model(cfg.model, cfg.backend, cfg.providers, cfg.num_threads)
+        model = open_model(cfg.model, cfg.backend, cfg.providers, cfg.num_threads, cfg.device, cfg.precision)
         if model.patch_size and ds.tile_size % model.patch_size:
             raise ExtractError(
                 f"tile store {cfg.store} has {ds.tile_size} px tiles, not a multiple of the model's patch size "
@@ -319,9 +324,8 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         _init_output(out, cfg)
         offsets = np.concatenate([[0], np.cumsum(ds.tile_counts)])
         mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
-        todo = [
-            s for s in mine if not _done(out, ds.slide_ids[s], model.hash, ds.slide_attrs(s).get("source_fingerprint"))
-        ]
+        fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
+        todo = [s for s in mine if not _done(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision)]
         skipped = [ds.slide_ids[s] for s in mine if s not in todo]
         for sid in skipped:
             logger.info("slide %s already extracted with model %s: skipped", sid, model.hash)
@@ -330,10 +334,15 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
                        every_s=cfg.progress_every_s)  # fmt: skip
         with tracking.stage_run(cfg.tracking, "extract", params={"model_hash": model.hash, "backend": model.backend,
                                                                    "store": cfg.store}):  # fmt: skip
+            readers, depth = cfg.loader_threads, cfg.prefetch_batches
+            writer = BackgroundWriter(readers, depth)
+            jobs = _batches(ds, todo, offsets, cfg.batch_size)
             try:
-                for s in todo:
-                    _extract_slide(cfg, ds, s, int(offsets[s]), model, out, bar)
+                with contextlib.closing(read_ahead(jobs, _batch_reader(ds, model), readers, depth)) as batches:
+                    for s in todo:
+                        _extract_slide(cfg, ds, s, model, out, bar, batches, writer)
             finally:
+                writer.close()
                 bar.close()
             seconds = time.perf_counter() - start_time
             if cfg.tracking.enabled:
@@ -341,7 +350,7 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         pictures_dir(out).mkdir(parents=True, exist_ok=True)
         (pictures_dir(out) / "extract_config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(torch_threads)
     result = ExtractResult(
         output=out,
         extracted=[ds.slide_ids[s] for s in todo],

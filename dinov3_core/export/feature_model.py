@@ -1,0 +1,184 @@
+"""The model extract and evaluate run: an exported ONNX model (ONNX Runtime) or a converted backbone (PyTorch).
+
+Two ways in, same features:
+- `FeatureModel.run(x)`: (N, 3, H, W) float32, already `normalise`d → (cls (N, D), patch tokens (N, P, D)) float32.
+- `FeatureModel.prepare(tiles)` then `FeatureModel.infer(prepared, keep_patch)`: from uint8 tiles (N, T, T, 3), split
+  where extract's reader threads hand batches to the model thread. On CPU `prepare` is `normalise` and `infer` is
+  `run`; with PyTorch on CUDA `prepare` pins the uint8 tiles and `infer` copies them without blocking and normalises
+  on the GPU (a quarter of the bytes of float32 over PCIe, and the arithmetic off the CPU), and the patch-token mean
+  is taken on the GPU so the (N, P, D) tokens are copied back only when they are stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from dinov3_core.errors import WsidinoError
+
+__all__ = ["ExtractError", "FeatureModel", "Features", "file_hash", "normalise", "open_model", "torch_device"]
+
+Features = tuple[np.ndarray, np.ndarray]  # cls (N, D), patch tokens (N, P, D), float32
+Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # cls, mean patch token (N, D), patch tokens or None
+
+
+class ExtractError(WsidinoError):
+    """Bad extract input: tile store, model file or output."""
+
+
+def file_hash(path: str | os.PathLike[str]) -> str:
+    """sha256 (16 hex) of a model file and, for ONNX, its external data file."""
+    h = hashlib.sha256()
+    for p in (Path(path), Path(f"{path}.data")):
+        if p.is_file():
+            with p.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def normalise(tiles: np.ndarray) -> np.ndarray:
+    """(N, T, T, 3) uint8 → (N, 3, T, T) float32, ImageNet mean / std (as in training)."""
+    x = tiles.astype(np.float32).transpose(0, 3, 1, 2) / 255.0
+    mean = np.asarray(IMAGENET_MEAN, np.float32).reshape(1, 3, 1, 1)
+    std = np.asarray(IMAGENET_STD, np.float32).reshape(1, 3, 1, 1)
+    return np.ascontiguousarray((x - mean) / std)
+
+
+def _pool(cls: np.ndarray, patch: np.ndarray, keep_patch: bool) -> Outputs:
+    return cls, patch.mean(axis=1), patch if keep_patch else None
+
+
+@dataclass
+class FeatureModel:
+    """A callable (N, 3, H, W) float32 → (cls, patch tokens) with its identity; `prepare` / `infer`: see the module."""
+
+    backend: str
+    path: Path
+    hash: str
+    run: Callable[[np.ndarray], Features]
+    providers: list[str] = field(default_factory=list)
+    patch_size: int | None = None  # known for the PyTorch backbone
+    prepare: Callable[[np.ndarray], Any] = normalise
+    infer: Callable[[Any, bool], Outputs] | None = None  # None: `run` on the prepared batch, mean taken in numpy
+
+    def __post_init__(self) -> None:
+        if self.infer is None:
+            run = self.run
+            self.infer = lambda x, keep_patch: _pool(*run(x), keep_patch)
+
+
+def torch_device(device: str | None) -> torch.device:
+    """`device`, or CUDA when available, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: list[str] | None = None,
+               threads: int = 0, device: str | None = "cpu", precision: str = "fp32") -> FeatureModel:  # fmt: skip
+    """`device` (PyTorch): None → CUDA when available; `precision` "bf16": PyTorch autocast (ONNX: export fp16)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ExtractError(f"model file {p} not found; give a model.onnx (export) or backbone.pth (convert)")
+    if backend == "auto":
+        backend = "onnx" if p.suffix == ".onnx" else "torch"
+    if backend == "onnx":
+        if precision != "fp32":
+            raise ExtractError(f"precision={precision} is for the torch backend; for ONNX export with fp16=true")
+        return _onnx_model(p, providers, threads)
+    if backend == "torch":
+        return _torch_model(p, torch_device(device), precision)
+    raise ExtractError(f"backend={backend!r}: use auto, onnx or torch")
+
+
+def _onnx_model(p: Path, providers: list[str] | None, threads: int) -> FeatureModel:
+    from dinov3_core.export.onnx_export import INPUT_NAME, ort_session
+
+    try:
+        session = ort_session(p, providers, threads)
+    except Exception as err:  # ORT raises its own exception types
+        raise ExtractError(f"model {p} cannot be loaded by ONNX Runtime ({err})") from None
+    outputs = [o.name for o in session.get_outputs()]
+    if outputs != ["cls", "patch_tokens"]:
+        raise ExtractError(f"model {p} outputs {outputs}; extract needs cls + patch_tokens (export pooled=false)")
+    if "CUDAExecutionProvider" in session.get_providers():
+        run = bound_runner(session, "cuda", _cuda_device_id(session))
+    else:
+
+        def run(x: np.ndarray) -> Features:
+            cls, patch = session.run(None, {INPUT_NAME: x})
+            return cls.astype(np.float32), patch.astype(np.float32)
+
+    return FeatureModel("onnx", p, file_hash(p), run, session.get_providers())
+
+
+def _cuda_device_id(session: Any) -> int:
+    return int(session.get_provider_options().get("CUDAExecutionProvider", {}).get("device_id", 0))
+
+
+def bound_runner(session: Any, device: str, device_id: int = 0) -> Callable[[np.ndarray], Features]:
+    """`session.run` through I/O binding: the input bound from host memory, the outputs allocated by ORT on `device`
+    and copied out once, so ORT neither stages the input nor syncs per output (used with the CUDA provider; "cpu"
+    runs the same code on any machine)."""
+    from dinov3_core.export.onnx_export import INPUT_NAME
+
+    names = [o.name for o in session.get_outputs()]
+
+    def run(x: np.ndarray) -> Features:
+        binding = session.io_binding()
+        binding.bind_cpu_input(INPUT_NAME, np.ascontiguousarray(x, np.float32))
+        for name in names:
+            binding.bind_output(name, device, device_id)
+        session.run_with_iobinding(binding)
+        cls, patch = binding.copy_outputs_to_cpu()
+        return cls.astype(np.float32), patch.astype(np.float32)
+
+    return run
+
+
+def _torch_model(p: Path, device: torch.device, precision: str) -> FeatureModel:
+    from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
+
+    model = BackboneFeatures(load_backbone(p, device=str(device))).eval()
+    runner = TorchRunner(model, device, bf16=precision == "bf16")
+    fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device.type}"], model.backbone.patch_size)
+    if device.type == "cuda":  # CPU keeps numpy's normalise and mean: the features stay what they were
+        fm.prepare, fm.infer = runner.prepare_uint8, runner.infer_uint8
+    return fm
+
+
+class TorchRunner:
+    """The PyTorch backbone on `device`; `*_uint8`: tiles shipped as uint8 (pinned on CUDA), normalised there."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool = False) -> None:
+        self.model, self.device, self.bf16 = model, device, bf16
+        self.mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            cls, patch = self.model(x)
+        return cls.float(), patch.float()
+
+    def run(self, x: np.ndarray) -> Features:
+        cls, patch = self._forward(torch.from_numpy(x).to(self.device))
+        return cls.cpu().numpy(), patch.cpu().numpy()
+
+    def prepare_uint8(self, tiles: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(tiles))
+        return t.pin_memory() if self.device.type == "cuda" else t  # pinned: the copy below can be asynchronous
+
+    def infer_uint8(self, tiles: torch.Tensor, keep_patch: bool) -> Outputs:
+        with torch.inference_mode():
+            x = tiles.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float() / 255.0
+            x = ((x - self.mean) / self.std).contiguous()  # the op order of `normalise`
+        cls, patch = self._forward(x)
+        mean = patch.mean(dim=1)
+        return cls.cpu().numpy(), mean.cpu().numpy(), patch.cpu().numpy() if keep_patch else None
