@@ -55,6 +55,7 @@ class RunHooks:
     hold_resources: GuardFactory | None = None  # entered around a torchrun job (Prefect GPU slots)
     progress: Callable[[int, int], None] | None = None  # tile, extract: (tiles done, tiles planned so far)
     on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
+    run_groups: Any = None  # tile: a `tiling.groups.RunGroups` (slide groups on a Dask cluster); None: the pool
 
 
 @dataclass
@@ -316,7 +317,7 @@ def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.tiling import report
     from dinov3_core.tiling.engine import run_tile
 
-    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide)
+    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide, run_groups=hooks.run_groups)
     if cfg.tracking.enabled:
         tracking.log_params(flat_params(cfg))
         report.log_to_mlflow(result)
