@@ -67,7 +67,7 @@ class DaskSlideGroups:
 
     def __call__(self, job: GroupJob, todo: Sequence[SlideTask]) -> Iterator[GroupReport]:
         with self.task_runner() as runner:
-            groups = group_slides(todo, self._slots(runner.client))
+            groups = group_slides(todo, self._slots(runner.client))  # `client` starts (or connects to) the cluster
             futures = {runner.submit(tile_group_task, {"job": job, "group": g}): g for g in groups}
             for future in as_completed(list(futures)):
                 group = futures[future]

@@ -127,11 +127,11 @@ def dask_cluster(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> 
         patch.undo()
 
 
-def dask_params(listing: Path, output: Path, address: str, *, force: bool = False) -> TileParams:
+def dask_params(listing: Path, output: Path, dask: DaskParams) -> TileParams:
     overrides = [f"{k}={v}" for k, v in OVERRIDES.items()]
     return TileParams(
         input=str(listing), output=str(output), stage=StageOptions(config="default", overrides=overrides),
-        tracking=TrackingParams(enabled=False), dask=DaskParams(address=address), force=force,
+        tracking=TrackingParams(enabled=False), dask=dask,
     )  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def dask_run(dask_cluster: Any, sample_slides: Any, tmp_path_factory: pytest.Tem
     """The good sample slides and a truncated one through the flow on the cluster, once."""
     work = tmp_path_factory.mktemp("tile-dask")
     listing = slide_list(work / "slides.txt", [*sample_slides.slides, sample_slides.negatives["truncated"]])
-    params = dask_params(listing, work / "tiles.zarr", dask_cluster.scheduler.address)
+    params = dask_params(listing, work / "tiles.zarr", DaskParams(address=dask_cluster.scheduler.address))
     return {**run_flow(params), "params": params, "root": work / "tiles.zarr", "listing": listing}
 
 
@@ -214,6 +214,16 @@ def test_flow_on_dask_rerun_skips_complete_slides(dask_run: dict[str, Any], samp
     assert len(manifest["slides"]) == 4
 
 
+def test_flow_starts_its_own_local_cluster(prefect_api: str, sample_slides: Any, tmp_path: Path):
+    """`dask.n_workers=2`: the flow run starts a temporary 2-worker LocalCluster, tiles on it and stops it."""
+    listing = slide_list(tmp_path / "slides.txt", [p for p in sample_slides.slides if p.suffix == ".svs"])
+    params = dask_params(listing, tmp_path / "tiles.zarr", DaskParams(n_workers=2))
+    summary = run_flow(params)["summary"]["summary"]
+    assert {k: summary[k] for k in ("ok", "failed")} == {"ok": 2, "failed": 0}
+    entries = ts.read_manifest(params.output)["slides"]
+    assert len({e["tiled_by"] for e in entries}) == 2  # one group per worker
+
+
 def test_worker_lost_mid_group_fails_only_its_slides(dask_cluster: Any, sample_slides: Any, tmp_path: Path):
     """A Dask worker dies while writing a slide (os._exit in the shard writer): that group's slide is failed
     with a message saying so, the other group's slide is tiled, and a rerun tiles the lost one. Last in this
@@ -221,7 +231,7 @@ def test_worker_lost_mid_group_fails_only_its_slides(dask_cluster: Any, sample_s
     crash = tmp_path / "crash_me.svs"
     shutil.copyfile(by_name(sample_slides, "tissue_20x.svs"), crash)
     listing = slide_list(tmp_path / "slides.txt", [crash, by_name(sample_slides, "tissue_40x.svs")])
-    params = dask_params(listing, tmp_path / "tiles.zarr", dask_cluster.scheduler.address)
+    params = dask_params(listing, tmp_path / "tiles.zarr", DaskParams(address=dask_cluster.scheduler.address))
 
     first = run_flow(params)["summary"]["summary"]
     assert {k: first[k] for k in ("ok", "failed")} == {"ok": 1, "failed": 1}

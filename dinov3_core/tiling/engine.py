@@ -21,7 +21,7 @@ from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.discovery import assign_slide_ids, discover_slides, is_up_to_date
 from dinov3_core.tiling.engine_pool import run_pool
-from dinov3_core.tiling.groups import GroupJob, RunGroups, collect_groups
+from dinov3_core.tiling.groups import RunGroups, collect_groups, remote_job
 from dinov3_core.tiling.plan import SlideTask
 from dinov3_core.tiling.slide import load_mpp_overrides
 from dinov3_core.tiling.slide_job import ProgressFn, SlideFn, SlideOutcome, skipped_outcome, store_extras
@@ -103,8 +103,8 @@ def run_tile(
                     ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
                 written = run_pool(root, todo, cfg, overrides, outcomes, progress, on_slide, timing)
             elif todo:
-                job = GroupJob(cfg=cfg, root=root, overrides=overrides)
-                written = collect_groups(job, todo, run_groups, outcomes, progress, on_slide, timing)
+                job, absolute_todo = remote_job(cfg, root, todo, overrides)
+                written = collect_groups(job, absolute_todo, run_groups, outcomes, progress, on_slide, timing)
             else:
                 written = 0
         finally:  # also when a group runner gives up: the slides committed so far are in the manifest

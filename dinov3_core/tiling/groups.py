@@ -160,6 +160,16 @@ def _tile_one(
     return outcome
 
 
+def remote_job(cfg: TileConfig, root: Path, todo: Sequence[SlideTask], overrides: dict[str, float]) -> tuple[
+    GroupJob, list[SlideTask]
+]:  # fmt: skip
+    """The job and slides with absolute paths: a worker on another host (or in another directory) must find the
+    same files. A µm/px override keyed by a slide's relative path also applies under its absolute path."""
+    tasks = [SlideTask(t.slide_id, t.path.absolute()) for t in todo]
+    moved = {str(a.path): overrides[str(t.path)] for t, a in zip(todo, tasks, strict=True) if str(t.path) in overrides}
+    return GroupJob(cfg=cfg, root=root.absolute(), overrides={**overrides, **moved}), tasks
+
+
 def collect_groups(
     job: GroupJob,
     todo: Sequence[SlideTask],
