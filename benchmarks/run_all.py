@@ -17,6 +17,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "tile_throughput.py",
+    "tile_prefect.py",
     "tile_dataset.py",
     "backbone.py",
     "train_step.py",
