@@ -67,7 +67,7 @@ class DaskSlideGroups:
 
     def __call__(self, job: GroupJob, todo: Sequence[SlideTask]) -> Iterator[GroupReport]:
         with self.task_runner() as runner:
-            groups = group_slides(todo, self._slots(runner.client))  # `client` starts (or connects to) the cluster
+            groups = group_slides(todo, self._slots(runner))
             futures = {runner.submit(tile_group_task, {"job": job, "group": g}): g for g in groups}
             for future in as_completed(list(futures)):
                 group = futures[future]
@@ -77,15 +77,16 @@ class DaskSlideGroups:
                     _mark_crashed(future.task_run_id, group, err)
                     yield group, err
 
-    def _slots(self, client: Any) -> int:
+    def _slots(self, runner: Any) -> int:
         """Worker threads of the cluster, once it has at least one worker: one slide group each."""
+        where = f"the Dask scheduler at {self.address}" if self.address else "a local Dask cluster"
         try:
+            client = runner.client  # starts the local cluster, or connects to the scheduler
             client.wait_for_workers(1, timeout=WORKERS_TIMEOUT_S)
         except Exception as err:
-            where = f"the Dask scheduler at {self.address}" if self.address else "the local Dask cluster"
             raise WsidinoError(
-                f"{where} has no worker after {WORKERS_TIMEOUT_S:.0f} s ({err}); start workers with "
-                "`dask worker <scheduler address> --nthreads 1` on hosts that see the slides and the store"
+                f"no Dask worker to tile on at {where} ({type(err).__name__}: {err}); check the address, and start "
+                "workers with `dask worker <scheduler address> --nthreads 1` on hosts that see the slides and store"
             ) from err
         return max(1, sum(client.nthreads().values()))
 

@@ -26,6 +26,7 @@ from flows.tile import tile_flow
 from tasks.params import DaskParams, StageOptions, TileParams, TrackingParams
 from tests import event_hooks
 from tests.helpers import by_name, slide_list, tile_config
+from tests.test_tile_flow import task_runs
 
 # Small tiles at a coarse resolution: a few dozen tiles a slide, several shards each.
 OVERRIDES = {"mpp": 1.0, "tile_size": 64, "tiles_per_shard": 8, "compressor": "jpeg"}
@@ -173,8 +174,6 @@ def test_flow_on_dask_tiles_every_slide_on_both_workers(dask_run: dict[str, Any]
     assert all(by_id[s]["workers"] == 1 and by_id[s]["tile_count"] > 0 for s in good)
 
     # The Prefect side: one tile-slide-group task run per group, beside the run-stage task.
-    from tests.test_tile_flow import task_runs
-
     runs = task_runs(dask_run["flow_run_id"])
     names = sorted(r.name for r in runs)
     assert names == ["slide-group-0", "slide-group-1", "tile"]
@@ -233,8 +232,13 @@ def test_worker_lost_mid_group_fails_only_its_slides(dask_cluster: Any, sample_s
     listing = slide_list(tmp_path / "slides.txt", [crash, by_name(sample_slides, "tissue_40x.svs")])
     params = dask_params(listing, tmp_path / "tiles.zarr", DaskParams(address=dask_cluster.scheduler.address))
 
-    first = run_flow(params)["summary"]["summary"]
+    first_run = run_flow(params)
+    first = first_run["summary"]["summary"]
     assert {k: first[k] for k in ("ok", "failed")} == {"ok": 1, "failed": 1}
+    groups = {r.name: r.state for r in task_runs(first_run["flow_run_id"]) if r.name.startswith("slide-group")}
+    assert sorted(state.type.value for state in groups.values()) == ["COMPLETED", "CRASHED"]
+    (crashed,) = [state for state in groups.values() if state.is_crashed()]
+    assert "was lost: KilledWorker" in crashed.message
     entry = {e["slide_id"]: e for e in ts.read_manifest(params.output)["slides"]}["crash_me"]
     assert entry["status"] == "failed" and "the worker tiling its slide group was lost" in entry["error"]
     assert "KilledWorker" in entry["error"] and str(crash) in entry["error"]
