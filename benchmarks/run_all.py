@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "tile_throughput.py",
     "tile_storage.py",
+    "tile_prefect.py",
     "tile_dataset.py",
     "backbone.py",
     "train_step.py",

@@ -55,6 +55,7 @@ class RunHooks:
     hold_resources: GuardFactory | None = None  # entered around a torchrun job (Prefect GPU slots)
     progress: Callable[[int, int], None] | None = None  # tile, extract: (tiles done, tiles planned so far)
     on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
+    run_groups: Any = None  # tile: a `tiling.groups.RunGroups` (slide groups on a Dask cluster); None: the pool
 
 
 @dataclass
@@ -336,7 +337,7 @@ def training_summary(stage: str, cfg: Any) -> dict[str, Any]:
 def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.tiling.engine import run_tile
 
-    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide)
+    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide, run_groups=hooks.run_groups)
     failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
     return result, {**result.counts, "tiles_total": result.total_tiles, "failed_slides": failed}
 

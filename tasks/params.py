@@ -86,6 +86,39 @@ def merge_values(overrides: Sequence[str], fields: dict[str, Any], where: str) -
     return values
 
 
+class DaskParams(BaseModel):
+    """Where the tile flow tiles: the tile engine's own process pool on this host, or slide groups on Dask."""
+
+    model_config = ConfigDict(extra="forbid", title="Dask")
+
+    address: str | None = Field(
+        None, min_length=1, title="Dask scheduler address",
+        description="e.g. tcp://10.0.0.5:8786: tile on this running Dask cluster, one slide group per worker "
+        "thread. Every worker must see the slides and the store at the same paths (shared filesystem) and have "
+        "wsidino installed; start workers with `dask worker <address> --nthreads 1`.",
+        json_schema_extra=ui(0),
+    )  # fmt: skip
+    n_workers: int = Field(
+        0, ge=0, le=1024, title="Local Dask workers",
+        description="Without an address: 0 tiles with the engine's own `workers` processes (the CLI's engine; "
+        "fastest on one machine); N tiles on a temporary local Dask cluster of N single-threaded workers.",
+        json_schema_extra=ui(1),
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_cluster(self) -> DaskParams:
+        if self.address and self.n_workers:
+            raise ValueError(
+                f"dask: give a scheduler address ({self.address!r}) or a local cluster size "
+                f"(n_workers={self.n_workers}), not both"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.address or self.n_workers)
+
+
 class TileParams(BaseModel):
     """Tile whole-slide images into a zarr tile store (µm/px-exact tiles, tissue mask, QC pictures)."""
 
@@ -112,6 +145,12 @@ class TileParams(BaseModel):
         description="Check every slide even when the stage manifest shows the same slides and settings "
         "(complete slides are still skipped one by one).",
         json_schema_extra=ui(4),
+    )  # fmt: skip
+    dask: DaskParams = Field(
+        default_factory=DaskParams, title="Dask",
+        description="Tile on a Dask cluster (an existing scheduler or a temporary local one) instead of this "
+        "host's process pool; the tiles are the same either way.",
+        json_schema_extra=ui(5),
     )  # fmt: skip
 
     def config_values(self) -> dict[str, Any]:
@@ -424,6 +463,7 @@ class RetrainParams(BaseModel):
 __all__ = [
     "STAGES",
     "ConvertParams",
+    "DaskParams",
     "EvaluateParams",
     "ExportParams",
     "ExtractParams",

@@ -122,8 +122,9 @@ class _TileArtifacts(_ProgressArtifact):
         if outcome.status == "failed":
             logger.warning("slide %s failed: %s", outcome.slide_id, outcome.error)
         else:
-            logger.info("slide %s %s: %d tiles in %.1f s, %d worker(s)", outcome.slide_id, outcome.status,
-                        outcome.tile_count, outcome.seconds, outcome.workers)  # fmt: skip
+            where = f"on {outcome.tiled_by}" if outcome.tiled_by else f"{outcome.workers} worker(s)"
+            logger.info("slide %s %s: %d tiles in %.1f s, %s", outcome.slide_id, outcome.status,
+                        outcome.tile_count, outcome.seconds, where)  # fmt: skip
 
     def finish(self, result: Any) -> None:
         from dinov3_core.tiling import report
@@ -245,7 +246,7 @@ def _markdown(o: StageOutcome, cfg: Any) -> str:
 
 @task(name="run-stage", task_run_name="{stage}", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=5)
 def run_stage_task(
-    stage: str, cfg: Any, force: bool = False, launch: LaunchSettings | None = None
+    stage: str, cfg: Any, force: bool = False, launch: LaunchSettings | None = None, run_groups: Any = None
 ) -> dict[str, Any]:  # fmt: skip
     """Run one stage under its manifest (skip when up to date), in its own MLflow run.
 
@@ -254,6 +255,8 @@ def run_stage_task(
         cfg: The stage's typed config (`load_stage_config`).
         force: Run even when the manifest says the outputs are up to date.
         launch: torchrun settings (training stages).
+        run_groups: tile: where slide groups are tiled (`tasks.tile_groups.DaskSlideGroups`); None: the engine's
+            own process pool.
 
     Returns:
         The outcome: status (ran / skipped), why, outputs, MLflow run id, lineage and summary figures.
@@ -270,6 +273,7 @@ def run_stage_task(
         hold_resources=gpu_slots,
         progress=(tile or extract).progress if (tile or extract) else None,
         on_slide=tile.on_slide if tile else None,
+        run_groups=run_groups,
     )
     with core_logs_to(logger):
         outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)

@@ -53,3 +53,15 @@ def pause_after_first_shard(event: str, **fields: Any) -> None:
         return
     (_dir() / "shard-written").touch()
     time.sleep(WAIT_S)
+
+
+def kill_worker_once(event: str, **fields: Any) -> None:
+    """The process writing a shard of a slide whose id starts with "crash" dies on the spot (as a crashing reader
+    would kill it), once per events directory: a rerun then tiles the slide normally."""
+    if event != "tile.shard_written" or not str(fields.get("slide_id", "")).startswith("crash"):
+        return
+    marker = _dir() / "killed"
+    if marker.exists():
+        return
+    marker.touch()
+    os._exit(1)

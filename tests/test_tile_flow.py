@@ -123,14 +123,18 @@ def test_parameter_schema_renders_a_clean_form() -> None:
     assert model["additionalProperties"] is False
     assert model["description"].startswith("Tile whole-slide images")
     # Paths, a config name with overrides, MLflow: no tiling key is declared a second time in the form.
-    assert sorted(props, key=lambda k: props[k]["position"]) == ["input", "output", "stage", "tracking", "force"]
+    order = ["input", "output", "stage", "tracking", "force", "dask"]
+    assert sorted(props, key=lambda k: props[k]["position"]) == order
     assert set(props) & {f.name for f in dataclasses.fields(TileConfig)} == {"input", "output", "tracking"}
     for name, prop in props.items():
         assert prop.get("title") or "$ref" in prop, name
     good = {"input": "/slides", "output": "/tiles.zarr"}
     jsonschema.validate({"params": good}, schema)
     tile_flow.validate_parameters({"params": good})
-    for bad in ({"tile_size": 256}, {"stage": {"overrides": ["no-equals-sign"]}}):
+    tile_flow.validate_parameters({"params": good | {"dask": {"address": "tcp://10.0.0.5:8786"}}})
+    with pytest.raises(ParameterTypeError, match="not both"):
+        tile_flow.validate_parameters({"params": good | {"dask": {"address": "tcp://h:8786", "n_workers": 2}}})
+    for bad in ({"tile_size": 256}, {"stage": {"overrides": ["no-equals-sign"]}}, {"dask": {"n_workers": -1}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"params": good | bad}, schema)
         with pytest.raises(ParameterTypeError, match=f"params.{next(iter(bad))}"):

@@ -1,0 +1,146 @@
+"""One slide through the tile engine: its write units, its atomic commit and its outcome.
+
+Shared by both ways the engine hands out work: the process pool of one host (`engine_pool`), which spreads one
+slide's shard ranges over every worker, and slide groups (`groups`), where one process tiles a whole group of
+slides, e.g. on a Dask worker of another host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.errors import WsidinoError
+from dinov3_core.tiling import store as ts
+from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.plan import SlidePlan, SlideTask, slide_attrs, tiling_params
+from dinov3_core.tiling.qc import save_qc_pictures
+from dinov3_core.tiling.writer import WriteUnit
+
+SHARDS_PER_UNIT = 1
+
+
+@dataclass
+class SlideOutcome:
+    slide_id: str
+    source_path: str
+    status: str  # ok | failed | skipped
+    error: str | None = None
+    tile_count: int = 0
+    seconds: float = 0.0
+    bytes_per_tile: float | None = None
+    mpp_effective: float | None = None
+    qc: dict[str, str] = field(default_factory=dict)
+    workers: int = 0  # worker processes that wrote this slide's tiles (a large slide is spread over all of them)
+    tiled_by: str | None = None  # "host:pid" of the process that tiled it as part of a slide group (Dask worker)
+
+    def as_manifest_entry(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ProgressFn = Callable[[int, int], None]  # (tiles done, tiles planned so far)
+SlideFn = Callable[[SlideOutcome], None]  # a slide finished: ok, skipped (already complete) or failed
+
+
+def store_extras(cfg: TileConfig) -> dict[str, Any]:
+    """What the store manifest records besides its slides: the tiling parameters."""
+    return {"tiling": tiling_params(cfg)}
+
+
+def process_name() -> str:
+    """This process as "host:pid": which machine and worker process tiled a slide group."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def limit_zarr_threads() -> None:
+    """One core per tiling process: zarr would otherwise encode chunks on a thread pool as wide as the machine,
+    so N tiling processes would oversubscribe the cores they were given. Process-wide, and effective only before
+    zarr's first use in the process (zarr creates its pool once)."""
+    import zarr
+
+    zarr.config.set({"threading.max_workers": 1})
+
+
+def skipped_outcome(root: Path, task: SlideTask, status: str = "skipped") -> SlideOutcome:
+    """The outcome of a slide the store already holds complete, read back from its committed attributes."""
+    attrs = ts.read_slide_attrs(root, task.slide_id)
+    return SlideOutcome(
+        slide_id=task.slide_id,
+        source_path=str(task.path),
+        status=status,
+        tile_count=int(attrs.get("tile_count", 0)),
+        bytes_per_tile=attrs.get("bytes_per_tile"),
+        mpp_effective=attrs.get("mpp_effective"),
+        qc=qc_paths(task.slide_id, {"thumbnail": "qc_thumbnail.png", "mask": "qc_mask.png"}),
+    )
+
+
+def qc_paths(slide_id: str, names: dict[str, str]) -> dict[str, str]:
+    return {k: f"{ts.SLIDES}/{slide_id}/{v}" for k, v in names.items()}
+
+
+def error_text(err: BaseException) -> str:
+    if isinstance(err, WsidinoError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:
+    """Create the slide's group under `.incoming/` and cut its tiles into shard-aligned write units."""
+    incoming = ts.begin_slide(
+        root,
+        plan.task.slide_id,
+        n_tiles=plan.n_tiles,
+        tile_size=cfg.tile_size,
+        tiles_per_shard=cfg.tiles_per_shard,
+        compressor=cfg.compressor,
+        compression_level=cfg.compression_level,
+        jpeg_quality=cfg.jpeg_quality,
+        columns=plan.columns(),
+    )
+    units = [
+        WriteUnit(
+            incoming=incoming,
+            source=plan.task.path,
+            read=plan.read,
+            reader=plan.reader,
+            level_size=plan.info.level_dimensions[plan.read.level],
+            level_downsample=plan.info.level_downsamples[plan.read.level],
+            start=a,
+            coords=plan.coords[a:b],
+        )
+        for a, b in incoming.shard_ranges(SHARDS_PER_UNIT)
+    ]
+    return incoming, units
+
+
+def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
+    """QC pictures, then the atomic commit of the slide into `slides/`."""
+    qc = save_qc_pictures(
+        incoming.path,
+        plan.qc_image,
+        plan.qc_scale,
+        plan.tissue_mask,
+        plan.pen_mask,
+        plan.coords,
+        plan.dropped_coords,
+        plan.read.tile_size_level0,
+        max_side=cfg.qc_thumbnail_px,
+        title=f"{plan.task.slide_id}: {plan.n_tiles} tiles @ {plan.read.mpp_effective:.3f} um/px",
+    )
+    final = ts.commit_slide(incoming, slide_attrs(plan, cfg))
+    attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)
+    return SlideOutcome(
+        slide_id=plan.task.slide_id,
+        source_path=str(plan.task.path),
+        status="ok",
+        tile_count=plan.n_tiles,
+        seconds=round(seconds, 3),
+        bytes_per_tile=attrs.get("bytes_per_tile"),
+        mpp_effective=plan.read.mpp_effective,
+        qc=qc_paths(plan.task.slide_id, qc),
+    )
