@@ -148,7 +148,9 @@ def run_stage(
             **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
         }
         background = stage in LOGS_AFTER_WORK
-        with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of, background) as pending:
+        # A background stage's parameters are logged by the thread that opens its run, beside the work.
+        params = flat_params(cfg) if background else None
+        with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of, background, params) as pending:
 
             def record_run() -> Any:
                 run = pending.wait()
@@ -251,13 +253,14 @@ def _stage_mlflow_run(
     tags: Mapping[str, str],
     resume: str | None,
     background: bool = False,
+    params: Mapping[str, Any] | None = None,
 ) -> Iterator[tracking.PendingRun]:
     """Inside a pipeline: the unfinished child a failed attempt left, or a new child; alone: `resume` or new."""
     parent = hooks.parent_run_id if cfg.enabled else None
     run_id = tracking.find_stage_run(cfg, parent, stage) if parent else resume
     all_tags = {tracking.STAGE_TAG: stage, **hooks.tags, **tags}
     with tracking.pending_stage_run(
-        cfg, hooks.run_name or stage, tags=all_tags, run_id=run_id, parent_run_id=parent, background=background
+        cfg, hooks.run_name or stage, params, all_tags, run_id=run_id, parent_run_id=parent, background=background
     ) as pending:  # fmt: skip
         yield pending
 
@@ -345,8 +348,7 @@ def _tile(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
 def _log_tile(cfg: Any, result: Any) -> None:
     from dinov3_core.tiling import report
 
-    tracking.log_params(flat_params(cfg))
-    report.log_to_mlflow(result)
+    report.log_to_mlflow(result)  # (its parameters went in as the run opened)
 
 
 def _no_log(cfg: Any, result: Any) -> None:

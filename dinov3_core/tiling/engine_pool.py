@@ -24,6 +24,7 @@ from dinov3_core.tiling.slide_job import (
     SlideFn,
     SlideOutcome,
     begin_plan,
+    draw_qc,
     error_text,
     finish_plan,
     limit_zarr_threads,
@@ -126,6 +127,11 @@ def run_pool(
                     planned_tiles += plan.n_tiles
                     for unit in units:
                         submit("write", unit)
+                    try:
+                        draw_qc(incoming, plan, cfg)  # while the workers write
+                    except Exception as err:
+                        fail(slide_id, path, error_text(err))
+                        continue
                     if not units:
                         commit(states[slide_id])
                 else:

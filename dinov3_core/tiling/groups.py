@@ -30,6 +30,7 @@ from dinov3_core.tiling.slide_job import (
     SlideFn,
     SlideOutcome,
     begin_plan,
+    draw_qc,
     error_text,
     finish_plan,
     limit_zarr_threads,
@@ -147,6 +148,7 @@ def _tile_one(
         plan = plan_slide(task, cfg, overrides)
         result.plan_seconds += plan.seconds
         incoming, units = begin_plan(root, plan, cfg)
+        draw_qc(incoming, plan, cfg)
         for unit in units:
             _, _, seconds, _ = write_unit(unit)
             result.write_seconds += seconds

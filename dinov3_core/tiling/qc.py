@@ -39,6 +39,9 @@ def with_legend(picture: Image.Image, entries: tuple[tuple[str, tuple[int, int, 
     return out
 
 
+QC_PICTURES = {"thumbnail": "qc_thumbnail.png", "mask": "qc_mask.png"}  # names in the slide's folder
+
+
 def save_qc_pictures(
     out_dir: Path,
     image: np.ndarray,
@@ -76,8 +79,8 @@ def save_qc_pictures(
         draw.rectangle((0, 0, min(picture.width, 8 * len(title) + 8), 14), fill=(255, 255, 255))
         draw.text((4, 1), title, fill=(0, 0, 0))
     picture = with_legend(picture, LEGEND)
-    thumb_path = out_dir / "qc_thumbnail.png"
-    mask_path = out_dir / "qc_mask.png"
+    thumb_path = out_dir / QC_PICTURES["thumbnail"]
+    mask_path = out_dir / QC_PICTURES["mask"]
     picture.save(thumb_path, optimize=False)
     Image.fromarray(tissue.astype(np.uint8) * 255).save(mask_path)
     return {"thumbnail": thumb_path.name, "mask": mask_path.name}

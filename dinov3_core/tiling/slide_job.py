@@ -18,7 +18,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.plan import SlidePlan, SlideTask, slide_attrs, tiling_params
-from dinov3_core.tiling.qc import save_qc_pictures
+from dinov3_core.tiling.qc import QC_PICTURES, save_qc_pictures
 from dinov3_core.tiling.writer import WriteUnit
 
 SHARDS_PER_UNIT = 1
@@ -75,7 +75,7 @@ def skipped_outcome(root: Path, task: SlideTask, status: str = "skipped") -> Sli
         tile_count=int(attrs.get("tile_count", 0)),
         bytes_per_tile=attrs.get("bytes_per_tile"),
         mpp_effective=attrs.get("mpp_effective"),
-        qc=qc_paths(task.slide_id, {"thumbnail": "qc_thumbnail.png", "mask": "qc_mask.png"}),
+        qc=qc_paths(task.slide_id, QC_PICTURES),
     )
 
 
@@ -118,9 +118,10 @@ def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.Incomin
     return incoming, units
 
 
-def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
-    """QC pictures, then the atomic commit of the slide into `slides/`."""
-    qc = save_qc_pictures(
+def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> None:
+    """The slide's QC pictures, into its `.incoming/` folder: drawn while its tiles are being written, so that after
+    the last shard only the commit is left to wait for."""
+    save_qc_pictures(
         incoming.path,
         plan.qc_image,
         plan.qc_scale,
@@ -132,6 +133,10 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
         max_side=cfg.qc_thumbnail_px,
         title=f"{plan.task.slide_id}: {plan.n_tiles} tiles @ {plan.read.mpp_effective:.3f} um/px",
     )
+
+
+def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
+    """The atomic commit of the slide into `slides/` (its QC pictures drawn by `draw_qc` before)."""
     final = ts.commit_slide(incoming, slide_attrs(plan, cfg))
     attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)
     return SlideOutcome(
@@ -142,5 +147,5 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
         seconds=round(seconds, 3),
         bytes_per_tile=attrs.get("bytes_per_tile"),
         mpp_effective=plan.read.mpp_effective,
-        qc=qc_paths(plan.task.slide_id, qc),
+        qc=qc_paths(plan.task.slide_id, QC_PICTURES),
     )
