@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader
 from dinov3_core.data import TileDataset, TileSample
 from dinov3_core.data.tile_readers import ShardFileTiles, ZarrTiles
 from dinov3_core.tiling import store as ts
-from tests.helpers import by_name, tile_config
+from tests.helpers import REPO, by_name, tile_config
 
 T = 16  # tile size of the synthetic stores: small, so every tile can be checked in a few seconds
 SHARD = 64
@@ -303,9 +305,8 @@ def test_pickle_round_trip_drops_handles(stores: dict[str, Path]) -> None:
         assert torch.equal(a.image, b.image)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_match_direct_indexing(stores: dict[str, Path], context: str) -> None:
-    ds = TileDataset([stores["A"], stores["B"]])
+def check_dataloader_matches_direct_indexing(a: str, b: str, context: str) -> None:
+    ds = TileDataset([Path(a), Path(b)])
     direct = [ds[i] for i in range(len(ds))]  # the parent has used zarr (and its IO thread) before forking
     loader = DataLoader(ds, batch_size=32, num_workers=2, multiprocessing_context=context, shuffle=False)
     batches = list(loader)
@@ -319,6 +320,19 @@ def test_dataloader_workers_match_direct_indexing(stores: dict[str, Path], conte
         got = torch.cat([getattr(b, field) for b in batches]).tolist()
         assert got == [getattr(d, field) for d in direct], field
     assert [s for b in batches for s in b.slide_id] == [d.slide_id for d in direct]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_match_direct_indexing(stores: dict[str, Path], context: str) -> None:
+    """In a fresh interpreter, as a training process is: a process that has run Prefect flows in-process (this
+    test session does) makes every forked child exit with code 1 at its end, DataLoader workers included."""
+    code = (
+        "import sys; from tests.test_tile_dataset import check_dataloader_matches_direct_indexing as check; "
+        "check(*sys.argv[1:])"
+    )
+    args = [sys.executable, "-c", code, str(stores["A"]), str(stores["B"]), context]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_forked_child_reopens_handles(stores: dict[str, Path]) -> None:
