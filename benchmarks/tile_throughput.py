@@ -133,7 +133,7 @@ def decode_ceilings(slide: str, store: Path) -> dict:
 
     from dinov3_core.tiling import store as ts
 
-    (slide_id,) = [p.name for p in (store / "slides").iterdir()]
+    (slide_id,) = ts.complete_slide_ids(store)
     attrs = ts.read_slide_attrs(store, slide_id)
     coords = zarr.open_group(str(store / "slides" / slide_id), mode="r")["coords"][:]
     size = int(attrs["tile_size_level0"])
