@@ -139,12 +139,6 @@ def flat_tensors(d: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]
     return out
 
 
-# Two runs of the same training that differ only in how the work is cut (processes, accumulation, pipeline stages,
-# re-plans) end this close in fp32: reduction order differs, and after a few AdamW steps that noise reaches ~2e-5 on
-# the (JPEG) sample tiles. A wrong loss scale, a lost micro-batch or a skipped update shows up at 1e-3 and above.
-PARAM_TOL = 5e-5
-
-
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
     """Largest absolute difference over the keys starting with `prefix`; both must hold the same such keys."""
     keys = [k for k in a if k.startswith(prefix)]
