@@ -367,3 +367,15 @@ def test_qc_picture_shows_tiles(tiled, sample_slides):
     assert blue.sum() > 100, "kept-tile outlines are drawn"
     for colour in ((0, 200, 0), (255, 0, 255), (30, 90, 255), (255, 140, 0)):  # a swatch per legend entry
         assert (legend == colour).all(axis=-1).sum() >= 100, colour
+
+
+def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash(tmp_path):
+    """Slides tiled before `scaled_decode` existed (zstd, full decoding) hash as they did: pinning those settings
+    skips them instead of re-tiling the cohort; the new default decoding is a change that redoes them."""
+    from dinov3_core.tiling.plan import slide_params_hash, tiling_params
+
+    old = tile_config("x", tmp_path / "t.zarr", compressor="zstd", scaled_decode=False)
+    assert set(tiling_params(old)) == {"mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader",
+                                       "compressor", "jpeg_quality", "compression_level"}  # fmt: skip
+    new = tile_config("x", tmp_path / "t.zarr", compressor="zstd")
+    assert slide_params_hash(new, None) != slide_params_hash(old, None)

@@ -74,13 +74,16 @@ def tiling_params(cfg: TileConfig) -> dict[str, Any]:
         "tissue",
         "filters",
         "reader",
-        "scaled_decode",
         "compressor",
         "jpeg_quality",
     ]
     params = {k: d[k] for k in keep}
     if cfg.compressor == "zstd":
         params["compression_level"] = cfg.compression_level
+    # A key added later enters only when it departs from what stores made before it did, so that those slides,
+    # tiled again with the same settings, keep their hash and are skipped rather than re-tiled.
+    if cfg.scaled_decode:
+        params["scaled_decode"] = True
     return params
 
 
