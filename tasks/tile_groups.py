@@ -65,9 +65,9 @@ class DaskSlideGroups:
         cluster_kwargs = {"n_workers": self.n_workers, "threads_per_worker": 1, "processes": True}
         return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs=cluster_kwargs)
 
-    def __call__(self, job: GroupJob, todo: Sequence[SlideTask]) -> Iterator[GroupReport]:
+    def __call__(self, job: GroupJob, todo: Sequence[SlideTask], isolate: bool = False) -> Iterator[GroupReport]:
         with self.task_runner() as runner:
-            groups = group_slides(todo, self._slots(runner))
+            groups = group_slides(todo, len(todo) if isolate else self._slots(runner))
             futures = {runner.submit(tile_group_task, {"job": job, "group": g}): g for g in groups}
             for future in as_completed(list(futures)):
                 group = futures[future]

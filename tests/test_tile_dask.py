@@ -58,15 +58,22 @@ def test_group_slides_balances_file_sizes(tmp_path: Path) -> None:
 
 
 class InProcessGroups:
-    """`RunGroups` without a cluster: each group tiled here in turn; the groups named in `lose` are reported lost
-    after running them (a worker that died after committing), or instead of running them."""
+    """`RunGroups` without a cluster: each group tiled here in turn. A group is reported lost (after running it when
+    `run_lost`, a worker that died after committing; else instead of running it) when its index is in `lose` (in
+    the first round only: a transient loss) or when it holds a slide in `poison` (every round: a slide that kills
+    the process tiling it). `rounds` records the slides of each call."""
 
-    def __init__(self, n_groups: int, lose: Sequence[int] = (), run_lost: bool = False) -> None:
-        self.n_groups, self.lose, self.run_lost = n_groups, set(lose), run_lost
+    def __init__(
+        self, n_groups: int, lose: Sequence[int] = (), run_lost: bool = False, poison: Sequence[str] = ()
+    ) -> None:
+        self.n_groups, self.lose, self.run_lost, self.poison = n_groups, set(lose), run_lost, set(poison)
+        self.rounds: list[tuple[bool, list[str]]] = []
 
-    def __call__(self, job: GroupJob, todo: Sequence[SlideTask]) -> Iterator[GroupReport]:
-        for group in group_slides(todo, self.n_groups):
-            if group.index not in self.lose:
+    def __call__(self, job: GroupJob, todo: Sequence[SlideTask], isolate: bool = False) -> Iterator[GroupReport]:
+        self.rounds.append((isolate, sorted(t.slide_id for t in todo)))
+        for group in group_slides(todo, len(todo) if isolate else self.n_groups):
+            ids = {t.slide_id for t in group.tasks}
+            if not (not isolate and group.index in self.lose) and not (ids & self.poison):
                 yield group, job.run(group)
                 continue
             if self.run_lost:
@@ -74,33 +81,50 @@ class InProcessGroups:
             yield group, RuntimeError("KilledWorker: the worker died")
 
 
-def test_lost_group_fails_its_unfinished_slides_and_a_rerun_redoes_them(sample_slides: Any, tmp_path: Path):
+def test_a_lost_group_is_tiled_again_one_slide_per_group(sample_slides: Any, tmp_path: Path):
     slides = [p for p in sample_slides.slides if p.suffix == ".svs"]  # two slides: one per group
     listing = slide_list(tmp_path / "slides.txt", slides)
     cfg = tile_config(listing, tmp_path / "tiles.zarr", **OVERRIDES)
     progress: list[tuple[int, int]] = []
     seen: list[str] = []
-
-    def on_slide(outcome: Any) -> None:
-        seen.append(outcome.slide_id)
-
-    result = run_tile(cfg, lambda d, p: progress.append((d, p)), on_slide, run_groups=InProcessGroups(2, lose=[1]))
-    by_id = {o.slide_id: o for o in result.outcomes}
-    lost = [o for o in result.outcomes if o.status == "failed"]
-    assert len(lost) == 1 and result.counts == {"ok": 1, "failed": 1, "skipped": 0}
-    assert "the worker tiling its slide group was lost (RuntimeError: KilledWorker" in lost[0].error
-    assert lost[0].source_path in lost[0].error and "rerun" in lost[0].error
-    assert sorted(seen) == sorted(by_id)  # every slide reported once, as its group came back
+    groups = InProcessGroups(2, lose=[1])
+    result = run_tile(cfg, lambda d, p: progress.append((d, p)), lambda o: seen.append(o.slide_id), run_groups=groups)
+    assert result.counts == {"ok": 2, "failed": 0, "skipped": 0}
+    (first, retried) = groups.rounds
+    assert first == (False, sorted(p.stem for p in slides)) and retried[0] and len(retried[1]) == 1
+    assert sorted(seen) == sorted(p.stem for p in slides)  # every slide reported once, the retried one included
     assert progress[-1][0] == result.tiles_written == result.total_tiles > 0
-    manifest = ts.read_manifest(cfg.output)
-    assert sorted(e["slide_id"] for e in manifest["slides"]) == sorted(by_id)
+    assert sorted(e["slide_id"] for e in ts.read_manifest(cfg.output)["slides"]) == sorted(seen)
+    assert ts.complete_slide_ids(cfg.output) == sorted(seen)
     assert not any((Path(cfg.output) / ts.INCOMING).iterdir())
 
-    # The rerun tiles only the lost slide; a group lost *after* committing its slide keeps it (complete on disk).
-    again = run_tile(cfg, run_groups=InProcessGroups(2, lose=[0], run_lost=True))
-    statuses = {o.slide_id: o.status for o in again.outcomes}
-    assert statuses == {lost[0].slide_id: "ok", next(s for s in by_id if s != lost[0].slide_id): "skipped"}
-    assert ts.complete_slide_ids(cfg.output) == sorted(by_id)
+
+def test_a_slide_that_kills_its_worker_fails_alone_and_a_rerun_redoes_it(sample_slides: Any, tmp_path: Path):
+    slides = list(sample_slides.slides)  # three slides, all in one group: the poisonous one takes the group down
+    assert len(slides) == 3
+    poison = slides[1].stem
+    cfg = tile_config(slide_list(tmp_path / "slides.txt", slides), tmp_path / "tiles.zarr", **OVERRIDES)
+    groups = InProcessGroups(1, poison=[poison])
+    result = run_tile(cfg, run_groups=groups)
+    by_id = {o.slide_id: o for o in result.outcomes}
+    assert result.counts == {"ok": 2, "failed": 1, "skipped": 0}
+    assert [r[0] for r in groups.rounds] == [False, True] and groups.rounds[1][1] == sorted(by_id)
+    error = by_id[poison].error
+    assert by_id[poison].status == "failed" and "was lost twice" in error and "KilledWorker" in error
+    assert str(slides[1]) in error and "rerun" in error
+    assert ts.complete_slide_ids(cfg.output) == sorted(s for s in by_id if s != poison)
+
+    again = run_tile(cfg, run_groups=InProcessGroups(2))  # the slide no longer kills: only it is tiled
+    assert {o.slide_id: o.status for o in again.outcomes} == {s: "ok" if s == poison else "skipped" for s in by_id}
+
+
+def test_a_group_lost_after_committing_keeps_its_slides(sample_slides: Any, tmp_path: Path):
+    slides = [p for p in sample_slides.slides if p.suffix == ".svs"]
+    cfg = tile_config(slide_list(tmp_path / "slides.txt", slides), tmp_path / "tiles.zarr", **OVERRIDES)
+    groups = InProcessGroups(1, lose=[0], run_lost=True)
+    result = run_tile(cfg, run_groups=groups)
+    assert result.counts == {"ok": 2, "failed": 0, "skipped": 0}
+    assert len(groups.rounds) == 1  # nothing to tile again: the slides are complete on disk
 
 
 # ------------------------------------------------------------------------------------- real Prefect, real Dask
@@ -223,10 +247,10 @@ def test_flow_starts_its_own_local_cluster(prefect_api: str, sample_slides: Any,
     assert len({e["tiled_by"] for e in entries}) == 2  # one group per worker
 
 
-def test_worker_lost_mid_group_fails_only_its_slides(dask_cluster: Any, sample_slides: Any, tmp_path: Path):
-    """A Dask worker dies while writing a slide (os._exit in the shard writer): that group's slide is failed
-    with a message saying so, the other group's slide is tiled, and a rerun tiles the lost one. Last in this
-    module: the killed worker is restarted by its nanny."""
+def test_worker_lost_mid_group_is_retried_on_its_own(dask_cluster: Any, sample_slides: Any, tmp_path: Path):
+    """A Dask worker dies while writing a slide (os._exit in the shard writer, once): its group's task run ends
+    Crashed, the slide is tiled again in a group of its own in the same run, and the other group's slide is
+    tiled. Last in this module: the killed worker is restarted by its nanny."""
     crash = tmp_path / "crash_me.svs"
     shutil.copyfile(by_name(sample_slides, "tissue_20x.svs"), crash)
     listing = slide_list(tmp_path / "slides.txt", [crash, by_name(sample_slides, "tissue_40x.svs")])
@@ -234,15 +258,12 @@ def test_worker_lost_mid_group_fails_only_its_slides(dask_cluster: Any, sample_s
 
     first_run = run_flow(params)
     first = first_run["summary"]["summary"]
-    assert {k: first[k] for k in ("ok", "failed")} == {"ok": 1, "failed": 1}
-    groups = {r.name: r.state for r in task_runs(first_run["flow_run_id"]) if r.name.startswith("slide-group")}
-    assert sorted(state.type.value for state in groups.values()) == ["COMPLETED", "CRASHED"]
-    (crashed,) = [state for state in groups.values() if state.is_crashed()]
+    # The hook kills once: the lost group's slide is tiled again in a group of its own, in the same run.
+    assert {k: first[k] for k in ("ok", "failed")} == {"ok": 2, "failed": 0}
+    runs = [r for r in task_runs(first_run["flow_run_id"]) if r.name.startswith("slide-group")]
+    assert sorted(r.state.type.value for r in runs) == ["COMPLETED", "COMPLETED", "CRASHED"]
+    (crashed,) = [r.state for r in runs if r.state.is_crashed()]
     assert "was lost: KilledWorker" in crashed.message
-    entry = {e["slide_id"]: e for e in ts.read_manifest(params.output)["slides"]}["crash_me"]
-    assert entry["status"] == "failed" and "the worker tiling its slide group was lost" in entry["error"]
-    assert "KilledWorker" in entry["error"] and str(crash) in entry["error"]
-
-    again = run_flow(params)["summary"]["summary"]  # the hook kills once: now the slide tiles normally
-    assert {k: again[k] for k in ("ok", "failed", "skipped")} == {"ok": 1, "failed": 0, "skipped": 1}
     assert ts.complete_slide_ids(params.output) == ["crash_me", "tissue_40x"]
+
+    assert run_flow(params)["summary"]["status"] == "skipped"  # nothing failed: the stage manifest is up to date

@@ -76,12 +76,13 @@ GroupReport = tuple[SlideGroup, GroupResult | BaseException]  # a group with its
 class RunGroups(Protocol):
     """Tiles the slides `todo` of `job` in groups, wherever it likes (e.g. one Prefect task per group on Dask).
 
-    Cuts them with `group_slides` (as many groups as it has workers), runs `job.run(group)` for each and yields
-    every group, as it finishes, with its `GroupResult`, or with the exception that lost it (a dead worker): the
-    coordinator then records that group's slides. It raises only when it cannot run groups at all.
+    Cuts them with `group_slides` (as many groups as it has workers; with `isolate`, one slide per group), runs
+    `job.run(group)` for each and yields every group, as it finishes, with its `GroupResult`, or with the exception
+    that lost it (a dead worker): the coordinator then records that group's slides. It raises only when it cannot
+    run groups at all.
     """
 
-    def __call__(self, job: GroupJob, todo: Sequence[SlideTask]) -> Iterable[GroupReport]: ...
+    def __call__(self, job: GroupJob, todo: Sequence[SlideTask], isolate: bool = False) -> Iterable[GroupReport]: ...
 
 
 def group_slides(tasks: Sequence[SlideTask], n_groups: int) -> list[SlideGroup]:
@@ -124,7 +125,7 @@ def tile_slide_group(
     also oversubscribe cores that Dask already counts as this worker's. So the parallelism is the cluster's
     (one single-threaded Dask worker per core) and a large slide is tiled by one worker. A slide that raises
     fails alone; one that kills the process (a crashing reader) loses the rest of its group, which the
-    coordinator records as failed and a rerun tiles again.
+    coordinator tiles again one slide per group (`collect_groups`).
     """
     limit_zarr_threads()  # this worker is one core
     result = GroupResult()
@@ -183,48 +184,70 @@ def collect_groups(
 ) -> int:
     """The coordinator's side: hand `todo` to `run_groups`, record every slide's outcome as its group reports,
     and return the tiles written. Progress is per group: the tiles planned are extrapolated from the file
-    sizes of the groups done so far."""
-    done_tiles = done_bytes = 0
+    sizes of the groups done so far.
+
+    A lost group's unfinished slides get one more round, one slide per group: a slide that kills the process
+    tiling it (a crashing reader on corrupt image data) then takes down only itself, not its group-mates, as the
+    pool retries a crashed unit once before failing its slide.
+    """
+    done = {"tiles": 0, "bytes": 0}
     total_bytes = sum(_file_size(t.path) for t in todo)
-    for group, result in run_groups(job, todo):
-        if isinstance(result, BaseException):
-            log.warning("slide group %d (%d slides) was lost: %s", group.index, len(group.tasks), error_text(result))
-            group_outcomes = [_lost_slide(job, task, result) for task in group.tasks]
-        else:
-            timing["plan"] += result.plan_seconds
-            timing["write"] += result.write_seconds
-            group_outcomes = result.outcomes
+
+    def record(group: SlideGroup, group_outcomes: list[SlideOutcome]) -> None:
         for outcome in group_outcomes:
             outcomes[outcome.slide_id] = outcome
             if outcome.status == "ok":
-                done_tiles += outcome.tile_count
-            if on_slide is not None:
+                done["tiles"] += outcome.tile_count
+            if on_slide is not None and outcome.status != "retry":
                 on_slide(outcome)
-        done_bytes += group.size
+        done["bytes"] += sum(_file_size(t.path) for t in group.tasks if outcomes[t.slide_id].status != "retry")
         if progress is not None:
-            planned = round(done_tiles * total_bytes / done_bytes) if done_bytes else done_tiles
-            progress(done_tiles, max(planned, done_tiles))
+            planned = round(done["tiles"] * total_bytes / done["bytes"]) if done["bytes"] else done["tiles"]
+            progress(done["tiles"], max(planned, done["tiles"]))
+
+    retry: list[SlideTask] = []
+    for isolate, tasks in ((False, list(todo)), (True, retry)):
+        if not tasks:
+            continue
+        for group, result in run_groups(job, tasks, isolate=isolate):
+            if isinstance(result, BaseException):
+                log.warning("slide group %d (%d slides) was lost: %s", group.index, len(group.tasks),
+                            error_text(result))  # fmt: skip
+                group_outcomes = [_lost_slide(job, task, result, last_try=isolate) for task in group.tasks]
+                retry.extend(t for t, o in zip(group.tasks, group_outcomes, strict=True) if o.status == "retry")
+            else:
+                timing["plan"] += result.plan_seconds
+                timing["write"] += result.write_seconds
+                group_outcomes = result.outcomes
+            record(group, group_outcomes)
+        if retry and not isolate:
+            log.warning("tiling %d slide(s) of lost groups again, one slide per group", len(retry))
     for task in todo:
-        if task.slide_id not in outcomes:  # a runner that dropped a group: say so rather than lose the slide
+        if outcomes.get(task.slide_id) is None or outcomes[task.slide_id].status == "retry":
+            # A runner that dropped a group: say so rather than lose the slide.
             outcomes[task.slide_id] = SlideOutcome(
                 task.slide_id, str(task.path), "failed", error=f"{task.path}: no slide group reported this slide"
             )
             if on_slide is not None:
                 on_slide(outcomes[task.slide_id])
-    return done_tiles
+    return done["tiles"]
 
 
-def _lost_slide(job: GroupJob, task: SlideTask, err: BaseException) -> SlideOutcome:
-    """A slide of a lost group: complete if its group committed it before dying, else failed (a rerun redoes it)."""
+def _lost_slide(job: GroupJob, task: SlideTask, err: BaseException, last_try: bool) -> SlideOutcome:
+    """A slide of a lost group: complete if its group committed it before dying; else, on the first try, marked
+    for one more (status "retry", never reported); on the last, failed (a rerun redoes it)."""
     try:
         if is_up_to_date(job.root, task, job.cfg, job.overrides):
             return skipped_outcome(job.root, task, status="ok")
     except Exception as check_err:  # unreadable source: report the loss below
         log.debug("up-to-date check failed for %s: %s", task.path, check_err)
+    if not last_try:
+        return SlideOutcome(task.slide_id, str(task.path), "retry")
     return SlideOutcome(
         task.slide_id,
         str(task.path),
         "failed",
-        error=f"{task.path}: the worker tiling its slide group was lost ({error_text(err)}); "
-        "rerun the stage to tile it again",
+        error=f"{task.path}: the worker tiling this slide was lost twice, the second time tiling only this slide "
+        f"({error_text(err)}): its image data may crash the reader; open it in a slide viewer or re-export it, "
+        "then rerun the stage",
     )
