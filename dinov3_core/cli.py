@@ -104,7 +104,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if stage == "tile":
         hooks.progress, close_bar = tile_progress(stage, cfg)
     launch = None
-    if stage in ("pretrain", "gram"):
+    if hasattr(args, "nproc_per_node"):  # a stage that runs as a torchrun job (extract: with more than 1 process)
         launch = LaunchSettings(
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
         )
@@ -112,7 +112,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)
     except TorchrunFailed as err:
         bad_input = err.rank_exit_code == 2
-        hint = "" if bad_input else "\nRerun the same command to resume from the last checkpoint."
+        resume = "finish the slides not yet extracted" if stage == "extract" else "resume from the last checkpoint"
+        hint = "" if bad_input else f"\nRerun the same command to {resume}."
         print(f"wsidino {stage}: {err}{hint}", file=sys.stderr)
         return EXIT_USAGE if bad_input else EXIT_FAILED
     finally:
@@ -151,8 +152,8 @@ def _mark_required(parser: argparse.ArgumentParser, stage: str) -> None:
             action.help = f"{action.help} (required, unless the --config file sets it)"
 
 
-def launch_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=int, default=1, help="training processes per node (torchrun)")
+def launch_options(p: argparse.ArgumentParser, what: str = "training") -> None:
+    p.add_argument("--nproc-per-node", type=int, default=1, help=f"{what} processes per node (torchrun; one per GPU)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node needs --rdzv-endpoint)")
     p.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous for multi-node runs")
 
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--store", help="tile store (tiles.zarr)")
     extract.add_argument("--model", help="model.onnx (ONNX Runtime) or backbone.pth (PyTorch)")
     extract.add_argument("--output", help="feature store (features.zarr)")
+    launch_options(extract, "extraction")
     add_chain_commands(sub)
 
     return parser

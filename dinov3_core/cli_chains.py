@@ -45,9 +45,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         close_bar: Callable[[], None] = lambda: None  # noqa: E731
         if stage == "tile":
             hooks.progress, close_bar = tile_progress(stage, stage_cfg)
-        training = stage in ("pretrain", "gram")
         try:
-            return run_stage(stage, stage_cfg, force=force, launch=launch if training else None, hooks=hooks).as_dict()
+            return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks).as_dict()
         finally:
             close_bar()
 
@@ -119,9 +118,8 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
 
     def run(stage: str, stage_cfg: Any, parent: str | None, force: bool = False) -> dict[str, Any]:
-        training = stage in ("pretrain", "gram")
         hooks = RunHooks(parent_run_id=parent)
-        return run_stage(stage, stage_cfg, force=force, launch=launch if training else None, hooks=hooks).as_dict()
+        return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks).as_dict()
 
     try:
         result = run_cycle(cfg, run)

@@ -44,7 +44,7 @@ from dinov3_core.stage_work import (
     IN_PROCESS,
     LOGS_AFTER_WORK,
     RunHooks,
-    launch_training,
+    launch_job,
     log_stage_artifacts,
     training_summary,
 )
@@ -151,9 +151,12 @@ def run_stage(
                 return run
 
             run = None if background else record_run()
-            events.emit("stage.start", stage=stage, output=str(path.parent), training=spec.distributed)
-            if spec.distributed:
-                m.summary = launch_training(stage, cfg, launch or LaunchSettings(), run, hooks)
+            as_job = spec.as_job(launch)
+            events.emit("stage.start", stage=stage, output=str(path.parent), training=as_job)
+            if as_job:
+                m.summary = launch_job(stage, cfg, launch or LaunchSettings(), run, hooks)
+                if run is not None and not spec.distributed:
+                    log_stage_artifacts(stage, cfg)
             else:
                 try:
                     result, m.summary = IN_PROCESS[stage](cfg, hooks)

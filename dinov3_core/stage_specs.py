@@ -40,7 +40,7 @@ def _gram_config() -> type:
 class StageSpec:
     name: str
     schema: Callable[[], type]
-    distributed: bool  # launched as a torchrun job (else runs in the calling process)
+    distributed: bool  # always launched as a torchrun job (else in the calling process, but see `can_launch`)
     output_is_dir: bool
     output: Callable[[Any], str]  # the config's output path
     inputs: Callable[[Any], dict[str, str | None]]  # input name → path (None: not used by this config)
@@ -48,6 +48,11 @@ class StageSpec:
     volatile: tuple[str, ...] = ("tracking.", "progress")  # config keys (prefixes) that do not change outputs
     # Checks that must pass before the manifest is written into the output (tile: the output is a tile store).
     check: Callable[[Any], None] | None = None
+    can_launch: bool = False  # a torchrun job when the launch settings ask for more than one process (extract)
+
+    def as_job(self, launch: Any) -> bool:
+        """Runs as a torchrun job with these `LaunchSettings` (None: the defaults, one process)."""
+        return self.distributed or (self.can_launch and launch is not None and launch.world_size > 1)
 
     def manifest_path(self, cfg: Any) -> Path:
         return manifest_path(self.output(cfg), is_dir=self.output_is_dir)
@@ -111,6 +116,13 @@ def _check_tile_output(cfg: TileConfig) -> None:
     prepare_store(cfg)
 
 
+def _check_extract_output(cfg: ExtractConfig) -> None:
+    """An output that is not a feature store fails here, before a manifest is written into it or a job starts."""
+    from dinov3_core.export.feature_store import check_output
+
+    check_output(Path(cfg.output))
+
+
 def _evaluate_config() -> type:
     from dinov3_core.evaluate.config import EvaluateConfig
 
@@ -170,7 +182,8 @@ STAGE_SPECS: dict[str, StageSpec] = {
         "extract", lambda: ExtractConfig, False, True, lambda c: c.output,
         lambda c: {"tile_store": c.store, "model": c.model}, lambda c: {"features": c.output},
         volatile=("tracking.", "progress", "num_threads", "batch_size", "providers", "device", "loader_threads",
-                  "prefetch_batches"),
+                  "prefetch_batches", "chunk_rows"),
+        check=_check_extract_output, can_launch=True,
     ),
 }  # fmt: skip
 

@@ -1,5 +1,6 @@
 """What each stage runs once the runner (`dinov3_core.run.run_stage`) has decided it must: a torchrun job for the
-training stages, a plain function in this process for the others, and what the latter log to MLflow.
+training stages (and for extract on several processes), a plain function in this process for the others, and what
+the latter log to MLflow.
 
 `RunHooks` is what a caller adds: where log lines go, the Prefect tags, a GPU-slot guard, tile progress callbacks.
 """
@@ -7,6 +8,7 @@ training stages, a plain function in this process for the others, and what the l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import Any
 from dinov3_core import tracking
 from dinov3_core.config import to_yaml
 from dinov3_core.launch import run_torchrun
-from dinov3_core.launch.training import LaunchSettings, training_job
+from dinov3_core.launch.training import TRAINING_STAGES, LaunchSettings, stage_job
 
 GuardFactory = Callable[[LaunchSettings], contextlib.AbstractContextManager[Any]]
 
@@ -35,16 +37,21 @@ class RunHooks:
     run_groups: Any = None  # tile: a `tiling.groups.RunGroups` (slide groups on a Dask cluster); None: the pool
 
 
-# ------------------------------------------------------------------------------------------- training stages
+# -------------------------------------------------------------------------------------------- torchrun jobs
 
 
-def launch_training(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hooks: RunHooks) -> dict[str, Any]:
-    job = training_job(stage, cfg, launch, env=tracking.run_env(run, cfg.tracking))
+def launch_job(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hooks: RunHooks) -> dict[str, Any]:
+    """The stage as a torchrun job (rank 0 logs into `run`); returns the summary kept in the manifest."""
+    job = stage_job(stage, cfg, launch, env=tracking.run_env(run, cfg.tracking))
     hooks.log(f"{stage}: torchrun {job.nproc_per_node} process(es) × {job.nnodes} node(s), logs in {job.log_dir}")
     guard = hooks.hold_resources(launch) if hooks.hold_resources is not None else contextlib.nullcontext()
     with guard:
         run_torchrun(job, log=hooks.log)
-    return training_summary(stage, cfg)
+    if stage in TRAINING_STAGES:
+        return training_summary(stage, cfg)
+    from dinov3_core.export.extract import read_run_record
+
+    return extract_summary(read_run_record(cfg.output))
 
 
 # The last metrics line's figures a training stage's summary carries (losses, health signals, throughput, memory).
@@ -178,8 +185,19 @@ def _extract(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
 
     r = run_extract(cfg, progress=hooks.progress)
     hooks.log(f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date → {r.output}")
-    return r, {"slides_extracted": len(r.extracted), "slides_up_to_date": len(r.skipped), "tiles": r.tiles,
-               "tiles_per_s": round(r.tiles_per_s, 1), "model_hash": r.model_hash, "backend": r.backend}  # fmt: skip
+    return r, extract_summary(dataclasses.asdict(r))
+
+
+def extract_summary(r: Mapping[str, Any]) -> dict[str, Any]:
+    """What the manifest keeps of an extract run (`ExtractResult` as a dict, or the job's run record)."""
+    summary = {"slides_extracted": len(r.get("extracted", [])), "slides_up_to_date": len(r.get("skipped", [])),
+               "tiles": r.get("tiles"), "tiles_per_s": round(float(r.get("tiles_per_s", 0.0)), 1),
+               "model_hash": r.get("model_hash"), "backend": r.get("backend")}  # fmt: skip
+    ranks = r.get("ranks") or []
+    if len(ranks) > 1:
+        summary["ranks"] = len(ranks)
+        summary["tiles_per_s_per_rank"] = [x["tiles_per_s"] for x in ranks]
+    return summary
 
 
 # The stages that run in the calling process: (stage function result, summary kept in the manifest).

@@ -7,21 +7,24 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ExtractParams
-from tasks.run import load_stage_config, run_stage_task
+from tasks.run import load_stage_config, run_job_stage, run_stage_task
 
 
 @flow(name="extract")
 def extract_flow(params: ExtractParams) -> dict[str, Any]:
     """Extract features with an ONNX model (ONNX Runtime) or a backbone.pth (PyTorch); slides already extracted
-    with the same model are skipped one by one.
+    with the same model are skipped one by one. With `launch.nproc_per_node` > 1 (or several nodes) a torchrun job:
+    one rank per GPU, the slides (and row ranges of large slides) split over the ranks.
 
     Args:
-        params: Tile store, model file, feature store, config, MLflow.
+        params: Tile store, model file, feature store, config, launch settings, MLflow.
 
     Returns:
         The stage outcome (slides extracted / up to date, tiles, throughput).
     """
     cfg = load_stage_config("extract", params.stage.config, params.config_values())
+    if params.launch.world_size > 1:  # a torchrun job: one rank per GPU, retried after a crash (it resumes)
+        return run_job_stage("extract", cfg, params.launch, force=params.force)
     return run_stage_task("extract", cfg, force=params.force)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import GramParams
-from tasks.run import load_stage_config, run_training_stage, training_flow_result
+from tasks.run import load_stage_config, run_job_stage, training_flow_result
 
 
 @flow(name="gram")
@@ -27,7 +27,7 @@ def gram_flow(params: GramParams) -> Any:
         The stage outcome, with the chosen gram teacher in its summary.
     """
     cfg = load_stage_config("gram", params.stage.config, params.config_values())
-    return training_flow_result(run_training_stage("gram", cfg, params.launch, force=params.force))
+    return training_flow_result(run_job_stage("gram", cfg, params.launch, force=params.force))
 
 
 if __name__ == "__main__":

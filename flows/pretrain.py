@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import PretrainParams
-from tasks.run import load_stage_config, run_training_stage, training_flow_result
+from tasks.run import load_stage_config, run_job_stage, training_flow_result
 
 
 @flow(name="pretrain")
@@ -29,7 +29,7 @@ def pretrain_flow(params: PretrainParams) -> Any:
         The stage outcome: ran/skipped, outputs (checkpoints, eval teacher), MLflow run id, summary figures.
     """
     cfg = load_stage_config("pretrain", params.stage.config, params.config_values())
-    return training_flow_result(run_training_stage("pretrain", cfg, params.launch, force=params.force))
+    return training_flow_result(run_job_stage("pretrain", cfg, params.launch, force=params.force))
 
 
 if __name__ == "__main__":

@@ -336,8 +336,14 @@ class ExtractParams(BaseModel):
     output: str = Field(min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr",
                         json_schema_extra=ui(2))  # fmt: skip
     stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(4))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(5))
+    launch: LaunchSettings = Field(
+        default_factory=LaunchSettings, title="Launch",
+        description="More than one process (one per GPU): a torchrun job; slides and large slides' tile ranges "
+        "are split over the ranks.",
+        json_schema_extra=ui(4),
+    )  # fmt: skip
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(6))
 
     def config_values(self) -> dict[str, Any]:
         fields = {"store": self.store, "model": self.model, "output": self.output, **self.tracking.config_values()}

@@ -1,7 +1,7 @@
 """The Prefect task that runs one stage: `dinov3_core.run.run_stage` plus what only Prefect has.
 
     run_stage_task("export", cfg)                        # in the flow-run process
-    run_training_stage("pretrain", cfg, launch)          # torchrun job, retried after crashes
+    run_job_stage("pretrain", cfg, launch)          # torchrun job, retried after crashes
 
 The skip decision, the manifest, the MLflow run and the torchrun launch are `dinov3_core.run`'s; this module adds:
 
@@ -254,7 +254,7 @@ def run_stage_task(
         stage: tile, pretrain, gram, convert, export or extract.
         cfg: The stage's typed config (`load_stage_config`).
         force: Run even when the manifest says the outputs are up to date.
-        launch: torchrun settings (training stages).
+        launch: torchrun settings (training stages; extract when it asks for more than one process).
         run_groups: tile: where slide groups are tiled (`tasks.tile_groups.DaskSlideGroups`); None: the engine's
             own process pool.
 
@@ -302,8 +302,10 @@ def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def run_training_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:
-    """`run_stage_task` for pretrain / gram with the launch's retries (crashes only; each retry resumes)."""
+def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:
+    """`run_stage_task` for a stage that runs as a torchrun job (pretrain, gram; extract on several processes) with
+    the launch's retries (crashes only; each retry resumes: training from its checkpoint, extract at the first
+    slide not yet committed)."""
     retrying = run_stage_task.with_options(retries=launch.retries, retry_condition_fn=is_retriable)
     return retrying(stage, cfg, force=force, launch=launch)
 
@@ -314,8 +316,8 @@ def prefect_stage_runner(launch: LaunchSettings) -> Callable[..., dict[str, Any]
 
     def run(stage: str, cfg: Any, parent: str | None, force: bool = False) -> dict[str, Any]:
         with nested_under(parent, cfg.tracking):
-            if stage in ("pretrain", "gram"):
-                return run_training_stage(stage, cfg, launch, force=force)
+            if STAGE_SPECS[stage].as_job(launch):
+                return run_job_stage(stage, cfg, launch, force=force)
             return run_stage_task(stage, cfg, force=force)
 
     return run
@@ -338,7 +340,7 @@ __all__ = [
     "is_retriable",
     "load_stage_config",
     "prefect_stage_runner",
+    "run_job_stage",
     "run_stage_task",
-    "run_training_stage",
     "training_flow_result",
 ]

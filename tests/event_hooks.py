@@ -7,6 +7,7 @@ directory the listener signals through; tile worker processes and torchrun ranks
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -65,3 +66,19 @@ def kill_worker_once(event: str, **fields: Any) -> None:
         return
     marker.touch()
     os._exit(1)
+
+
+def kill_rank_mid_slide(event: str, **fields: Any) -> None:
+    """Rank 1 of an extract job dies by SIGKILL at the second batch of a slide it writes (as the OOM killer
+    would end it), once per events directory: the job fails and a rerun finishes the store."""
+    if event != "extract.batch" or fields.get("rank") != 1:
+        return
+    seen = _dir() / f"rank1-{fields['slide_id']}"
+    if not seen.exists():
+        seen.touch()  # its first batch of this slide
+        return
+    marker = _dir() / "killed"
+    if marker.exists():
+        return
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGKILL)

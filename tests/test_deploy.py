@@ -59,7 +59,7 @@ FLOWS: dict[str, tuple[str, type[BaseModel]]] = {
     "retrain_flow": ("retrain", RetrainParams),
 }
 CPU_DEPLOYMENTS = {"tile", "convert", "export", "evaluate", "extract", "pipeline", "retrain-cpu"}
-GPU_DEPLOYMENTS = {"pretrain", "gram", "pipeline-gpu", "retrain"}
+GPU_DEPLOYMENTS = {"pretrain", "gram", "extract-gpu", "pipeline-gpu", "retrain"}
 PLACEHOLDER = re.compile(r"{{\s*([A-Za-z_][A-Za-z0-9_]*)\s*}}")
 
 
@@ -170,6 +170,9 @@ def test_gpu_deployments(deployments: dict[str, dict[str, Any]]) -> None:
     pipeline = PipelineParams.model_validate(deployments["pipeline-gpu"]["parameters"]["params"])
     for launch in (gram.launch, pipeline.launch):
         assert launch.gpu_slots == "gpu-slots" and launch.nproc_per_node == 8
+    extract = ExtractParams.model_validate(deployments["extract-gpu"]["parameters"]["params"])
+    assert extract.launch.nproc_per_node == 8 and extract.launch.gpu_slots == "gpu-slots"  # a rank per GPU
+    assert "precision=bf16" in extract.stage.overrides
     cfg = load_pipeline_config(pipeline.config, pipeline.config_values())
     assert cfg.pretrain.config == "vitb16-continued" and cfg.weights == pretrain.pretrained_weights
     assert cfg.tile.config == "cohort-jpeg" and cfg.tile.overrides[-1] == "workers=16"

@@ -162,15 +162,13 @@ def _slides(path) -> dict[str, dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("which", ["torch", "onnx"])
-def test_overlapped_extraction_is_bit_identical_to_serial(which, stage_extract_store, converted, exported, tmp_path,
-                                                         monkeypatch) -> None:  # fmt: skip
+def test_overlapped_extraction_is_bit_identical_to_serial(which, stage_extract_store, converted, exported,
+                                                         tmp_path) -> None:  # fmt: skip
     """Reader threads, a read-ahead depth and the background writer change nothing in the output, row for row; small
     zarr chunks (10 rows, batches of 7) make batches straddle chunks, so the chunk buffering is exercised too."""
-    from dinov3_core.export import extract
-
-    monkeypatch.setattr(extract, "CHUNK_ROWS", 10)
     model = converted if which == "torch" else exported.path
-    common = {"store": stage_extract_store, "model": model, "batch_size": 7, "patch_tokens": True, "pca_map": False}
+    common = {"store": stage_extract_store, "model": model, "batch_size": 7, "patch_tokens": True, "pca_map": False,
+              "chunk_rows": 10}  # fmt: skip
     serial = run_extract(cfg(**common, output=tmp_path / "serial.zarr", loader_threads=0))
     overlapped = run_extract(cfg(**common, output=tmp_path / "overlap.zarr", loader_threads=2, prefetch_batches=3))
     assert serial.backend == overlapped.backend == which

@@ -77,7 +77,9 @@ class ExtractConfig:
     batch_size: int = 64
     patch_tokens: bool = False  # also store every patch token (N, n_patches, D) as `patch`
     slide_ids: list[str] | None = None  # null: every slide of the store
-    num_shards: int = 1  # split the slides over this many independent processes (e.g. one per GPU) …
+    # Independent processes writing one store (e.g. array jobs of a scheduler; for GPUs of one job prefer
+    # `wsidino extract --nproc-per-node N`, which also splits large slides): this many processes …
+    num_shards: int = 1
     shard_index: int = 0  # … of which this is one: it takes slides shard_index, shard_index + num_shards, …
     pca_map: bool = True  # pca.png per slide
     pca_max_side: int = 768  # px of the PCA map's long side
@@ -89,7 +91,12 @@ class ExtractConfig:
     loader_threads: int = 2
     prefetch_batches: int = 2  # batches read ahead of the model (and writes pending behind it); memory ∝ this
     device: str | None = None  # torch backend: null → cuda when available, else cpu (ORT: `providers`)
-    precision: Literal["fp32", "bf16"] = "fp32"  # torch backend: bf16 autocast (for GPUs; features differ ~1e-2)
+    # torch backend: bf16 / fp16 autocast (for GPUs; docs/benchmarks.md has the features' difference from fp32)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Rows per zarr chunk of cls / mean_patch. In a job of several ranks a slide larger than an even share of the
+    # tiles is split into row ranges starting at multiples of this (of lcm(chunk_rows, batch_size) with
+    # patch_tokens), so no chunk has two writers.
+    chunk_rows: int = 4096
     progress: bool = True
     progress_every_s: float = 30.0  # without a terminal: a progress line (count, rate, ETA) this often
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -100,6 +107,7 @@ class ExtractConfig:
         require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")
         require(self.num_shards >= 1, "num_shards", f"must be >= 1, got {self.num_shards}")
+        require(self.chunk_rows >= 1, "chunk_rows", f"must be >= 1, got {self.chunk_rows}")
         require(
             0 <= self.shard_index < self.num_shards,
             "shard_index",

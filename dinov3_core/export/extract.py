@@ -4,27 +4,29 @@
                                              "output": "out/features.zarr"}, stage="extract")
     result = run_extract(cfg)
 
-Layout (zarr v3): `features.zarr/slides/<id>/{cls (N, D), mean_patch (N, D), coords (N, 2) int64 level-0 x, y,
-slide_embedding (D,) [, patch (N, n_patches, D)]}`, attrs `wsidino_features` (model path and hash, source store,
-created, …); rows are the tile store's rows (same order as its coords). The store holds only zarr: pictures and the
-resolved config go beside it (`pictures_dir`: features.zarr → `features/<id>/pca.png`, `features/extract_config.yaml`).
-Tiles are normalised as in training (ImageNet mean / std). Each slide is written under `.incoming/<id>/` and
-renamed into `slides/` when complete; a rerun skips slides already extracted with the same model (hash) and
-redoes the others. `num_shards` / `shard_index` split the slides over independent processes writing the same
-output (per-slide commits do not collide). Within a process `loader_threads` threads read, decode and normalise the
-next `prefetch_batches` batches while the model runs and one thread writes behind it (`dinov3_core.export.loader`);
-the features are bit-identical to the serial loop (`loader_threads=0`). The model: `dinov3_core.export.feature_model`.
+The store's layout and how a slide is committed: `dinov3_core.export.feature_store`. Tiles are normalised as in
+training (ImageNet mean / std). A rerun skips slides already extracted with the same model (hash) and redoes the
+others. One process, or one rank of a torchrun job (`wsidino extract --nproc-per-node N`, entry point
+`dinov3_core.export.extract_job`): rank 0 plans who extracts what (`dinov3_core.export.extract_plan`: whole slides,
+and row ranges of slides larger than an even share), each rank writes its own slides and ranges, and a slide split
+over ranks is committed by one rank once every rank is done. `num_shards` / `shard_index` split the slides over
+independent processes writing the same output (per-slide commits do not collide). Within a process
+`loader_threads` threads read, decode and normalise the next `prefetch_batches` batches while the model runs and
+one thread writes behind it (`dinov3_core.export.loader`); the features are bit-identical to the serial loop
+(`loader_threads=0`) and to any number of ranks. The model: `dinov3_core.export.feature_model`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +35,26 @@ import torch
 import yaml
 import zarr
 
-from dinov3_core import tracking
+from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
-from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.export.config import ExtractConfig
+from dinov3_core.export.extract_plan import Team, WorkUnit, committer, plan_work, split_slides
 from dinov3_core.export.feature_model import ExtractError, FeatureModel, file_hash, normalise, open_model
+from dinov3_core.export.feature_store import (
+    ATTRS_KEY,
+    SlideArrays,
+    commit_slide,
+    init_output,
+    is_extracted,
+    pictures_dir,
+    staging,
+)
 from dinov3_core.export.loader import BackgroundWriter, TileReader, read_ahead
-from dinov3_core.manifest import MANIFEST_NAME
 from dinov3_core.progress import Progress
-from dinov3_core.tiling import store as ts
 
 __all__ = [
+    "ATTRS_KEY",
+    "RESULT_NAME",
     "ExtractConfig",
     "ExtractError",
     "ExtractResult",
@@ -51,16 +62,14 @@ __all__ = [
     "file_hash",
     "normalise",
     "open_model",
+    "pictures_dir",
     "run_extract",
 ]
 
 logger = logging.getLogger(__name__)
 
-ATTRS_KEY = "wsidino_features"
-INCOMING = ".incoming"
-FORMAT = {"format": "wsidino-features", "version": 1}
-CHUNK_ROWS = 4096  # rows per chunk of cls / mean_patch
-Batch = tuple[int, int, np.ndarray]  # slide index, first row in the slide, global tile indices
+RESULT_NAME = "extract_result.json"  # beside the store (pictures_dir): what the last run did, for the launcher
+Batch = tuple[WorkUnit, int, np.ndarray]  # the unit, first row in the slide, global tile indices
 
 
 @dataclass
@@ -73,10 +82,12 @@ class ExtractResult:
     tiles_per_s: float
     model_hash: str
     backend: str
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: tiles, seconds, tiles_per_s, device
 
 
 def _open_dataset(cfg: ExtractConfig) -> Any:
     from dinov3_core.data.tile_dataset import TileDataset
+    from dinov3_core.tiling import store as ts
 
     root = ts.check_store(cfg.store)  # TileStoreError (a WsidinoError) names the store and what to do
     try:
@@ -85,106 +96,47 @@ def _open_dataset(cfg: ExtractConfig) -> Any:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
 
 
-def _done(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str) -> bool:
-    """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
-    was re-tiled under the same id has another source fingerprint: its features are stale)."""
-    meta = out / "slides" / slide_id / "zarr.json"
-    if not meta.is_file():
-        return False
-    try:
-        attrs = zarr.open_group(str(out / "slides" / slide_id), mode="r").attrs.asdict().get(ATTRS_KEY, {})
-    except Exception:  # unreadable: redo
-        return False
-    return (
-        bool(attrs.get("complete"))
-        and attrs.get("model_hash") == model_hash
-        and attrs.get("source_fingerprint") == source_fingerprint
-        and attrs.get("precision", "fp32") == precision
-    )
+def _rank_device(cfg: ExtractConfig, team: Team) -> tuple[str | None, int]:
+    """This rank's torch device and ONNX Runtime CUDA device id: one GPU per local rank."""
+    if team.world_size == 1 or not torch.cuda.is_available() or cfg.device not in (None, "cuda"):
+        return cfg.device, 0
+    gpus = torch.cuda.device_count()
+    if team.local_world_size > gpus:
+        raise ExtractError(f"{team.local_world_size} extract ranks on this node but {gpus} GPU(s): set "
+                           f"--nproc-per-node to at most {gpus} (one rank per GPU)")  # fmt: skip
+    return f"cuda:{team.local_rank}", team.local_rank
 
 
-def pca_rgb(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """First 3 principal components of (N, D) → (N, 3) in [0, 1], and their explained variance ratios."""
-    x = features.astype(np.float64) - features.mean(0, keepdims=True)
-    if len(x) < 2:
-        return np.full((len(x), 3), 0.5), np.zeros(3)
-    _, s, vt = np.linalg.svd(x, full_matrices=False)
-    k = min(3, vt.shape[0])
-    comps = x @ vt[:k].T
-    var = s**2
-    ratio = var[:k] / max(var.sum(), 1e-12)
-    rgb = np.full((len(x), 3), 0.5)
-    lo, hi = comps.min(0), comps.max(0)
-    rgb[:, :k] = (comps - lo) / np.where(hi > lo, hi - lo, 1.0)
-    return rgb, np.pad(ratio, (0, 3 - k))
+def _rank_threads(cfg: ExtractConfig, team: Team) -> int:
+    """Intra-op threads: the configured number, else this rank's share of the cores (ranks on one node's CPU
+    would otherwise each start one thread per core and slow each other down)."""
+    if cfg.num_threads or team.local_world_size == 1:
+        return cfg.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // team.local_world_size)
 
 
-def write_pca_png(
-    path: Path, coords: np.ndarray, features: np.ndarray, tile_level0: float, max_side: int, title: str = ""
-) -> list[float]:
-    """Tiles at their level-0 coords, scaled so the map's long side is `max_side` px, coloured by the first 3 PCs;
-    `title` (slide, model) on top, what the colours mean and the explained variance below."""
-    from PIL import Image, ImageDraw
-
-    rgb, ratio = pca_rgb(features)
-    extent = float((coords.max(0) - coords.min(0)).max()) + tile_level0
-    scale = max_side / extent
-    side = max(1, round(tile_level0 * scale))
-    xy = np.round((coords - coords.min(0)) * scale).astype(int)
-    legend = "colour = CLS features' principal components 1/2/3 as R/G/B; variance explained " + "/".join(
-        f"{100 * r:.0f}%" for r in ratio
-    )
-    width = max(int(xy[:, 0].max()) + side, 7 * len(legend), 7 * len(title))
-    height = int(xy[:, 1].max()) + side + 28
-    canvas = np.full((height, width, 3), 255, np.uint8)
-    for (x, y), c in zip(xy, (rgb * 255).astype(np.uint8), strict=True):
-        canvas[14 + y : 14 + y + side, x : x + side] = c
-    image = Image.fromarray(canvas)
-    draw = ImageDraw.Draw(image)
-    draw.text((2, 1), title, fill=(0, 0, 0))
-    draw.text((2, height - 13), legend, fill=(0, 0, 0))
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
-    return [float(r) for r in ratio]
+def _does_not_fit(model: FeatureModel, cfg: ExtractConfig, err: BaseException) -> ExtractError:
+    where = ", ".join(model.providers)
+    memory = ""
+    device = model.device
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        free, total = torch.cuda.mem_get_info(device)
+        memory = f" ({props.name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
+    return ExtractError(f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where}{memory} "
+                        f"({str(err)[:200]}); lower batch_size, or use precision=bf16 (torch)")  # fmt: skip
 
 
-class _SlideArrays:
-    """A slide's output arrays, written in whole chunks: rows are buffered until their chunk is complete, so zarr
-    encodes each chunk once instead of reading and re-encoding it for every batch that lands in it."""
-
-    def __init__(self, group: Any, n: int, d: int, p: int, patch_tokens: bool, batch_size: int) -> None:
-        self.n, self.chunk = n, max(1, min(n, CHUNK_ROWS))
-        self.arrays = {name: group.create_array(name, shape=(n, d), chunks=(self.chunk, d), dtype="float32")
-                       for name in ("cls", "mean_patch")}  # fmt: skip
-        self.buffers = {name: np.empty((self.chunk, d), np.float32) for name in self.arrays}
-        pc = max(1, min(n, batch_size))  # one chunk per batch: written whole as it comes
-        self.patch = None
-        if patch_tokens:
-            self.patch = group.create_array("patch", shape=(n, p, d), chunks=(pc, p, d), dtype="float32")
-
-    def write(self, b0: int, cls: np.ndarray, mean: np.ndarray, patch: np.ndarray | None) -> None:
-        if self.patch is not None:
-            self.patch[b0 : b0 + len(cls)] = patch
-        i = 0
-        while i < len(cls):
-            row = b0 + i
-            c0 = row - row % self.chunk
-            k = min(len(cls) - i, c0 + self.chunk - row)
-            for name, rows in (("cls", cls), ("mean_patch", mean)):
-                self.buffers[name][row - c0 : row - c0 + k] = rows[i : i + k]
-            i += k
-            end = min(c0 + self.chunk, self.n)
-            if row + k == end:
-                for name, array in self.arrays.items():
-                    array[c0:end] = self.buffers[name][: end - c0]
+def _out_of_memory(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or "failed to allocate memory" in text or "out of memory" in text
 
 
-def _batches(ds: Any, slides: list[int], offsets: np.ndarray, batch_size: int) -> Iterator[Batch]:
-    for s in slides:
-        n, start = int(ds.tile_counts[s]), int(offsets[s])
-        for b0 in range(0, n, batch_size):
-            yield s, b0, np.arange(start + b0, start + min(n, b0 + batch_size))
+def _batches(ds: Any, units: list[WorkUnit], offsets: np.ndarray, batch_size: int) -> Iterator[Batch]:
+    for unit in units:
+        start = int(offsets[unit.slide])
+        for b0 in range(unit.start, unit.stop, batch_size):
+            yield unit, b0, np.arange(start + b0, start + min(unit.stop, b0 + batch_size))
 
 
 def _batch_reader(ds: Any, model: FeatureModel) -> Callable[[Batch], Any]:
@@ -193,174 +145,198 @@ def _batch_reader(ds: Any, model: FeatureModel) -> Callable[[Batch], Any]:
     reader = TileReader(ds, model.prepare)
 
     def read(batch: Batch) -> Any:
-        s, b0, idx = batch
+        unit, b0, idx = batch
         try:
             return reader(idx)
         except Exception as err:
             raise ExtractError(
-                f"tiles {b0}-{b0 + len(idx) - 1} of slide {ds.slide_ids[s]} in tile store {ds.slide_store(s)} cannot "
-                f"be read ({type(err).__name__}: {str(err)[:300]}); re-tile the slide"
+                f"tiles {b0}-{b0 + len(idx) - 1} of slide {ds.slide_ids[unit.slide]} in tile store "
+                f"{ds.slide_store(unit.slide)} cannot be read ({type(err).__name__}: {str(err)[:300]}); re-tile the "
+                f"slide"
             ) from err
 
     return read
 
 
-def _extract_slide(cfg: ExtractConfig, ds: Any, s: int, model: FeatureModel, out: Path, bar: Any,
-                   batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter) -> None:  # fmt: skip
-    slide_id = ds.slide_ids[s]
-    incoming = out / INCOMING / slide_id
-    shutil.rmtree(incoming, ignore_errors=True)
-    incoming.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        _write_slide(cfg, ds, s, model, out, bar, batches, writer, incoming)
-    except BaseException:
-        writer.discard()  # nothing may still be writing into the staging directory we remove
-        shutil.rmtree(incoming, ignore_errors=True)
-        raise
+class _UnitWriter:
+    """Runs the model over one unit's batches and hands the rows to the background writer."""
 
+    def __init__(self, cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, bar: Any,
+                 batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter, rank: int) -> None:  # fmt: skip
+        self.cfg, self.ds, self.model, self.out, self.bar = cfg, ds, model, out, bar
+        self.batches, self.writer, self.rank = batches, writer, rank
 
-def _write_slide(cfg: ExtractConfig, ds: Any, s: int, model: FeatureModel, out: Path, bar: Any,
-                 batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter, incoming: Path) -> None:  # fmt: skip
-    slide_id = ds.slide_ids[s]
-    n = int(ds.tile_counts[s])
-    group = zarr.open_group(str(incoming), mode="w")
-    arrays: _SlideArrays | None = None
-    for _ in range(0, n, cfg.batch_size):
-        (bs, b0, idx), prepared = next(batches)
-        assert bs == s, "batches out of step with slides"
+    def __call__(self, unit: WorkUnit) -> None:
+        incoming = staging(self.out, self.ds.slide_ids[unit.slide])
+        if unit.whole:
+            shutil.rmtree(incoming, ignore_errors=True)
+            incoming.parent.mkdir(parents=True, exist_ok=True)
         try:
-            cls, mean, patch = model.infer(prepared, cfg.patch_tokens)
-        except (RuntimeError, ValueError, AssertionError) as err:
-            if b0:
-                raise
-            raise ExtractError(
-                f"model {model.path} failed on the {ds.tile_size} px tiles of slide {slide_id} ({type(err).__name__}: "
-                f"{str(err)[:300]}); the tile size must be a multiple of the model's patch size"
-            ) from None
-        if arrays is None:
-            p = patch.shape[1] if patch is not None else 0
-            arrays = _SlideArrays(group, n, cls.shape[1], p, cfg.patch_tokens, cfg.batch_size)
-        writer.submit(arrays.write, b0, cls, mean, patch)
-        bar.update(len(idx))
-    writer.drain()
-    coords = ds.slide_coords(s)
-    group.create_array("coords", data=coords.astype(np.int64))
-    assert arrays is not None  # a slide in the index has at least one tile
-    cls_all = np.asarray(arrays.arrays["cls"][:])
-    group.create_array("slide_embedding", data=cls_all.mean(0).astype(np.float32))
-    tile_attrs = ds.slide_attrs(s)
-    ratio = None
-    picture = pictures_dir(out) / slide_id / "pca.png"
-    if cfg.pca_map:  # written beside the store, renamed into place once the slide is committed
-        tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
-        title = f"{slide_id}: {n} tiles, model {model.path.name} ({model.hash[:8]})"
-        picture.parent.mkdir(parents=True, exist_ok=True)
-        staged = picture.with_name(".pca.png.incoming")
-        ratio = write_pca_png(staged, coords, cls_all, tile_level0, cfg.pca_max_side, title)
-    group.attrs[ATTRS_KEY] = {
-        **FORMAT,
-        "slide_id": slide_id,
-        "n_tiles": n,
-        "embed_dim": int(cls_all.shape[1]),
-        "model_path": str(model.path.resolve()),
-        "model_hash": model.hash,
-        "backend": model.backend,
-        "precision": cfg.precision,
-        "source_store": str(ds.slide_store(s).resolve()),
-        "source_fingerprint": tile_attrs.get("source_fingerprint"),
-        "tile_size": int(ds.tile_size),
-        "tile_size_level0": tile_attrs.get("tile_size_level0"),
-        "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
-        "pca_explained_variance": ratio,
-        "created": ts.utc_now(),
-        "complete": True,
-    }
-    final = out / "slides" / slide_id
-    if final.exists():
-        shutil.rmtree(final)  # extracted with another model: replaced
-    os.replace(incoming, final)
-    if cfg.pca_map:
-        os.replace(staged, picture)
+            self._write(unit, incoming)
+            if unit.whole:
+                commit_slide(self.cfg, self.ds, unit.slide, self.model, self.out)
+        except BaseException:
+            self.writer.discard()  # nothing may still be writing into the staging directory
+            if unit.whole:  # a range of a split slide: the job fails, and the next run redoes the whole slide
+                shutil.rmtree(incoming, ignore_errors=True)
+            raise
+
+    def _write(self, unit: WorkUnit, incoming: Path) -> None:
+        cfg, model, slide_id = self.cfg, self.model, self.ds.slide_ids[unit.slide]
+        group = zarr.open_group(str(incoming), mode="w" if unit.whole else "r+")
+        arrays = None if unit.whole else SlideArrays.open(group)
+        for _ in range(unit.start, unit.stop, cfg.batch_size):
+            (got, b0, idx), prepared = next(self.batches)
+            assert got == unit, "batches out of step with the work units"
+            events.emit("extract.batch", output=str(self.out), slide_id=slide_id, start=b0, rank=self.rank)
+            try:
+                cls, mean, patch = model.infer(prepared, cfg.patch_tokens)  # type: ignore[misc]
+            except (RuntimeError, ValueError, AssertionError) as err:
+                if _out_of_memory(err):
+                    raise _does_not_fit(model, cfg, err) from None
+                if b0 != unit.start:
+                    raise
+                raise ExtractError(
+                    f"model {model.path} failed on the {self.ds.tile_size} px tiles of slide {slide_id} "
+                    f"({type(err).__name__}: {str(err)[:300]}); the tile size must be a multiple of the model's "
+                    f"patch size"
+                ) from None
+            if arrays is None:
+                p = patch.shape[1] if patch is not None else 0
+                arrays = SlideArrays.create(group, unit.n_tiles, cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows,
+                                            cfg.batch_size)  # fmt: skip
+            self.writer.submit(arrays.write, b0, cls, mean, patch)
+            self.bar.update(len(idx))
+        self.writer.drain()
 
 
-def pictures_dir(output: str | os.PathLike[str]) -> Path:
-    """Where extract's pictures and resolved config go: beside the feature store, not inside it (a zarr store that
-    holds other files makes zarr warn, and copies of the store drag them along). features.zarr → features/."""
-    out = Path(output)
-    return out.with_suffix("") if out.suffix == ".zarr" else out.parent / f"{out.name}.pictures"
+def _stage_split_slides(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path,
+                        split: dict[int, list[WorkUnit]], offsets: np.ndarray) -> None:  # fmt: skip
+    """Rank 0, before any rank writes: the staging arrays of the slides split over ranks (their width from one
+    tile through the model), so every rank only writes rows into arrays that exist."""
+    if not split:
+        return
+    first = next(iter(split))
+    probe = TileReader(ds, model.prepare)(np.array([int(offsets[first])]))
+    cls, _, patch = model.infer(probe, cfg.patch_tokens)  # type: ignore[misc]
+    p = patch.shape[1] if patch is not None else 0
+    for s in split:
+        incoming = staging(out, ds.slide_ids[s])
+        shutil.rmtree(incoming, ignore_errors=True)
+        incoming.parent.mkdir(parents=True, exist_ok=True)
+        group = zarr.open_group(str(incoming), mode="w")
+        SlideArrays.create(group, int(ds.tile_counts[s]), cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows,
+                           cfg.batch_size)  # fmt: skip
 
 
-def _init_output(out: Path, cfg: ExtractConfig) -> None:
-    if out.exists() and (out / "zarr.json").is_file():
-        attrs = zarr.open_group(str(out), mode="r").attrs.asdict().get(ATTRS_KEY, {})
-        if attrs.get("format") != FORMAT["format"]:
-            raise ExtractError(f"output {out} is a zarr store but not a wsidino feature store; choose another output")
-    elif out.exists() and any(p.name != MANIFEST_NAME and not p.name.startswith(".") for p in out.iterdir()):
-        raise ExtractError(f"output {out} exists and is not a feature store; choose a new path")
-    root = zarr.open_group(str(out), mode="a")
-    root.attrs[ATTRS_KEY] = {**FORMAT, "source_store": str(Path(cfg.store).resolve())}
-    if "slides" not in root:
-        root.create_group("slides")
+def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Team,
+          offsets: np.ndarray) -> tuple[list[list[WorkUnit]], list[int]]:  # fmt: skip
+    """Rank 0: (units per rank, slides skipped as up to date), with the split slides' staging arrays created."""
+    init_output(out, cfg.store)
+    mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
+    fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
+    todo = [s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision)]
+    align = math.lcm(cfg.chunk_rows, cfg.batch_size) if cfg.patch_tokens else cfg.chunk_rows
+    plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
+    _stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
+    return plan, [s for s in mine if s not in todo]
 
 
-def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None) -> ExtractResult:
+def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None,
+                team: Team | None = None) -> ExtractResult:  # fmt: skip
     """Extract per `cfg`; returns which slides were extracted / skipped and the throughput.
 
     `progress(tiles done, tiles to do)`: called as batches finish (the Prefect progress artifact); with
-    `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s."""
+    `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s. `team`: this process's rank
+    in a torchrun job (`dinov3_core.export.extract_job`); None: a single process."""
+    team = team or Team()
     start_time = time.perf_counter()
     ds = _open_dataset(cfg)
     torch_threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    threads = _rank_threads(cfg, team)
+    if threads:
+        torch.set_num_threads(threads)
     try:
-        model = open_model(cfg.model, cfg.backend, cfg.providers, cfg.num_threads, cfg.device, cfg.precision)
+        device, device_id = _rank_device(cfg, team)
+        try:
+            model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id)
+        except torch.OutOfMemoryError as err:
+            raise ExtractError(f"model {cfg.model} does not fit on {device} ({str(err)[:300]})") from None
         if model.patch_size and ds.tile_size % model.patch_size:
             raise ExtractError(
                 f"tile store {cfg.store} has {ds.tile_size} px tiles, not a multiple of the model's patch size "
                 f"{model.patch_size}: re-tile with a tile_size that is"
             )
         out = Path(cfg.output)
-        _init_output(out, cfg)
         offsets = np.concatenate([[0], np.cumsum(ds.tile_counts)])
-        mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
-        fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
-        todo = [s for s in mine if not _done(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision)]
-        skipped = [ds.slide_ids[s] for s in mine if s not in todo]
-        for sid in skipped:
-            logger.info("slide %s already extracted with model %s: skipped", sid, model.hash)
-        total = int(sum(ds.tile_counts[s] for s in todo))
-        bar = Progress("extract", unit="tile", total=total, enabled=cfg.progress, callback=progress,
+        plan, skipped = team.broadcast(_plan(cfg, ds, model, out, team, offsets) if team.is_main else None)
+        if team.is_main:
+            for s in skipped:
+                logger.info("slide %s already extracted with model %s: skipped", ds.slide_ids[s], model.hash)
+        units = plan[team.rank]
+        total = sum(u.size for u in units)
+        label = "extract" if team.world_size == 1 else f"extract rank {team.rank}"
+        bar = Progress(label, unit="tile", total=total, enabled=cfg.progress, callback=progress,
                        every_s=cfg.progress_every_s)  # fmt: skip
         with tracking.stage_run(cfg.tracking, "extract", params={"model_hash": model.hash, "backend": model.backend,
                                                                    "store": cfg.store}):  # fmt: skip
             readers, depth = cfg.loader_threads, cfg.prefetch_batches
             writer = BackgroundWriter(readers, depth)
-            jobs = _batches(ds, todo, offsets, cfg.batch_size)
+            jobs = _batches(ds, units, offsets, cfg.batch_size)
+            work_start = time.perf_counter()
             try:
                 with contextlib.closing(read_ahead(jobs, _batch_reader(ds, model), readers, depth)) as batches:
-                    for s in todo:
-                        _extract_slide(cfg, ds, s, model, out, bar, batches, writer)
+                    write_unit = _UnitWriter(cfg, ds, model, out, bar, batches, writer, team.rank)
+                    for unit in units:
+                        write_unit(unit)
             finally:
                 writer.close()
                 bar.close()
+            work_s = time.perf_counter() - work_start
+            ranks = team.gather({"rank": team.rank, "tiles": total, "seconds": round(work_s, 3),
+                                 "tiles_per_s": round(total / max(work_s, 1e-9), 1),
+                                 "device": ",".join(model.providers)})  # fmt: skip
+            split = split_slides(plan)
+            for s in split:  # every rank is done (the gather): the split slides' rows are all written
+                if committer(plan, s) == team.rank:
+                    commit_slide(cfg, ds, s, model, out)
+            team.barrier()
             seconds = time.perf_counter() - start_time
-            if cfg.tracking.enabled:
-                tracking.log_metrics({"tiles": total, "tiles_per_s": total / max(seconds, 1e-9)})
-        pictures_dir(out).mkdir(parents=True, exist_ok=True)
-        (pictures_dir(out) / "extract_config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            tiles = sum(r["tiles"] for r in ranks)
+            if cfg.tracking.enabled and team.is_main:
+                tracking.log_metrics({"tiles": tiles, "tiles_per_s": tiles / max(seconds, 1e-9),
+                                      "ranks": team.world_size})  # fmt: skip
     finally:
         torch.set_num_threads(torch_threads)
     result = ExtractResult(
         output=out,
-        extracted=[ds.slide_ids[s] for s in todo],
-        skipped=skipped,
-        tiles=total,
+        extracted=[ds.slide_ids[s] for s in sorted({u.slide for r in plan for u in r})],
+        skipped=[ds.slide_ids[s] for s in skipped],
+        tiles=tiles,
         seconds=seconds,
-        tiles_per_s=total / max(seconds, 1e-9),
+        tiles_per_s=tiles / max(seconds, 1e-9),
         model_hash=model.hash,
         backend=model.backend,
+        ranks=ranks,
     )
-    logger.info("extracted %d tiles of %d slides (%d skipped) in %.1f s: %.1f tiles/s", total, len(todo),
-                len(skipped), seconds, result.tiles_per_s)  # fmt: skip
+    if team.is_main:
+        _write_run_record(cfg, result)
+        logger.info("extracted %d tiles of %d slides (%d skipped) in %.1f s: %.1f tiles/s on %d rank(s)", tiles,
+                    len(result.extracted), len(skipped), seconds, result.tiles_per_s, team.world_size)  # fmt: skip
     return result
+
+
+def _write_run_record(cfg: ExtractConfig, result: ExtractResult) -> None:
+    """The resolved config and what the run did, beside the store (the launcher of a torchrun job reads the latter)."""
+    where = pictures_dir(cfg.output)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "extract_config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    record = {**asdict(result), "output": str(result.output)}
+    tmp = where / f".{RESULT_NAME}.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, where / RESULT_NAME)
+
+
+def read_run_record(output: str | os.PathLike[str]) -> dict[str, Any]:
+    path = pictures_dir(output) / RESULT_NAME
+    return json.loads(path.read_text()) if path.is_file() else {}

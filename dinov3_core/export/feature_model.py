@@ -69,6 +69,7 @@ class FeatureModel:
     patch_size: int | None = None  # known for the PyTorch backbone
     prepare: Callable[[np.ndarray], Any] = normalise
     infer: Callable[[Any, bool], Outputs] | None = None  # None: `run` on the prepared batch, mean taken in numpy
+    device: torch.device | None = None  # the PyTorch backbone's device (None: ONNX Runtime, see `providers`)
 
     def __post_init__(self) -> None:
         if self.infer is None:
@@ -82,8 +83,10 @@ def torch_device(device: str | None) -> torch.device:
 
 
 def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: list[str] | None = None,
-               threads: int = 0, device: str | None = "cpu", precision: str = "fp32") -> FeatureModel:  # fmt: skip
-    """`device` (PyTorch): None → CUDA when available; `precision` "bf16": PyTorch autocast (ONNX: export fp16)."""
+               threads: int = 0, device: str | None = "cpu", precision: str = "fp32",
+               device_id: int = 0) -> FeatureModel:  # fmt: skip
+    """`device` (PyTorch): None → CUDA when available; `precision` "bf16" / "fp16": PyTorch autocast (ONNX: export
+    fp16); `device_id`: the GPU of ONNX Runtime's CUDA provider (one per rank of a job)."""
     p = Path(path)
     if not p.is_file():
         raise ExtractError(f"model file {p} not found; give a model.onnx (export) or backbone.pth (convert)")
@@ -92,17 +95,17 @@ def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: l
     if backend == "onnx":
         if precision != "fp32":
             raise ExtractError(f"precision={precision} is for the torch backend; for ONNX export with fp16=true")
-        return _onnx_model(p, providers, threads)
+        return _onnx_model(p, providers, threads, device_id)
     if backend == "torch":
         return _torch_model(p, torch_device(device), precision)
     raise ExtractError(f"backend={backend!r}: use auto, onnx or torch")
 
 
-def _onnx_model(p: Path, providers: list[str] | None, threads: int) -> FeatureModel:
+def _onnx_model(p: Path, providers: list[str] | None, threads: int, device_id: int = 0) -> FeatureModel:
     from dinov3_core.export.onnx_export import INPUT_NAME, ort_session
 
     try:
-        session = ort_session(p, providers, threads)
+        session = ort_session(p, providers, threads, device_id)
     except Exception as err:  # ORT raises its own exception types
         raise ExtractError(f"model {p} cannot be loaded by ONNX Runtime ({err})") from None
     outputs = [o.name for o in session.get_outputs()]
@@ -147,23 +150,29 @@ def _torch_model(p: Path, device: torch.device, precision: str) -> FeatureModel:
     from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
 
     model = BackboneFeatures(load_backbone(p, device=str(device))).eval()
-    runner = TorchRunner(model, device, bf16=precision == "bf16")
-    fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device.type}"], model.backbone.patch_size)
+    runner = TorchRunner(model, device, AUTOCAST[precision])
+    fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device}"], model.backbone.patch_size,
+                      device=device)  # fmt: skip
     if device.type == "cuda":  # CPU keeps numpy's normalise and mean: the features stay what they were
         fm.prepare, fm.infer = runner.prepare_uint8, runner.infer_uint8
     return fm
 
 
-class TorchRunner:
-    """The PyTorch backbone on `device`; `*_uint8`: tiles shipped as uint8 (pinned on CUDA), normalised there."""
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision → autocast dtype
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, bf16: bool = False) -> None:
-        self.model, self.device, self.bf16 = model, device, bf16
+
+class TorchRunner:
+    """The PyTorch backbone on `device`; `*_uint8`: tiles shipped as uint8 (pinned on CUDA), normalised there.
+    `autocast`: run the blocks in that dtype (bf16 / fp16 autocast); the features come back as float32."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, autocast: torch.dtype | None = None) -> None:
+        self.model, self.device, self.autocast = model, device, autocast
         self.mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
 
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+        dtype = self.autocast or torch.bfloat16
+        with torch.inference_mode(), torch.autocast(self.device.type, dtype, enabled=self.autocast is not None):
             cls, patch = self.model(x)
         return cls.float(), patch.float()
 

@@ -214,14 +214,17 @@ def session_options(threads: int = 0) -> Any:
     return opts
 
 
-def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0) -> Any:
-    """An ONNX Runtime session with `session_options`; providers None → CUDA when available, then CPU."""
+def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0,
+                device_id: int = 0) -> Any:  # fmt: skip
+    """An ONNX Runtime session with `session_options`; providers None → CUDA when available (on GPU `device_id`:
+    `onnxruntime-gpu`, the `gpu` extra), then CPU."""
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     if providers is None:
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    return ort.InferenceSession(str(path), sess_options=session_options(threads), providers=providers)
+    chosen: list[Any] = [(p, {"device_id": device_id}) if p == "CUDAExecutionProvider" else p for p in providers]
+    return ort.InferenceSession(str(path), sess_options=session_options(threads), providers=chosen)
 
 
 def within_tolerance(err: float, scale: float, atol: float, rtol: float) -> bool:

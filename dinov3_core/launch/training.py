@@ -1,9 +1,10 @@
-"""How a training stage is launched: `LaunchSettings` (processes, nodes, GPUs, limits) → one `TorchrunJob`.
+"""How a stage runs as a torchrun job: `LaunchSettings` (processes, nodes, GPUs, limits) → one `TorchrunJob`.
 
-The same settings come from `wsidino pretrain --nproc-per-node …` and from the Prefect forms (this pydantic model
-is the form's "Launch" section), so every bound is declared here once. The resolved stage config is written to
-`<output_dir>/launch_config.yaml` and every rank loads it: ranks, retries and the stage manifest all see one
-config.
+Pretrain and gram always run as a job; extract does when the launch asks for more than one process. The same
+settings come from `wsidino pretrain --nproc-per-node …` and from the Prefect forms (this pydantic model is the
+form's "Launch" section), so every bound is declared here once. The resolved stage config is written to
+`<job dir>/launch_config.yaml` (the run directory; for extract the folder beside the feature store) and every rank
+loads it: ranks, retries and the stage manifest all see one config.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dinov3_core.launch.job import TorchrunJob
 
 LAUNCH_CONFIG = "launch_config.yaml"
-TRAINING_MODULES = {"pretrain": "dinov3_core.train", "gram": "dinov3_core.gram"}  # `python -m` on every rank
+# `python -m` on every rank of a stage's job
+JOB_MODULES = {"pretrain": "dinov3_core.train", "gram": "dinov3_core.gram", "extract": "dinov3_core.export.extract_job"}
+TRAINING_STAGES = ("pretrain", "gram")
 
 
 def _ui(position: int) -> dict[str, Any]:
@@ -24,7 +27,7 @@ def _ui(position: int) -> dict[str, Any]:
 
 
 class LaunchSettings(BaseModel):
-    """How a training stage is launched: torchrun processes, nodes, GPUs, wall-clock limit and retries."""
+    """How a stage's torchrun job is launched: processes, nodes, GPUs, wall-clock limit and retries."""
 
     model_config = ConfigDict(extra="forbid", title="Launch")
 
@@ -66,6 +69,10 @@ class LaunchSettings(BaseModel):
         json_schema_extra=_ui(6),
     )  # fmt: skip
 
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> LaunchSettings:
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -73,34 +80,46 @@ class LaunchSettings(BaseModel):
         return self
 
 
-def training_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
-    """The torchrun job of a training stage (`pretrain`, `gram`) for its resolved config.
+def job_dir(stage: str, cfg: Any) -> Path:
+    """Where a stage's job keeps its launch config and per-rank logs: the run directory of a training stage, the
+    folder beside the feature store for extract (nothing but zarr goes into the store)."""
+    if stage in TRAINING_STAGES:
+        return Path(cfg.output_dir)
+    from dinov3_core.export.feature_store import pictures_dir
+
+    return pictures_dir(cfg.output)
+
+
+def stage_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
+    """The torchrun job of a stage (`pretrain`, `gram`, `extract`) for its resolved config.
 
     Args:
         stage: The stage name; picks the module every rank runs.
-        cfg: The stage's typed config; written to `<output_dir>/launch_config.yaml` for the ranks.
+        cfg: The stage's typed config; written to `<job dir>/launch_config.yaml` for the ranks.
         launch: Processes, nodes, rendezvous, GPUs and the wall-clock limit.
         env: Extra environment for every rank (the MLflow run to join).
     """
     from dinov3_core.config import save_config
-    from dinov3_core.train.config import check_parallelism
 
-    # Bad parallelism settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
-    check_parallelism(cfg, launch.nproc_per_node * launch.nnodes)
-    out = Path(cfg.output_dir)
-    cfg_path = save_config(cfg, out / LAUNCH_CONFIG)
+    if stage in TRAINING_STAGES:
+        from dinov3_core.train.config import check_parallelism
+
+        # Bad parallelism settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
+        check_parallelism(cfg, launch.world_size)
+    where = job_dir(stage, cfg)
+    cfg_path = save_config(cfg, where / LAUNCH_CONFIG)
     return TorchrunJob(
-        module=TRAINING_MODULES[stage],
+        module=JOB_MODULES[stage],
         args=["--config", str(cfg_path.resolve())],
         nproc_per_node=launch.nproc_per_node,
         nnodes=launch.nnodes,
         rdzv_endpoint=launch.rdzv_endpoint,
-        rdzv_id=f"wsidino-{stage}-{out.name}",
+        rdzv_id=f"wsidino-{stage}-{where.name}",
         cuda_visible_devices=launch.cuda_visible_devices,
         env=dict(env or {}),
-        log_dir=out / "torchrun_logs",
+        log_dir=where / "torchrun_logs",
         timeout_s=launch.timeout_hours * 3600 if launch.timeout_hours else None,
     )
 
 
-__all__ = ["LAUNCH_CONFIG", "TRAINING_MODULES", "LaunchSettings", "training_job"]
+__all__ = ["JOB_MODULES", "LAUNCH_CONFIG", "TRAINING_STAGES", "LaunchSettings", "job_dir", "stage_job"]

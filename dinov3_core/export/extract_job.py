@@ -1,0 +1,61 @@
+"""`python -m dinov3_core.export.extract_job --config FILE [key=value ...]`: one rank of an extract job.
+
+    torchrun --standalone --nproc-per-node=8 -m dinov3_core.export.extract_job --config features/launch_config.yaml
+
+`wsidino extract --nproc-per-node N` (and the Prefect extract flow with `launch.nproc_per_node` > 1) starts this
+through the one torchrun launcher (`dinov3_core.launch`), which writes the resolved config beside the feature store.
+Every rank runs `run_extract` with its `Team` (gloo; each rank on its own GPU when there are GPUs); rank 0 logs
+into the stage's MLflow run (`$MLFLOW_RUN_ID`) and writes the run record the launcher summarises. Exit codes: 0
+done, 2 bad input (message on stderr, no traceback); any other failure raises and `@record` hands it to torchrun
+as the failing rank's root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dinov3_core.config import load_config
+from dinov3_core.errors import WsidinoError, exit_code
+from dinov3_core.procutil import die_with_parent
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
+        die_with_parent()
+    parser = argparse.ArgumentParser(prog="python -m dinov3_core.export.extract_job", description=__doc__)
+    parser.add_argument("--config", required=True, help="the extract config (YAML)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    from dinov3_core.export.config import ExtractConfig
+    from dinov3_core.export.extract import run_extract
+    from dinov3_core.export.extract_plan import Team
+
+    team = None
+    try:
+        cfg = load_config(ExtractConfig, args.config, args.overrides, stage="extract")
+        team = Team.from_env()
+        if not team.is_main:  # one MLflow writer; the other ranks' figures reach it through the gather
+            cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))
+        result = run_extract(cfg, team=team)
+    except WsidinoError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return exit_code(err)
+    finally:
+        if team is not None:
+            team.close()
+    if team.is_main:
+        print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date, {result.tiles} "
+              f"tiles in {result.seconds:.1f} s ({result.tiles_per_s:.1f} tiles/s) on {team.world_size} rank(s) → "
+              f"{result.output}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The feature store extract writes: its layout, which slides are done, and how a slide is staged and committed.
+
+Layout (zarr v3): `features.zarr/slides/<id>/{cls (N, D), mean_patch (N, D), coords (N, 2) int64 level-0 x, y,
+slide_embedding (D,) [, patch (N, n_patches, D)]}`, attrs `wsidino_features` (model path and hash, source store,
+created, …); rows are the tile store's rows (same order as its coords). The store holds only zarr: pictures, the
+resolved config and a distributed job's result go beside it (`pictures_dir`: features.zarr → `features/`).
+
+A slide is written under `.incoming/<id>/` and renamed into `slides/` by `commit_slide` once every row is there, so
+a slide under `slides/` with `complete: true` is whole; anything under `.incoming/` is debris of a stopped run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from dinov3_core.export.feature_model import ExtractError
+from dinov3_core.manifest import MANIFEST_NAME
+from dinov3_core.tiling import store as ts
+
+ATTRS_KEY = "wsidino_features"
+INCOMING = ".incoming"
+FORMAT = {"format": "wsidino-features", "version": 1}
+
+
+def pictures_dir(output: str | os.PathLike[str]) -> Path:
+    """Where extract's pictures and resolved config go: beside the feature store, not inside it (a zarr store that
+    holds other files makes zarr warn, and copies of the store drag them along). features.zarr → features/."""
+    out = Path(output)
+    return out.with_suffix("") if out.suffix == ".zarr" else out.parent / f"{out.name}.pictures"
+
+
+def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str) -> bool:
+    """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
+    was re-tiled under the same id has another source fingerprint: its features are stale)."""
+    meta = out / "slides" / slide_id / "zarr.json"
+    if not meta.is_file():
+        return False
+    try:
+        attrs = zarr.open_group(str(out / "slides" / slide_id), mode="r").attrs.asdict().get(ATTRS_KEY, {})
+    except Exception:  # unreadable: redo
+        return False
+    return (
+        bool(attrs.get("complete"))
+        and attrs.get("model_hash") == model_hash
+        and attrs.get("source_fingerprint") == source_fingerprint
+        and attrs.get("precision", "fp32") == precision
+    )
+
+
+def check_output(out: Path) -> None:
+    """`out` is a feature store, or does not exist yet, or is empty: extract writes nowhere else."""
+    if out.exists() and (out / "zarr.json").is_file():
+        attrs = zarr.open_group(str(out), mode="r").attrs.asdict().get(ATTRS_KEY, {})
+        if attrs.get("format") != FORMAT["format"]:
+            raise ExtractError(f"output {out} is a zarr store but not a wsidino feature store; choose another output")
+    elif out.exists() and any(p.name != MANIFEST_NAME and not p.name.startswith(".") for p in out.iterdir()):
+        raise ExtractError(f"output {out} exists and is not a feature store; choose a new path")
+
+
+def init_output(out: Path, store: str) -> None:
+    """Create the feature store (or check that `out` is one); refuses to write into anything else."""
+    check_output(out)
+    root = zarr.open_group(str(out), mode="a")
+    root.attrs[ATTRS_KEY] = {**FORMAT, "source_store": str(Path(store).resolve())}
+    if "slides" not in root:
+        root.create_group("slides")
+
+
+def staging(out: Path, slide_id: str) -> Path:
+    return out / INCOMING / slide_id
+
+
+class SlideArrays:
+    """A slide's output arrays, written in whole chunks: rows are buffered until their chunk is complete, so zarr
+    encodes each chunk once instead of reading and re-encoding it for every batch that lands in it.
+
+    Several processes may write one slide's arrays at once (a slide split into row ranges over ranks) as long as
+    each range starts on a chunk boundary of every array: then no chunk has two writers."""
+
+    def __init__(self, arrays: dict[str, Any], patch: Any, n: int, chunk: int) -> None:
+        self.arrays, self.patch, self.n, self.chunk = arrays, patch, n, chunk
+        d = next(iter(arrays.values())).shape[1]
+        self.buffers = {name: np.empty((chunk, d), np.float32) for name in arrays}
+
+    @classmethod
+    def create(cls, group: Any, n: int, d: int, p: int, patch_tokens: bool, chunk_rows: int,
+               batch_size: int) -> SlideArrays:  # fmt: skip
+        chunk = max(1, min(n, chunk_rows))
+        arrays = {name: group.create_array(name, shape=(n, d), chunks=(chunk, d), dtype="float32")
+                  for name in ("cls", "mean_patch")}  # fmt: skip
+        patch = None
+        if patch_tokens:  # one chunk per batch: written whole as it comes
+            pc = max(1, min(n, batch_size))
+            patch = group.create_array("patch", shape=(n, p, d), chunks=(pc, p, d), dtype="float32")
+        return cls(arrays, patch, n, chunk)
+
+    @classmethod
+    def open(cls, group: Any) -> SlideArrays:
+        """The arrays another process created (`create`), to write a range of rows into."""
+        arrays = {name: group[name] for name in ("cls", "mean_patch")}
+        patch = group["patch"] if "patch" in group.array_keys() else None
+        return cls(arrays, patch, arrays["cls"].shape[0], arrays["cls"].chunks[0])
+
+    def write(self, b0: int, cls: np.ndarray, mean: np.ndarray, patch: np.ndarray | None) -> None:
+        if self.patch is not None:
+            self.patch[b0 : b0 + len(cls)] = patch
+        i = 0
+        while i < len(cls):
+            row = b0 + i
+            c0 = row - row % self.chunk
+            k = min(len(cls) - i, c0 + self.chunk - row)
+            for name, rows in (("cls", cls), ("mean_patch", mean)):
+                self.buffers[name][row - c0 : row - c0 + k] = rows[i : i + k]
+            i += k
+            end = min(c0 + self.chunk, self.n)
+            if row + k == end:
+                for name, array in self.arrays.items():
+                    array[c0:end] = self.buffers[name][: end - c0]
+
+
+def pca_rgb(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First 3 principal components of (N, D) → (N, 3) in [0, 1], and their explained variance ratios."""
+    x = features.astype(np.float64) - features.mean(0, keepdims=True)
+    if len(x) < 2:
+        return np.full((len(x), 3), 0.5), np.zeros(3)
+    _, s, vt = np.linalg.svd(x, full_matrices=False)
+    k = min(3, vt.shape[0])
+    comps = x @ vt[:k].T
+    var = s**2
+    ratio = var[:k] / max(var.sum(), 1e-12)
+    rgb = np.full((len(x), 3), 0.5)
+    lo, hi = comps.min(0), comps.max(0)
+    rgb[:, :k] = (comps - lo) / np.where(hi > lo, hi - lo, 1.0)
+    return rgb, np.pad(ratio, (0, 3 - k))
+
+
+def write_pca_png(
+    path: Path, coords: np.ndarray, features: np.ndarray, tile_level0: float, max_side: int, title: str = ""
+) -> list[float]:
+    """Tiles at their level-0 coords, scaled so the map's long side is `max_side` px, coloured by the first 3 PCs;
+    `title` (slide, model) on top, what the colours mean and the explained variance below."""
+    from PIL import Image, ImageDraw
+
+    rgb, ratio = pca_rgb(features)
+    extent = float((coords.max(0) - coords.min(0)).max()) + tile_level0
+    scale = max_side / extent
+    side = max(1, round(tile_level0 * scale))
+    xy = np.round((coords - coords.min(0)) * scale).astype(int)
+    legend = "colour = CLS features' principal components 1/2/3 as R/G/B; variance explained " + "/".join(
+        f"{100 * r:.0f}%" for r in ratio
+    )
+    width = max(int(xy[:, 0].max()) + side, 7 * len(legend), 7 * len(title))
+    height = int(xy[:, 1].max()) + side + 28
+    canvas = np.full((height, width, 3), 255, np.uint8)
+    for (x, y), c in zip(xy, (rgb * 255).astype(np.uint8), strict=True):
+        canvas[14 + y : 14 + y + side, x : x + side] = c
+    image = Image.fromarray(canvas)
+    draw = ImageDraw.Draw(image)
+    draw.text((2, 1), title, fill=(0, 0, 0))
+    draw.text((2, height - 13), legend, fill=(0, 0, 0))
+    tmp = path.with_name(f".{path.name}.tmp")
+    image.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return [float(r) for r in ratio]
+
+
+def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
+    """Finish slide `s` staged under `.incoming/<id>/` (every row of cls / mean_patch written): its coords, slide
+    embedding, PCA map and attrs, then the rename into `slides/` that makes it count as extracted."""
+    slide_id = ds.slide_ids[s]
+    incoming = staging(out, slide_id)
+    group = zarr.open_group(str(incoming), mode="r+")
+    n = int(ds.tile_counts[s])
+    coords = ds.slide_coords(s)
+    group.create_array("coords", data=coords.astype(np.int64))
+    cls_all = np.asarray(group["cls"][:])
+    group.create_array("slide_embedding", data=cls_all.mean(0).astype(np.float32))
+    tile_attrs = ds.slide_attrs(s)
+    ratio = None
+    picture = pictures_dir(out) / slide_id / "pca.png"
+    staged = picture.with_name(".pca.png.incoming")
+    if cfg.pca_map:  # written beside the store, renamed into place once the slide is committed
+        tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
+        title = f"{slide_id}: {n} tiles, model {model.path.name} ({model.hash[:8]})"
+        picture.parent.mkdir(parents=True, exist_ok=True)
+        ratio = write_pca_png(staged, coords, cls_all, tile_level0, cfg.pca_max_side, title)
+    group.attrs[ATTRS_KEY] = {
+        **FORMAT,
+        "slide_id": slide_id,
+        "n_tiles": n,
+        "embed_dim": int(cls_all.shape[1]),
+        "model_path": str(model.path.resolve()),
+        "model_hash": model.hash,
+        "backend": model.backend,
+        "precision": cfg.precision,
+        "source_store": str(ds.slide_store(s).resolve()),
+        "source_fingerprint": tile_attrs.get("source_fingerprint"),
+        "tile_size": int(ds.tile_size),
+        "tile_size_level0": tile_attrs.get("tile_size_level0"),
+        "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+        "pca_explained_variance": ratio,
+        "created": ts.utc_now(),
+        "complete": True,
+    }
+    final = out / "slides" / slide_id
+    if final.exists():
+        shutil.rmtree(final)  # extracted with another model: replaced
+    os.replace(incoming, final)
+    if cfg.pca_map:
+        os.replace(staged, picture)
+
+
+__all__ = [
+    "ATTRS_KEY",
+    "FORMAT",
+    "INCOMING",
+    "SlideArrays",
+    "check_output",
+    "commit_slide",
+    "init_output",
+    "is_extracted",
+    "pca_rgb",
+    "pictures_dir",
+    "staging",
+    "write_pca_png",
+]
