@@ -36,10 +36,12 @@ def cfg(**values: Any) -> ExtractConfig:
 
 def slides(path: Path) -> dict[str, dict[str, Any]]:
     root = zarr.open_group(str(path), mode="r")["slides"]
-    return {
-        sid: {"attrs": root[sid].attrs.asdict()[ATTRS_KEY], **{a: np.asarray(root[sid][a][:]) for a in root[sid].array_keys()}}
-        for sid in root.group_keys()
-    }  # fmt: skip
+    out = {}
+    for sid in root.group_keys():
+        group = root[sid]
+        arrays = {a: np.asarray(group[a][:]) for a in group.array_keys()}
+        out[sid] = {"attrs": group.attrs.asdict()[ATTRS_KEY], **arrays}
+    return out
 
 
 @pytest.fixture(scope="module")

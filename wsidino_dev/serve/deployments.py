@@ -21,7 +21,8 @@ GPU_POOL = "wsidino-gpu"
 GPU_SLOTS_LIMIT = "gpu-slots"
 DEMO_DEPLOYMENT = "pipeline"  # deployment name in prefect.yaml; full name pipeline/pipeline
 DEMO_FLOW = "pipeline"
-GPU_DEPLOYMENTS = ("pretrain", "gram", "extract-gpu", "pipeline-gpu", "retrain")  # on pool wsidino-gpu (deploy/prefect.yaml)
+# On pool wsidino-gpu (deploy/prefect.yaml).
+GPU_DEPLOYMENTS = ("pretrain", "gram", "extract-gpu", "pipeline-gpu", "retrain")
 RETRAIN_DEPLOYMENT = "retrain-cpu"  # full name retrain/retrain-cpu
 RETRAIN_FLOW = "retrain"
 
