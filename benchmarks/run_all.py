@@ -23,6 +23,7 @@ SCRIPTS = [
     "backbone.py",
     "train_step.py",
     "extract.py",
+    "extract_ranks.py",
     "evaluate.py",
     "training_health.py",
     "stage_manifest.py",

@@ -12,7 +12,8 @@ Events and their fields:
 * ``stage.start``: stage, output (the stage's output directory), training (a torchrun stage: emitted by the runner
   before the job starts, not by its ranks);
 * ``train.checkpoint``: stage, output_dir, iteration, rank (every rank, after the DCP checkpoint is complete);
-* ``tile.shard_written``: store, slide_id, start, tiles (in the worker process that wrote the shard).
+* ``tile.shard_written``: store, slide_id, start, tiles (in the worker process that wrote the shard);
+* ``extract.batch``: output, slide_id, start (first row), rank (before the model runs on a batch, in every rank).
 
 The environment is inherited by torchrun ranks and tile worker processes, so a hook set before a run sees the
 events of every process of it.

@@ -14,8 +14,9 @@ What every stage gets from here (the stage functions know nothing of it):
   a retry of a failed attempt reopens that attempt's run;
 * **the manifest**: `running` while the stage runs, `failed` with the error, `complete` with outputs and an output
   fingerprint after it; one run per output at a time (a lock beside the manifest);
-* **training stages** run as a torchrun job (`dinov3_core.launch`) with the launch settings; rank 0 logs into the
-  stage's MLflow run; everything else runs in this process;
+* **training stages** run as a torchrun job (`dinov3_core.launch`) with the launch settings, and so does extract
+  when they ask for more than one process (`StageSpec.as_job`); rank 0 logs into the stage's MLflow run;
+  everything else runs in this process;
 * the ``stage.start`` event (`dinov3_core.events`) for fault drills.
 
 `RunHooks` (`dinov3_core.stage_work`) is what a caller adds: where log lines go, the Prefect tags, a GPU-slot

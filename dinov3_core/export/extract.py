@@ -115,15 +115,18 @@ def _rank_threads(cfg: ExtractConfig, team: Team) -> int:
     return max(1, len(os.sched_getaffinity(0)) // team.local_world_size)
 
 
+def _device_memory(device: torch.device | str | None) -> str:
+    """What a CUDA device is and holds, e.g. ` (NVIDIA H100 80GB HBM3, 79.1 GiB, 2.3 GiB free)`; "" for the CPU."""
+    if device is None or torch.device(device).type != "cuda":
+        return ""
+    d = torch.device(device)
+    free, total = torch.cuda.mem_get_info(d)
+    return f" ({torch.cuda.get_device_properties(d).name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
+
+
 def _does_not_fit(model: FeatureModel, cfg: ExtractConfig, err: BaseException) -> ExtractError:
-    where = ", ".join(model.providers)
-    memory = ""
-    device = model.device
-    if device is not None and device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        free, total = torch.cuda.mem_get_info(device)
-        memory = f" ({props.name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
-    return ExtractError(f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where}{memory} "
+    where = ", ".join(model.providers) + _device_memory(model.device)
+    return ExtractError(f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where} "
                         f"({str(err)[:200]}); lower batch_size, or use precision=bf16 (torch)")  # fmt: skip
 
 
@@ -261,7 +264,8 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         try:
             model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id)
         except torch.OutOfMemoryError as err:
-            raise ExtractError(f"model {cfg.model} does not fit on {device} ({str(err)[:300]})") from None
+            raise ExtractError(f"model {cfg.model} does not fit on {device}{_device_memory(device)} "
+                               f"({str(err)[:300]}); use a GPU with more memory") from None  # fmt: skip
         if model.patch_size and ds.tile_size % model.patch_size:
             raise ExtractError(
                 f"tile store {cfg.store} has {ds.tile_size} px tiles, not a multiple of the model's patch size "
