@@ -101,13 +101,13 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return EXIT_OK
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
-    if stage == "tile":
-        hooks.progress, close_bar = tile_progress(stage, cfg)
     launch = None
     if hasattr(args, "nproc_per_node"):  # a stage that runs as a torchrun job (extract: with more than 1 process)
         launch = LaunchSettings(
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
         )
+    if stage == "tile" or (stage == "extract" and launch is not None and launch.world_size > 1):
+        hooks.progress, close_bar = tile_progress(stage, cfg)  # extract as a job: the sum over its ranks
     try:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)
     except TorchrunFailed as err:

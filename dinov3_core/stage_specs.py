@@ -51,8 +51,11 @@ class StageSpec:
     can_launch: bool = False  # a torchrun job when the launch settings ask for more than one process (extract)
 
     def as_job(self, launch: Any) -> bool:
-        """Runs as a torchrun job with these `LaunchSettings` (None: the defaults, one process)."""
-        return self.distributed or (self.can_launch and launch is not None and launch.world_size > 1)
+        """Runs as a torchrun job with these `LaunchSettings` (None: the defaults, one process). A launch that names
+        its GPUs is a job even with one process: only a job gets its own CUDA_VISIBLE_DEVICES."""
+        if self.distributed:
+            return True
+        return self.can_launch and launch is not None and (launch.world_size > 1 or bool(launch.cuda_visible_devices))
 
     def manifest_path(self, cfg: Any) -> Path:
         return manifest_path(self.output(cfg), is_dir=self.output_is_dir)

@@ -45,13 +45,35 @@ def launch_job(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hooks: Ru
     job = stage_job(stage, cfg, launch, env=tracking.run_env(run, cfg.tracking))
     hooks.log(f"{stage}: torchrun {job.nproc_per_node} process(es) × {job.nnodes} node(s), logs in {job.log_dir}")
     guard = hooks.hold_resources(launch) if hooks.hold_resources is not None else contextlib.nullcontext()
+    log = hooks.log
+    if stage == "extract" and hooks.progress is not None:
+        log = _with_job_progress(cfg, hooks)
     with guard:
-        run_torchrun(job, log=hooks.log)
+        run_torchrun(job, log=log)
     if stage in TRAINING_STAGES:
         return training_summary(stage, cfg)
     from dinov3_core.export.extract import read_run_record
 
     return extract_summary(read_run_record(cfg.output))
+
+
+def _with_job_progress(cfg: Any, hooks: RunHooks) -> Callable[[str], None]:
+    """`hooks.log` that also reports the whole job's progress (every rank's count) with each line rank 0 prints: its
+    progress lines come every `progress_every_s`. Called in the launching thread, as Prefect's artifacts need."""
+    import shutil
+
+    from dinov3_core.export.extract import PROGRESS_DIR, job_progress, pictures_dir
+
+    shutil.rmtree(pictures_dir(cfg.output) / PROGRESS_DIR, ignore_errors=True)  # counts of an earlier job
+    assert hooks.progress is not None
+
+    def log(line: str) -> None:
+        hooks.log(line)
+        done, total = job_progress(cfg.output)
+        if total:
+            hooks.progress(done, total)  # type: ignore[misc]
+
+    return log
 
 
 # The last metrics line's figures a training stage's summary carries (losses, health signals, throughput, memory).

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ExtractParams
-from tasks.run import load_stage_config, run_job_stage, run_stage_task
+from tasks.run import load_stage_config, run_job_stage
 
 
 @flow(name="extract")
@@ -23,9 +23,9 @@ def extract_flow(params: ExtractParams) -> dict[str, Any]:
         The stage outcome (slides extracted / up to date, tiles, throughput).
     """
     cfg = load_stage_config("extract", params.stage.config, params.config_values())
-    if params.launch.world_size > 1:  # a torchrun job: one rank per GPU, retried after a crash (it resumes)
-        return run_job_stage("extract", cfg, params.launch, force=params.force)
-    return run_stage_task("extract", cfg, force=params.force)
+    # More than one process (or named GPUs): a torchrun job, one rank per GPU. A crash is retried either way; the
+    # retry extracts only the slides not yet committed.
+    return run_job_stage("extract", cfg, params.launch, force=params.force)
 
 
 if __name__ == "__main__":

@@ -304,8 +304,8 @@ def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
 
 def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:
     """`run_stage_task` for a stage that runs as a torchrun job (pretrain, gram; extract on several processes) with
-    the launch's retries (crashes only; each retry resumes: training from its checkpoint, extract at the first
-    slide not yet committed)."""
+    the launch's retries (crashes only, not bad input; each retry resumes: training from its checkpoint, extract
+    with the slides not yet committed)."""
     retrying = run_stage_task.with_options(retries=launch.retries, retry_condition_fn=is_retriable)
     return retrying(stage, cfg, force=force, launch=launch)
 

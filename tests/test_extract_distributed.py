@@ -19,7 +19,7 @@ from dinov3_core.export.extract import ATTRS_KEY, read_run_record, run_extract
 from dinov3_core.export.extract_plan import committer, plan_work, split_slides
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.run import run_stage
+from dinov3_core.run import RunHooks, run_stage
 from tests import event_hooks
 from tests.prefect_deploy import deploy, flow_logs, trigger, wait_final, worker
 
@@ -96,6 +96,17 @@ def test_more_ranks_than_work_leaves_idle_ranks() -> None:
     assert plan_work({}, 2, align=8) == [[], []]
 
 
+def test_which_launches_make_extract_a_job() -> None:
+    from dinov3_core.stage_specs import STAGE_SPECS
+
+    extract = STAGE_SPECS["extract"]
+    assert not extract.as_job(None) and not extract.as_job(LaunchSettings())  # one process: no torchrun
+    assert extract.as_job(LaunchSettings(nproc_per_node=2))
+    assert extract.as_job(LaunchSettings(nnodes=2, rdzv_endpoint="gpu01:29400"))
+    assert extract.as_job(LaunchSettings(cuda_visible_devices="3"))  # only a job gets its own GPUs
+    assert STAGE_SPECS["pretrain"].as_job(None) and not STAGE_SPECS["export"].as_job(LaunchSettings(nproc_per_node=8))
+
+
 # -------------------------------------------------------------------------------------- real torchrun jobs
 
 
@@ -105,8 +116,11 @@ def test_three_ranks_give_the_single_process_features(stage_extract_store, conve
     the manifest and the run record written once after every rank finished."""
     out = tmp_path / "features.zarr"
     c = cfg(store=stage_extract_store, model=converted, output=out, **SMALL)
-    outcome = run_stage("extract", c, launch=LaunchSettings(nproc_per_node=3))
+    seen: list[tuple[int, int]] = []  # the job's progress, summed over the ranks (the Prefect progress artifact)
+    outcome = run_stage("extract", c, launch=LaunchSettings(nproc_per_node=3),
+                        hooks=RunHooks(log=lambda line: None, progress=lambda *count: seen.append(count)))  # fmt: skip
     assert outcome.status == "ran" and outcome.manifest.status == "complete"
+    assert seen and seen[-1] == (122, 122), seen
     assert_same_features(slides(out), single, stage_extract_store)
     record = read_run_record(out)
     assert sorted(record["extracted"]) == sorted(single) and record["tiles"] == 65 + 57

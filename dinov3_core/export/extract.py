@@ -60,6 +60,7 @@ __all__ = [
     "ExtractResult",
     "FeatureModel",
     "file_hash",
+    "job_progress",
     "normalise",
     "open_model",
     "pictures_dir",
@@ -69,6 +70,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RESULT_NAME = "extract_result.json"  # beside the store (pictures_dir): what the last run did, for the launcher
+PROGRESS_DIR = "progress"  # beside the store: each rank's count while a job runs (`job_progress`)
 Batch = tuple[WorkUnit, int, np.ndarray]  # the unit, first row in the slide, global tile indices
 
 
@@ -280,6 +282,8 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         units = plan[team.rank]
         total = sum(u.size for u in units)
         label = "extract" if team.world_size == 1 else f"extract rank {team.rank}"
+        if team.world_size > 1:  # the launcher adds up the ranks' counts (`job_progress`)
+            progress = _RankProgress(out, team.rank)
         bar = Progress(label, unit="tile", total=total, enabled=cfg.progress, callback=progress,
                        every_s=cfg.progress_every_s)  # fmt: skip
         with tracking.stage_run(cfg.tracking, "extract", params={"model_hash": model.hash, "backend": model.backend,
@@ -328,6 +332,34 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         logger.info("extracted %d tiles of %d slides (%d skipped) in %.1f s: %.1f tiles/s on %d rank(s)", tiles,
                     len(result.extracted), len(skipped), seconds, result.tiles_per_s, team.world_size)  # fmt: skip
     return result
+
+
+class _RankProgress:
+    """A rank's tiles done / to do in `<pictures_dir>/progress/rank-<r>.json`, at most once a second."""
+
+    def __init__(self, output: Path, rank: int) -> None:
+        self.path = pictures_dir(output) / PROGRESS_DIR / f"rank-{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < 1.0 and done < total:
+            return
+        self.last = now
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({"done": done, "total": total}))
+        os.replace(tmp, self.path)
+
+
+def job_progress(output: str | os.PathLike[str]) -> tuple[int, int]:
+    """Tiles done and to do, summed over the ranks of the running job (what each rank reported last)."""
+    done = total = 0
+    for path in (pictures_dir(output) / PROGRESS_DIR).glob("rank-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            count = json.loads(path.read_text())
+            done, total = done + int(count["done"]), total + int(count["total"])
+    return done, total
 
 
 def _write_run_record(cfg: ExtractConfig, result: ExtractResult) -> None:

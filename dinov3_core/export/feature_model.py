@@ -12,6 +12,7 @@ Two ways in, same features:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.errors import WsidinoError
 
 __all__ = ["ExtractError", "FeatureModel", "Features", "file_hash", "normalise", "open_model", "torch_device"]
+
+logger = logging.getLogger(__name__)
 
 Features = tuple[np.ndarray, np.ndarray]  # cls (N, D), patch tokens (N, P, D), float32
 Outputs = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # cls, mean patch token (N, D), patch tokens or None
@@ -113,6 +116,12 @@ def _onnx_model(p: Path, providers: list[str] | None, threads: int, device_id: i
         raise ExtractError(f"model {p} outputs {outputs}; extract needs cls + patch_tokens (export pooled=false)")
     if "CUDAExecutionProvider" in session.get_providers():
         run = bound_runner(session, "cuda", _cuda_device_id(session))
+    elif providers is None and torch.cuda.is_available():  # a GPU sits idle while the CPU does the work: say so
+        logger.warning(
+            "extract: this host has a GPU but ONNX Runtime runs %s on the CPU (providers %s): install onnxruntime-gpu "
+            "in place of onnxruntime (README: Extraction on several GPUs), or give the backbone.pth beside it",
+            p, session.get_providers(),
+        )  # fmt: skip
     else:
 
         def run(x: np.ndarray) -> Features:
