@@ -104,7 +104,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if stage == "tile":
         hooks.progress, close_bar = tile_progress(stage, cfg)
     launch = None
-    if hasattr(args, "nproc_per_node"):  # a stage that runs as a torchrun job (extract: with more than 1 process)
+    if hasattr(args, "nproc_per_node"):  # a stage with a torchrun job (extract, evaluate: with more than 1 process)
         launch = LaunchSettings(
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
         )
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--annotations", help="folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label"
     )
+    launch_options(evaluate, "embedding")  # more than 1: each model's labelled tiles embedded by a torchrun job
 
     extract = stage_parser("extract", "Features for every tile of a tile store, slide embeddings, PCA maps.")
     extract.add_argument("--store", help="tile store (tiles.zarr)")

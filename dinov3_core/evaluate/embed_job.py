@@ -101,15 +101,15 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
             np.savez(tmp, **out)
         print(f"embed rank {team.rank}: {len(share)} tiles on {', '.join(model.providers)}", flush=True)
     parts = team.gather(str(part) if part else None)  # every rank done
-    if not team.is_main:
-        return None
-    loaded = [F.load(Path(p)) for p in parts if p is not None]
-    features = {k: np.concatenate([x[k] for x in loaded]) for k in F.FEATURES}
-    if len(features["cls"]) != len(indices):
-        raise RuntimeError(f"embed job: {len(features['cls'])} features for {len(indices)} tiles")
-    F.save(output, features)
-    shutil.rmtree(parts_dir(output), ignore_errors=True)
-    return output
+    if team.is_main:
+        loaded = [F.load(Path(p)) for p in parts if p is not None]
+        features = {k: np.concatenate([x[k] for x in loaded]) for k in F.FEATURES}
+        if len(features["cls"]) != len(indices):
+            raise RuntimeError(f"embed job: {len(features['cls'])} features for {len(indices)} tiles")
+        F.save(output, features)
+        shutil.rmtree(parts_dir(output), ignore_errors=True)
+    team.barrier()  # the ranks leave the process group together (gloo aborts a rank that leaves a peer behind)
+    return output if team.is_main else None
 
 
 @record
