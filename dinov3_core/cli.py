@@ -112,7 +112,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)
     except TorchrunFailed as err:
         bad_input = err.rank_exit_code == 2
-        resume = "finish the slides not yet extracted" if stage == "extract" else "resume from the last checkpoint"
+        resume = {"extract": "finish the slides not yet extracted",
+                  "evaluate": "embed again (models already embedded come from the cache)"}.get(
+            stage, "resume from the last checkpoint")  # fmt: skip
         hint = "" if bad_input else f"\nRerun the same command to {resume}."
         print(f"wsidino {stage}: {err}{hint}", file=sys.stderr)
         return EXIT_USAGE if bad_input else EXIT_FAILED
