@@ -153,7 +153,7 @@ def main() -> None:
             for role, model in (("model.onnx (ONNX Runtime)", onnx_path), ("backbone.pth (PyTorch eager)", weights)):
                 start = time.perf_counter()
                 fm = F.open_model(model)
-                F.embed(fm, ds.read_batch, idx, root / f"cache-{r}-{fm.backend}", key, args.batch_size)
+                F.embed(fm, ds, idx, root / f"cache-{r}-{fm.backend}", key, args.batch_size)
                 seconds = time.perf_counter() - start
                 if role not in embedding or len(idx) / seconds > embedding[role]["tiles_per_s"]:
                     embedding[role] = {"tiles": len(idx), "seconds": seconds, "tiles_per_s": len(idx) / seconds}
@@ -183,7 +183,7 @@ def main() -> None:
         for role, entry in cold.evaluation["models"].items():
             fm = F.open_model(entry["path"])
             health_s += timed(F.health, fm, images)[1]
-            cached = F.embed(fm, ds.read_batch, idx, Path(cfg.output) / "cache", key, cfg.batch_size)
+            cached = F.embed(fm, ds, idx, Path(cfg.output) / "cache", key, cfg.batch_size)
             feats[role] = F.represent(cached, cfg.probe.features)
         start = time.perf_counter()
         pc = cfg.probe

@@ -102,7 +102,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
     launch = None
-    if hasattr(args, "nproc_per_node"):  # a stage that runs as a torchrun job (extract: with more than 1 process)
+    if hasattr(args, "nproc_per_node"):  # a stage with a torchrun job (extract, evaluate: with more than 1 process)
         launch = LaunchSettings(
             nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint
         )
@@ -112,7 +112,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)
     except TorchrunFailed as err:
         bad_input = err.rank_exit_code == 2
-        resume = "finish the slides not yet extracted" if stage == "extract" else "resume from the last checkpoint"
+        resume = {"extract": "finish the slides not yet extracted",
+                  "evaluate": "embed again (models already embedded come from the cache)"}.get(
+            stage, "resume from the last checkpoint")  # fmt: skip
         hint = "" if bad_input else f"\nRerun the same command to {resume}."
         print(f"wsidino {stage}: {err}{hint}", file=sys.stderr)
         return EXIT_USAGE if bad_input else EXIT_FAILED
@@ -221,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--annotations", help="folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label"
     )
+    launch_options(evaluate, "embedding")  # more than 1: each model's labelled tiles embedded by a torchrun job
 
     extract = stage_parser("extract", "Features for every tile of a tile store, slide embeddings, PCA maps.")
     extract.add_argument("--store", help="tile store (tiles.zarr)")

@@ -16,7 +16,8 @@ What every stage gets from here (the stage functions know nothing of it):
   fingerprint after it; one run per output at a time (a lock beside the manifest);
 * **training stages** run as a torchrun job (`dinov3_core.launch`) with the launch settings, and so does extract
   when they ask for more than one process (`StageSpec.as_job`); rank 0 logs into the stage's MLflow run;
-  everything else runs in this process;
+  everything else runs in this process, evaluate embedding its labelled tiles as a torchrun job on more than one
+  process;
 * the ``stage.start`` event (`dinov3_core.events`) for fault drills.
 
 `RunHooks` (`dinov3_core.stage_work`) is what a caller adds: where log lines go, the Prefect tags, a GPU-slot
@@ -109,7 +110,8 @@ def run_stage(
         stage: tile, pretrain, gram, convert, export, evaluate or extract.
         cfg: The stage's typed config (`dinov3_core.config.load_config`).
         force: Run even when the manifest says the outputs are up to date.
-        launch: torchrun settings (training stages; default: one process on this node).
+        launch: torchrun settings (training stages; extract and evaluate's embedding when more than one process;
+            default: one process on this node).
         hooks: Logging, MLflow nesting and callbacks from the caller.
 
     Raises:
@@ -117,6 +119,8 @@ def run_stage(
     """
     spec = STAGE_SPECS[stage]
     hooks = hooks or RunHooks()
+    if launch is not None:  # in-process stages see it too: evaluate embeds as a job on several processes
+        hooks = dataclasses.replace(hooks, launch=launch)
     default_tracking_store(spec, cfg)
     if spec.check is not None:
         spec.check(cfg)

@@ -179,7 +179,8 @@ STAGE_SPECS: dict[str, StageSpec] = {
     "evaluate": StageSpec(
         "evaluate", _evaluate_config, False, True, lambda c: c.output, _evaluate_inputs,
         lambda c: {"evaluation": str(Path(c.output) / "evaluation.json")},
-        volatile=("tracking.", "progress", "num_threads", "batch_size"),
+        # device and precision are not here: they change the features slightly, so they change the hash
+        volatile=("tracking.", "progress", "num_threads", "batch_size", "loader_threads", "prefetch_batches"),
     ),
     "extract": StageSpec(
         "extract", lambda: ExtractConfig, False, True, lambda c: c.output,

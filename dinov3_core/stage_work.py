@@ -1,6 +1,7 @@
 """What each stage runs once the runner (`dinov3_core.run.run_stage`) has decided it must: a torchrun job for the
 training stages (and for extract on several processes), a plain function in this process for the others, and what
-the latter log to MLflow.
+the latter log to MLflow. evaluate runs here, but on several processes embeds each model's labelled tiles as a
+torchrun job (`dinov3_core.evaluate.embed_job`).
 
 `RunHooks` is what a caller adds: where log lines go, the Prefect tags, a GPU-slot guard, tile progress callbacks.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ class RunHooks:
     progress: Callable[[int, int], None] | None = None  # tile, extract: (tiles done, tiles planned so far)
     on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
     run_groups: Any = None  # tile: a `tiling.groups.RunGroups` (slide groups on a Dask cluster); None: the pool
+    launch: Any = None  # the stage's `LaunchSettings`: evaluate embeds as a torchrun job when it asks for > 1 process
 
 
 # -------------------------------------------------------------------------------------------- torchrun jobs
@@ -171,7 +174,13 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.evaluate.evaluation import run_evaluate
     from dinov3_core.export.model_card import add_evaluation
 
-    r = run_evaluate(cfg)
+    embed_job = None
+    if hooks.launch is not None and hooks.launch.world_size > 1:  # each model's labelled tiles: a torchrun job
+        from dinov3_core.evaluate.embed_job import launch_embedding
+
+        embed_job = functools.partial(launch_embedding, cfg, hooks.launch, log=hooks.log,
+                                      hold_resources=hooks.hold_resources)  # fmt: skip
+    r = run_evaluate(cfg, embed_job)
     for line in r.table.splitlines():
         hooks.log(line)
     d, cand = r.decision, r.evaluation["models"]["candidate"]

@@ -17,13 +17,14 @@ def evaluate_flow(params: EvaluateParams) -> dict[str, Any]:
     the `evaluate-stage` artifact, `evaluation.json` and the model version's tags).
 
     Args:
-        params: Tile store, candidate model, evaluation directory, annotations, config, MLflow.
+        params: Tile store, candidate model, evaluation directory, annotations, config, launch settings (more than
+            one process: the labelled tiles are embedded by a torchrun job), MLflow.
 
     Returns:
         The stage outcome: decision, primary metric, champion model path, MLflow run id.
     """
     cfg = load_stage_config("evaluate", params.stage.config, params.config_values())
-    return run_stage_task("evaluate", cfg, force=params.force)
+    return run_stage_task("evaluate", cfg, force=params.force, launch=params.launch)
 
 
 if __name__ == "__main__":

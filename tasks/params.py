@@ -314,8 +314,14 @@ class EvaluateParams(BaseModel):
         description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv.",
         json_schema_extra=ui(4),
     )  # fmt: skip
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(6))
+    launch: LaunchSettings = Field(
+        default_factory=LaunchSettings, title="Launch",
+        description="More than one process (one per GPU): each model's labelled tiles are embedded by a torchrun "
+        "job, split over the ranks; probes and the gate run once, in the flow.",
+        json_schema_extra=ui(5),
+    )  # fmt: skip
+    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
+    force: bool = Field(False, title="Force", json_schema_extra=ui(7))
 
     def config_values(self) -> dict[str, Any]:
         fields = {"store": self.store, "candidate": self.candidate, "output": self.output,

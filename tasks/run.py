@@ -251,10 +251,11 @@ def run_stage_task(
     """Run one stage under its manifest (skip when up to date), in its own MLflow run.
 
     Args:
-        stage: tile, pretrain, gram, convert, export or extract.
+        stage: tile, pretrain, gram, convert, export, evaluate or extract.
         cfg: The stage's typed config (`load_stage_config`).
         force: Run even when the manifest says the outputs are up to date.
-        launch: torchrun settings (training stages; extract when it asks for more than one process).
+        launch: torchrun settings (training stages; extract, and evaluate's embedding, when it asks for more than
+            one process).
         run_groups: tile: where slide groups are tiled (`tasks.tile_groups.DaskSlideGroups`); None: the engine's
             own process pool.
 
@@ -318,7 +319,7 @@ def prefect_stage_runner(launch: LaunchSettings) -> Callable[..., dict[str, Any]
         with nested_under(parent, cfg.tracking):
             if STAGE_SPECS[stage].as_job(launch):
                 return run_job_stage(stage, cfg, launch, force=force)
-            return run_stage_task(stage, cfg, force=force)
+            return run_stage_task(stage, cfg, force=force, launch=launch)  # evaluate: its embedding job
 
     return run
 

@@ -95,7 +95,7 @@ def knn_curve(
     points = []
     for c in checkpoints:
         model = F.open_model(c.path, backend="torch")
-        x = F.represent(F.embed(model, ds.read_batch, idx, cache, key, batch_size), "cls")
+        x = F.represent(F.embed(model, ds, idx, cache, key, batch_size), "cls")
         scores = P.knn_scores(x[split.train], y[split.train], x[split.test], classes, k, temperature)
         acc = P.score(y[split.test], P.Predictions(classes, scores), P.balanced_accuracy)
         health = probe_scores(run, model) or {}

@@ -83,7 +83,15 @@ class EvaluateConfig:
     max_tiles_per_slide: int | None = 2000  # labelled tiles kept per slide (evenly spaced), for a bounded cost
     health_tiles: int = 256  # tiles for the label-free health scores (evenly spaced over the store)
     batch_size: int = 64
-    num_threads: int = 0  # torch / ONNX Runtime threads; 0: library default
+    num_threads: int = 0  # torch / ONNX Runtime threads; 0: library default (a job's CPU ranks: a share of the cores)
+    # The labelled tiles are embedded as extract embeds (`dinov3_core.export.loader`): this many threads read, decode
+    # and normalise the next `prefetch_batches` batches while the model runs; 0: serial. Same features either way.
+    loader_threads: int = 2
+    prefetch_batches: int = 2
+    device: str | None = None  # torch backend: null → cuda when available, else cpu (ORT: its default providers)
+    # torch backend: bf16 / fp16 autocast (the features differ slightly, so the cache and the config hash tell them
+    # apart); ONNX models run as exported (export fp16=true for half precision)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     register_name: str = "wsidino-backbone"  # the registered model whose aliases the gate moves
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     gate: GateConfig = field(default_factory=GateConfig)
@@ -93,6 +101,10 @@ class EvaluateConfig:
     def __post_init__(self) -> None:
         require(0 <= self.min_overlap <= 1, "min_overlap", f"must be in [0, 1], got {self.min_overlap}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")
+        require(self.loader_threads >= 0, "loader_threads", f"must be >= 0 (0: serial), got {self.loader_threads}")
+        require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
+        require(self.precision in ("fp32", "bf16", "fp16"), "precision", f"fp32, bf16 or fp16, got {self.precision!r}")
         require(self.health_tiles >= 8, "health_tiles", f"must be >= 8, got {self.health_tiles}")
         require(
             self.max_tiles_per_slide is None or self.max_tiles_per_slide >= 1,

@@ -6,6 +6,11 @@
 
 One run scores the candidate, the registry's champion and a baseline on the same labelled tiles, split and draws
 (`probes`), adds label-free health for each (`features.health`), and lets the gate decide (`gate`).
+
+The labelled tiles are embedded through extract's reader threads and model (`features.embed`); given an
+`embed_job` (the stage runner's, when the launch asks for more than one process) a model's features are computed
+by a torchrun job instead (`dinov3_core.evaluate.embed_job`), which leaves them in the same cache file: everything
+after the embedding (probes, gate, promotion) runs once, here.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
+from dinov3_core.launch import TorchrunFailed
 from dinov3_core.tiling import store as ts
 
 logger = logging.getLogger(__name__)
@@ -139,9 +145,13 @@ def _score_model(
     return probes, {"knn": knn, "linear": linear}
 
 
-def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
+# (opened model, its cache file, the labelled tiles' global indices): fills the cache file (a torchrun job)
+EmbedJob = Callable[[F.FeatureModel, Path, np.ndarray], None]
+
+
+def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> EvaluateResult:
     """Embed, probe and compare; write the outputs; decide and apply the promotion. Bad input raises a
-    `WsidinoError` naming the file or key."""
+    `WsidinoError` naming the file or key; a failed `embed_job` raises `TorchrunFailed`, whichever the model."""
     from dinov3_core.data.tile_dataset import TileDataset
 
     start = time.perf_counter()
@@ -190,15 +200,21 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         entry: dict[str, Any] = {**m.as_dict()}
         evaluation["models"][m.role] = entry
         try:
-            fm = F.open_model(m.path, threads=cfg.num_threads)
+            precision = F.precision_of(m.path, cfg.precision)
+            fm = F.open_model(m.path, threads=cfg.num_threads, device=cfg.device, precision=precision)
             entry["hash"], entry["backend"] = fm.hash, fm.backend
             entry["health"] = F.health(fm, images)
             if len(idx):
+                path = F.cache_path(cache, fm, key, precision)
+                if embed_job is not None and not path.is_file():
+                    embed_job(fm, path, idx)
                 feats[m.role] = F.represent(
-                    F.embed(fm, ds.read_batch, idx, cache, key, cfg.batch_size), cfg.probe.features
-                )
+                    F.embed(fm, ds, idx, cache, key, cfg.batch_size, precision=precision,
+                            loader_threads=cfg.loader_threads, prefetch_batches=cfg.prefetch_batches),
+                    cfg.probe.features,
+                )  # fmt: skip
         except Exception as err:
-            if m.role == "candidate":
+            if m.role == "candidate" or isinstance(err, TorchrunFailed):  # a job's failure is not the model's
                 raise
             entry["error"] = f"{type(err).__name__}: {str(err)[:500]}"
             warnings.append(f"{m.role} {m.path} could not be evaluated: {entry['error']}")
@@ -301,4 +317,4 @@ def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> N
                              "wsidino.promotion_reason": decision["reason"][:5000]})  # fmt: skip
 
 
-__all__ = ["EvaluateResult", "labelled_tiles", "run_evaluate"]
+__all__ = ["EmbedJob", "EvaluateResult", "labelled_tiles", "run_evaluate"]

@@ -1,8 +1,13 @@
 """Tile features of one model for the evaluation, through the extract stage's code path, cached by model hash.
 
-`open_model` and `normalise` are extract's: the same ONNX Runtime or PyTorch model, the same ImageNet
-normalisation, the tile store's µm/px. Features of a (model hash, tile selection) pair are written once to
-`<output>/cache/` (atomically), so a rerun or a second evaluation against the same champion recomputes nothing.
+`open_model`, `normalise` and the loop are extract's: the same ONNX Runtime or PyTorch model, the same ImageNet
+normalisation, the tile store's µm/px, and the same reader threads (`TileReader` + `read_ahead`) preparing the next
+batches while the model runs `infer` (on CUDA: uint8 tiles pinned, normalised on the GPU), so evaluate scales
+the way extract does. On the CPU the features are bit-identical to the serial `model.run(normalise(tiles))`.
+Features of a (model hash, precision, tile selection) triple are written once to `<output>/cache/` (atomically),
+so a rerun or a second evaluation against the same champion recomputes nothing, and a bf16 embedding never passes
+for fp32. With several processes the same `compute` runs on every rank of a torchrun job
+(`dinov3_core.evaluate.embed_job`), each on its share of the tiles, and rank 0 writes the same cache file.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from dinov3_core.export.extract import FeatureModel, normalise, open_model
+from dinov3_core.export.loader import TileReader, read_ahead
 from dinov3_core.files import atomic_path
+
+FEATURES = ("cls", "mean_patch")
 
 
 def selection_key(store: Path, indices: np.ndarray) -> str:
@@ -29,31 +38,73 @@ def selection_key(store: Path, indices: np.ndarray) -> str:
     return h.hexdigest()[:16]
 
 
+def precision_of(model: str | Path, precision: str) -> str:
+    """The precision `model` runs at: `precision` for a PyTorch backbone (autocast), fp32 for an ONNX model, which
+    runs as exported (its precision is in its file, hence in its hash)."""
+    return "fp32" if Path(model).suffix == ".onnx" else precision
+
+
+def cache_path(cache: Path, model: FeatureModel, key: str, precision: str = "fp32") -> Path:
+    """The cache file of `model`'s features of selection `key`; a reduced precision is part of the name."""
+    tag = model.hash if precision == "fp32" else f"{model.hash}-{precision}"
+    return cache / f"features-{tag}-{key}.npz"
+
+
+def compute(
+    model: FeatureModel,
+    ds: Any,
+    indices: np.ndarray,
+    batch_size: int,
+    loader_threads: int = 0,
+    prefetch_batches: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """{"cls": (N, D), "mean_patch": (N, D)} float32 of the tiles `indices` of `ds` (a `TileDataset`), in order:
+    `loader_threads` threads read and `prepare` up to `prefetch_batches` batches ahead of `model.infer`."""
+    batches = [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)]
+    cls_parts, mean_parts = [], []
+    for batch, prepared in read_ahead(batches, TileReader(ds, model.prepare), loader_threads, prefetch_batches):
+        cls, mean, _ = model.infer(prepared, False)  # type: ignore[misc]
+        cls_parts.append(cls)
+        mean_parts.append(mean)
+        if progress is not None:
+            progress(len(batch))
+    if not batches:
+        return {name: np.zeros((0, 0), np.float32) for name in FEATURES}
+    return {"cls": np.concatenate(cls_parts), "mean_patch": np.concatenate(mean_parts)}
+
+
+def load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as done:
+        return {k: done[k] for k in FEATURES}
+
+
+def save(path: Path, features: dict[str, np.ndarray]) -> None:
+    """Atomically: a file under the final name is always complete."""
+    with atomic_path(path) as tmp:
+        np.savez(tmp, **features)
+
+
 def embed(
     model: FeatureModel,
-    read: Callable[[np.ndarray], np.ndarray],
+    ds: Any,
     indices: np.ndarray,
     cache: Path,
     key: str,
     batch_size: int,
     progress: Callable[[int], None] | None = None,
+    *,
+    precision: str = "fp32",
+    loader_threads: int = 0,
+    prefetch_batches: int = 2,
 ) -> dict[str, np.ndarray]:
-    """{"cls": (N, D), "mean_patch": (N, D)} of the tiles `indices` (float32), from the cache when present."""
-    path = cache / f"features-{model.hash}-{key}.npz"
+    """`compute`, from the cache when present (`cache_path`), else computed and cached; `precision`: the one the
+    model was opened with."""
+    path = cache_path(cache, model, key, precision)
     if path.is_file():
-        with np.load(path) as done:
-            return {k: done[k] for k in ("cls", "mean_patch")}
-    cls_parts, mean_parts = [], []
-    for start in range(0, len(indices), batch_size):
-        batch = indices[start : start + batch_size]
-        cls, patch = model.run(normalise(read(batch)))
-        cls_parts.append(cls)
-        mean_parts.append(patch.mean(axis=1))
-        if progress is not None:
-            progress(len(batch))
-    out = {"cls": np.concatenate(cls_parts), "mean_patch": np.concatenate(mean_parts)}
-    with atomic_path(path) as tmp:
-        np.savez(tmp, **out)
+        return load(path)
+    out = compute(model, ds, indices, batch_size, loader_threads, prefetch_batches, progress)
+    save(path, out)
     return out
 
 
@@ -85,4 +136,5 @@ def health(model: FeatureModel, images: np.ndarray) -> dict[str, float]:
     return scores
 
 
-__all__ = ["embed", "health", "open_model", "represent", "selection_key"]
+__all__ = ["FEATURES", "cache_path", "compute", "embed", "health", "load", "normalise", "open_model", "precision_of",
+           "represent", "save", "selection_key"]  # fmt: skip
