@@ -175,7 +175,7 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
     from dinov3_core.export.model_card import add_evaluation
 
     embed_job = None
-    if hooks.launch is not None and hooks.launch.world_size > 1:  # each model's labelled tiles: a torchrun job
+    if hooks.launch is not None and hooks.launch.nproc_per_node > 1:  # each model's labelled tiles: a job on this node
         from dinov3_core.evaluate.embed_job import launch_embedding
 
         embed_job = functools.partial(launch_embedding, cfg, hooks.launch, log=hooks.log,

@@ -78,17 +78,17 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
     from dinov3_core.data.tile_dataset import TileDataset
     from dinov3_core.evaluate import features as F
     from dinov3_core.evaluate.config import EvaluateError
-    from dinov3_core.export.extract import _rank_device, _rank_threads
+    from dinov3_core.export.extract_plan import rank_device, rank_threads
     from dinov3_core.files import atomic_path
 
     output, indices = Path(spec.output), np.load(spec.indices)
     share = np.array_split(indices, team.world_size)[team.rank]  # contiguous: rank order is index order
     part = None
     if len(share):
-        threads = _rank_threads(spec, team)
+        threads = rank_threads(spec.num_threads, team)
         if threads:
             torch.set_num_threads(threads)
-        device, device_id = _rank_device(spec, team)
+        device, device_id = rank_device(spec.device, team)
         model = F.open_model(spec.model, threads=threads, device=device, precision=spec.precision, device_id=device_id)
         if model.hash != spec.model_hash:
             raise EvaluateError(f"model {spec.model} changed while the evaluation ran (hash {model.hash}, expected "
@@ -167,9 +167,9 @@ def launch_embedding(
     job = TorchrunJob(
         module=MODULE,
         args=["--config", str(spec_path.resolve())],
+        # This node's processes only: the stage runs in one process on one node (its probes and promotion must run
+        # once), so a multi-node launch (a pipeline's training) embeds on the GPUs of the node it runs on.
         nproc_per_node=launch.nproc_per_node,
-        nnodes=launch.nnodes,
-        rdzv_endpoint=launch.rdzv_endpoint,
         rdzv_id=f"wsidino-evaluate-{out.name}",
         cuda_visible_devices=launch.cuda_visible_devices,
         log_dir=out / LOGS_DIR,

@@ -38,7 +38,15 @@ import zarr
 from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
 from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract_plan import Team, WorkUnit, committer, plan_work, split_slides
+from dinov3_core.export.extract_plan import (
+    Team,
+    WorkUnit,
+    committer,
+    plan_work,
+    rank_device,
+    rank_threads,
+    split_slides,
+)
 from dinov3_core.export.feature_model import ExtractError, FeatureModel, file_hash, normalise, open_model
 from dinov3_core.export.feature_store import (
     ATTRS_KEY,
@@ -96,25 +104,6 @@ def _open_dataset(cfg: ExtractConfig) -> Any:
         return TileDataset(root, slide_ids=cfg.slide_ids, image_format="numpy")
     except (ValueError, KeyError, OSError) as err:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
-
-
-def _rank_device(cfg: ExtractConfig, team: Team) -> tuple[str | None, int]:
-    """This rank's torch device and ONNX Runtime CUDA device id: one GPU per local rank."""
-    if team.world_size == 1 or not torch.cuda.is_available() or cfg.device not in (None, "cuda"):
-        return cfg.device, 0
-    gpus = torch.cuda.device_count()
-    if team.local_world_size > gpus:
-        raise ExtractError(f"{team.local_world_size} extract ranks on this node but {gpus} GPU(s): set "
-                           f"--nproc-per-node to at most {gpus} (one rank per GPU)")  # fmt: skip
-    return f"cuda:{team.local_rank}", team.local_rank
-
-
-def _rank_threads(cfg: ExtractConfig, team: Team) -> int:
-    """Intra-op threads: the configured number, else this rank's share of the cores (ranks on one node's CPU
-    would otherwise each start one thread per core and slow each other down)."""
-    if cfg.num_threads or team.local_world_size == 1:
-        return cfg.num_threads
-    return max(1, len(os.sched_getaffinity(0)) // team.local_world_size)
 
 
 def _device_memory(device: torch.device | str | None) -> str:
@@ -258,11 +247,11 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
     start_time = time.perf_counter()
     ds = _open_dataset(cfg)
     torch_threads = torch.get_num_threads()
-    threads = _rank_threads(cfg, team)
+    threads = rank_threads(cfg.num_threads, team)
     if threads:
         torch.set_num_threads(threads)
     try:
-        device, device_id = _rank_device(cfg, team)
+        device, device_id = rank_device(cfg.device, team)
         try:
             model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id)
         except torch.OutOfMemoryError as err:

@@ -1,4 +1,5 @@
-"""Who extracts what: the slides still to do, split over the ranks of a job, and the ranks themselves (`Team`).
+"""Who extracts what: the slides still to do, split over the ranks of a job, and the ranks themselves (`Team`,
+each on its own GPU or share of the cores: `rank_device`, `rank_threads`; evaluate's embedding job uses them too).
 
 `plan_work` is deterministic in (tiles per slide, world size, alignment): whole slides go to ranks longest first
 onto the least-loaded rank; a slide larger than an even share (total tiles / world size) is cut into row ranges
@@ -19,7 +20,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from dinov3_core.export.feature_model import ExtractError
 
 # How long a rank waits at a barrier for the others (the slowest rank's share of the cohort); a rank that dies
 # does not make the others wait this long: torchrun stops the whole job as soon as one rank fails.
@@ -87,6 +91,26 @@ def committer(plan: list[list[WorkUnit]], slide: int) -> int:
     return next(r for r, units in enumerate(plan) for u in units if u.slide == slide and u.start == 0)
 
 
+def rank_device(device: str | None, team: Team) -> tuple[str | None, int]:
+    """This rank's torch device and ONNX Runtime CUDA device id: one GPU per local rank (`device` None or "cuda"
+    in a job with GPUs); otherwise `device` as configured."""
+    if team.world_size == 1 or not torch.cuda.is_available() or device not in (None, "cuda"):
+        return device, 0
+    gpus = torch.cuda.device_count()
+    if team.local_world_size > gpus:
+        raise ExtractError(f"{team.local_world_size} ranks on this node but {gpus} GPU(s): set --nproc-per-node to "
+                           f"at most {gpus} (one rank per GPU)")  # fmt: skip
+    return f"cuda:{team.local_rank}", team.local_rank
+
+
+def rank_threads(num_threads: int, team: Team) -> int:
+    """Intra-op threads: `num_threads` when set, else this rank's share of the cores (ranks on one node's CPU
+    would otherwise each start one thread per core and slow each other down); 0: the library's default."""
+    if num_threads or team.local_world_size == 1:
+        return num_threads
+    return max(1, len(os.sched_getaffinity(0)) // team.local_world_size)
+
+
 @dataclass
 class Team:
     """This process's rank in an extract job; a single process is a team of one (every call is then a no-op)."""
@@ -138,4 +162,5 @@ class Team:
             self.owns_group = False
 
 
-__all__ = ["BARRIER_TIMEOUT", "Team", "WorkUnit", "committer", "plan_work", "split_slides"]
+__all__ = ["BARRIER_TIMEOUT", "Team", "WorkUnit", "committer", "plan_work", "rank_device", "rank_threads",
+           "split_slides"]  # fmt: skip
