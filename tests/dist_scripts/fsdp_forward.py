@@ -87,19 +87,18 @@ def main() -> None:
     reloaded = load_released_backbone(path).state_dict()
     save_ok = all(torch.equal(v, reloaded[k]) for k, v in reference.state_dict().items())
 
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "max_out_diff": max_out,
-                "max_grad_diff": max_grad,
-                "param_types": sorted(sharded_types),
-                "meta_init_ok": meta_ok,
-                "save_ok": save_ok,
-            }
-        ),
-        flush=True,
-    )
+    result = {
+        "rank": rank,
+        "max_out_diff": max_out,
+        "max_grad_diff": max_grad,
+        "param_types": sorted(sharded_types),
+        "meta_init_ok": meta_ok,
+        "save_ok": save_ok,
+    }
+    # One write per line: both ranks share torchrun's stdout, and print() writes the text and its newline
+    # separately, so two ranks' lines could interleave into one ("Extra data" in the test's json.loads).
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
