@@ -33,9 +33,6 @@ from typing import Any
 import numpy as np
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from dinov3_core.errors import WsidinoError, exit_code
-from dinov3_core.procutil import die_with_parent
-
 MODULE = "dinov3_core.evaluate.embed_job"
 JOBS_DIR, LOGS_DIR = "embed_jobs", "torchrun_logs"  # under the evaluation directory
 
@@ -114,27 +111,16 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
-        die_with_parent()
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     parser.add_argument("--config", required=True, help="the embed job file (JSON, written by the evaluate stage)")
     args = parser.parse_args(argv)
-    from dinov3_core.export.extract_plan import Team
+    from dinov3_core.export.extract_plan import Team, rank_main
 
-    team = None
-    try:
-        spec = EmbedSpec.read(args.config)
-        team = Team.from_env()
-        written = run_rank(spec, team)
-    except WsidinoError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return exit_code(err)
-    finally:
-        if team is not None:
-            team.close()
-    if written is not None:
-        print(f"embed: {written} on {team.world_size} rank(s)", flush=True)
-    return 0
+    def work(team: Team) -> str | None:
+        written = run_rank(EmbedSpec.read(args.config), team)
+        return f"embed: {written} on {team.world_size} rank(s)" if written is not None else None
+
+    return rank_main(work)
 
 
 def launch_embedding(

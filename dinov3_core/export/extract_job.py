@@ -14,47 +14,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
-from dinov3_core.errors import WsidinoError, exit_code
-from dinov3_core.procutil import die_with_parent
 
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
-        die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m dinov3_core.export.extract_job", description=__doc__)
     parser.add_argument("--config", required=True, help="the extract config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     from dinov3_core.export.config import ExtractConfig
     from dinov3_core.export.extract import run_extract
-    from dinov3_core.export.extract_plan import Team
+    from dinov3_core.export.extract_plan import Team, rank_main
 
-    team = None
-    try:
+    def work(team: Team) -> str:
         cfg = load_config(ExtractConfig, args.config, args.overrides, stage="extract")
-        team = Team.from_env()
         if not team.is_main:  # one MLflow writer; the other ranks' figures reach it through the gather
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))
-        result = run_extract(cfg, team=team)
-    except WsidinoError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return exit_code(err)
-    finally:
-        if team is not None:
-            team.close()
-    if team.is_main:
-        print(f"extract: {len(result.extracted)} slides extracted, {len(result.skipped)} up to date, {result.tiles} "
-              f"tiles in {result.seconds:.1f} s ({result.tiles_per_s:.1f} tiles/s) on {team.world_size} rank(s) → "
-              f"{result.output}", flush=True)  # fmt: skip
-    return 0
+        r = run_extract(cfg, team=team)
+        rate = f"{r.tiles} tiles in {r.seconds:.1f} s ({r.tiles_per_s:.1f} tiles/s) on {team.world_size} rank(s)"
+        return f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date, {rate} → {r.output}"
+
+    return rank_main(work)
 
 
 if __name__ == "__main__":
