@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--partition")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     cfg = load_config(STAGE_SPECS[args.stage].schema(), args.config, args.overrides, stage=args.stage)
     launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
                             rdzv_endpoint="slurm-head:0" if args.nodes > 1 else None)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,14 @@ from typing import Any
 import pytest
 
 from tasks.launch_slurm import SlurmSettings, sbatch_script
-from tests.helpers import pretrain_values
+from tests.helpers import REPO, pretrain_values
 from tests.prefect_deploy import deploy, flow_logs, job_processes, trigger, wait_final, worker
 from wsidino_dev import faults
 from wsidino_dev.slurm_local import LocalSlurm, missing
 
 __all__ = ["worker"]  # the module's process-worker fixture (started after the cluster: it inherits SLURM_CONF)
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+needs_slurm = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
 STAGE = {"train.stop_at": 4, "checkpointing.period": 2, "checkpointing.max_to_keep": 5, "train.batch_size_per_gpu": 4}
 
@@ -74,6 +75,18 @@ def test_the_batch_script_is_one_torchrun_per_node_with_rendezvous_on_the_first(
     assert check.returncode == 0, check.stderr
 
 
+def test_the_script_of_a_stage_prints_for_submitting_by_hand(stage_tile_store, tmp_path) -> None:
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "tasks.launch_slurm", "pretrain", "--config", "tiny",
+               f"data.stores=[{stage_tile_store}]", f"output_dir={out}", "--nodes", "2", "--nproc-per-node", "8",
+               "--gpus-per-node", "8"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --gpus-per-node=8" in done.stdout
+    assert f"--config {out / 'launch_config.yaml'}" in done.stdout and (out / "launch_config.yaml").is_file()
+
+
+@needs_slurm
 @pytest.mark.timeout(600)
 def test_pretrain_on_slurm_through_the_prefect_task(slurm, stage_tile_store, prefect_api, mlflow_tracking,
                                                     tmp_path) -> None:  # fmt: skip
@@ -100,6 +113,7 @@ def test_pretrain_on_slurm_through_the_prefect_task(slurm, stage_tile_store, pre
     assert not queued()
 
 
+@needs_slurm
 @pytest.mark.timeout(900)
 def test_a_crashing_rank_fails_the_job_and_the_retry_resumes_from_its_checkpoint(
     slurm, stage_tile_store, prefect_api, mlflow_tracking, tmp_path, monkeypatch
@@ -124,6 +138,7 @@ def test_a_crashing_rank_fails_the_job_and_the_retry_resumes_from_its_checkpoint
     assert not queued()
 
 
+@needs_slurm
 @pytest.mark.timeout(600)
 def test_cancelling_the_flow_run_cancels_the_slurm_job(slurm, worker, stage_tile_store, mlflow_tracking,
                                                        tmp_path) -> None:  # fmt: skip
