@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dinov3_core.errors import WsidinoError
 from dinov3_core.launch import TorchrunFailed, TorchrunJob
 from dinov3_core.launch.diagnose import diagnose_failure, new_run_dir
 
@@ -175,10 +176,20 @@ class SlurmRunner:
                              log_dir=log_dir, rank=rank, rank_exit_code=rank_code, run_log_dir=run_dir)  # fmt: skip
 
 
+class SlurmSubmitError(WsidinoError):
+    """SLURM refused the job (bad partition, account, resources): bad input, so the task does not retry it."""
+
+
 def _sbatch(script: Path) -> str:
-    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise SlurmSubmitError("launch.backend=slurm but `sbatch` is not on this worker's PATH: start the worker of "
+                               "pool wsidino-slurm on a host that can submit (docs/cluster.md)") from None  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"sbatch {script} failed: {done.stderr.strip() or done.stdout.strip()}")
+        why = done.stderr.strip() or done.stdout.strip()
+        raise SlurmSubmitError(f"sbatch refused {script}: {why}; check launch.slurm (partition, account, "
+                               "gpus_per_node, time_limit, extra_directives)")  # fmt: skip
     return done.stdout.strip().split(";", 1)[0]
 
 
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["SlurmRunner", "SlurmSettings", "cancel", "job_state", "sbatch_script"]
+__all__ = ["SlurmRunner", "SlurmSettings", "SlurmSubmitError", "cancel", "job_state", "sbatch_script"]
 
 
 if __name__ == "__main__":

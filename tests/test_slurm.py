@@ -87,6 +87,18 @@ def test_the_script_of_a_stage_prints_for_submitting_by_hand(stage_tile_store, t
 
 
 @needs_slurm
+def test_a_job_slurm_refuses_is_bad_input_naming_the_settings(slurm, tmp_path) -> None:
+    from dinov3_core.errors import WsidinoError
+    from dinov3_core.launch import TorchrunJob
+    from tasks.launch_slurm import SlurmRunner
+
+    runner = SlurmRunner(SlurmSettings(partition="no-such-partition"))
+    with pytest.raises(WsidinoError, match=r"(?s)sbatch refused .*invalid partition.*launch\.slurm \(partition"):
+        runner(TorchrunJob(module="dinov3_core.train", log_dir=tmp_path / "logs"), log=lambda line: None)
+    assert not queued()
+
+
+@needs_slurm
 @pytest.mark.timeout(600)
 def test_pretrain_on_slurm_through_the_prefect_task(slurm, stage_tile_store, prefect_api, mlflow_tracking,
                                                     tmp_path) -> None:  # fmt: skip
