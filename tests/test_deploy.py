@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -332,6 +333,19 @@ def test_k8s_multinode_manifest_rendezvous() -> None:
     assert f"--nnodes={job['spec']['completions']}" in args and job["spec"]["parallelism"] == job["spec"]["completions"]
     gpus = pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert f"--nproc-per-node={gpus}" in args
+
+
+def test_k8s_multinode_manifest_is_what_the_renderer_prints() -> None:
+    """deploy/kubernetes/pretrain-multinode.yaml is generated (tasks/launch_k8s.py): its header names the command,
+    and the command's output must be the file's manifests, so the example cannot drift from the code."""
+    text = K8S_MULTINODE.read_text()
+    command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in text.splitlines()
+                       if line.startswith("#   python -m tasks.launch_k8s") or line.startswith("#     "))  # fmt: skip
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "tasks.launch_k8s"], command
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    assert list(yaml.safe_load_all(done.stdout)) == list(yaml.safe_load_all(text))
 
 
 # ------------------------------------------------------------------------------------------------ SLURM
