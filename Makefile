@@ -8,7 +8,7 @@ DEMO_DIR ?= demo-output
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: venv test lint format demo bench clean serve browser
+.PHONY: slurm venv test lint format demo bench clean serve browser
 
 # Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
 $(STAMP): pyproject.toml
@@ -45,6 +45,12 @@ serve: venv
 browser:
 	@command -v chromium >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
+# Debian's SLURM and munge for the tests that submit to a real one-host cluster (tests/test_slurm.py starts one with
+# wsidino_dev.slurm_local; they skip without these). CI installs them; on a workstation it is optional.
+slurm:
+	@{ command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q slurm-wlm munge; }
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --output bench-output

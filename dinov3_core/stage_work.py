@@ -37,6 +37,9 @@ class RunHooks:
     progress: Callable[[int, int], None] | None = None  # tile, extract: (tiles done, tiles planned so far)
     on_slide: Callable[[Any], None] | None = None  # tile: each slide's SlideOutcome as it finishes
     run_groups: Any = None  # tile: a `tiling.groups.RunGroups` (slide groups on a Dask cluster); None: the pool
+    # Runs a stage's `TorchrunJob` (pretrain, gram, extract on several processes): None → `run_torchrun` on this
+    # host; a cluster backend submits it to its scheduler instead (tasks.launch_slurm.SlurmRunner).
+    run_job: Callable[..., None] | None = None
     launch: Any = None  # the stage's `LaunchSettings`: evaluate embeds as a torchrun job when it asks for > 1 process
 
 
@@ -52,7 +55,7 @@ def launch_job(stage: str, cfg: Any, launch: LaunchSettings, run: Any, hooks: Ru
     if stage == "extract" and hooks.progress is not None:
         log = _with_job_progress(cfg, hooks)
     with guard:
-        run_torchrun(job, log=log)
+        (hooks.run_job or run_torchrun)(job, log=log)
     if stage in TRAINING_STAGES:
         return training_summary(stage, cfg)
     from dinov3_core.export.extract import read_run_record
@@ -179,7 +182,7 @@ def _evaluate(cfg: Any, hooks: RunHooks) -> tuple[Any, dict[str, Any]]:
         from dinov3_core.evaluate.embed_job import launch_embedding
 
         embed_job = functools.partial(launch_embedding, cfg, hooks.launch, log=hooks.log,
-                                      hold_resources=hooks.hold_resources)  # fmt: skip
+                                      hold_resources=hooks.hold_resources, run_job=hooks.run_job)  # fmt: skip
     r = run_evaluate(cfg, embed_job)
     for line in r.table.splitlines():
         hooks.log(line)

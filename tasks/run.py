@@ -40,6 +40,7 @@ from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.run import RunHooks, StageOutcome, run_stage
 from dinov3_core.stage_specs import STAGE_SPECS
+from tasks.launch_slurm import SlurmRunner
 from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
 
 
@@ -263,6 +264,7 @@ def run_stage_task(
         The outcome: status (ran / skipped), why, outputs, MLflow run id, lineage and summary figures.
     """
     logger = get_run_logger()
+    backend = getattr(launch, "backend", "local")
     tile = _TileArtifacts(str(cfg.output)) if stage == "tile" else None
     extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if stage == "extract" else None
     training = _TrainingArtifacts(stage, cfg) if stage in ("pretrain", "gram") else None
@@ -271,7 +273,9 @@ def run_stage_task(
         parent_run_id=current_pipeline_run(),
         tags=prefect_run_tags(stage),
         run_name=mlflow_run_name(stage),
-        hold_resources=gpu_slots,
+        # On a cluster its scheduler places the job and counts its GPUs: no Prefect GPU slots are held for it.
+        hold_resources=None if backend == "slurm" else gpu_slots,
+        run_job=SlurmRunner(launch.slurm) if backend == "slurm" else None,  # type: ignore[union-attr]
         progress=(tile or extract).progress if (tile or extract) else None,
         on_slide=tile.on_slide if tile else None,
         run_groups=run_groups,

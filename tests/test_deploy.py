@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -60,6 +61,7 @@ FLOWS: dict[str, tuple[str, type[BaseModel]]] = {
 }
 CPU_DEPLOYMENTS = {"tile", "convert", "export", "evaluate", "extract", "pipeline", "retrain-cpu"}
 GPU_DEPLOYMENTS = {"pretrain", "gram", "extract-gpu", "pipeline-gpu", "retrain"}
+SLURM_DEPLOYMENTS = {"pipeline-slurm"}  # on pool wsidino-slurm: a worker on a host that can sbatch
 PLACEHOLDER = re.compile(r"{{\s*([A-Za-z_][A-Za-z0-9_]*)\s*}}")
 
 
@@ -140,11 +142,13 @@ def test_prefect_yaml_deployments_and_pools(project: dict[str, Any], deployments
 
     assert project["prefect-version"] == prefect.__version__
     assert len(deployments) == len(project["deployments"]), "deployment names must be unique"
-    assert set(deployments) == CPU_DEPLOYMENTS | GPU_DEPLOYMENTS
+    assert set(deployments) == CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS
     for name, deployment in deployments.items():
         pool = deployment["work_pool"]["name"]
-        assert pool == ("wsidino-gpu" if name in GPU_DEPLOYMENTS else "wsidino-cpu"), name
-    for name in GPU_DEPLOYMENTS:  # one GPU training run at a time per deployment, the rest queue
+        expected = "wsidino-gpu" if name in GPU_DEPLOYMENTS else "wsidino-slurm" if name in SLURM_DEPLOYMENTS else (
+            "wsidino-cpu")  # fmt: skip
+        assert pool == expected, name
+    for name in GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS:  # one GPU training run at a time per deployment, the rest queue
         limit = deployments[name]["concurrency_limit"]
         assert limit == {"limit": 1, "collision_strategy": "ENQUEUE"}, name
     # No build/push, no explicit pull: `prefect deploy` records set_working_directory (the repo root).
@@ -152,7 +156,7 @@ def test_prefect_yaml_deployments_and_pools(project: dict[str, Any], deployments
 
 
 @pytest.mark.parametrize(
-    "name", sorted(CPU_DEPLOYMENTS | GPU_DEPLOYMENTS), ids=lambda n: n
+    "name", sorted(CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS), ids=lambda n: n
 )  # fmt: skip
 def test_deployment_params_are_complete_and_valid(deployments: dict[str, dict[str, Any]], name: str) -> None:
     deployment = deployments[name]
@@ -207,6 +211,18 @@ def test_gpu_deployments_say_they_need_a_gpu_worker(deployments: dict[str, dict[
     assert set(serve.GPU_DEPLOYMENTS) == GPU_DEPLOYMENTS
     for name in GPU_DEPLOYMENTS:
         assert "Needs a worker on pool wsidino-gpu" in deployments[name]["description"], name
+    assert set(serve.SLURM_DEPLOYMENTS) == SLURM_DEPLOYMENTS
+    for name in SLURM_DEPLOYMENTS:
+        assert "Needs a worker on pool wsidino-slurm" in deployments[name]["description"], name
+
+
+def test_the_slurm_pipeline_submits_its_jobs_to_slurm(deployments: dict[str, dict[str, Any]]) -> None:
+    params = PipelineParams.model_validate(deployments["pipeline-slurm"]["parameters"]["params"])
+    launch = params.launch
+    assert launch.backend == "slurm" and launch.nnodes == 2 and launch.rdzv_endpoint is None  # the script finds it
+    assert launch.slurm.gpus_per_node == launch.nproc_per_node == 8 and launch.gpu_slots is None
+    with pytest.raises(ValueError, match="rdzv_endpoint"):  # a local multi-node launch still needs its endpoint
+        type(launch).model_validate({**launch.model_dump(), "backend": "local"})
 
 
 def test_retrain_deployments(deployments: dict[str, dict[str, Any]]) -> None:
@@ -317,6 +333,19 @@ def test_k8s_multinode_manifest_rendezvous() -> None:
     assert f"--nnodes={job['spec']['completions']}" in args and job["spec"]["parallelism"] == job["spec"]["completions"]
     gpus = pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert f"--nproc-per-node={gpus}" in args
+
+
+def test_k8s_multinode_manifest_is_what_the_renderer_prints() -> None:
+    """deploy/kubernetes/pretrain-multinode.yaml is generated (tasks/launch_k8s.py): its header names the command,
+    and the command's output must be the file's manifests, so the example cannot drift from the code."""
+    text = K8S_MULTINODE.read_text()
+    command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in text.splitlines()
+                       if line.startswith("#   python -m tasks.launch_k8s") or line.startswith("#     "))  # fmt: skip
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "tasks.launch_k8s"], command
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    assert list(yaml.safe_load_all(done.stdout)) == list(yaml.safe_load_all(text))
 
 
 # ------------------------------------------------------------------------------------------------ SLURM

@@ -132,9 +132,11 @@ def launch_embedding(
     *,
     log: Callable[[str], None] = print,
     hold_resources: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
+    run_job: Callable[..., None] | None = None,
 ) -> None:
     """Embed `indices` with `model` (an opened `FeatureModel`) into the cache file `output` as a torchrun job of
-    `launch` (`LaunchSettings`) processes; `hold_resources`: the GPU-slot guard entered around it. Raises
+    `launch` (`LaunchSettings`) processes; `hold_resources`: the GPU-slot guard entered around it; `run_job`: what
+    runs the job (None: `run_torchrun` on this host; the SLURM backend submits it). Raises
     `TorchrunFailed` (the failing rank's error) when a rank fails."""
     from dinov3_core.evaluate.config import EvaluateError
     from dinov3_core.evaluate.features import precision_of
@@ -165,7 +167,7 @@ def launch_embedding(
         f"process(es) × {job.nnodes} node(s), logs in {job.log_dir}")  # fmt: skip
     guard = hold_resources(launch) if hold_resources is not None else contextlib.nullcontext()
     with guard:
-        run_torchrun(job, log=log)
+        (run_job or run_torchrun)(job, log=log)
     if not output.is_file():
         raise EvaluateError(f"the embedding job of {model.path} ended without writing {output}; see {job.log_dir}")
 

@@ -26,6 +26,8 @@ from wsidino_dev.serve.deployments import (
     GPU_POOL,
     GPU_SLOTS_LIMIT,
     PREFECT_FILE,
+    SLURM_DEPLOYMENTS,
+    SLURM_POOL,
     demo_pipeline_params,
     demo_retrain_params,
     ensure_gpu_slots,
@@ -198,6 +200,13 @@ def run(args: argparse.Namespace) -> int:
                 "until one polls): on a GPU host that sees this server, run",
                 f"  PREFECT_API_URL={api} prefect worker start --pool {GPU_POOL}",
                 "  or here, on a GPU machine: make serve SERVE_ARGS=--gpu-worker (docs/hardware.md: which recipe fits)",
+            ]
+        slurm = [d for d in registration.deployments if d.split("/")[1] in SLURM_DEPLOYMENTS]
+        if slurm:
+            lines += [
+                "",
+                f"SLURM deployments ({', '.join(slurm)}) wait for a worker on pool {SLURM_POOL}: on a host that can",
+                f"sbatch (docs/cluster.md), run  PREFECT_API_URL={api} prefect worker start --pool {SLURM_POOL}",
             ]
         if registration.retrain_params_file is not None:
             lines += [

@@ -18,13 +18,18 @@ from wsidino_dev.serve.children import REPO_ROOT, ServeError, child_env, prefect
 PREFECT_FILE = REPO_ROOT / "deploy" / "prefect.yaml"
 CPU_POOL = "wsidino-cpu"
 GPU_POOL = "wsidino-gpu"
+SLURM_POOL = "wsidino-slurm"  # a worker on a host that can sbatch (tasks.launch_slurm)
 GPU_SLOTS_LIMIT = "gpu-slots"
 DEMO_DEPLOYMENT = "pipeline"  # deployment name in prefect.yaml; full name pipeline/pipeline
 DEMO_FLOW = "pipeline"
 # On pool wsidino-gpu (deploy/prefect.yaml).
 GPU_DEPLOYMENTS = ("pretrain", "gram", "extract-gpu", "pipeline-gpu", "retrain")
+SLURM_DEPLOYMENTS = ("pipeline-slurm",)  # on pool wsidino-slurm
 RETRAIN_DEPLOYMENT = "retrain-cpu"  # full name retrain/retrain-cpu
 RETRAIN_FLOW = "retrain"
+
+
+POOL_ROLES = {GPU_POOL: "GPU hosts", SLURM_POOL: "SLURM submit hosts"}
 
 
 def count_local_gpus() -> int:
@@ -43,7 +48,7 @@ def count_local_gpus() -> int:
     return count
 
 
-def ensure_work_pools(api_url: str, names: Sequence[str] = (CPU_POOL, GPU_POOL)) -> list[str]:
+def ensure_work_pools(api_url: str, names: Sequence[str] = (CPU_POOL, GPU_POOL, SLURM_POOL)) -> list[str]:
     """Create the process work pools that do not exist yet (existing ones are left as they are)."""
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -64,7 +69,7 @@ def ensure_work_pools(api_url: str, names: Sequence[str] = (CPU_POOL, GPU_POOL))
                         name=name,
                         type="process",
                         base_job_template=ProcessWorker.get_default_base_job_template(),
-                        description=f"wsidino {'GPU hosts' if name == GPU_POOL else 'CPU work'} (make serve)",
+                        description=f"wsidino {POOL_ROLES.get(name, 'CPU work')} (make serve)",
                     )
                 )
                 created.append(name)
