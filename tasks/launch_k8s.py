@@ -6,21 +6,38 @@ per pod with `nproc_per_node` ranks, the c10d rendezvous on pod 0 (`<name>-0.<na
 
 `python -m tasks.launch_k8s pretrain --config NAME [key=value …] --nodes 2 --nproc-per-node 8 --image …` prints the
 manifests of a stage's job (`deploy/kubernetes/pretrain-multinode.yaml` is this output, checked by the tests). The
-input is a `TorchrunJob`, what the local and SLURM backends run, so the three describe one launch. Applying and
-following them from a Prefect task (the SLURM backend's follow / cancel / failure semantics over the Kubernetes API)
-is not built yet: docs/cluster.md says how to apply them by hand.
+input is a `TorchrunJob`, what the local and SLURM backends run, so the three describe one launch.
+
+`KubernetesRunner` is the `kubernetes` launch backend of the Prefect tasks, with the SLURM backend's semantics over
+`kubectl`: it applies the manifests (a fresh name per submission), streams pod 0's output (rank 0) into the Prefect
+log, polls the Job, deletes it (and its Service) when the wait ends any other way than success (a cancelled flow run,
+a timeout), and on failure raises the failing rank's error read from torchrun's logs, which the pods write to the
+shared volume: the worker must see that volume at the same path (run it in a pod mounting the same claim). Only the
+manifests are tested here (no cluster in CI); docs/cluster.md says what was run where.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import re
+import subprocess
 import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from dinov3_core.launch import TorchrunJob
+from dinov3_core.errors import WsidinoError
+from dinov3_core.launch import TorchrunFailed, TorchrunJob
+from dinov3_core.launch.diagnose import diagnose_failure, new_run_dir
 
 RDZV_PORT = 29400
 
@@ -30,6 +47,7 @@ class KubernetesSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Kubernetes")
 
+    namespace: str = Field("wsidino", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", title="Namespace")
     image: str = Field("wsidino:gpu", title="Image", description="deploy/docker/Dockerfile.gpu, pushed to a registry.")
     working_dir: str = Field("/opt/wsidino", title="Working directory", description="The checkout in the image.")
     gpus_per_node: int = Field(8, ge=0, le=64, title="GPUs per pod")
@@ -94,6 +112,7 @@ def render(job: TorchrunJob, settings: KubernetesSettings, *, name: str) -> list
             "completions": job.nnodes,
             "parallelism": job.nnodes,  # every pod at once: the rendezvous waits for all nodes
             "backoffLimit": 0,  # a failed pod fails the job; a rerun resumes from the last checkpoint
+            "ttlSecondsAfterFinished": 7 * 24 * 3600,  # kept a week to read, then removed with its pods
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod},  # a copy: no YAML anchors
         },
     }
@@ -135,7 +154,112 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["KubernetesSettings", "render", "to_yaml"]
+class KubectlError(WsidinoError):
+    """kubectl is missing or refused the manifests (bad namespace, image, quota): bad input, not retried."""
+
+
+def kubectl(args: list[str], input_text: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(["kubectl", *args], input=input_text, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise KubectlError("launch.backend=kubernetes but `kubectl` is not on this worker's PATH (with a kubeconfig "
+                           "or in-cluster credentials): see docs/cluster.md") from None  # fmt: skip
+    if check and done.returncode != 0:
+        raise KubectlError(f"kubectl {' '.join(args[:3])} failed: {done.stderr.strip()[:1000]}; check "
+                           "launch.kubernetes (namespace, image, data_claim, resources)")  # fmt: skip
+    return done
+
+
+def dns_name(text: str) -> str:
+    """A DNS-1123 label (Service and Job names, pod hostnames `<name>-<index>` included)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return name[:50].rstrip("-") or "wsidino"
+
+
+@dataclass
+class KubernetesRunner:
+    """Runs a `TorchrunJob` as a Kubernetes Indexed Job and follows it (the `RunHooks.run_job` of that backend)."""
+
+    settings: KubernetesSettings = field(default_factory=KubernetesSettings)
+    poll_s: float = 5.0
+    submitted: list[str] = field(default_factory=list)
+
+    def __call__(self, job: TorchrunJob, log: Callable[[str], None] = print) -> None:
+        log_dir = Path(job.log_dir or Path.cwd() / "torchrun_logs").resolve()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        job = replace(job, log_dir=log_dir)
+        runs_before = {p.name for p in log_dir.iterdir()}
+        ns = self.settings.namespace
+        name = dns_name(f"wsidino-{job.rdzv_id or job.module.rsplit('.', 1)[-1]}-{uuid.uuid4().hex[:6]}")
+        kubectl(["apply", "-n", ns, "-f", "-"], to_yaml(render(job, self.settings, name=name)))
+        self.submitted.append(name)
+        log(f"kubernetes: created job {ns}/{name} ({job.nnodes} pod(s) × {job.nproc_per_node} process(es))")
+        console: list[str] = []
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        follower: subprocess.Popen[str] | None = None
+        state = "Pending"
+        try:
+            while True:
+                new_state = _job_state(ns, name)
+                if new_state != state:
+                    log(f"kubernetes: job {name} {new_state.lower()}")
+                    state = new_state
+                if follower is None and state in ("Running", "Complete", "Failed"):
+                    follower = _follow_rank0(ns, name, lines)
+                while not lines.empty():
+                    line = lines.get()
+                    console.append(line)
+                    log(line)
+                if state in ("Complete", "Failed"):
+                    break
+                time.sleep(self.poll_s)
+        except BaseException:
+            kubectl(["delete", "-n", ns, "job,service", name, "--cascade=foreground", "--wait=true"], check=False)
+            log(f"kubernetes: job {ns}/{name} deleted")
+            raise
+        finally:
+            if follower is not None:
+                follower.terminate()
+        time.sleep(1.0)
+        while not lines.empty():
+            line = lines.get()
+            console.append(line)
+            log(line)
+        kubectl(["delete", "-n", ns, "service", name], check=False)  # the rendezvous name; the Job stays to read
+        if state == "Complete":
+            return
+        run_dir = new_run_dir(log_dir, runs_before)
+        root_cause, rank, rank_code = diagnose_failure(run_dir, console, 1)
+        raise TorchrunFailed(job.module, exit_code=1, root_cause=f"Kubernetes job {ns}/{name}: {root_cause}",
+                             log_dir=log_dir, rank=rank, rank_exit_code=rank_code, run_log_dir=run_dir)  # fmt: skip
+
+
+def _job_state(ns: str, name: str) -> str:
+    """Pending, Running, Complete or Failed, from the Job's status."""
+    status = json.loads(kubectl(["get", "job", "-n", ns, name, "-o", "json"]).stdout).get("status", {})
+    for condition in status.get("conditions", []):
+        if condition.get("status") == "True" and condition.get("type") in ("Complete", "Failed"):
+            return str(condition["type"])
+    return "Running" if status.get("active") else "Pending"
+
+
+def _follow_rank0(ns: str, name: str, lines: queue.SimpleQueue[str]) -> subprocess.Popen[str]:
+    """`kubectl logs -f` of pod 0 (torchrun's local rank 0 of node 0 is rank 0), line by line into `lines`."""
+    selector = f"job-name={name},batch.kubernetes.io/job-completion-index=0"
+    proc = subprocess.Popen(["kubectl", "logs", "-n", ns, "-l", selector, "-f", "--tail=-1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            text = line.rstrip("\n")
+            lines.put(text.split("]:", 1)[1] if text.startswith("[default") and "]:" in text[:20] else text)
+
+    threading.Thread(target=pump, name=f"kubectl-logs-{name}", daemon=True).start()
+    return proc
+
+
+__all__ = ["KubectlError", "KubernetesRunner", "KubernetesSettings", "dns_name", "kubectl", "render", "to_yaml"]
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

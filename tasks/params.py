@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from dinov3_core.config import ConfigError, parse_overrides
 from dinov3_core.launch.training import LaunchSettings as _LocalLaunch
+from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
 
 STAGES = ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
@@ -23,23 +24,27 @@ Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.
 
 
 class LaunchSettings(_LocalLaunch):
-    """How a stage's torchrun job is launched from Prefect: on the worker's host (`local`) or as one job of the
-    SLURM cluster the worker can submit to (`slurm`: one sbatch job, one torchrun per node; tasks.launch_slurm)."""
+    """How a stage's torchrun job is launched from Prefect: on the worker's host (`local`), as one job of the SLURM
+    cluster the worker can submit to (`slurm`: one sbatch job, one torchrun per node; tasks.launch_slurm), or as a
+    Kubernetes Indexed Job (`kubernetes`: one pod per node; tasks.launch_k8s)."""
 
     model_config = ConfigDict(extra="forbid", title="Launch")
 
-    backend: Literal["local", "slurm"] = Field(
+    backend: Literal["local", "slurm", "kubernetes"] = Field(
         "local", title="Backend",
-        description="local: torchrun on the worker's host. slurm: sbatch from the worker (nodes × processes; the "
-        "rendezvous is on the allocation's first node, so no endpoint is needed).",
+        description="local: torchrun on the worker's host. slurm: sbatch from the worker. kubernetes: an Indexed "
+        "Job applied with kubectl. On a cluster the rendezvous is on the job's first node: no endpoint needed.",
         json_schema_extra={"position": 7},
     )  # fmt: skip
     slurm: SlurmSettings = Field(default_factory=SlurmSettings, title="SLURM", json_schema_extra={"position": 8})
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings, title="Kubernetes", json_schema_extra={"position": 9}
+    )
 
     @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> LaunchSettings:  # on SLURM the script finds the first node itself
+    def _multi_node_needs_endpoint(self) -> LaunchSettings:  # on a cluster the job finds its first node itself
         if self.nnodes > 1 and not self.rdzv_endpoint and self.backend == "local":
-            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous), or backend=slurm")
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous), or a cluster backend")
         return self
 
 

@@ -40,6 +40,7 @@ from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.run import RunHooks, StageOutcome, run_stage
 from dinov3_core.stage_specs import STAGE_SPECS
+from tasks.launch_k8s import KubernetesRunner
 from tasks.launch_slurm import SlurmRunner
 from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
 
@@ -274,8 +275,8 @@ def run_stage_task(
         tags=prefect_run_tags(stage),
         run_name=mlflow_run_name(stage),
         # On a cluster its scheduler places the job and counts its GPUs: no Prefect GPU slots are held for it.
-        hold_resources=None if backend == "slurm" else gpu_slots,
-        run_job=SlurmRunner(launch.slurm) if backend == "slurm" else None,  # type: ignore[union-attr]
+        hold_resources=gpu_slots if backend == "local" else None,
+        run_job=cluster_runner(launch),
         progress=(tile or extract).progress if (tile or extract) else None,
         on_slide=tile.on_slide if tile else None,
         run_groups=run_groups,
@@ -305,6 +306,16 @@ def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
     except Exception:
         return True
     return False
+
+
+def cluster_runner(launch: Any) -> Callable[..., None] | None:
+    """What runs a stage's torchrun job for `launch.backend`: None (local torchrun), SLURM or Kubernetes."""
+    backend = getattr(launch, "backend", "local")
+    if backend == "slurm":
+        return SlurmRunner(launch.slurm)
+    if backend == "kubernetes":
+        return KubernetesRunner(launch.kubernetes)
+    return None
 
 
 def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:

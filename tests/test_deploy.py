@@ -335,6 +335,34 @@ def test_k8s_multinode_manifest_rendezvous() -> None:
     assert f"--nproc-per-node={gpus}" in args
 
 
+def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: Path, monkeypatch) -> None:
+    """The Prefect form's kubernetes backend: a multi-node launch without an endpoint, the stage's own job (its
+    launch config and torchrun log dir on the shared volume, the MLflow run's environment) in the pods; a worker
+    without kubectl gets bad input naming what to do, not a retry."""
+    from dinov3_core.errors import WsidinoError
+    from dinov3_core.launch.training import stage_job
+    from tasks.launch_k8s import KubernetesRunner, dns_name, render
+    from tasks.params import LaunchSettings as FormLaunch
+    from tests.helpers import pretrain_config
+
+    launch = FormLaunch(nproc_per_node=4, nnodes=3, backend="kubernetes")
+    cfg = pretrain_config(tmp_path / "tiles.zarr", tmp_path / "run")
+    job = stage_job("pretrain", cfg, launch, env={"MLFLOW_RUN_ID": "r1"})
+    service, manifest = render(job, launch.kubernetes, name=dns_name("wsidino-pretrain-RUN_1"))
+    assert service["metadata"]["name"] == manifest["metadata"]["name"] == "wsidino-pretrain-run-1"
+    assert manifest["spec"]["completions"] == manifest["spec"]["parallelism"] == 3
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert f"--log-dir={tmp_path / 'run' / 'torchrun_logs'}" in container["args"]
+    assert container["args"][-2:] == ["--config", str((tmp_path / "run" / "launch_config.yaml").resolve())]
+    assert {"name": "MLFLOW_RUN_ID", "value": "r1"} in container["env"]
+    assert "--nproc-per-node=4" in container["args"] and "--rdzv-endpoint=wsidino-pretrain-run-1-0." in " ".join(
+        container["args"]
+    )
+    monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl here
+    with pytest.raises(WsidinoError, match=r"kubectl` is not on this worker's PATH"):
+        KubernetesRunner(launch.kubernetes)(job, log=lambda line: None)
+
+
 def test_k8s_multinode_manifest_is_what_the_renderer_prints() -> None:
     """deploy/kubernetes/pretrain-multinode.yaml is generated (tasks/launch_k8s.py): its header names the command,
     and the command's output must be the file's manifests, so the example cannot drift from the code."""
