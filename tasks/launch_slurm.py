@@ -121,7 +121,7 @@ class SlurmRunner:
 
     settings: SlurmSettings = field(default_factory=SlurmSettings)
     poll_s: float = 2.0
-    name_prefix: str = "wsidino"
+    name_prefix: str = "wsidino"  # of the job name when the job has no rdzv_id
     submitted: list[str] = field(default_factory=list)  # job ids, in order (a retry submits a new job)
 
     def __call__(self, job: TorchrunJob, log: Callable[[str], None] = print) -> None:
@@ -129,7 +129,7 @@ class SlurmRunner:
         log_dir.mkdir(parents=True, exist_ok=True)
         job = replace(job, log_dir=log_dir)
         runs_before = {p.name for p in log_dir.iterdir()}
-        name = f"{self.name_prefix}-{job.rdzv_id or job.module.rsplit('.', 1)[-1]}"[:64]
+        name = (job.rdzv_id or f"{self.name_prefix}-{job.module.rsplit('.', 1)[-1]}")[:64]  # wsidino-<stage>-<run>
         script = log_dir / f"{name}.sbatch"
         script.write_text(sbatch_script(job, self.settings, name=name, workdir=Path.cwd()))
         job_id = _sbatch(script)
@@ -149,7 +149,9 @@ class SlurmRunner:
                     if new_state != state:
                         log(f"slurm: job {job_id} {new_state.lower()}")
                         state = new_state
-                    if state in _DONE | _FAILED or (state == "GONE" and exit_file.exists()):
+                    # GONE: the controller forgot the job (it ended over MinJobAge ago, or was purged): whether
+                    # its torchrun finished is in the exit file the script writes.
+                    if state in _DONE | _FAILED or state == "GONE":
                         time.sleep(min(self.poll_s, 1.0))  # the last lines the node flushed
                         for line in tail.lines():
                             console.append(line)
