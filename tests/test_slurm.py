@@ -44,6 +44,17 @@ def queued() -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
+def logs_with(flow_run_id: Any, *texts: str, timeout: float = 60.0) -> str:
+    """The flow run's Prefect log once it holds every one of `texts` (the run's last lines reach the API in batches,
+    after the run has finished)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = flow_logs(flow_run_id)
+        if all(t in logs for t in texts) or time.monotonic() > deadline:
+            return logs
+        time.sleep(1.0)
+
+
 def pretrain_params(store: Path, out: Path, tracking: Any, retries: int = 0, stage: dict[str, Any] | None = None
                     ) -> dict[str, Any]:  # fmt: skip
     values = {k: v for k, v in pretrain_values(store, out, **(STAGE if stage is None else stage)).items()
@@ -112,7 +123,7 @@ def test_pretrain_on_slurm_through_the_prefect_task(slurm, stage_tile_store, pre
     params = PretrainParams.model_validate(pretrain_params(stage_tile_store, out, mlflow_tracking))
     state = pretrain_flow(params, return_state=True)
     assert state.is_completed(), state
-    logs = flow_logs(state.state_details.flow_run_id)
+    logs = logs_with(state.state_details.flow_run_id, "slurm: submitted job", "pretrain: iterations 0…3")
     assert "slurm: submitted job" in logs and "slurm: job" in logs, logs[-3000:]
     assert "pretrain: iterations 0…3" in logs, logs[-3000:]  # rank 0's own summary line, from the node
     manifest = json.loads((out / "stage_manifest.json").read_text())
@@ -141,7 +152,7 @@ def test_a_crashing_rank_fails_the_job_and_the_retry_resumes_from_its_checkpoint
     params = PretrainParams.model_validate(pretrain_params(stage_tile_store, out, mlflow_tracking, retries=1))
     state = pretrain_flow(params, return_state=True)
     assert state.is_completed(), state
-    logs = flow_logs(state.state_details.flow_run_id)
+    logs = logs_with(state.state_details.flow_run_id, "injected fault in stage pretrain after iteration 1")
     assert "injected fault in stage pretrain after iteration 1" in logs, logs[-4000:]
     assert logs.count("slurm: submitted job") == 2
     metrics = [json.loads(line) for line in (out / "training_metrics.json").read_text().splitlines() if line.strip()]
