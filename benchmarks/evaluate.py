@@ -51,7 +51,7 @@ from dinov3_core.export.config import ExportConfig, ExtractConfig
 from dinov3_core.export.extract import run_extract
 from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
-from dinov3_core.run import run_stage
+from dinov3_core.runner import run_stage
 
 CLASSES = ("DAB low", "DAB mid", "DAB high")
 

@@ -38,7 +38,7 @@ from dinov3_core.export.config import ExtractConfig
 from dinov3_core.export.extract import read_run_record
 from dinov3_core.export.feature_model import open_model
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.run import run_stage
+from dinov3_core.runner import run_stage
 
 
 def log(msg: str) -> None:

@@ -72,7 +72,7 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from dinov3_core.config import load_config
-    from dinov3_core.run import run_stage
+    from dinov3_core.runner import run_stage
     from dinov3_core.tiling.config import TileConfig
     from dinov3_core.tiling.engine import run_tile
     from flows.tile import tile_flow

@@ -1,32 +1,45 @@
 """`wsidino pipeline` and `wsidino retrain`: the commands that chain stages. Each is the plain function its Prefect
-flow runs (`dinov3_core.pipeline.run.run_pipeline`, `dinov3_core.retrain.cycle.run_cycle`) with the stage runner
-of this process (`dinov3_core.run.run_stage`)."""
+flow runs (`dinov3_core.pipeline.workdir.run_pipeline`, `dinov3_core.retrain.cycle.run_cycle`) with the stage
+runner of this process (`dinov3_core.runner.run_stage`)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from dinov3_core.cli_options import job_failed, launch_from, launch_options, tile_progress
 from dinov3_core.config import parse_overrides
-from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from dinov3_core.errors import EXIT_FAILED, EXIT_OK
+from dinov3_core.stages import STAGE_NAMES, Stage
 
-STAGE_NAMES = ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
+
+def local_runner(launch: Any, bars: bool = True) -> Any:
+    """The `StageRunner` of this process: `run_stage` with the launch, a tile bar on the terminal."""
+    from dinov3_core.runner import RunHooks, StageOutcome, run_stage
+
+    def run(stage: Stage[Any], stage_cfg: Any, parent: str | None, force: bool = False) -> StageOutcome[Any]:
+        hooks = RunHooks(parent_run_id=parent)
+        close_bar: Callable[[], None] = lambda: None  # noqa: E731
+        if bars and stage.progress_bar:
+            hooks.progress, close_bar = tile_progress(stage.name, stage_cfg)
+        try:
+            return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks)
+        finally:
+            close_bar()
+
+    return run
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    """Every stage on the user's slides: the pipeline flow's code path (`dinov3_core.pipeline.run.run_pipeline`)
+    """Every stage on the user's slides: the pipeline flow's code path (`dinov3_core.pipeline.workdir.run_pipeline`)
     with the stage runner of this process."""
     import time
 
-    from dinov3_core.cli import tile_progress
     from dinov3_core.launch import TorchrunFailed
-    from dinov3_core.launch.training import LaunchSettings
     from dinov3_core.pipeline.config import load_pipeline_config
     from dinov3_core.pipeline.report import final_report
-    from dinov3_core.pipeline.run import run_pipeline
-    from dinov3_core.run import RunHooks, run_stage
+    from dinov3_core.pipeline.workdir import run_pipeline
 
     values = parse_overrides(args.overrides)
     for key, dest in PIPELINE_OPTIONS.items():
@@ -38,29 +51,14 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg), end="")
         return EXIT_OK
-    launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
-
-    def run(stage: str, stage_cfg: Any, parent: str | None, force: bool) -> dict[str, Any]:
-        hooks = RunHooks(parent_run_id=parent)
-        close_bar: Callable[[], None] = lambda: None  # noqa: E731
-        if stage == "tile":
-            hooks.progress, close_bar = tile_progress(stage, stage_cfg)
-        try:
-            return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks).as_dict()
-        finally:
-            close_bar()
-
+    launch = launch_from(args)
     start = time.perf_counter()
     try:
-        result = run_pipeline(cfg, run)
+        result = run_pipeline(cfg, local_runner(launch), world_size=launch.world_size)
     except TorchrunFailed as err:
-        bad_input = err.rank_exit_code == 2
-        hint = "" if bad_input else "\nRerun the same command to resume from the last checkpoint."
-        print(f"wsidino pipeline: {err}{hint}", file=sys.stderr)
-        return EXIT_USAGE if bad_input else EXIT_FAILED
-    print(final_report(result.summary, cfg.tracking.experiment, time.perf_counter() - start))
-    failed = [s for s, o in result.summary["stages"].items() if (o.get("summary") or {}).get("failed")]
-    return EXIT_FAILED if failed else EXIT_OK
+        return job_failed("pipeline", err, "resume from the last checkpoint")
+    print(final_report(result, cfg.tracking.experiment, time.perf_counter() - start))
+    return EXIT_FAILED if any(o.summary.failures for o in result.outcomes.values()) else EXIT_OK
 
 
 # `wsidino pipeline` options → pipeline config keys (the same fields as the `pipeline` deployment's form).
@@ -105,34 +103,23 @@ examples:
 def cmd_retrain(args: argparse.Namespace) -> int:
     """One retraining cycle; exits 0 whether it trained or was skipped (the last line says which and why)."""
     from dinov3_core.launch import TorchrunFailed
-    from dinov3_core.launch.training import LaunchSettings
     from dinov3_core.retrain.config import load_retrain_config
     from dinov3_core.retrain.cycle import run_cycle
-    from dinov3_core.run import RunHooks, run_stage
 
     values = parse_overrides(args.overrides)
     for key in ("slides", "root", "annotations"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     cfg = load_retrain_config(args.config, values)
-    launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
-
-    def run(stage: str, stage_cfg: Any, parent: str | None, force: bool = False) -> dict[str, Any]:
-        hooks = RunHooks(parent_run_id=parent)
-        return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks).as_dict()
-
     try:
-        result = run_cycle(cfg, run)
+        result = run_cycle(cfg, local_runner(launch_from(args), bars=False))
     except TorchrunFailed as err:
-        print(f"wsidino retrain: {err}\nRerun the same command to resume the cycle.", file=sys.stderr)
-        return EXIT_USAGE if err.rank_exit_code == 2 else EXIT_FAILED
+        return job_failed("retrain", err, "resume the cycle")
     print(result.message)
     return EXIT_OK
 
 
 def add_chain_commands(sub: Any) -> None:
-    from dinov3_core.cli import launch_options
-
     pipeline = sub.add_parser(
         "pipeline",
         help="Every stage on your slides in one work directory: tile → pretrain → gram → convert → export → "

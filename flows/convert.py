@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ConvertParams
-from tasks.run import load_stage_config, run_stage_task
+from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="convert")
@@ -21,7 +21,7 @@ def convert_flow(params: ConvertParams) -> dict[str, Any]:
         The stage outcome (backbone.pth and config.yaml paths, sizes).
     """
     cfg = load_stage_config("convert", params.stage.config, params.config_values())
-    return run_stage_task("convert", cfg, force=params.force)
+    return run_stage_task("convert", cfg, force=params.force).as_dict()
 
 
 if __name__ == "__main__":

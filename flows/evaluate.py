@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import EvaluateParams
-from tasks.run import load_stage_config, run_stage_task
+from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="evaluate")
@@ -24,7 +24,7 @@ def evaluate_flow(params: EvaluateParams) -> dict[str, Any]:
         The stage outcome: decision, primary metric, champion model path, MLflow run id.
     """
     cfg = load_stage_config("evaluate", params.stage.config, params.config_values())
-    return run_stage_task("evaluate", cfg, force=params.force, launch=params.launch)
+    return run_stage_task("evaluate", cfg, force=params.force, launch=params.launch).as_dict()
 
 
 if __name__ == "__main__":

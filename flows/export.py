@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ExportParams
-from tasks.run import load_stage_config, run_stage_task
+from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="export")
@@ -21,7 +21,7 @@ def export_flow(params: ExportParams) -> dict[str, Any]:
         The stage outcome (ONNX path, parity error, registered model version).
     """
     cfg = load_stage_config("export", params.stage.config, params.config_values())
-    return run_stage_task("export", cfg, force=params.force)
+    return run_stage_task("export", cfg, force=params.force).as_dict()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import ExtractParams
-from tasks.run import load_stage_config, run_job_stage
+from tasks.stage_task import load_stage_config, run_job_stage
 
 
 @flow(name="extract")
@@ -25,7 +25,7 @@ def extract_flow(params: ExtractParams) -> dict[str, Any]:
     cfg = load_stage_config("extract", params.stage.config, params.config_values())
     # More than one process (or named GPUs): a torchrun job, one rank per GPU. A crash is retried either way; the
     # retry extracts only the slides not yet committed.
-    return run_job_stage("extract", cfg, params.launch, force=params.force)
+    return run_job_stage("extract", cfg, params.launch, force=params.force).as_dict()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import GramParams
-from tasks.run import load_stage_config, run_job_stage, training_flow_result
+from tasks.stage_task import load_stage_config, run_job_stage, training_flow_result
 
 
 @flow(name="gram")

@@ -1,4 +1,4 @@
-"""The whole pipeline as one Prefect flow: `dinov3_core.pipeline.run.run_pipeline`, each stage as the `run-stage`
+"""The whole pipeline as one Prefect flow: `dinov3_core.pipeline.workdir.run_pipeline`, each stage as the `run-stage`
 task (artifacts, GPU slots, crash retries of training), under one MLflow run. `wsidino pipeline` runs the same
 function with the in-process stage runner, so the form's fields are the command's options.
 
@@ -21,9 +21,9 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from dinov3_core.pipeline.config import load_pipeline_config
-from dinov3_core.pipeline.run import run_pipeline
+from dinov3_core.pipeline.workdir import run_pipeline
 from tasks.params import PipelineParams
-from tasks.run import prefect_stage_runner
+from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 
 
@@ -48,9 +48,11 @@ def pipeline_flow(params: PipelineParams) -> Any:
         attempt_key=str(flow_run.id) if flow_run.id else None,
         log=logger.info,
         tags=prefect_run_tags("pipeline"),
+        world_size=params.launch.world_size,
     )
-    create_markdown_artifact(_markdown(result.summary), key="pipeline-summary", description=result.message[:500])
-    return Completed(message=result.message[:4000], data=result.summary)
+    summary = result.as_dict()  # the flow's result: JSON for the Prefect API and UI
+    create_markdown_artifact(_markdown(summary), key="pipeline-summary", description=result.message[:500])
+    return Completed(message=result.message[:4000], data=summary)
 
 
 def _markdown(summary: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from dinov3_core.retrain.config import load_retrain_config
 from dinov3_core.retrain.cycle import run_cycle
 from tasks.params import RetrainParams
 from tasks.retrain import cycle_markdown
-from tasks.run import prefect_stage_runner
+from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from prefect import flow
 
 from tasks.params import DaskParams, TileParams
-from tasks.run import load_stage_config, run_stage_task
+from tasks.stage_task import load_stage_config, run_stage_task
 from tasks.tile_groups import DaskSlideGroups
 
 
@@ -43,7 +43,7 @@ def tile_flow(params: TileParams) -> dict[str, Any]:
         The stage outcome: ran/skipped, why, the store, MLflow run id and per-status slide counts (`summary`).
     """
     cfg = load_stage_config("tile", params.stage.config, params.config_values())
-    return run_stage_task("tile", cfg, force=params.force, run_groups=slide_groups(params.dask))
+    return run_stage_task("tile", cfg, force=params.force, run_groups=slide_groups(params.dask)).as_dict()
 
 
 def slide_groups(dask: DaskParams) -> DaskSlideGroups | None:

@@ -129,11 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from dinov3_core.config import load_config
-    from dinov3_core.launch.training import JOB_MODULES
-    from dinov3_core.stage_specs import STAGE_SPECS
+    from dinov3_core.stages import STAGES, get_stage
 
     p = argparse.ArgumentParser(prog="python -m tasks.launch_k8s", description=main.__doc__)
-    p.add_argument("stage", choices=["pretrain", "gram", "extract"])
+    p.add_argument("stage", choices=[s.name for s in STAGES if s.job_module])
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--nodes", type=int, default=2)
@@ -142,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="Service and Job name (default: wsidino-<stage>)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeat)")
     args = p.parse_intermixed_args(argv)
-    load_config(STAGE_SPECS[args.stage].schema(), args.config, args.overrides, stage=args.stage)  # fails early
+    stage = get_stage(args.stage)
+    load_config(stage.schema(), args.config, args.overrides, stage=args.stage)  # fails early
     name = args.name or f"wsidino-{args.stage}"
     # The pods resolve the named config and overrides themselves (configs/ is in the image): nothing is written
     # here, and the manifest reads as the command it runs.
-    job = TorchrunJob(module=JOB_MODULES[args.stage], args=["--config", args.config, *args.overrides],
+    job = TorchrunJob(module=stage.job_module, args=["--config", args.config, *args.overrides],
                       nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
                       env=dict(item.split("=", 1) for item in args.env))  # fmt: skip
     settings = KubernetesSettings(image=args.image, gpus_per_node=args.nproc_per_node)

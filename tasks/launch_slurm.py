@@ -4,7 +4,7 @@ the Prefect task that submitted it.
     runner = SlurmRunner(SlurmSettings(partition="gpu", gpus_per_node=8))
     runner(job, log=get_run_logger().info)     # job: the stage's `TorchrunJob` (dinov3_core.launch.training)
 
-The stage runner (`dinov3_core.run.run_stage`) builds the same `TorchrunJob` for every backend; this module turns it
+The stage runner (`dinov3_core.runner.run_stage`) builds the same `TorchrunJob` for every backend; this module turns it
 into a batch script (`sbatch_script`: the directives, the ranks' environment, c10d rendezvous on the allocation's
 first node) and runs it through `sbatch`, so the scheduler does the placement and Prefect stays the control plane:
 one task submits, streams rank 0's output into the Prefect log, polls the job, and on any way out of the wait
@@ -257,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dinov3_core.config import load_config
     from dinov3_core.launch.training import LaunchSettings, stage_job
-    from dinov3_core.stage_specs import STAGE_SPECS
+    from dinov3_core.stages import STAGES, get_stage
 
     p = argparse.ArgumentParser(prog="python -m tasks.launch_slurm", description=main.__doc__)
-    p.add_argument("stage", choices=["pretrain", "gram", "extract"])
+    p.add_argument("stage", choices=[s.name for s in STAGES if s.job_module])
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--nodes", type=int, default=1)
@@ -268,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--partition")
     args = p.parse_intermixed_args(argv)
-    cfg = load_config(STAGE_SPECS[args.stage].schema(), args.config, args.overrides, stage=args.stage)
+    stage = get_stage(args.stage)
+    cfg = load_config(stage.schema(), args.config, args.overrides, stage=args.stage)
     launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
                             rdzv_endpoint="slurm-head:0" if args.nodes > 1 else None)  # fmt: skip
-    job = stage_job(args.stage, cfg, launch)
+    job = stage_job(stage, cfg, launch)
     settings = SlurmSettings(partition=args.partition, gpus_per_node=args.gpus_per_node)
     sys.stdout.write(sbatch_script(job, settings, name=f"wsidino-{args.stage}", workdir=Path(os.getcwd())))
     return 0

@@ -14,16 +14,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from dinov3_core.config import ConfigError, parse_overrides
-from dinov3_core.launch.training import LaunchSettings as _LocalLaunch
+from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.stages import STAGE_NAMES, StageName
 from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
 
-STAGES = ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
-Stage = Literal["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
 Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
 
 
-class LaunchSettings(_LocalLaunch):
+class LaunchParams(LaunchSettings):
     """How a stage's torchrun job is launched from Prefect: on the worker's host (`local`), as one job of the SLURM
     cluster the worker can submit to (`slurm`: one sbatch job, one torchrun per node; tasks.launch_slurm), or as a
     Kubernetes Indexed Job (`kubernetes`: one pod per node; tasks.launch_k8s)."""
@@ -42,7 +41,7 @@ class LaunchSettings(_LocalLaunch):
     )
 
     @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> LaunchSettings:  # on a cluster the job finds its first node itself
+    def _multi_node_needs_endpoint(self) -> LaunchParams:  # on a cluster the job finds its first node itself
         if self.nnodes > 1 and not self.rdzv_endpoint and self.backend == "local":
             raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous), or a cluster backend")
         return self
@@ -208,7 +207,7 @@ class PretrainParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
     )
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Launch", json_schema_extra=ui(4))
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(4))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
     force: bool = Field(
         False, title="Force", description="Run even when the stage manifest says the outputs are up to date.",
@@ -250,7 +249,7 @@ class GramParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
     )
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Launch", json_schema_extra=ui(5))
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(5))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
     force: bool = Field(False, title="Force", json_schema_extra=ui(7))
 
@@ -341,8 +340,8 @@ class EvaluateParams(BaseModel):
         description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv.",
         json_schema_extra=ui(4),
     )  # fmt: skip
-    launch: LaunchSettings = Field(
-        default_factory=LaunchSettings, title="Launch",
+    launch: LaunchParams = Field(
+        default_factory=LaunchParams, title="Launch",
         description="More than one process (one per GPU): each model's labelled tiles are embedded by a torchrun "
         "job, split over the ranks; probes and the gate run once, in the flow.",
         json_schema_extra=ui(5),
@@ -369,8 +368,8 @@ class ExtractParams(BaseModel):
     output: str = Field(min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr",
                         json_schema_extra=ui(2))  # fmt: skip
     stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
-    launch: LaunchSettings = Field(
-        default_factory=LaunchSettings, title="Launch",
+    launch: LaunchParams = Field(
+        default_factory=LaunchParams, title="Launch",
         description="More than one process (one per GPU): a torchrun job; slides and large slides' tile ranges "
         "are split over the ranks.",
         json_schema_extra=ui(4),
@@ -422,9 +421,9 @@ class PipelineParams(BaseModel):
         "Empty: label-free health only, no promotion.",
         json_schema_extra=ui(4),
     )  # fmt: skip
-    start_at: Stage = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
-    stop_after: Stage = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
-    force: list[Stage] = Field(
+    start_at: StageName = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
+    stop_after: StageName = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
+    force: list[StageName] = Field(
         default_factory=list, title="Force stages", description="Recompute these even when up to date.",
         json_schema_extra=ui(7),
     )  # fmt: skip
@@ -434,12 +433,12 @@ class PipelineParams(BaseModel):
         "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
         json_schema_extra=ui(8),
     )  # fmt: skip
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(9))
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(9))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
-        if STAGES.index(self.start_at) > STAGES.index(self.stop_after):
+        if STAGE_NAMES.index(self.start_at) > STAGE_NAMES.index(self.stop_after):
             raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
         return self
 
@@ -490,7 +489,7 @@ class RetrainParams(BaseModel):
         False, title="Train even if nothing changed", description="trigger.force: train this cycle regardless.",
         json_schema_extra=ui(5),
     )  # fmt: skip
-    launch: LaunchSettings = Field(default_factory=LaunchSettings, title="Training launch", json_schema_extra=ui(6))
+    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(6))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
 
     def config_values(self) -> dict[str, Any]:
@@ -500,19 +499,17 @@ class RetrainParams(BaseModel):
 
 
 __all__ = [
-    "STAGES",
     "ConvertParams",
     "DaskParams",
     "EvaluateParams",
     "ExportParams",
     "ExtractParams",
     "GramParams",
-    "LaunchSettings",
+    "LaunchParams",
     "Override",
     "PipelineParams",
     "PretrainParams",
     "RetrainParams",
-    "Stage",
     "StageOptions",
     "TileParams",
     "TrackingParams",

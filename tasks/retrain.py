@@ -1,5 +1,5 @@
 """What a retraining cycle shows in Prefect: the decision as an artifact (its stages run as
-`tasks.run.prefect_stage_runner`)."""
+`tasks.stage_task.prefect_stage_runner`)."""
 
 from __future__ import annotations
 

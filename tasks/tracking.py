@@ -1,6 +1,6 @@
 """MLflow ↔ Prefect glue: Prefect flow-run tags on every stage's run, and nesting stage runs under the pipeline's.
 
-The stage runner (`dinov3_core.run`) opens one MLflow run per stage execution; the Prefect task hands it the
+The stage runner (`dinov3_core.runner`) opens one MLflow run per stage execution; the Prefect task hands it the
 tags below and the pipeline's run id, so either UI leads to the other: in MLflow search
 ``tags.`prefect.flow_run_id` = '…'``; in Prefect the stage's markdown artifact names the MLflow run id.
 """

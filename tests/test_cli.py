@@ -10,7 +10,7 @@ import pytest
 
 from dinov3_core import cli
 from dinov3_core.config import load_config, parse_overrides
-from dinov3_core.stage_specs import STAGE_SPECS
+from dinov3_core.stages import get_stage
 
 # Each stage's required options, with placeholder paths (nothing runs: --print-config exits first).
 REQUIRED = {
@@ -31,12 +31,12 @@ def printed_config(stage: str, args: list[str], capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("stage", sorted(REQUIRED))
 def test_print_config_round_trips(stage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    examples = cli.OVERRIDE_EXAMPLES[stage].split()
+    examples = get_stage(stage).override_example.split()
     text = printed_config(stage, [*REQUIRED[stage], *examples], capsys)
     printed = tmp_path / f"{stage}.yaml"
     printed.write_text(text)
-    spec = STAGE_SPECS[stage]
-    original = cli._config(stage, cli.build_parser().parse_args([stage, *REQUIRED[stage], *examples]))
+    spec = get_stage(stage)
+    original = cli._config(spec, cli.build_parser().parse_args([stage, *REQUIRED[stage], *examples]))
     again = load_config(spec.schema(), printed)
     assert spec.config_hash(again) == spec.config_hash(original)
     # ... and the stage's own examples are keys of its schema (load_config names an unknown key).
@@ -49,7 +49,7 @@ def test_help_names_required_options_and_stage_examples(stage: str, capsys: pyte
     with pytest.raises(SystemExit):
         cli.main([stage, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"e.g. {cli.OVERRIDE_EXAMPLES[stage]}" in text
+    assert f"e.g. {get_stage(stage).override_example}" in text
     options = REQUIRED[stage][::2]
     for option in options:
         assert option in text

@@ -23,8 +23,8 @@ import yaml
 from pydantic import BaseModel
 
 from dinov3_core.pipeline.config import load_pipeline_config
-from dinov3_core.pipeline.run import stage_config
-from dinov3_core.stage_choice import STAGES
+from dinov3_core.pipeline.workdir import stage_config
+from dinov3_core.stages import STAGE_NAMES as STAGES
 from tasks.params import (
     ConvertParams,
     EvaluateParams,
@@ -342,7 +342,7 @@ def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: 
     from dinov3_core.errors import WsidinoError
     from dinov3_core.launch.training import stage_job
     from tasks.launch_k8s import KubernetesRunner, dns_name, render
-    from tasks.params import LaunchSettings as FormLaunch
+    from tasks.params import LaunchParams as FormLaunch
     from tests.helpers import pretrain_config
 
     launch = FormLaunch(nproc_per_node=4, nnodes=3, backend="kubernetes")

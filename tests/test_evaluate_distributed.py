@@ -17,8 +17,8 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate.config import EvaluateConfig
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.run import run_stage
-from dinov3_core.stage_specs import STAGE_SPECS
+from dinov3_core.runner import run_stage
+from dinov3_core.stages import get_stage
 from tests.helpers import by_name, tile_store
 from tests.test_evaluate_stage import backbone, dab_annotations
 
@@ -127,7 +127,7 @@ def test_bf16_features_get_their_own_cache_file(setup: dict[str, Any], tmp_path:
     assert not np.array_equal(a["cls"], b["cls"])  # autocast changed them: they must not pass for fp32
     np.testing.assert_array_equal(F.embed(fp32, ds, idx, tmp_path, "k", 4)["cls"], a["cls"])
     assert F.precision_of("model.onnx", "bf16") == "fp32"  # ONNX runs as exported
-    spec, cfg = STAGE_SPECS["evaluate"], config(setup, "h")
+    spec, cfg = get_stage("evaluate"), config(setup, "h")
     same = [dataclasses.replace(cfg, loader_threads=0), dataclasses.replace(cfg, prefetch_batches=4)]
     other = [dataclasses.replace(cfg, precision="bf16"), dataclasses.replace(cfg, device="cpu")]
     assert {spec.config_hash(c) for c in same} == {spec.config_hash(cfg)}

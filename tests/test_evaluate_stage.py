@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from dinov3_core.config import load_config
-from dinov3_core.run import run_stage
+from dinov3_core.runner import run_stage
 from tests.helpers import by_name, tile_store
 
 ARCH = "vit_test"

@@ -19,7 +19,7 @@ from dinov3_core.export.extract import ATTRS_KEY, read_run_record, run_extract
 from dinov3_core.export.extract_plan import committer, plan_work, split_slides
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.run import RunHooks, run_stage
+from dinov3_core.runner import RunHooks, run_stage
 from tests import event_hooks
 from tests.prefect_deploy import deploy, flow_logs, trigger, wait_final, worker
 
@@ -97,14 +97,14 @@ def test_more_ranks_than_work_leaves_idle_ranks() -> None:
 
 
 def test_which_launches_make_extract_a_job() -> None:
-    from dinov3_core.stage_specs import STAGE_SPECS
+    from dinov3_core.stages import get_stage
 
-    extract = STAGE_SPECS["extract"]
+    extract = get_stage("extract")
     assert not extract.as_job(None) and not extract.as_job(LaunchSettings())  # one process: no torchrun
     assert extract.as_job(LaunchSettings(nproc_per_node=2))
     assert extract.as_job(LaunchSettings(nnodes=2, rdzv_endpoint="gpu01:29400"))
     assert extract.as_job(LaunchSettings(cuda_visible_devices="3"))  # only a job gets its own GPUs
-    assert STAGE_SPECS["pretrain"].as_job(None) and not STAGE_SPECS["export"].as_job(LaunchSettings(nproc_per_node=8))
+    assert get_stage("pretrain").as_job(None) and not get_stage("export").as_job(LaunchSettings(nproc_per_node=8))
 
 
 # -------------------------------------------------------------------------------------- real torchrun jobs

@@ -47,7 +47,7 @@ def test_imports_point_one_way(package: str) -> None:
 
 def test_the_checker_sees_a_lazy_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from prefect import flow\n    import tasks.run\n")
+    module.write_text("def f():\n    from prefect import flow\n    import tasks.stage_task\n")
     assert imported_packages(module) == [(2, "prefect"), (3, "tasks")]
 
 

@@ -15,7 +15,7 @@ from dinov3_core.config import ConfigError, load_config
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.pipeline.config import load_pipeline_config
-from dinov3_core.stage_specs import STAGE_SPECS
+from dinov3_core.stages import get_stage
 from tasks.params import PipelineParams, StageOptions, merge_values
 from tests.helpers import by_name, read_json, slide_list
 from wsidino_dev import faults
@@ -69,10 +69,10 @@ def test_a_slide_list_is_fingerprinted_with_its_slides(tmp_path: Path):
     slide.write_bytes(b"1")
     listing = slide_list(tmp_path / "slides.txt", [slide])
     cfg = load_config(TileConfig, None, {"input": str(listing), "output": str(tmp_path / "t.zarr")})
-    first = mf.fingerprint_inputs(STAGE_SPECS["tile"].inputs(cfg))
+    first = mf.fingerprint_inputs(get_stage("tile").inputs(cfg))
     assert first["listed_slides"]["path"].endswith("a.svs (+0 more)")
     slide.write_bytes(b"22")  # the slide was replaced at the same path; the list file is unchanged
-    assert mf.fingerprint_inputs(STAGE_SPECS["tile"].inputs(cfg))["listed_slides"] != first["listed_slides"]
+    assert mf.fingerprint_inputs(get_stage("tile").inputs(cfg))["listed_slides"] != first["listed_slides"]
 
 
 def test_tile_store_fingerprint_ignores_timings(tmp_path: Path):
@@ -159,9 +159,9 @@ def test_up_to_date_decision(tmp_path: Path):
 
 
 def test_one_run_per_output(tmp_path: Path):
-    from dinov3_core.run import manifest_guard
+    from dinov3_core.runner import manifest_guard
 
-    spec = STAGE_SPECS["export"]
+    spec = get_stage("export")
     cfg = load_config(ExportConfig, None, {"weights": "/w.pth", "output": str(tmp_path / "model.onnx")})
     busy = rf"{tmp_path} is being written by pid \d+ on .*cancel it"
     with (
@@ -187,7 +187,7 @@ def test_unreadable_manifest_says_what_to_do(tmp_path: Path):
 
 
 def test_config_hash_ignores_tracking_but_not_settings():
-    spec = STAGE_SPECS["export"]
+    spec = get_stage("export")
     base = {"weights": "/w/backbone.pth", "output": "/o/model.onnx"}
     a = load_config(ExportConfig, None, {**base, "tracking.uri": "sqlite:///a.db"})
     b = load_config(ExportConfig, None, {**base, "tracking.uri": "http://mlflow:5000", "tracking.enabled": False})
@@ -198,10 +198,17 @@ def test_config_hash_ignores_tracking_but_not_settings():
 
 
 def test_every_stage_has_a_spec_with_a_loadable_schema():
-    assert list(STAGE_SPECS) == ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
-    assert [s for s, spec in STAGE_SPECS.items() if spec.distributed] == ["pretrain", "gram"]
-    for spec in STAGE_SPECS.values():
-        assert isinstance(spec.schema(), type)
+    from dinov3_core.config import ConfigError
+    from dinov3_core.stages import STAGE_NAMES, STAGES, StageName
+
+    assert STAGE_NAMES == ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract")
+    assert StageName.__args__ == STAGE_NAMES  # the forms' choices come from the one list
+    assert [s.name for s in STAGES if s.always_job] == ["pretrain", "gram"]
+    for stage in STAGES:
+        assert isinstance(stage.schema(), type)
+        assert (stage.work is not None) or (stage.job_module is not None), stage.name  # it can run somehow
+    with pytest.raises(ConfigError, match="did you mean 'export'"):
+        get_stage("exprot")
 
 
 # ------------------------------------------------------------------------------------------------------ faults
@@ -223,7 +230,7 @@ def test_fault_fires_once_per_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_fault_fires_through_the_runner_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The core only emits `stage.start`; the fault drill hooks in from outside through $WSIDINO_HOOKS."""
     from dinov3_core import events
-    from dinov3_core.run import run_stage
+    from dinov3_core.runner import run_stage
 
     weights = tmp_path / "w.pth"
     weights.write_bytes(b"not a model")

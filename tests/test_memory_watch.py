@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dinov3_core.config import ConfigError
-from dinov3_core.run import run_stage
+from dinov3_core.runner import run_stage
 from dinov3_core.train.memory_watch import MemorySampler, MemoryWindow, PressureJudge, PressureLimits, pressure_limits
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain

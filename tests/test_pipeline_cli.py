@@ -17,8 +17,8 @@ import yaml
 from dinov3_core import cli
 from dinov3_core.config import ConfigError, config_dir
 from dinov3_core.pipeline.config import load_pipeline_config, resolve_weights
-from dinov3_core.pipeline.run import stage_config
-from dinov3_core.stage_choice import STAGES
+from dinov3_core.pipeline.workdir import stage_config
+from dinov3_core.stages import STAGE_NAMES as STAGES
 from tests.browser import needs_chromium, page_text
 from tests.helpers import by_name, read_json
 
@@ -151,6 +151,34 @@ def test_bad_input_is_named_before_anything_is_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+@pytest.mark.timeout(300)
+def test_every_batch_and_crop_problem_is_named_at_once_before_training(
+    good_slides: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found once the tiles exist, before pretrain starts: every training stage's problem with the key as the user
+    types it in the pipeline and a value that works; then the same check for `wsidino pretrain` alone."""
+    work = tmp_path / "run"
+    args = ["pipeline", "--slides", str(good_slides), "--workdir", str(work), "--to", "gram", "tile.tile_size=64",
+            "tile.mpp=2.0", "tile.workers=1", "pretrain.config=tiny", "gram.config=tiny",
+            "pretrain.train.global_batch_size=4096", "pretrain.train.batch_size_per_gpu=8",
+            "gram.train.batch_size_per_gpu=5000", "gram.crops.global_size=96"]  # fmt: skip
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "3 problem(s) found before training once the tiles exist" in err, err
+    for key in ("pretrain.train.global_batch_size", "gram.train.batch_size_per_gpu", "gram.crops.global_size"):
+        assert f"  {key}: " in err
+    assert "tile store holds" in err and "larger than the store's 64 px tiles" in err
+    assert "Traceback" not in err and not (work / "pretrain").exists()  # no training job was started
+    tiles = int(err.split("the tile store holds ")[1].split(";")[0])
+    assert f"gram.train.batch_size_per_gpu={tiles} (or fewer)" in err  # a value that works
+    # The same rule for the stage alone, in its own keys, before a run directory is made or a rank started.
+    alone = wsidino("pretrain", "--store", str(work / "tiles.zarr"), "--output-dir", str(tmp_path / "alone"),
+                    "train.global_batch_size=4096", "train.batch_size_per_gpu=8", cwd=tmp_path)  # fmt: skip
+    assert alone.returncode == 2, alone.stderr[-2000:]
+    assert "  train.global_batch_size: one batch is 4096 tiles" in alone.stderr
+    assert "Traceback" not in alone.stderr and not (tmp_path / "alone").exists()
+
+
 def test_print_config_round_trips(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -205,8 +233,8 @@ def test_a_stage_alone_logs_to_the_store_of_its_work_directory(
 ) -> None:
     from dinov3_core.config import load_config
     from dinov3_core.export.config import ExportConfig
-    from dinov3_core.run import default_tracking_store
-    from dinov3_core.stage_specs import STAGE_SPECS
+    from dinov3_core.runner import default_tracking_store
+    from dinov3_core.stages import get_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     started_in = tmp_path / "elsewhere"
@@ -222,7 +250,7 @@ def test_a_stage_alone_logs_to_the_store_of_its_work_directory(
     values = {"weights": str(work / "model" / "backbone.pth"), "output": str(work / "model" / "model.onnx")}
     export = load_config(ExportConfig, None, values, stage="export")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # mlflow.set_tracking_uri exported it for children
-    default_tracking_store(STAGE_SPECS["export"], export)
+    default_tracking_store(get_stage("export"), export)
     assert export.tracking.uri == f"sqlite:///{work / 'mlflow.db'}"
 
 

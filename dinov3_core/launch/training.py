@@ -1,6 +1,7 @@
 """How a stage runs as a torchrun job: `LaunchSettings` (processes, nodes, GPUs, limits) → one `TorchrunJob`.
 
-Pretrain and gram always run as a job; extract does when the launch asks for more than one process. The same
+Pretrain and gram always run as a job; extract does when the launch asks for more than one process (each stage's
+`Stage.job_module`, `job_dir` and `job_check` say how; `dinov3_core.stages`). The same
 settings come from `wsidino pretrain --nproc-per-node …` and from the Prefect forms (this pydantic model is the
 form's "Launch" section), so every bound is declared here once. The resolved stage config is written to
 `<job dir>/launch_config.yaml` (the run directory; for extract the folder beside the feature store) and every rank
@@ -9,17 +10,16 @@ loads it: ranks, retries and the stage manifest all see one config.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dinov3_core.launch.job import TorchrunJob
 
+if TYPE_CHECKING:  # the launcher stays light: stages pull in the stage configs
+    from dinov3_core.stages import Stage
+
 LAUNCH_CONFIG = "launch_config.yaml"
-# `python -m` on every rank of a stage's job
-JOB_MODULES = {"pretrain": "dinov3_core.train", "gram": "dinov3_core.gram", "extract": "dinov3_core.export.extract_job"}
-TRAINING_STAGES = ("pretrain", "gram")
 
 
 def _ui(position: int) -> dict[str, Any]:
@@ -80,41 +80,30 @@ class LaunchSettings(BaseModel):
         return self
 
 
-def job_dir(stage: str, cfg: Any) -> Path:
-    """Where a stage's job keeps its launch config and per-rank logs: the run directory of a training stage, the
-    folder beside the feature store for extract (nothing but zarr goes into the store)."""
-    if stage in TRAINING_STAGES:
-        return Path(cfg.output_dir)
-    from dinov3_core.export.feature_store import pictures_dir
-
-    return pictures_dir(cfg.output)
-
-
-def stage_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
+def stage_job(stage: Stage[Any], cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
     """The torchrun job of a stage (`pretrain`, `gram`, `extract`) for its resolved config.
 
     Args:
-        stage: The stage name; picks the module every rank runs.
+        stage: The stage; its `job_module` is what every rank runs.
         cfg: The stage's typed config; written to `<job dir>/launch_config.yaml` for the ranks.
         launch: Processes, nodes, rendezvous, GPUs and the wall-clock limit.
         env: Extra environment for every rank (the MLflow run to join).
     """
     from dinov3_core.config import save_config
 
-    if stage in TRAINING_STAGES:
-        from dinov3_core.train.config import check_parallelism
-
-        # Bad parallelism settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
-        check_parallelism(cfg, launch.world_size)
-    where = job_dir(stage, cfg)
+    assert stage.job_module is not None and stage.job_dir is not None, f"{stage.name} has no torchrun job"
+    if stage.job_check is not None:
+        # Bad settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
+        stage.job_check(cfg, launch.world_size)
+    where = stage.job_dir(cfg)
     cfg_path = save_config(cfg, where / LAUNCH_CONFIG)
     return TorchrunJob(
-        module=JOB_MODULES[stage],
+        module=stage.job_module,
         args=["--config", str(cfg_path.resolve())],
         nproc_per_node=launch.nproc_per_node,
         nnodes=launch.nnodes,
         rdzv_endpoint=launch.rdzv_endpoint,
-        rdzv_id=f"wsidino-{stage}-{where.name}",
+        rdzv_id=f"wsidino-{stage.name}-{where.name}",
         cuda_visible_devices=launch.cuda_visible_devices,
         env=dict(env or {}),
         log_dir=where / "torchrun_logs",
@@ -122,4 +111,4 @@ def stage_job(stage: str, cfg: Any, launch: LaunchSettings, env: dict[str, str] 
     )
 
 
-__all__ = ["JOB_MODULES", "LAUNCH_CONFIG", "TRAINING_STAGES", "LaunchSettings", "job_dir", "stage_job"]
+__all__ = ["LAUNCH_CONFIG", "LaunchSettings", "stage_job"]

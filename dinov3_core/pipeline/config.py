@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from dinov3_core.config import ConfigError, load_config, parse_overrides, require
-from dinov3_core.stage_choice import STAGES, StageChoice, add_stage_overrides, route_overrides
+from dinov3_core.chain import StageChoice, add_stage_overrides, route_overrides
+from dinov3_core.config import ConfigError, load_config, parse_overrides
+from dinov3_core.stages import STAGE_NAMES, get_stage
 from dinov3_core.tracking import TrackingConfig
 
 WEIGHTS_DIR_ENV = "WSIDINO_WEIGHTS_DIR"
@@ -28,9 +29,7 @@ WEIGHT_PRESETS = ("vits16", "vits16plus", "vitb16", "vitl16", "vitl16plus", "vit
 
 
 def _stage(value: str, key: str) -> None:
-    close = difflib.get_close_matches(value, STAGES, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    require(value in STAGES, key, f"{value!r} is not a stage{hint}; stages: {', '.join(STAGES)}")
+    get_stage(value, key)  # a ConfigError naming the key and the closest stage
 
 
 @dataclass
@@ -66,18 +65,15 @@ class PipelineConfig:
         _stage(self.stop_after, "stop_after")
         for name in self.force:
             _stage(name, "force")
-        require(
-            STAGES.index(self.start_at) <= STAGES.index(self.stop_after),
-            "start_at",
-            f"{self.start_at} comes after stop_after={self.stop_after}",
-        )
+        if STAGE_NAMES.index(self.start_at) > STAGE_NAMES.index(self.stop_after):
+            raise ConfigError(f"{self.start_at} comes after stop_after={self.stop_after}", key="start_at")
 
     def choice(self, stage: str) -> StageChoice:
         return getattr(self, stage)
 
     def selected(self) -> list[str]:
         """The stages this run covers, in order (gram left out when gram anchoring is off)."""
-        chosen = STAGES[STAGES.index(self.start_at) : STAGES.index(self.stop_after) + 1]
+        chosen = STAGE_NAMES[STAGE_NAMES.index(self.start_at) : STAGE_NAMES.index(self.stop_after) + 1]
         return [s for s in chosen if s != "gram" or self.gram_anchoring]
 
     def tracking_uri(self) -> str:

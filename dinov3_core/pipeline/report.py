@@ -3,30 +3,36 @@ is, and how to open the MLflow UI on the run's experiment."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-# The stage summary's health figures (dinov3_core.run.training_summary), in the order they are printed.
+from dinov3_core.stages.evaluate import EvaluateSummary
+from dinov3_core.stages.export import ExportSummary
+from dinov3_core.stages.training import TrainingSummary
+
+if TYPE_CHECKING:
+    from dinov3_core.pipeline.workdir import PipelineResult
+
+# The training summary's health figures (dinov3_core.stages.training), in the order they are printed.
 HEALTH_FIGURES = ("iteration", "dino_gap", "teacher_entropy", "agreement", "effective_rank", "invariance")
 
 
-def stage_table(summary: Mapping[str, Any]) -> str:
+def stage_table(result: PipelineResult) -> str:
     lines = ["\n=== stages"]
-    for stage, o in summary["stages"].items():
-        lines.append(f"  {stage:<9} {o.get('status'):<8} {o.get('reason') or ''}")
+    for stage, o in result.outcomes.items():
+        lines.append(f"  {stage:<9} {o.status:<8} {o.reason or ''}")
     return "\n".join(lines)
 
 
-def training_health(summary: Mapping[str, Any]) -> str:
+def training_health(result: PipelineResult) -> str:
     """Each training stage's health verdict and last figures, to read beside the evaluation table."""
     lines = ['\n=== training health (README: "Is it learning?")']
-    for stage in ("pretrain", "gram"):
-        if stage not in summary["stages"]:
+    for stage, o in result.outcomes.items():
+        if not isinstance(o.summary, TrainingSummary):
             continue
-        figures = (summary["stages"][stage].get("summary")) or {}
+        figures = o.summary.as_dict()
         values = ", ".join(f"{k} {figures[k]}" for k in HEALTH_FIGURES if k in figures)
-        lines.append(f"  {stage:<9} {figures.get('health', 'no verdict')}\n            {values}")
+        lines.append(f"  {stage:<9} {o.summary.health or 'no verdict'}\n            {values}")
     return "\n".join(lines)
 
 
@@ -42,33 +48,32 @@ def experiment_page(uri: str, experiment: str) -> str:
     return f"#/experiments/{found.experiment_id}/runs" if found is not None else ""
 
 
-def where_everything_is(summary: Mapping[str, Any], experiment: str, seconds: float) -> str:
-    p = summary["paths"]
-    stages = summary["stages"]
-    gram = (stages.get("gram") or {}).get("summary") or {}
-    export = (stages.get("export") or {}).get("summary") or {}
-    uri = summary.get("tracking_uri") or ""
-    evaluate = (stages.get("evaluate") or {}).get("summary") or {}
-    promoted = " → promoted to @champion" if evaluate.get("promoted") else ""
+def where_everything_is(result: PipelineResult, experiment: str, seconds: float) -> str:
+    p = result.paths
+    summaries = {s: o.summary for s, o in result.outcomes.items()}
+    gram = summaries.get("gram")
+    export = summaries.get("export")
+    evaluate = summaries.get("evaluate")
+    uri = result.tracking_uri or ""
+    promoted = " → promoted to @champion" if isinstance(evaluate, EvaluateSummary) and evaluate.promoted else ""
     registered = (
-        f"  (registered as {export['registered_model']} v{export.get('model_version')} @{export.get('alias')}"
-        f"{promoted})"
-        if export.get("registered_model")
+        f"  (registered as {export.registered_model} v{export.model_version} @{export.alias}{promoted})"
+        if isinstance(export, ExportSummary) and export.registered_model
         else ""
     )
-    status = ", ".join(f"{s} {o.get('status')}" for s, o in stages.items())
+    teacher = gram.gram_teacher if isinstance(gram, TrainingSummary) else None
+    status = ", ".join(f"{s} {o.status}" for s, o in result.outcomes.items())
     lines = [
         f"\nPipeline finished in {seconds:.0f} s: {status}.",
         "",
-        f"  tile store        {p['tile_store']}  (QC pictures: slides/<id>/qc_thumbnail.png, qc_mask.png)",
-        f"  pretraining       {p['pretrain']}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, loss_curve.png)",
-        f"  gram anchoring    {p['gram']}"
-        + (f"  (teacher {gram['gram_teacher']})" if gram.get("gram_teacher") else ""),
-        f"  model             {p['model_dir']}  (backbone.pth in the released key layout, model.onnx, MODEL_CARD.md)"
+        f"  tile store        {p.tile_store}  (QC pictures: slides/<id>/qc_thumbnail.png, qc_mask.png)",
+        f"  pretraining       {p.pretrain}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, loss_curve.png)",
+        f"  gram anchoring    {p.gram}" + (f"  (teacher {teacher})" if teacher else ""),
+        f"  model             {p.model_dir}  (backbone.pth in the released key layout, model.onnx, MODEL_CARD.md)"
         + registered,
-        f"  evaluation        {p['evaluation']}  (evaluation.md, evaluation.json, confusion_*.png, embedding_*.png)",
-        f"  features          {p['features']}  (pictures: {Path(p['features']).parent / 'features'}/<id>/pca.png)",
-        f"  MLflow            {uri}  (pipeline run {summary.get('mlflow_run_id')}, one child run per stage)",
+        f"  evaluation        {p.evaluation}  (evaluation.md, evaluation.json, confusion_*.png, embedding_*.png)",
+        f"  features          {p.features}  (pictures: {p.features.parent / 'features'}/<id>/pca.png)",
+        f"  MLflow            {uri}  (pipeline run {result.mlflow_run_id}, one child run per stage)",
     ]
     if uri.startswith("sqlite:///"):
         page = experiment_page(uri, experiment)
@@ -96,14 +101,15 @@ def _mlflow_command() -> str:
         return str(path)
 
 
-def final_report(summary: Mapping[str, Any], experiment: str, seconds: float) -> str:
-    parts = [stage_table(summary)]
-    if any(s in summary["stages"] for s in ("pretrain", "gram")):
-        parts.append(training_health(summary))
-    table = Path(summary["paths"]["evaluation"]) / "evaluation.md"
-    if (summary["stages"].get("evaluate") or {}).get("status") == "skipped" and table.is_file():  # else just printed
+def final_report(result: PipelineResult, experiment: str, seconds: float) -> str:
+    parts = [stage_table(result)]
+    if any(isinstance(o.summary, TrainingSummary) for o in result.outcomes.values()):
+        parts.append(training_health(result))
+    table = result.paths.evaluation / "evaluation.md"
+    evaluate = result.outcomes.get("evaluate")
+    if evaluate is not None and evaluate.status == "skipped" and table.is_file():  # else just printed
         parts.append("\n" + table.read_text())
-    parts.append(where_everything_is(summary, experiment, seconds))
+    parts.append(where_everything_is(result, experiment, seconds))
     return "\n".join(parts)
 
 

@@ -16,12 +16,10 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
+from dinov3_core.chain import StageChoice, add_stage_overrides, route_overrides
 from dinov3_core.config import ConfigError, load_config, parse_overrides, require
 from dinov3_core.errors import WsidinoError
-from dinov3_core.stage_choice import STAGES, StageChoice, add_stage_overrides, route_overrides
 from dinov3_core.tracking import TrackingConfig
-
-CYCLE_STAGES = STAGES
 
 
 class RetrainError(WsidinoError):
@@ -118,7 +116,6 @@ def load_retrain_config(
 
 
 __all__ = [
-    "CYCLE_STAGES",
     "LengthConfig",
     "RetentionConfig",
     "RetrainConfig",

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from dinov3_core.chain import StageRunner
 from dinov3_core.retrain import registry, retention
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.config import RetrainConfig, RetrainError
@@ -39,9 +40,11 @@ from dinov3_core.retrain.snapshot import (
     take_snapshot,
     write_snapshot,
 )
-
-# (stage, typed config, parent MLflow run id) → the stage's outcome (`StageOutcome.as_dict()`)
-StageRunner = Callable[[str, Any, str | None], dict[str, Any]]
+from dinov3_core.runner import StageOutcome
+from dinov3_core.stages import get_stage
+from dinov3_core.stages.evaluate import EvaluateSummary
+from dinov3_core.stages.export import ExportSummary
+from dinov3_core.stages.tile import TileSummary
 
 
 @dataclass
@@ -63,14 +66,14 @@ class _Cycle:
     def save(self) -> None:
         self.record.save(self.layout)
 
-    def stage(self, stage: str, cfg: Any) -> dict[str, Any]:
+    def stage(self, name: str, cfg: Any) -> StageOutcome[Any]:
         start = time.perf_counter()
-        self.record.stages[stage] = {"status": "running", "started_at": utc_now()}
+        self.record.stages[name] = {"status": "running", "started_at": utc_now()}
         self.save()
-        outcome = self.run_stage(stage, cfg, self.parent)
-        self.record.stages[stage] = {"status": outcome.get("status"), "reason": outcome.get("reason"),
-                                     "seconds": round(time.perf_counter() - start, 1),
-                                     "mlflow_run_id": outcome.get("mlflow_run_id")}  # fmt: skip
+        outcome = self.run_stage(get_stage(name), cfg, self.parent)
+        self.record.stages[name] = {"status": outcome.status, "reason": outcome.reason,
+                                    "seconds": round(time.perf_counter() - start, 1),
+                                    "mlflow_run_id": outcome.mlflow_run_id}  # fmt: skip
         self.save()
         return outcome
 
@@ -84,8 +87,8 @@ class _Cycle:
             self.log(f"retrain {self.record.id}: resumed on its recorded snapshot {recorded.hash}")
             return recorded
         tile_cfg = sc.build(self.cfg, "tile", self.layout, self.record.id)
-        tile = self.stage("tile", tile_cfg)
-        failed = tile.get("summary", {}).get("failed_slides") or []
+        tile: StageOutcome[TileSummary] = self.stage("tile", tile_cfg)
+        failed = tile.summary.failed_slides
         snap = take_snapshot(self.layout.tile_store, cohort=cohort_ids(tile_cfg))
         write_snapshot(snap, cycle_dir)
         self.record.snapshot = {"hash": snap.hash, "n_slides": len(snap.slides), "tiles": snap.tiles,
@@ -176,8 +179,8 @@ class _Cycle:
         if cfg.gram_anchoring:
             self.stage("gram", sc.build(cfg, "gram", layout, cid, slide_ids=snap.slide_ids))
         self.stage("convert", sc.build(cfg, "convert", layout, cid))
-        export = self.stage("export", sc.build(cfg, "export", layout, cid))
-        version = export.get("summary", {}).get("model_version")
+        export: StageOutcome[ExportSummary] = self.stage("export", sc.build(cfg, "export", layout, cid))
+        version = export.summary.model_version
         if version:  # before the gate: the version carries its cycle whether it is promoted or not
             registry.tag_version(
                 cfg,
@@ -188,10 +191,10 @@ class _Cycle:
                     "wsidino.warm_start": self.record.warm_start["source"],
                 },
             )
-        evaluation = self.stage("evaluate", sc.build(cfg, "evaluate", layout, cid)).get("summary", {})
+        evaluation: EvaluateSummary = self.stage("evaluate", sc.build(cfg, "evaluate", layout, cid)).summary
         self.record.decision = {
-            "promoted": bool(evaluation.get("promoted")),
-            "reason": evaluation.get("decision"),
+            "promoted": bool(evaluation.promoted),
+            "reason": evaluation.decision,
             "candidate_version": version,
             "champion_before": champion.version if champion else None,
         }

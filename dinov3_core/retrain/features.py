@@ -22,6 +22,8 @@ from dinov3_core.retrain.registry import Champion
 
 if TYPE_CHECKING:
     from dinov3_core.retrain.cycle import _Cycle
+    from dinov3_core.runner import StageOutcome
+    from dinov3_core.stages.extract import ExtractSummary
 
 POINTER = "champion.json"
 
@@ -49,8 +51,8 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
     store = layout.feature_store(model_hash)
     previous = current_features(layout.features)
     cfg = sc.build(cycle.cfg, "extract", layout, cid, model=onnx, output=store, slide_ids=slide_ids)
-    outcome = cycle.stage("extract", cfg)
-    summary = outcome.get("summary", {})
+    outcome: StageOutcome[ExtractSummary] = cycle.stage("extract", cfg)
+    summary = outcome.summary
     changed = previous.get("store") not in (None, str(store))
     record = {"store": str(store), "model": str(onnx), "model_hash": model_hash, "version": champion.version,
               "cycle": champion.cycle, "updated_at": utc_now()}  # fmt: skip
@@ -62,10 +64,10 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
         shutil.rmtree(pictures_dir(replaced), ignore_errors=True)
         log(f"retrain {cid}: features of the previous champion ({replaced}) replaced by {store}")
     scope = "every slide (new champion)" if changed or not previous else "new slides only (same champion)"
-    ran = outcome.get("status") == "ran"
-    return {**record, "status": outcome.get("status"), "scope": scope, "replaced": replaced,
-            "slides_extracted": summary.get("slides_extracted", 0) if ran else 0,
-            "slides_up_to_date": summary.get("slides_up_to_date", 0) if ran else None}  # fmt: skip
+    ran = outcome.status == "ran"
+    return {**record, "status": outcome.status, "scope": scope, "replaced": replaced,
+            "slides_extracted": summary.slides_extracted if ran else 0,
+            "slides_up_to_date": summary.slides_up_to_date if ran else None}  # fmt: skip
 
 
 __all__ = ["POINTER", "current_features", "extract_with_champion"]

@@ -1,5 +1,6 @@
 """Each stage's typed config inside a cycle: the stage's named config and overrides from the retrain config, with
-the paths of this cycle on top (a cycle's outputs cannot be pointed elsewhere by an override)."""
+the paths of this cycle on top (`dinov3_core.chain.chain_config`; a cycle's outputs cannot be pointed elsewhere by
+an override)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,36 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dinov3_core.chain import build_stage_config
 from dinov3_core.retrain.config import RetrainConfig
 from dinov3_core.retrain.cycles import CycleLayout
-from dinov3_core.stage_choice import build_stage_config
+from dinov3_core.stages import STAGES, ChainPaths, Stage, get_stage
+
+OWNER = "the cycle (paths of the cycle directory)"
 
 
-def stage_config(cfg: RetrainConfig, stage: str, paths: dict[str, Any], defaults: dict[str, Any] | None = None) -> Any:
-    """defaults ← the stage's named config ← its overrides ← `paths` (and the cycle's tracking settings)."""
-    owner = "the cycle (paths of the cycle directory)"
-    return build_stage_config(stage, cfg.choice(stage), paths, cfg.tracking, defaults=defaults, owner=owner)
-
-
-def cycle_paths(layout: CycleLayout, cycle_id: str) -> dict[str, Path]:
+def cycle_paths(
+    cfg: RetrainConfig,
+    layout: CycleLayout,
+    cycle_id: str,
+    *,
+    weights: str | bool | None = False,
+    slide_ids: list[str] | None = None,
+    model: str | Path | None = None,
+    output: str | Path | None = None,
+) -> ChainPaths:
+    """Where each stage of cycle `cycle_id` reads and writes, with what only the cycle knows by then: the
+    warm-start weights (None: from scratch; False: not decided yet), the snapshot's slide ids, the model to extract
+    with and its feature store."""
     dirs = layout.stage_dirs(cycle_id)
-    return {
-        "tile_store": layout.tile_store,
-        "pretrain": dirs["pretrain"],
-        "gram": dirs["gram"],
-        "model_dir": dirs["model"],
-        "backbone": dirs["model"] / "backbone.pth",
-        "onnx": dirs["model"] / "model.onnx",
-        "evaluation": dirs["evaluation"],
-    }
+    return ChainPaths(
+        slides=cfg.slides, tile_store=layout.tile_store, pretrain=dirs["pretrain"], gram=dirs["gram"],
+        model_dir=dirs["model"], evaluation=dirs["evaluation"],
+        features=Path(output) if output is not None else layout.features / f"{cycle_id}.zarr",
+        annotations=cfg.annotations, gram_anchoring=cfg.gram_anchoring, register_name=cfg.register_name,
+        weights=weights if isinstance(weights, str) else None, weights_decided=weights is not False,
+        slide_ids=slide_ids, extract_model=str(model) if model is not None else None,
+    )  # fmt: skip
 
 
 def training_length(cfg: RetrainConfig, pretrain: Any, tiles: int) -> dict[str, Any]:
@@ -42,60 +51,27 @@ def training_length(cfg: RetrainConfig, pretrain: Any, tiles: int) -> dict[str, 
     return {"train.epoch_length": max(1, math.ceil(n / pretrain.optim.epochs))}
 
 
-def build(cfg: RetrainConfig, stage: str, layout: CycleLayout, cycle_id: str, **given: Any) -> Any:
-    """The stage's config in cycle `cycle_id`. `given`: what only the cycle knows by then (warm-start weights,
-    the snapshot's slide ids, the training length, the model to extract with and its feature store)."""
-    p = cycle_paths(layout, cycle_id)
-    if stage == "tile":
-        return stage_config(cfg, stage, {"input": cfg.slides, "output": str(p["tile_store"])})
-    if stage == "pretrain":
-        paths = {
-            "data.stores": [str(p["tile_store"])],
-            "output_dir": str(p["pretrain"]),
-            "student.pretrained_weights": given.get("weights"),
-            "data.slide_ids": given.get("slide_ids"),
-        }
-        paths |= given.get("length", {})  # fmt: skip
-        return stage_config(cfg, stage, paths)
-    if stage == "gram":
-        paths = {"pretrain_dir": str(p["pretrain"]), "output_dir": str(p["gram"]),
-                 "data.stores": [str(p["tile_store"])], "data.slide_ids": given.get("slide_ids")}  # fmt: skip
-        return stage_config(cfg, stage, paths)
-    if stage == "convert":
-        trained = p["gram"] if cfg.gram_anchoring else p["pretrain"]
-        return stage_config(cfg, stage, {"input": str(trained), "output_dir": str(p["model_dir"])})
-    if stage == "export":
-        paths = {"weights": str(p["backbone"]), "output": str(p["onnx"]), "register_name": cfg.register_name,
-                 "register_alias": "candidate"}  # fmt: skip
-        return stage_config(cfg, stage, paths)
-    if stage == "evaluate":
-        # The baseline is what a cycle would be without training: the released weights, else the architecture
-        # at initialisation (not "auto", which would follow the warm start back to the previous champion).
-        defaults = {"baseline": cfg.pretrained_weights or "init"}
-        paths = {"store": str(p["tile_store"]), "candidate": str(p["onnx"]), "output": str(p["evaluation"]),
-                 "annotations": cfg.annotations, "register_name": cfg.register_name}  # fmt: skip
-        return stage_config(cfg, stage, paths, defaults)
-    if stage == "extract":
-        paths = {"store": str(p["tile_store"]), "model": str(given["model"]), "output": str(given["output"]),
-                 "slide_ids": given.get("slide_ids")}  # fmt: skip
-        return stage_config(cfg, stage, paths)
-    raise ValueError(f"unknown stage {stage!r}")
+def build(
+    cfg: RetrainConfig, stage: Stage[Any] | str, layout: CycleLayout, cycle_id: str, *,
+    length: dict[str, Any] | None = None, **given: Any,
+) -> Any:  # fmt: skip
+    """The stage's config in cycle `cycle_id`. `given`: `cycle_paths`'s keywords; `length`: pretrain's length
+    (`training_length`), set by the cycle like its paths."""
+    stage = get_stage(stage)
+    # The baseline is what a cycle would be without training: the released weights, else the architecture at
+    # initialisation (not "auto", which would follow the warm start back to the previous champion).
+    defaults = {"baseline": cfg.pretrained_weights or "init"} if stage.name == "evaluate" else None
+    values = {**stage.chain_values(cycle_paths(cfg, layout, cycle_id, **given)), **(length or {})}
+    return build_stage_config(stage, cfg.choice(stage.name), values, cfg.tracking, defaults=defaults, owner=OWNER)
 
 
 def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
     """Load every stage's config once before anything runs, so a typo fails the cycle at its start."""
-    for stage in ("tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"):
-        if stage == "gram" and not cfg.gram_anchoring:
+    for stage in STAGES:
+        if stage.name == "gram" and not cfg.gram_anchoring:
             continue
-        build(
-            cfg,
-            stage,
-            layout,
-            "validate",
-            weights="(warm start)",
-            model="model.onnx",
-            output=str(layout.features / "validate.zarr"),
-        )
+        build(cfg, stage, layout, "validate", weights="(warm start)", model="model.onnx",
+              output=str(layout.features / "validate.zarr"))  # fmt: skip
 
 
-__all__ = ["build", "cycle_paths", "stage_config", "training_length", "validate"]
+__all__ = ["OWNER", "build", "cycle_paths", "training_length", "validate"]

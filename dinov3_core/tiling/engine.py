@@ -1,7 +1,7 @@
 """The tile stage: whole-slide images → zarr tile store.
 
 `run_tile(cfg)` is the one tile engine, behind the CLI and the Prefect tile flow alike (both through
-`dinov3_core.run.run_stage`). It lists the slides, skips those already complete, holds the store lock, then hands
+`dinov3_core.runner.run_stage`). It lists the slides, skips those already complete, holds the store lock, then hands
 the rest to one of two executors: by default its own process pool (`engine_pool`: slide planning and shard-range
 writes over `cfg.workers` processes, so one large slide also uses every worker), or, given `run_groups`, slide
 groups tiled elsewhere (`groups`: e.g. one Prefect task per group on a Dask cluster). Each slide is committed

@@ -332,7 +332,7 @@ class Trainer:
         result.health = watch.verdict()
         result.micro_batch, result.accumulation_steps = self.micro_batch, self.accumulation_steps  # as re-planned
         result.memory_replans = self.memory_replans
-        if env.is_main:  # the run's verdict for the stage summary (dinov3_core.run) and whoever looks at the run
+        if env.is_main:  # the run's verdict for the stage summary (dinov3_core.runner) and whoever looks at the run
             (self.output_dir / HEALTH_FILE).write_text(json.dumps({"iteration": result.end_iteration,
                                                                    "verdict": result.health}) + "\n")  # fmt: skip
         result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time

@@ -4,7 +4,7 @@
                       stage="pretrain")
     result = run_pretrain(cfg)            # one process: runs right here
 
-    # several processes: `dinov3_core.run.run_stage("pretrain", cfg, launch=…)` starts torchrun on
+    # several processes: `dinov3_core.runner.run_stage("pretrain", cfg, launch=…)` starts torchrun on
     # `python -m dinov3_core.train`, and every rank calls run_pretrain
 
 MLflow (rank 0 only): joins $MLFLOW_RUN_ID when set, otherwise opens its own run; curated params, the resolved

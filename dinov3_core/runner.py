@@ -1,27 +1,25 @@
-"""The stage runner: one stage, under its stage manifest, in its MLflow run. The CLI and the Prefect tasks both
-call `run_stage`; neither has a skip rule, a launcher or an MLflow nesting rule of its own.
+"""The stage runner: one stage, under its stage manifest, in its MLflow run. The CLI, the chains (pipeline,
+retrain) and the Prefect tasks all call `run_stage`; none has a skip rule, a launcher or an MLflow nesting rule of
+its own.
 
-    outcome = run_stage("export", cfg)                                    # in this process
+    outcome = run_stage("export", cfg)                                              # in this process
     outcome = run_stage("pretrain", cfg, launch=LaunchSettings(nproc_per_node=2))   # a torchrun job
+    outcome.summary.model_version                                                   # typed (ExportSummary)
 
-What every stage gets from here (the stage functions know nothing of it):
+What every stage gets from here (the stage modules, `dinov3_core.stages`, know nothing of it):
 
 * **skip**: the manifest (`dinov3_core.manifest`) shows the same config hash and input fingerprints and the
-  outputs exist → nothing runs (unless `force`); inside a pipeline the skip is recorded as a child run that
-  points at the reused one;
-* **one MLflow run per stage**: nested under the pipeline's run when there is one (`RunHooks.parent_run_id`),
-  tagged with its lineage (`wsidino.lineage.<stage>_run_id`), its inputs and output, and carrying the manifest;
-  a retry of a failed attempt reopens that attempt's run;
+  outputs exist → nothing runs (unless `force`); inside a chain the skip is recorded as a child run that points at
+  the reused one;
+* **one MLflow run per stage, owned here**: opened before the work and active while it runs (an in-process stage
+  logs into it), nested under the chain's run when there is one (`RunHooks.parent_run_id`), tagged with its
+  lineage, inputs and output, carrying the manifest; a retry of a failed attempt reopens that attempt's run. A
+  torchrun job gets the run's id in its environment, and only its rank 0's `__main__` joins it;
 * **the manifest**: `running` while the stage runs, `failed` with the error, `complete` with outputs and an output
   fingerprint after it; one run per output at a time (a lock beside the manifest);
-* **training stages** run as a torchrun job (`dinov3_core.launch`) with the launch settings, and so does extract
-  when they ask for more than one process (`StageSpec.as_job`); rank 0 logs into the stage's MLflow run;
-  everything else runs in this process, evaluate embedding its labelled tiles as a torchrun job on more than one
-  process;
+* **a torchrun job** for the stages that always are one (pretrain, gram), and for extract when the launch asks for
+  more than one process (`Stage.as_job`); everything else runs `Stage.work` in this process;
 * the ``stage.start`` event (`dinov3_core.events`) for fault drills.
-
-`RunHooks` (`dinov3_core.stage_work`) is what a caller adds: where log lines go, the Prefect tags, a GPU-slot
-guard, tile progress callbacks; `stage_work` holds what each stage runs.
 """
 
 from __future__ import annotations
@@ -33,38 +31,38 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import describe_changes, flat_params
+from dinov3_core.config import describe_changes, flat_params, to_yaml
 from dinov3_core.errors import RunStopped, WsidinoError
-from dinov3_core.launch import TorchrunFailed
-from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.stage_specs import STAGE_SPECS, StageSpec
-from dinov3_core.stage_work import (
-    IN_PROCESS,
-    LOGS_AFTER_WORK,
-    RunHooks,
-    launch_job,
-    log_stage_artifacts,
-    training_summary,
-)
+from dinov3_core.launch import TorchrunFailed, run_torchrun
+from dinov3_core.launch.training import LaunchSettings, stage_job
+from dinov3_core.stages import RunHooks, Stage, StageName, Summary, get_stage
+from dinov3_core.stages.versions import lineage_tags
+
+S = TypeVar("S", bound=Summary)
 
 
 @dataclass
-class StageOutcome:
-    """What one `run_stage` call did: ran or skipped, why, and the manifest now on disk."""
+class StageOutcome(Generic[S]):
+    """What one `run_stage` call did: ran or skipped, why, the manifest now on disk and its summary, typed."""
 
     stage: str
     status: Literal["ran", "skipped"]
     reason: str
     manifest_path: Path
     manifest: mf.StageManifest
+    summary: S
     result: Any = None  # the stage function's own result object (in-process stages that ran)
 
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self.manifest.mlflow_run_id
+
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able: what the Prefect tasks and flows return, and the UI shows."""
+        """JSON-able: what the Prefect flows return and the UI shows (the only place an outcome becomes a dict)."""
         m = self.manifest
         return {
             "stage": self.stage,
@@ -74,11 +72,11 @@ class StageOutcome:
             "outputs": dict(m.outputs),
             "mlflow_run_id": m.mlflow_run_id,
             "lineage": dict(m.lineage),
-            "summary": dict(m.summary),
+            "summary": self.summary.as_dict(),
         }
 
 
-def default_tracking_store(spec: StageSpec, cfg: Any) -> None:
+def default_tracking_store(spec: Stage[Any], cfg: Any) -> None:
     """With no tracking URI configured (config or $MLFLOW_TRACKING_URI), a stage logs to the `mlflow.db` of the
     work directory its output lives in, never into whatever directory the command was started from: the nearest
     `mlflow.db` in the output's folder or the one above it (a `wsidino pipeline` workdir), else a new one in the
@@ -92,22 +90,18 @@ def default_tracking_store(spec: StageSpec, cfg: Any) -> None:
     t.uri = f"sqlite:///{found / 'mlflow.db'}"
 
 
-def lineage_tags(lineage: Mapping[str, str]) -> dict[str, str]:
-    return {f"wsidino.lineage.{stage}_run_id": run_id for stage, run_id in lineage.items()}
-
-
 def run_stage(
-    stage: str,
+    stage: Stage[S] | StageName,
     cfg: Any,
     *,
     force: bool = False,
     launch: LaunchSettings | None = None,
     hooks: RunHooks | None = None,
-) -> StageOutcome:
+) -> StageOutcome[S]:
     """Run one stage under its manifest unless it is up to date, in its own MLflow run.
 
     Args:
-        stage: tile, pretrain, gram, convert, export, evaluate or extract.
+        stage: A `Stage` (`dinov3_core.stages`), or its name.
         cfg: The stage's typed config (`dinov3_core.config.load_config`).
         force: Run even when the manifest says the outputs are up to date.
         launch: torchrun settings (training stages; extract and evaluate's embedding when more than one process;
@@ -117,7 +111,8 @@ def run_stage(
     Raises:
         WsidinoError: Bad input (naming the key or file); `TorchrunFailed`: a training job failed.
     """
-    spec = STAGE_SPECS[stage]
+    spec = get_stage(stage)
+    stage = spec.name
     hooks = hooks or RunHooks()
     if launch is not None:  # in-process stages see it too: evaluate embeds as a job on several processes
         hooks = dataclasses.replace(hooks, launch=launch)
@@ -144,9 +139,10 @@ def run_stage(
             **lineage_tags(m.lineage),
             **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
         }
-        background = stage in LOGS_AFTER_WORK
+        background = spec.log_after_work is not None
         # A background stage's parameters are logged by the thread that opens its run, beside the work.
         params = flat_params(cfg) if background else None
+        summary: Summary
         with _stage_mlflow_run(cfg.tracking, stage, hooks, tags, retry_of, background, params) as pending:
 
             def record_run() -> Any:
@@ -159,12 +155,11 @@ def run_stage(
             as_job = spec.as_job(launch)
             events.emit("stage.start", stage=stage, output=str(path.parent), training=as_job)
             if as_job:
-                m.summary = launch_job(stage, cfg, launch or LaunchSettings(), run, hooks)
-                if run is not None and not spec.distributed:
-                    log_stage_artifacts(stage, cfg)
+                summary = _run_job(spec, cfg, launch or LaunchSettings(), run, hooks)
             else:
+                assert spec.work is not None, f"{stage} runs only as a torchrun job"
                 try:
-                    result, m.summary = IN_PROCESS[stage](cfg, hooks)
+                    result, summary = spec.work(cfg, hooks)
                 except BaseException:
                     if background:
                         with contextlib.suppress(Exception):  # the stage's error is the one to report
@@ -172,22 +167,24 @@ def run_stage(
                     raise
                 if background:
                     run = record_run()
-                if run is not None:
-                    if background:
-                        LOGS_AFTER_WORK[stage](cfg, result)
-                    log_stage_artifacts(stage, cfg)
-            if run is not None and stage == "export":
-                _tag_model_version(m.summary, m.lineage, cfg)
+                if run is not None and spec.log_after_work is not None:
+                    spec.log_after_work(cfg, result)
+            m.summary = summary.as_dict()
+            if run is not None:
+                if not spec.always_job:
+                    _log_stage_artifacts(spec, cfg)
+                if spec.after_run is not None:
+                    spec.after_run(cfg, m)
             # State inputs (a registry alias) are recorded as the run leaves them: a promotion is the run's own
             # output, and only a later change by someone else should make a rerun necessary.
             states = {k: v for k, v in spec.inputs(cfg).items() if isinstance(v, mf.StateInput)}
             m.inputs.update(mf.fingerprint_inputs(states))
     tracking.log_artifact_to(cfg.tracking, m.mlflow_run_id if cfg.tracking.enabled else None, path, "manifest")
-    return StageOutcome(stage, "ran", reason, path, m, result)
+    return StageOutcome(stage, "ran", reason, path, m, spec.summary(m.summary), result)
 
 
 @contextlib.contextmanager
-def manifest_guard(spec: StageSpec, cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
+def manifest_guard(spec: Stage[Any], cfg: Any, inputs: dict[str, dict[str, str]]) -> Iterator[mf.StageManifest]:
     """`running` manifest while the block runs; `complete` (with outputs and a new output fingerprint) after it,
     `failed` with the error when it raises. The caller fills `run_id` and `summary` on the yielded manifest."""
     path = spec.manifest_path(cfg)
@@ -266,7 +263,7 @@ def _stage_mlflow_run(
         yield pending
 
 
-def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHooks) -> StageOutcome:
+def _record_skip(spec: Stage[S], cfg: Any, decision: mf.Decision, hooks: RunHooks) -> StageOutcome[S]:
     """Up to date: log it; inside a pipeline give its run a FINISHED child that points at the reused run."""
     previous = decision.previous
     assert previous is not None
@@ -284,18 +281,32 @@ def _record_skip(spec: StageSpec, cfg: Any, decision: mf.Decision, hooks: RunHoo
         with _stage_mlflow_run(quiet, spec.name, hooks, tags, None) as pending:
             if pending.wait() is not None:
                 tracking.log_artifact(path, "manifest")
-    return StageOutcome(spec.name, "skipped", decision.reason, path, previous)
+    return StageOutcome(spec.name, "skipped", decision.reason, path, previous, spec.summary(previous.summary))
 
 
-def _tag_model_version(summary: Mapping[str, Any], lineage: Mapping[str, str], cfg: Any) -> None:
-    """The registered ONNX model version carries the run ids it came from (registry → training → tiles)."""
-    if not summary.get("model_version"):
+def _run_job(spec: Stage[S], cfg: Any, launch: LaunchSettings, run: Any, hooks: RunHooks) -> S:
+    """The stage as a torchrun job (rank 0 joins `run`); returns the summary kept in the manifest."""
+    job = stage_job(spec, cfg, launch, env=tracking.run_env(run, cfg.tracking))
+    hooks.log(f"{spec.name}: torchrun {job.nproc_per_node} process(es) × {job.nnodes} node(s), logs in {job.log_dir}")
+    guard = hooks.hold_resources(launch) if hooks.hold_resources is not None else contextlib.nullcontext()
+    log = hooks.log
+    if spec.job_log is not None and hooks.progress is not None:
+        log = spec.job_log(cfg, hooks)  # its ranks' progress with each line rank 0 prints
+    with guard:
+        (hooks.run_job or run_torchrun)(job, log=log)
+    assert spec.job_summary is not None
+    return spec.job_summary(cfg)
+
+
+def _log_stage_artifacts(spec: Stage[Any], cfg: Any) -> None:
+    """The resolved config, and pictures worth a look, into the stage's MLflow run (active in this thread)."""
+    import mlflow  # deferred: mlflow costs ~2 s at import (only reached with a run open)
+
+    if mlflow.active_run() is None:
         return
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
-    for key, value in {**lineage_tags(lineage), "wsidino.weights": str(cfg.weights)}.items():
-        client.set_model_version_tag(summary["registered_model"], summary["model_version"], key, value)
+    mlflow.log_text(to_yaml(cfg), f"config/{spec.name}.yaml")
+    for path, folder in spec.mlflow_artifacts(cfg) if spec.mlflow_artifacts is not None else []:
+        tracking.log_artifact(path, folder)
 
 
-__all__ = ["IN_PROCESS", "RunHooks", "StageOutcome", "lineage_tags", "manifest_guard", "run_stage", "training_summary"]
+__all__ = ["OutputsMissing", "RunHooks", "StageOutcome", "default_tracking_store", "manifest_guard", "run_stage"]

@@ -1,7 +1,7 @@
 """The pipeline as one plain function: `run_pipeline(cfg, runner)` runs the selected stages in order under one
-MLflow run. `wsidino pipeline` and the `pipeline` flow differ only in the runner (`dinov3_core.run.run_stage` in
-this process, or the Prefect stage tasks), so they share every rule: the stage manifests (a rerun skips what is
-done), the lineage, `start_at` / `force`, and the checks below.
+MLflow run, in one work directory. `wsidino pipeline` and the `pipeline` flow differ only in the runner
+(`dinov3_core.runner.run_stage` in this process, or the Prefect stage task), so they share every rule: the stage
+manifests (a rerun skips what is done), the lineage, `start_at` / `force`, and the checks below.
 
     <workdir>/tiles.zarr          tile store (QC pictures under slides/<id>/)
     <workdir>/pretrain/           pretraining run: ckpt/, eval/ (teacher-only checkpoints), metrics
@@ -11,8 +11,10 @@ done), the lineage, `start_at` / `force`, and the checks below.
     <workdir>/features.zarr       per-tile features, slide embeddings (PCA pictures beside it in features/)
     <workdir>/mlflow.db           MLflow runs and the model registry, unless a tracking server is configured
 
-Bad input (no slide, a workdir that cannot be written, weights of another architecture, a key no stage knows)
-fails before anything is written; a run whose first stage leaves nothing usable removes the workdir it created.
+Bad input (no slide, a workdir that cannot be written, weights of another architecture, a key no stage knows, a
+batch larger than the tile store) fails before anything is written, all problems at once, and again once the tiles
+exist, before the first training stage; a run whose first stage leaves nothing usable removes the workdir it
+created.
 """
 
 from __future__ import annotations
@@ -22,67 +24,43 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dinov3_core import tracking
+from dinov3_core.chain import StageRunner, chain_config, check_before_work
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.pipeline.config import PipelineConfig, resolve_weights
-from dinov3_core.stage_choice import build_stage_config
+from dinov3_core.runner import StageOutcome
+from dinov3_core.stages import ChainPaths, Stage, get_stage
+from dinov3_core.stages.tile import TileSummary
 
-# (stage, its typed config, the pipeline's MLflow run id, force) → the stage outcome (`StageOutcome.as_dict`)
-StageRunner = Callable[[str, Any, str | None, bool], dict[str, Any]]
 PIPELINE_TAG = "wsidino.pipeline"
 ATTEMPT_TAG = "wsidino.pipeline.attempt"
-OUTCOME_KEYS = ("status", "reason", "mlflow_run_id", "summary")
 OWNER = "the pipeline (each stage's paths under --workdir)"
 
 
-def layout(workdir: str | Path) -> dict[str, Path]:
-    """Where each stage writes, under the work directory."""
-    root = Path(workdir).expanduser().resolve()
-    return {
-        "tile_store": root / "tiles.zarr",
-        "pretrain": root / "pretrain",
-        "gram": root / "gram",
-        "model_dir": root / "model",
-        "backbone": root / "model" / "backbone.pth",
-        "onnx": root / "model" / "model.onnx",
-        "evaluation": root / "evaluation",
-        "features": root / "features.zarr",
-    }
+def layout(cfg: PipelineConfig, weights: Path | None = None) -> ChainPaths:
+    """Where each stage reads and writes, under the work directory."""
+    root = Path(cfg.workdir).expanduser().resolve()
+    paths = ChainPaths(
+        slides=cfg.slides, tile_store=root / "tiles.zarr", pretrain=root / "pretrain", gram=root / "gram",
+        model_dir=root / "model", evaluation=root / "evaluation", features=root / "features.zarr",
+        annotations=cfg.annotations, gram_anchoring=cfg.gram_anchoring,
+        weights=str(weights) if weights is not None else None,
+    )  # fmt: skip
+    return replace(paths, extract_model=extraction_model(cfg, paths))
 
 
-def stage_config(cfg: PipelineConfig, stage: str, weights: Path | None = None) -> Any:
+def stage_config(cfg: PipelineConfig, stage: Stage[Any] | str, weights: Path | None = None) -> Any:
     """The stage's typed config: its named config and overrides, with the pipeline's paths on top."""
-    p = layout(cfg.workdir)
-    paths: dict[str, Any]
-    if stage == "tile":
-        paths = {"input": cfg.slides, "output": str(p["tile_store"])}
-    elif stage == "pretrain":
-        paths = {"data.stores": [str(p["tile_store"])], "output_dir": str(p["pretrain"])}
-        if weights is not None:
-            paths["student.pretrained_weights"] = str(weights)
-    elif stage == "gram":
-        paths = {"pretrain_dir": str(p["pretrain"]), "output_dir": str(p["gram"])}
-    elif stage == "convert":
-        trained = p["gram"] if cfg.gram_anchoring else p["pretrain"]
-        paths = {"input": str(trained), "output_dir": str(p["model_dir"])}
-    elif stage == "export":
-        paths = {"weights": str(p["backbone"]), "output": str(p["onnx"])}
-    elif stage == "evaluate":
-        paths = {"store": str(p["tile_store"]), "candidate": str(p["onnx"]), "output": str(p["evaluation"]),
-                 "annotations": cfg.annotations}  # fmt: skip
-    elif stage == "extract":
-        paths = {"store": str(p["tile_store"]), "model": extraction_model(cfg), "output": str(p["features"])}
-    else:
-        raise ValueError(f"unknown stage {stage!r}")
+    stage = get_stage(stage)
     try:
-        return build_stage_config(stage, cfg.choice(stage), paths, cfg.tracking, owner=OWNER)
+        return chain_config(stage, cfg.choice(stage.name), layout(cfg, weights), cfg.tracking, owner=OWNER)
     except ConfigError as err:
-        if stage == "pretrain" and "student.pretrained_weights" in str(err):
+        if stage.name == "pretrain" and "student.pretrained_weights" in str(err):
             raise ConfigError(
                 f"pretrain config {cfg.pretrain.config} continues released DINOv3 weights: give --weights FILE "
                 "(or a preset such as vitb16 with weights_dir=DIR)"
@@ -90,27 +68,45 @@ def stage_config(cfg: PipelineConfig, stage: str, weights: Path | None = None) -
         raise
 
 
-def extraction_model(cfg: PipelineConfig) -> str:
+def extraction_model(cfg: PipelineConfig, paths: ChainPaths) -> str:
     """The champion the evaluation settled on (the candidate when it was promoted or there is no champion yet),
     or the candidate when `extract_model` says so or nothing was evaluated."""
-    p = layout(cfg.workdir)
-    evaluation = p["evaluation"] / "evaluation.json"
+    evaluation = paths.evaluation / "evaluation.json"
     if cfg.extract_model == "champion" and evaluation.is_file():
         champion = json.loads(evaluation.read_text()).get("champion_model")
         if champion and Path(champion).is_file():
             return str(champion)
-    return str(p["onnx"])
+    return str(paths.onnx)
 
 
 @dataclass
 class PipelineResult:
     """What a pipeline run did: each stage's outcome, where everything is, one line to say it."""
 
-    summary: dict[str, Any]
+    workdir: Path
+    paths: ChainPaths
+    outcomes: dict[str, StageOutcome[Any]]
+    mlflow_run_id: str | None
+    tracking_uri: str | None
     message: str
 
     def as_dict(self) -> dict[str, Any]:
-        return self.summary
+        """JSON-able: what the `pipeline` flow returns and its summary artifact shows."""
+        return {
+            "workdir": str(self.workdir),
+            "paths": {k: str(v) for k, v in self.paths.named().items()},
+            "stages": {
+                s: {
+                    "status": o.status,
+                    "reason": o.reason,
+                    "mlflow_run_id": o.mlflow_run_id,
+                    "summary": o.summary.as_dict(),
+                }
+                for s, o in self.outcomes.items()
+            },
+            "mlflow_run_id": self.mlflow_run_id,
+            "tracking_uri": self.tracking_uri,
+        }
 
 
 def run_pipeline(
@@ -120,6 +116,7 @@ def run_pipeline(
     attempt_key: str | None = None,
     log: Callable[[str], None] = print,
     tags: Mapping[str, str] | None = None,
+    world_size: int = 1,
 ) -> PipelineResult:
     """Run the selected stages in order; each is skipped when its manifest shows the same config and inputs.
 
@@ -129,37 +126,43 @@ def run_pipeline(
         attempt_key: Same key, same MLflow parent run: a retried Prefect flow run reopens its run.
         log: Where progress lines go.
         tags: Extra tags of the pipeline's MLflow run (the Prefect flow run).
+        world_size: Processes of each training job (the runner's launch), for the batch checks.
 
     Raises:
         WsidinoError: Bad input, named before anything is written; `TorchrunFailed`: a training job failed.
     """
-    stages = cfg.selected()
+    stages = [get_stage(s) for s in cfg.selected()]
     weights = resolve_weights(cfg)
-    for stage in stages:  # every key checked against its stage's schema before anything runs
-        stage_config(cfg, stage, weights)
-    check_inputs(cfg, stages, weights)
+    configs = {s.name: stage_config(cfg, s, weights) for s in stages}  # every key checked against its schema
+    check_inputs(cfg, [s.name for s in stages], weights)
+    world = world_size
+    check_before_work(configs, layout(cfg).tile_store, world)  # a store tiled before: its tiles count now
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"workdir {workdir}: cannot create it ({err.strerror}); choose another --workdir") from None
-    log(f"pipeline: {' → '.join(stages)} on {cfg.slides} in {workdir}; MLflow {cfg.tracking.uri}")
-    outcomes: dict[str, dict[str, Any]] = {}
+    log(f"pipeline: {' → '.join(s.name for s in stages)} on {cfg.slides} in {workdir}; MLflow {cfg.tracking.uri}")
+    outcomes: dict[str, StageOutcome[Any]] = {}
     try:
         with pipeline_mlflow_run(cfg, tags or {}, attempt_key) as parent:
             for i, stage in enumerate(stages, 1):
-                log(f"pipeline: stage {i}/{len(stages)}: {stage}")
-                outcomes[stage] = runner(stage, stage_config(cfg, stage, weights), parent, stage in cfg.force)
-                if stage == "tile":
-                    check_tiled(cfg, outcomes[stage])
-            summary = _summary(cfg, outcomes, parent)
-            record(cfg, parent, summary)
+                log(f"pipeline: stage {i}/{len(stages)}: {stage.name}")
+                outcome = runner(stage, stage_config(cfg, stage, weights), parent, stage.name in cfg.force)
+                outcomes[stage.name] = outcome
+                if isinstance(outcome.summary, TileSummary):
+                    check_tiled(cfg, outcome)
+                    training = {k: v for k, v in configs.items() if get_stage(k).preflight is not None}
+                    check_before_work(training, layout(cfg).tile_store, world, when="once the tiles exist")
+            result = PipelineResult(workdir, layout(cfg), outcomes, parent, cfg.tracking.uri, "")
+            result.message = _message(result)
+            record(cfg, parent, result.as_dict())
     except WsidinoError:
         if created and not _kept_anything(outcomes):
             shutil.rmtree(workdir, ignore_errors=True)  # nothing usable was written: leave no half-made workdir
         raise
-    return PipelineResult(summary, _message(summary))
+    return result
 
 
 def check_inputs(cfg: PipelineConfig, stages: list[str], weights: Path | None) -> None:
@@ -200,23 +203,19 @@ def check_weights(weights: Path, pretrain: Any) -> None:
         )
 
 
-def check_tiled(cfg: PipelineConfig, outcome: Mapping[str, Any]) -> None:
+def check_tiled(cfg: PipelineConfig, outcome: StageOutcome[TileSummary]) -> None:
     """Stop when no slide could be tiled: every later stage would fail on an empty store."""
-    s = outcome.get("summary") or {}
-    if outcome.get("status") == "ran" and not (s.get("ok", 0) + s.get("skipped", 0)):
-        failed = ", ".join(s.get("failed_slides") or []) or "none"
+    s = outcome.summary
+    if outcome.status == "ran" and not s.usable:
+        failed = ", ".join(s.failed_slides) or "none"
         raise WsidinoError(
             f"no slide under {cfg.slides} could be tiled (failed: {failed}); the tile log above says why for each "
             "(e.g. no µm/px in the file: set tile.mpp_overrides; not a slide; no tissue)"
         )
 
 
-def _kept_anything(outcomes: Mapping[str, Mapping[str, Any]]) -> bool:
-    for stage, o in outcomes.items():
-        s = o.get("summary") or {}
-        if stage != "tile" or s.get("ok", 0) + s.get("skipped", 0):
-            return True
-    return False
+def _kept_anything(outcomes: Mapping[str, StageOutcome[Any]]) -> bool:
+    return any(not isinstance(o.summary, TileSummary) or o.summary.usable for o in outcomes.values())
 
 
 @contextlib.contextmanager
@@ -249,24 +248,13 @@ def record(cfg: PipelineConfig, run_id: str | None, summary: Mapping[str, Any]) 
     )
 
 
-def _summary(cfg: PipelineConfig, outcomes: Mapping[str, Mapping[str, Any]], run_id: str | None) -> dict[str, Any]:
-    return {
-        "workdir": str(Path(cfg.workdir).expanduser().resolve()),
-        "paths": {k: str(v) for k, v in layout(cfg.workdir).items()},
-        "stages": {s: {k: o.get(k) for k in OUTCOME_KEYS} for s, o in outcomes.items()},
-        "mlflow_run_id": run_id,
-        "tracking_uri": cfg.tracking.uri,
-    }
-
-
-def _message(summary: Mapping[str, Any]) -> str:
-    done = ", ".join(f"{s} {o.get('status')}" for s, o in summary["stages"].items())
-    return f"pipeline finished in {summary['workdir']}: {done}"
+def _message(result: PipelineResult) -> str:
+    done = ", ".join(f"{s} {o.status}" for s, o in result.outcomes.items())
+    return f"pipeline finished in {result.workdir}: {done}"
 
 
 __all__ = [
     "PipelineResult",
-    "StageRunner",
     "check_inputs",
     "check_weights",
     "extraction_model",

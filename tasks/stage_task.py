@@ -1,9 +1,10 @@
-"""The Prefect task that runs one stage: `dinov3_core.run.run_stage` plus what only Prefect has.
+"""The Prefect task that runs one stage: `dinov3_core.runner.run_stage` plus what only Prefect has.
 
-    run_stage_task("export", cfg)                        # in the flow-run process
-    run_job_stage("pretrain", cfg, launch)          # torchrun job, retried after crashes
+    run_stage_task("export", cfg)              # in the flow-run process → StageOutcome (typed summary)
+    run_job_stage("pretrain", cfg, launch)     # torchrun job, retried after crashes
 
-The skip decision, the manifest, the MLflow run and the torchrun launch are `dinov3_core.run`'s; this module adds:
+The skip decision, the manifest, the MLflow run and the torchrun launch are `dinov3_core.runner`'s; this module
+adds:
 
 * the Prefect run logger as the log, the flow run's tags on the MLflow run, nesting under the pipeline's run;
 * GPU slots: a strict Prefect global concurrency limit held while a torchrun job runs;
@@ -38,8 +39,9 @@ from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.run import RunHooks, StageOutcome, run_stage
-from dinov3_core.stage_specs import STAGE_SPECS
+from dinov3_core.runner import StageOutcome, run_stage
+from dinov3_core.stages import RunHooks, Stage, get_stage
+from dinov3_core.stages.evaluate import EvaluateSummary
 from tasks.launch_k8s import KubernetesRunner
 from tasks.launch_slurm import SlurmRunner
 from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
@@ -47,7 +49,7 @@ from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, 
 
 def load_stage_config(stage: str, config: str | None, values: Mapping[str, Any]) -> Any:
     """The stage's typed config: schema defaults ← named config or YAML ← `values` (checked key by key)."""
-    return load_config(STAGE_SPECS[stage].schema(), config, dict(values), stage=stage)
+    return load_config(get_stage(stage).schema(), config, dict(values), stage=stage)
 
 
 @contextlib.contextmanager
@@ -231,7 +233,7 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "–" if value is None else str(value)
 
 
-def _markdown(o: StageOutcome, cfg: Any) -> str:
+def _markdown(o: StageOutcome[Any], cfg: Any) -> str:
     m = o.manifest
     lines = [f"# {o.stage}: {o.status}", "", o.reason, "", f"Manifest: `{o.manifest_path}`"]
     if m.mlflow_run_id:
@@ -239,8 +241,9 @@ def _markdown(o: StageOutcome, cfg: Any) -> str:
         lines.append(f"MLflow run: [{m.mlflow_run_id}]({url})" if url else f"MLflow run: `{m.mlflow_run_id}`")
     if m.outputs:
         lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in m.outputs.items()]]
-    if m.summary:
-        lines += ["", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in m.summary.items()]]
+    figures = o.summary.as_dict()
+    if figures:
+        lines += ["", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in figures.items()]]
     if m.lineage:
         lines += ["", "Lineage: " + ", ".join(f"{k} `{v}`" for k, v in m.lineage.items())]
     return "\n".join(lines) + "\n"
@@ -249,7 +252,7 @@ def _markdown(o: StageOutcome, cfg: Any) -> str:
 @task(name="run-stage", task_run_name="{stage}", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=5)
 def run_stage_task(
     stage: str, cfg: Any, force: bool = False, launch: LaunchSettings | None = None, run_groups: Any = None
-) -> dict[str, Any]:  # fmt: skip
+) -> StageOutcome[Any]:  # fmt: skip
     """Run one stage under its manifest (skip when up to date), in its own MLflow run.
 
     Args:
@@ -262,13 +265,15 @@ def run_stage_task(
             own process pool.
 
     Returns:
-        The outcome: status (ran / skipped), why, outputs, MLflow run id, lineage and summary figures.
+        The outcome: status (ran / skipped), why, the manifest (outputs, MLflow run id, lineage) and the typed
+        summary; a flow returns its `as_dict()`.
     """
     logger = get_run_logger()
     backend = getattr(launch, "backend", "local")
-    tile = _TileArtifacts(str(cfg.output)) if stage == "tile" else None
-    extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if stage == "extract" else None
-    training = _TrainingArtifacts(stage, cfg) if stage in ("pretrain", "gram") else None
+    spec = get_stage(stage)
+    tile = _TileArtifacts(str(cfg.output)) if spec.progress_bar else None  # slides as they are tiled
+    extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if spec.job_log is not None else None
+    training = _TrainingArtifacts(stage, cfg) if spec.always_job else None  # iterations and health
     hooks = RunHooks(
         log=training.wrap(logger.info) if training else logger.info,
         parent_run_id=current_pipeline_run(),
@@ -282,17 +287,17 @@ def run_stage_task(
         run_groups=run_groups,
     )
     with core_logs_to(logger):
-        outcome = run_stage(stage, cfg, force=force, launch=launch, hooks=hooks)
+        outcome = run_stage(spec, cfg, force=force, launch=launch, hooks=hooks)
     if training is not None and outcome.status == "ran":
-        training.finish(outcome.manifest.summary.get("health"))
+        training.finish(outcome.summary.health)
     if tile is not None and outcome.result is not None:
         tile.finish(outcome.result)
-    if stage == "evaluate" and outcome.result is not None:  # the table a reviewer reads first, in the Prefect UI
+    if isinstance(outcome.summary, EvaluateSummary) and outcome.result is not None:  # what a reviewer reads first
         with contextlib.suppress(Exception):
             create_markdown_artifact(outcome.result.table, key="evaluation", description="Evaluation and decision")
     with contextlib.suppress(Exception):  # outside a Prefect run (plain Python) there is nowhere to publish
         create_markdown_artifact(_markdown(outcome, cfg), key=f"{stage}-stage", description=f"{stage} stage outcome")
-    return outcome.as_dict()
+    return outcome
 
 
 def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
@@ -318,7 +323,7 @@ def cluster_runner(launch: Any) -> Callable[..., None] | None:
     return None
 
 
-def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> dict[str, Any]:
+def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = False) -> StageOutcome[Any]:
     """`run_stage_task` for a stage that runs as a torchrun job (pretrain, gram; extract on several processes) with
     the launch's retries (crashes only, not bad input; each retry resumes: training from its checkpoint, extract
     with the slides not yet committed)."""
@@ -326,29 +331,29 @@ def run_job_stage(stage: str, cfg: Any, launch: LaunchSettings, force: bool = Fa
     return retrying(stage, cfg, force=force, launch=launch)
 
 
-def prefect_stage_runner(launch: LaunchSettings) -> Callable[..., dict[str, Any]]:
-    """Run each stage of a cycle or a pipeline as the `run-stage` task (pretrain / gram with the launch's crash
-    retries), its MLflow run nested under the cycle's or pipeline's."""
+def prefect_stage_runner(launch: LaunchSettings) -> Callable[..., StageOutcome[Any]]:
+    """The `StageRunner` of a cycle or a pipeline flow: each stage as the `run-stage` task (a torchrun job with the
+    launch's crash retries), its MLflow run nested under the cycle's or pipeline's."""
 
-    def run(stage: str, cfg: Any, parent: str | None, force: bool = False) -> dict[str, Any]:
+    def run(stage: Stage[Any], cfg: Any, parent: str | None, force: bool = False) -> StageOutcome[Any]:
         with nested_under(parent, cfg.tracking):
-            if STAGE_SPECS[stage].as_job(launch):
-                return run_job_stage(stage, cfg, launch, force=force)
-            return run_stage_task(stage, cfg, force=force, launch=launch)  # evaluate: its embedding job
+            if stage.as_job(launch):
+                return run_job_stage(stage.name, cfg, launch, force=force)
+            return run_stage_task(stage.name, cfg, force=force, launch=launch)  # evaluate: its embedding job
 
     return run
 
 
-def training_flow_result(outcome: dict[str, Any]) -> Any:
+def training_flow_result(outcome: StageOutcome[Any]) -> Any:
     """What a pretrain / gram flow returns: the outcome, in a Completed state whose message is the health verdict
     (`health.policy=warn` lets a run that does not learn complete: the flow run then ends saying so). Callers of
     the flow, subflow calls included, still get the outcome dict."""
     from prefect.states import Completed
 
-    verdict = outcome.get("summary", {}).get("health")
+    verdict = outcome.summary.health
     if not verdict:
-        return outcome
-    return Completed(message=f"{outcome['stage']}: {verdict}"[:4000], data=outcome)
+        return outcome.as_dict()
+    return Completed(message=f"{outcome.stage}: {verdict}"[:4000], data=outcome.as_dict())
 
 
 __all__ = [

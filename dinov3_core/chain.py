@@ -1,0 +1,173 @@
+"""What every chain of stages shares (the pipeline in one work directory, a retraining cycle): a stage's named
+config and overrides (`StageChoice`), how the chain turns them into the stage's typed config with its own paths on
+top (`chain_config`), the one `StageRunner` signature, and the checks before work (`check_before_work`).
+
+    wsidino pipeline ... pretrain.train.stop_at=100      # → pretrain.overrides += ["train.stop_at=100"]
+
+A key that starts with a stage name and is not one of `StageChoice`'s own fields is that stage's override; it is
+checked against the stage's schema when the chain builds the stage configs, before anything runs. Problems are
+reported with the keys as the user types them in the chain (`gram.train.global_batch_size`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dinov3_core.config import ConfigError, load_config, named_config_keys, parse_overrides
+from dinov3_core.stages import STAGE_NAMES, ChainPaths, PreflightFacts, Problem, Stage, get_stage
+from dinov3_core.tracking import TrackingConfig
+
+if TYPE_CHECKING:
+    from dinov3_core.runner import StageOutcome
+
+_CHOICE_KEYS = {"config", "overrides"}
+
+
+class StageRunner(Protocol):
+    """Runs one stage of a chain: `dinov3_core.runner.run_stage` in this process (CLI), or the Prefect stage task.
+    `parent` is the chain's MLflow run (the stage's run nests under it)."""
+
+    def __call__(self, stage: Stage[Any], cfg: Any, parent: str | None, force: bool = False) -> StageOutcome[Any]: ...
+
+
+@dataclass
+class StageChoice:
+    """A stage's named config (or YAML path) and its overrides, as in the pipeline's form."""
+
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def route_overrides(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Split `pretrain.train.stop_at=4` (a stage's override) from the run's own keys (`pretrain.config=cpu`,
+    `workdir=…`): (the run's own values, each stage's extra overrides)."""
+    own: dict[str, Any] = {}
+    extra: dict[str, list[str]] = {}
+    for key, value in values.items():
+        stage, _, rest = key.partition(".")
+        if stage in STAGE_NAMES and rest and rest not in _CHOICE_KEYS:
+            extra.setdefault(stage, []).append(f"{rest}={value if isinstance(value, str) else json.dumps(value)}")
+        else:
+            own[key] = value
+    return own, extra
+
+
+def add_stage_overrides(cfg: Any, extra: Mapping[str, list[str]]) -> None:
+    """Append each stage's extra overrides after those its named config already lists (they win on a clash)."""
+    for stage, items in extra.items():
+        choice = getattr(cfg, stage)
+        choice.overrides = [*choice.overrides, *items]
+
+
+def tracking_values(t: TrackingConfig) -> dict[str, Any]:
+    return {"tracking.enabled": t.enabled, "tracking.uri": t.uri, "tracking.experiment": t.experiment}
+
+
+def build_stage_config(
+    stage: Stage[Any] | str,
+    choice: StageChoice,
+    paths: Mapping[str, Any],
+    tracking: TrackingConfig,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    owner: str = "the run",
+) -> Any:
+    """defaults ← the stage's named config ← its overrides ← `paths` and the run's tracking settings.
+
+    `paths` are what the run decides itself (where each stage reads and writes): an override of one of them is
+    an error, so a stage's output cannot be pointed away from where the next stage looks for it.
+    """
+    stage = get_stage(stage)
+    try:
+        user = parse_overrides(choice.overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{stage}.overrides: {err}") from None
+    clash = sorted(set(user) & set(paths))
+    if clash:
+        raise ConfigError(f"{stage}.overrides set {', '.join(clash)}: {owner} sets these itself; leave them out")
+    named = named_config_keys(stage.name, choice.config)
+    fallback = {k: v for k, v in (defaults or {}).items() if k not in named}  # the named config's value wins
+    values = {**fallback, **user, **paths, **tracking_values(tracking)}
+    try:
+        return load_config(stage.schema(), choice.config, values, stage=stage.name)
+    except ConfigError as err:
+        raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {err}") from None
+
+
+def chain_config(
+    stage: Stage[Any] | str,
+    choice: StageChoice,
+    paths: ChainPaths,
+    tracking: TrackingConfig,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    owner: str,
+) -> Any:
+    """The stage's typed config inside a chain: its named config and overrides, the chain's paths on top."""
+    stage = get_stage(stage)
+    return build_stage_config(stage, choice, stage.chain_values(paths), tracking, defaults=defaults, owner=owner)
+
+
+# ---------------------------------------------------------------------------------------- checks before work
+
+
+def store_facts(stores: Iterable[str | Path], cfg: Any, world_size: int, prefix: str = "") -> PreflightFacts:
+    """Tiles a training config would read from `stores` (its slide and tissue filters applied) and their size;
+    unknown (None) while the stores are not tiled yet or cannot be read (the stage then says why itself)."""
+    from dinov3_core.data.tile_index import TileIndex
+
+    unknown = PreflightFacts(world_size=world_size, prefix=prefix)
+    paths = [Path(s) for s in stores]
+    if not paths or not all(p.is_dir() for p in paths):
+        return unknown
+    data = cfg.data
+    try:
+        index = TileIndex(paths, slide_ids=data.slide_ids, min_tissue_fraction=data.min_tissue_fraction)
+    except Exception:  # an empty or unreadable store: the tile stage or the training job names the problem
+        return unknown
+    return PreflightFacts(tiles=len(index), tile_size=index.tile_size, world_size=world_size, prefix=prefix)
+
+
+def check_before_work(
+    configs: Mapping[str, Any], tile_store: Path, world_size: int, *, prefix: bool = True, when: str = ""
+) -> None:
+    """Every stage's checks before any training stage starts, all problems at once, each with the key as the user
+    types it (`gram.train.global_batch_size` in a chain, `train.global_batch_size` alone) and a value that works.
+
+    Args:
+        configs: Stage name → its typed config, for the stages about to run.
+        tile_store: The chain's tile store (a training config that names no store reads it).
+        world_size: Processes of each training job.
+        prefix: Name keys after their stage (a chain's keys).
+        when: Said in the message (e.g. "once the tiles exist").
+
+    Raises:
+        ConfigError: Naming every problem found.
+    """
+    problems: list[Problem] = []
+    for name, cfg in configs.items():
+        stage = get_stage(name)
+        if stage.preflight is None:
+            continue
+        facts = store_facts(cfg.data.stores or [tile_store], cfg, world_size, f"{name}." if prefix else "")
+        problems += stage.preflight(cfg, facts)
+    if problems:
+        head = f"{len(problems)} problem(s) found before training{' ' + when if when else ''}"
+        raise ConfigError(head + ":\n" + "\n".join(f"  {p}" for p in problems))
+
+
+__all__ = [
+    "StageChoice",
+    "StageRunner",
+    "add_stage_overrides",
+    "build_stage_config",
+    "chain_config",
+    "check_before_work",
+    "route_overrides",
+    "store_facts",
+    "tracking_values",
+]

@@ -1,0 +1,55 @@
+"""convert: a DCP training checkpoint → backbone.pth in the released DINOv3 key layout (+ config.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.export.config import ConvertConfig
+from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
+
+
+@dataclass
+class ConvertSummary(Summary):
+    checkpoint: str | None = None
+    iteration: int | None = None
+    arch: str | None = None
+    backbone_mb: float | None = None
+    checkpoint_mb: float | None = None
+
+
+def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
+    from dinov3_core.export.convert import run_convert
+
+    r = run_convert(cfg)
+    hooks.log(f"convert: {r.checkpoint} → {r.backbone}")
+    return r, ConvertSummary(str(r.checkpoint), r.iteration, r.arch, round(r.backbone_bytes / 1e6, 2),
+                             round(r.checkpoint_bytes / 1e6, 2))  # fmt: skip
+
+
+def _chain_values(p: ChainPaths) -> dict[str, Any]:
+    trained = p.gram if p.gram_anchoring else p.pretrain
+    return {"input": str(trained), "output_dir": str(p.model_dir)}
+
+
+STAGE: Stage[ConvertSummary] = Stage(
+    name="convert",
+    help="DCP checkpoint → backbone.pth with the released DINOv3 key layout.",
+    schema=lambda: ConvertConfig,
+    summary_type=ConvertSummary,
+    output=lambda c: c.output_dir,
+    output_is_dir=True,
+    inputs=lambda c: {"checkpoint": c.input, "tile_store": c.store, "annotations": c.annotations},
+    outputs=lambda c: {
+        "backbone": str(Path(c.output_dir) / "backbone.pth"),
+        "arch_config": str(Path(c.output_dir) / "config.yaml"),
+    },
+    chain_values=_chain_values,
+    work=_work,
+    options=(
+        CliOption("--input", "input", "a ckpt/<iteration>/ directory, or a run directory (latest checkpoint)"),
+        CliOption("--output-dir", "output_dir", "where backbone.pth and config.yaml go"),
+    ),
+    override_example="which=student safetensors=true",
+)

@@ -1,0 +1,126 @@
+"""evaluate: frozen-feature probes of the candidate, the registry's champion and a baseline on the lab's
+annotations, and the gate that moves `@champion`. Runs in this process; on several processes each model's labelled
+tiles are embedded by a torchrun job (`dinov3_core.evaluate.embed_job`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
+from dinov3_core.stages.versions import describe_version
+
+EPILOG = """\
+protocol:
+  Tiles take the class of the annotation polygon their centre lies in (min_overlap=F: and F of their area).
+  Slides (or patients, patients=CSV) are split into training and test, never one slide on both sides.
+  Each model embeds the same labelled tiles (cls+mean_patch, probe.features) and is scored by a kNN
+  (k=20, cosine, temperature-weighted), a linear probe (logistic regression, C chosen on a validation
+  split of the training slides) and few-shot kNN (1-16 tiles per class); balanced accuracy and
+  macro-F1 (AUROC for two classes) with bootstrap 95 % intervals over test slides. Label-free health
+  (CLS effective rank, dense consistency) is reported for every model, annotations or not.
+
+gate:
+  The candidate becomes <register_name>@champion when the lower 95 % bound of its paired difference to
+  the champion on gate.primary_metric (default linear.balanced_accuracy) exceeds gate.margin, it is not
+  below the baseline, and its features did not collapse. The first model must beat the baseline.
+  Without annotations promotion is off (gate.label_free=true opts into a health-only gate);
+  gate.promote=false measures without moving aliases.
+
+examples:
+  wsidino evaluate --store tiles.zarr --candidate model/model.onnx --output evaluation \\
+      --annotations annotations/ probe.bootstrap=2000 gate.margin=0.01
+  wsidino evaluate ... patients=patients.csv sites=scanners.csv baseline=/weights/dinov3_vitb16.pth
+"""
+
+
+@dataclass
+class EvaluateSummary(Summary):
+    labelled_tiles: int | None = None
+    promoted: bool | None = None  # the candidate is @champion now
+    promote: bool | None = None  # the gate's verdict (applied or not: gate.promote=false only measures)
+    decision: str | None = None  # why, in one sentence
+    champion_model: str | None = None  # the model file @champion points at after the evaluation
+    primary_metric: str | None = None  # gate.primary_metric, e.g. linear.balanced_accuracy
+    primary_value: float | None = None  # the candidate's value of it
+    cls_effective_rank: float | None = None
+    seconds: float | None = None
+
+
+def schema() -> type:
+    from dinov3_core.evaluate.config import EvaluateConfig
+
+    return EvaluateConfig
+
+
+def _inputs(cfg: Any) -> dict[str, Any]:
+    from dinov3_core.evaluate.models import champion_state
+
+    baseline = cfg.baseline if cfg.baseline not in (None, "auto", "init") else None
+    return {"tile_store": cfg.store, "candidate": cfg.candidate, "annotations": cfg.annotations,
+            "baseline": baseline, "patients": cfg.patients, "sites": cfg.sites,
+            "champion": champion_state(cfg)}  # fmt: skip
+
+
+def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
+    from dinov3_core.evaluate.evaluation import run_evaluate
+    from dinov3_core.export.model_card import add_evaluation
+
+    embed_job = None
+    if hooks.launch is not None and hooks.launch.nproc_per_node > 1:  # each model's labelled tiles: a job on this node
+        from dinov3_core.evaluate.embed_job import launch_embedding
+
+        embed_job = functools.partial(launch_embedding, cfg, hooks.launch, log=hooks.log,
+                                      hold_resources=hooks.hold_resources, run_job=hooks.run_job)  # fmt: skip
+    r = run_evaluate(cfg, embed_job)
+    for line in r.table.splitlines():
+        hooks.log(line)
+    d, cand = r.decision, r.evaluation["models"]["candidate"]
+    card = add_evaluation(Path(cfg.candidate), r.table, d.reason)
+    describe_version(cfg, cfg.register_name, cand.get("version"), card)
+    primary = cfg.gate.primary_metric.split(".")
+    value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
+    return r, EvaluateSummary(
+        labelled_tiles=r.evaluation["labelled_tiles"], promoted=d.applied, promote=d.promote, decision=d.reason,
+        champion_model=r.champion_model, primary_metric=cfg.gate.primary_metric if value is not None else None,
+        primary_value=value, cls_effective_rank=cand["health"].get("cls_effective_rank"), seconds=round(r.seconds, 1),
+    )  # fmt: skip
+
+
+def _chain_values(p: ChainPaths) -> dict[str, Any]:
+    values: dict[str, Any] = {"store": str(p.tile_store), "candidate": str(p.onnx), "output": str(p.evaluation),
+                              "annotations": p.annotations}  # fmt: skip
+    if p.register_name is not None:
+        values["register_name"] = p.register_name
+    return values
+
+
+STAGE: Stage[EvaluateSummary] = Stage(
+    name="evaluate",
+    help="Frozen-feature probes of the candidate, the registry's champion and a baseline on your annotations; "
+    "promotes the candidate to @champion only when it is better.",
+    schema=schema,
+    summary_type=EvaluateSummary,
+    output=lambda c: c.output,
+    output_is_dir=True,
+    inputs=_inputs,
+    outputs=lambda c: {"evaluation": str(Path(c.output) / "evaluation.json")},
+    chain_values=_chain_values,
+    work=_work,
+    # device and precision are not here: they change the features slightly, so they change the hash
+    volatile=("tracking.", "progress", "num_threads", "batch_size", "loader_threads", "prefetch_batches"),
+    options=(
+        CliOption("--store", "store", "tile store with the annotated slides (tiles.zarr)"),
+        CliOption("--candidate", "candidate", "the model to judge: model.onnx (export) or backbone.pth (convert)"),
+        CliOption("--output", "output", "evaluation directory (evaluation.json, evaluation.md, pictures, cache)"),
+        CliOption(
+            "--annotations", "annotations", "folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label"
+        ),
+    ),
+    launch_help="embedding",  # more than 1: each model's labelled tiles embedded by a torchrun job
+    override_example="gate.margin=0.01 probe.bootstrap=2000",
+    epilog=EPILOG,
+    rerun_hint="embed again (models already embedded come from the cache)",
+)

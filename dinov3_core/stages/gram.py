@@ -1,0 +1,65 @@
+"""gram: gram anchoring, continuing a pretraining run with a frozen gram teacher picked from its teacher-only
+eval checkpoints; a torchrun job like pretrain (`python -m dinov3_core.gram`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.stages import training
+from dinov3_core.stages.base import ChainPaths, CliOption, Stage, stores_input
+from dinov3_core.stages.pretrain import TRAINING_VOLATILE
+from dinov3_core.stages.training import TrainingSummary
+
+
+def schema() -> type:
+    from dinov3_core.gram.config import GramConfig
+
+    return GramConfig
+
+
+def _inputs(cfg: Any) -> dict[str, str | None]:
+    return {"pretrain_dir": cfg.pretrain_dir, "teacher_path": cfg.gram.teacher_path, **stores_input(cfg)}
+
+
+def _outputs(cfg: Any) -> dict[str, str]:
+    out = training.run_outputs(cfg)
+    selection = Path(cfg.output_dir) / "gram_teacher_selection.json"
+    if selection.is_file():
+        out["teacher_selection"] = str(selection)
+    return out
+
+
+def _chain_values(p: ChainPaths) -> dict[str, Any]:
+    values: dict[str, Any] = {"pretrain_dir": str(p.pretrain), "output_dir": str(p.gram)}
+    if p.slide_ids is not None:  # a snapshot's slides: the store they are in is named with them
+        values |= {"data.stores": [str(p.tile_store)], "data.slide_ids": p.slide_ids}
+    return values
+
+
+STAGE: Stage[TrainingSummary] = Stage(
+    name="gram",
+    help="Gram anchoring: continue a pretraining run with a frozen, auto-selected gram teacher.",
+    schema=schema,
+    summary_type=TrainingSummary,
+    output=lambda c: c.output_dir,
+    output_is_dir=True,
+    inputs=_inputs,
+    outputs=_outputs,
+    chain_values=_chain_values,
+    job_module="dinov3_core.gram",
+    always_job=True,
+    job_dir=lambda c: Path(c.output_dir),
+    job_summary=training.training_summary,
+    job_check=training.check_job,
+    volatile=TRAINING_VOLATILE,
+    preflight=training.preflight,
+    options=(
+        CliOption(
+            "--pretrain-dir", "pretrain_dir", "the pretraining run directory to continue (its eval/ holds the teachers)"
+        ),
+        CliOption("--output-dir", "output_dir", "the gram stage's own run directory; = output_dir"),
+    ),
+    launch_help="training",
+    override_example="gram.teacher_policy=best_dense train.stop_at=50",
+)

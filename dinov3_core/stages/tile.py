@@ -1,0 +1,84 @@
+"""tile: whole-slide images → a zarr tile store (µm/px-exact tiles under a tissue mask, QC pictures), in this
+process (or slide groups on Dask). One bad slide is a failed row, never a failed stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dinov3_core.stages.base import CliOption, RunHooks, Stage, Summary
+from dinov3_core.tiling.config import TileConfig
+
+
+@dataclass
+class TileSummary(Summary):
+    ok: int = 0  # slides tiled by this run
+    skipped: int = 0  # slides already in the store with the same settings
+    failed: int = 0  # slides that could not be tiled (their rows say why)
+    tiles_total: int = 0
+    failed_slides: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> int:
+        return self.failed
+
+    @property
+    def usable(self) -> int:
+        """Slides in the store after this run."""
+        return self.ok + self.skipped
+
+
+def _inputs(cfg: TileConfig) -> dict[str, Any]:
+    """A slide list (.txt/.csv) is fingerprinted with the files it names, so a replaced slide counts."""
+    from dinov3_core.tiling.discovery import discover_slides
+
+    inputs: dict[str, Any] = {"slides": cfg.input, "mpp_overrides": cfg.mpp_overrides}
+    if Path(cfg.input).suffix.lower() in {".txt", ".csv"} and Path(cfg.input).is_file():
+        inputs["listed_slides"] = [str(p) for p in discover_slides(cfg.input, cfg.extensions)]
+    return inputs
+
+
+def _check(cfg: TileConfig) -> None:
+    """A bad output path or an input without slides fails here, before a stage manifest is written."""
+    from dinov3_core.tiling.engine import prepare_store
+
+    prepare_store(cfg)
+
+
+def _work(cfg: TileConfig, hooks: RunHooks) -> tuple[Any, TileSummary]:
+    from dinov3_core.tiling.engine import run_tile
+
+    result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide, run_groups=hooks.run_groups)
+    failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
+    return result, TileSummary(**result.counts, tiles_total=result.total_tiles, failed_slides=failed)
+
+
+def _log_after_work(cfg: TileConfig, result: Any) -> None:
+    from dinov3_core.tiling import report
+
+    report.log_to_mlflow(result)  # (its parameters went in as the run opened)
+
+
+STAGE: Stage[TileSummary] = Stage(
+    name="tile",
+    help="Whole-slide images → zarr tile store (µm/px-exact tiles, tissue mask, QC).",
+    schema=lambda: TileConfig,
+    summary_type=TileSummary,
+    output=lambda c: c.output,
+    output_is_dir=True,
+    inputs=_inputs,
+    outputs=lambda c: {"store": c.output},  # fingerprinted by its slides' tile counts (dinov3_core.manifest)
+    chain_values=lambda p: {"input": p.slides, "output": str(p.tile_store)},
+    work=_work,
+    volatile=("tracking.", "progress", "workers"),
+    check=_check,
+    log_after_work=_log_after_work,
+    options=(
+        CliOption("--input", "input", "directory, glob, slide file, or .txt/.csv list of slide paths"),
+        CliOption("--output", "output", "tile store directory, e.g. out/tiles.zarr"),
+        CliOption("--workers", "workers", "worker processes (default from config: 1)", type=int),
+    ),
+    override_example="tile_size=224 mpp=0.5 workers=4 filters.pen_filter=true",
+    progress_bar=True,
+)
