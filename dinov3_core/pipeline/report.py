@@ -20,7 +20,7 @@ def stage_table(summary: Mapping[str, Any]) -> str:
 
 def training_health(summary: Mapping[str, Any]) -> str:
     """Each training stage's health verdict and last figures, to read beside the evaluation table."""
-    lines = ['\n=== training health (README: "Is it learning?")']
+    lines = ['\n=== training health (docs/stages.md: "Is it learning?")']
     for stage in ("pretrain", "gram"):
         if stage not in summary["stages"]:
             continue
