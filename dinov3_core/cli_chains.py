@@ -153,8 +153,8 @@ def add_chain_commands(sub: Any) -> None:
         "retrain",
         help="One scheduled-retraining cycle: tile new slides, train from the champion when the cohort grew, "
         "evaluate, promote only if better, extract with the champion.",
-        description="One retraining cycle in a new versioned directory under --root (see README: Scheduled "
-        "retraining). Exits 0 whether it trained or skipped, printing which and why.",
+        description="One retraining cycle in a new versioned directory under --root (see "
+        "docs/retraining.md). Exits 0 whether it trained or skipped, printing which and why.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=RETRAIN_EPILOG,
     )

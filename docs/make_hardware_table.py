@@ -1,7 +1,7 @@
-"""The table in docs/hardware.md and README.md: for each GPU recipe and GPU memory size, the micro-batch and gradient
+"""The table in docs/hardware.md: for each GPU recipe and GPU memory size, the micro-batch and gradient
 accumulation `batch_size_per_gpu=auto` picks and the peak memory it expects (`dinov3_core.train.memory`).
 
-    .venv/bin/python docs/make_hardware_table.py          # rewrite the table in docs/hardware.md and README.md
+    .venv/bin/python docs/make_hardware_table.py          # rewrite the table in docs/hardware.md
     .venv/bin/python docs/make_hardware_table.py --check  # exit 1 when the table is stale (tests/test_hardware.py)
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-DOCS = (Path(__file__).resolve().parent / "hardware.md", Path(__file__).resolve().parents[1] / "README.md")
+DOCS = (Path(__file__).resolve().parent / "hardware.md",)  # every page that carries the table (the README links to it)
 BEGIN, END = "<!-- hardware-table: begin -->", "<!-- hardware-table: end -->"
 RECIPES = (  # (config, GPUs per run)
     ("vits16-1gpu", 1), ("vitb16-1gpu", 1), ("vitl16-1gpu", 1),

@@ -451,7 +451,7 @@ class PipelineParams(BaseModel):
 
 class RetrainParams(BaseModel):
     """One scheduled-retraining cycle: tile new slides, train from the champion when the cohort grew, evaluate,
-    promote only if better, extract with the champion (README: Scheduled retraining).
+    promote only if better, extract with the champion (docs/retraining.md).
 
     Each run is a new cycle under `<root>/cycles/`; retrying a failed run resumes its cycle.
     """

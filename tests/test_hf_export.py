@@ -41,7 +41,7 @@ def test_the_export_stage_writes_a_model_transformers_loads_offline(hf_export: d
     assert type(model).__name__ == "DINOv3ViTModel"
     ours = BackboneFeatures(load_backbone(hf_export["weights"])).eval()
     x = torch.randn(3, 3, 48, 80, generator=torch.Generator().manual_seed(1))  # a shape the check did not use
-    model.rope_embeddings.inv_freq = 1 / torch.tensor(model.config.wsidino_rope_periods)  # the README's line
+    model.rope_embeddings.inv_freq = 1 / torch.tensor(model.config.wsidino_rope_periods)  # the line in docs/stages.md
     with torch.no_grad():
         tokens = model(pixel_values=x).last_hidden_state
         cls, patch = ours(x)

@@ -385,7 +385,8 @@ def test_gradient_accumulation_reproduces_full_batch_loss() -> None:
     torch.testing.assert_close(w_acc.grad, w_full.grad, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(g_acc.grad, g_full.grad, rtol=1e-9, atol=1e-9)
 
-    # Counter-check: Sinkhorn per micro-batch instead of per step changes the objective (facts §5).
+    # Counter-check: Sinkhorn per micro-batch instead of per step changes the objective
+    # (docs/reference/distributed.md#sinkhorn-per-step).
     drift = (
         sum(
             dino(

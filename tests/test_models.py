@@ -22,7 +22,7 @@ from dinov3_core.models import (
 )
 from dinov3_core.models.layers import LinearKMaskedBias, RopePositionEmbedding, rope_rotate_half
 
-# Counts from the official code (docs/model.md, facts table): presets with constructor defaults.
+# Counts from the official code (docs/model.md, "Presets and released variants"): presets with constructor defaults.
 EXPECTED_PARAMS = {
     "vit_small": 21_590_400,
     "vit_base": 85_648_128,

@@ -1,6 +1,7 @@
 """Batched DINOv3 multi-crop augmentation for H&E tiles, on tensors, on the training device.
 
-One call turns a batch of tiles into S_g global and S_l local crops per tile (official recipe, facts §11) with
+One call turns a batch of tiles into S_g global and S_l local crops per tile (official recipe,
+docs/reference/dinov3.md#augmentation) with
 every random choice made per image from one `torch.Generator`:
 
 1. random-resized crop (one `grid_sample` per crop set, geometry from an affine grid per crop) composed

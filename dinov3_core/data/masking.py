@@ -1,4 +1,5 @@
-"""iBOT block masking (official DINOv3 scheme, facts §7) and the per-batch mask bundle the losses consume.
+"""iBOT block masking (official DINOv3 scheme, docs/reference/dinov3.md#ibot-masking) and the per-batch mask bundle
+the losses consume.
 
 Per batch of S_g·B global crops: n = int(S_g·B·mask_probability) crops are masked, the i-th with ratio
 linspace(min_ratio, max_ratio, n+1)[i+1], i.e. exactly int(ratio·N) of its N patches; the rest are unmasked;

@@ -3,7 +3,7 @@
 `TileIndex` scans the stores once (slide metadata and array shapes only, never pixels) and maps a global tile
 index to (slide, row in the slide's store arrays) and back. Slides are concatenated in store order, then
 slide-id order. The index is a handful of numpy arrays, never one Python object per tile, so forked DataLoader
-workers do not copy it page by page through reference-count writes (distributed-facts §10):
+workers do not copy it page by page through reference-count writes (docs/reference/distributed.md#dataloader-memory):
 
 * per slide: ``offsets`` (int64, n_slides + 1 cumulative tile counts), ``tile_counts`` (int64), the store each
   slide comes from (int32) and its id string: ~100 bytes per slide;

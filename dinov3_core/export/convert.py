@@ -5,8 +5,9 @@
     result = run_convert(cfg)      # result.backbone → out/model/backbone.pth
 
 Only `model.<which>.backbone.*` is read: the tensors are chosen from the checkpoint's `.metadata` and loaded with
-a partial-load planner in one CPU process (no optimizer state, any number of ranks wrote it; dinov3-facts §13,
-distributed-facts §6). `full_consolidation: true` also writes every key into `full.pt` (needs RAM for all).
+a partial-load planner in one CPU process (no optimizer state, any number of ranks wrote it;
+docs/reference/dinov3.md#checkpoints, docs/reference/distributed.md#dcp). `full_consolidation: true` also writes every
+key into `full.pt` (needs RAM for all).
 
 A LoRA run's checkpoint holds peft keys (`….base_layer.weight`, `….lora_A.default.weight`): they are merged
 (W + alpha/r · B@A, settings from the checkpoint's meta.json, else the run's config.yaml) so `backbone.pth` has the

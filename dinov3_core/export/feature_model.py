@@ -119,7 +119,7 @@ def _onnx_model(p: Path, providers: list[str] | None, threads: int, device_id: i
     elif providers is None and torch.cuda.is_available():  # a GPU sits idle while the CPU does the work: say so
         logger.warning(
             "extract: this host has a GPU but ONNX Runtime runs %s on the CPU (providers %s): install onnxruntime-gpu "
-            "in place of onnxruntime (README: Extraction on several GPUs), or give the backbone.pth beside it",
+            "in place of onnxruntime (docs/stages.md: Extraction on several GPUs), or give the backbone.pth beside it",
             p, session.get_providers(),
         )  # fmt: skip
     else:

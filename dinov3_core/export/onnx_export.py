@@ -6,7 +6,7 @@
 
 Outputs: `cls` [B, D] and `patch_tokens` [B, h*w, D] (final norm), or with `pooled: true` one output `pooled`
 [B, 2D] = concat(cls, mean patch token). Input `pixel_values` [B, 3, H, W], float32, ImageNet-normalised.
-Exported with the dynamo exporter in eval mode (orchestration-facts §5): RoPE is computed in the graph (Range /
+Exported with the dynamo exporter in eval mode (docs/reference/onnx.md): RoPE is computed in the graph (Range /
 Sin / Cos, no If / Tile / Loop: checked). The export runs in a spawned process killed after `timeout_s`.
 """
 

@@ -1,4 +1,5 @@
-"""The gram-anchoring stage (DINOv3 facts §6, §8), built on the pretraining stage (`dinov3_core.train`).
+"""The gram-anchoring stage (docs/reference/dinov3.md#losses, #gram-teacher), built on the pretraining stage
+(`dinov3_core.train`).
 
 * `teacher` — `find_eval_checkpoints`, `select_gram_teacher` (policies latest / iteration / best_dense),
   `load_gram_teacher` (eval teacher or released backbone; training checkpoints refused with the file to use);

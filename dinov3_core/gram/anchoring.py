@@ -4,7 +4,8 @@
                                            "output_dir": "out/gram"}, stage="gram")
     result = run_gram(cfg)
 
-What it adds to pretraining (facts §6, §8), all counted from the gram stage's own iteration 0:
+What it adds to pretraining (docs/reference/dinov3.md#losses, #gram-teacher), all counted from the gram stage's own
+iteration 0:
 
 * start: the pretraining run's latest DCP checkpoint (student, EMA teacher, optimizer state; not its iteration
   nor sampler position) when `output_dir/ckpt` is empty; afterwards it resumes from its own `ckpt/`;

@@ -6,7 +6,8 @@
 Every schedule of the gram stage counts from the stage's FIRST iteration (0), in the stage's own output_dir:
 lr / wd / momentum / teacher temperature (`optim.*`, `teacher.*`, `train.epoch_length`), the gram weight
 warmup, the local DINO weight schedule and the gram-teacher refresh. Nothing is indexed on the pretraining
-run's absolute iteration (upstream's 7B gram config waits until iteration 1M; facts §8).
+run's absolute iteration (upstream's 7B gram config waits until iteration 1M;
+docs/reference/dinov3.md#gram-teacher).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class GramSection:
     teacher_iteration: int | None = None  # `iteration` policy: nearest eval checkpoint to this iteration
     teacher_fraction: float | None = None  # … or to this fraction of the pretraining run's total iterations
     selection_tiles: int = 32  # best_dense: held-out tiles scored per candidate
-    # Loss (facts §6): student vs gram-teacher x_norm_patchtokens of the same global crops.
+    # Loss (docs/reference/dinov3.md#losses): student vs gram-teacher x_norm_patchtokens of the same global crops.
     loss_weight: float = 1.0  # target weight
     warmup_iterations: int = 0  # weight 0 → loss_weight linearly over these stage iterations (0: at once)
     normalized: bool = True

@@ -1,4 +1,4 @@
-"""Which checkpoint becomes the gram teacher, and loading it (DINOv3 facts §8).
+"""Which checkpoint becomes the gram teacher, and loading it (docs/reference/dinov3.md#gram-teacher).
 
     candidates = find_eval_checkpoints("runs/pretrain")           # [(iteration, eval/.../teacher_checkpoint.pth)]
     sel = select_gram_teacher("runs/pretrain", "best_dense", stores=["out/tiles.zarr"], output_dir="runs/gram")

@@ -20,7 +20,8 @@ def dino_pair_count(n_student_crops: int, n_teacher_crops: int, ignore_diagonal:
 
 
 class DINOLoss(nn.Module):
-    """−Σ_k p_t[k]·log softmax(z_s/τ_s)[k], averaged over images and (student, teacher) crop pairs (facts §6).
+    """−Σ_k p_t[k]·log softmax(z_s/τ_s)[k], averaged over images and (student, teacher) crop pairs
+    (docs/reference/dinov3.md#losses).
 
     The teacher targets are precomputed (`dino_teacher_targets`) so that, under gradient accumulation, they
     come from the whole optimizer-step batch. The normaliser is b·pairs with b the images in THIS call, so for

@@ -39,7 +39,8 @@ def _square_side(n_tokens: int) -> int:
 
 
 class GramLoss(nn.Module):
-    """MSE between the Gram (cosine-similarity) matrices of student and teacher patch tokens (facts §6, §8).
+    """MSE between the Gram (cosine-similarity) matrices of student and teacher patch tokens
+    (docs/reference/dinov3.md#losses).
 
     * `img_level=True`: one [P×P] Gram per image; MSE over [B, P, P] = Σ/(B·P²). Per-image, so with equal
       micro-batches Σ_micro loss/n_micro equals the full-batch loss exactly.

@@ -11,7 +11,8 @@ from ._common import upcast
 class iBOTPatchLoss(nn.Module):
     """Per masked patch cross-entropy, weighted 1/(#masked patches in its crop), summed, ÷ number of crops.
 
-    L = −(1/n_crops) Σ_m w_m Σ_k t_m[k]·log softmax(s_m/τ_s)[k]   (facts §6: n_crops = S_g·B, i.e. 2B)
+    L = −(1/n_crops) Σ_m w_m Σ_k t_m[k]·log softmax(s_m/τ_s)[k]   (n_crops = S_g·B, i.e. 2B)
+    (docs/reference/dinov3.md#losses)
 
     so every masked crop contributes the mean CE over its masked patches and unmasked crops count as zero
     in the average. With gradient accumulation pass the micro-batch's weights and n_crops = S_g·b: for equal

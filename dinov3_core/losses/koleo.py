@@ -34,9 +34,9 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
 class KoLeoLoss(nn.Module):
     """L = −mean_i log(‖x̂_i − x̂_nn(i)‖ + eps), x̂ = x/‖x‖, nn(i) the nearest other vector of the same set.
 
-    Official use (facts §6): student pre-head CLS of each global crop, nearest neighbour within that crop's
-    per-GPU batch, averaged over crops; the total weights it by w_koleo·S_g. Pass [S_g, b, D] to get exactly
-    that average over crops.
+    Official use (docs/reference/dinov3.md#losses): student pre-head CLS of each global crop, nearest neighbour
+    within that crop's per-GPU batch, averaged over crops; the total weights it by w_koleo·S_g. Pass [S_g, b, D] to
+    get exactly that average over crops.
 
     Gradient accumulation. The neighbour set is the whole optimizer-step batch. Without `step_features` the
     set is whatever `x` holds (official behaviour per micro-batch, which shrinks the set). With

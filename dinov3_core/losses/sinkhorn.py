@@ -2,7 +2,8 @@
 
 Targets depend on the whole batch they are computed over (every prototype must receive equal mass across it),
 so with gradient accumulation they must be computed ONCE over the optimizer-step batch and then sliced per
-micro-batch (distributed-facts §5): computing them per micro-batch silently changes the objective.
+micro-batch (docs/reference/distributed.md#sinkhorn-per-step): computing them per micro-batch silently changes the
+objective.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def sinkhorn_knopp(
     *,
     group: ProcessGroup | None = None,
 ) -> Tensor:
-    """Balanced soft assignment of samples to prototypes (DINOv3 / SwAV Sinkhorn-Knopp, facts §6).
+    """Balanced soft assignment of samples to prototypes (DINOv3 / SwAV Sinkhorn-Knopp,
+    docs/reference/dinov3.md#losses).
 
     Official algorithm on Q = exp(z/τ)ᵀ [K, N]: Q /= ΣQ, then `n_iterations` × {rows /= rowsum·K (rowsum
     all-reduced over ranks); cols /= colsum·N}, targets = (N·Q)ᵀ, N = samples over all ranks. This returns

@@ -1,4 +1,5 @@
-"""The `losses` config section (weights and settings), the crop-count scales and the weighted total (facts §6)."""
+"""The `losses` config section (weights and settings), the crop-count scales and the weighted total
+(docs/reference/dinov3.md#losses)."""
 
 from __future__ import annotations
 

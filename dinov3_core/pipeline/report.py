@@ -26,7 +26,7 @@ def stage_table(result: PipelineResult) -> str:
 
 def training_health(result: PipelineResult) -> str:
     """Each training stage's health verdict and last figures, to read beside the evaluation table."""
-    lines = ['\n=== training health (README: "Is it learning?")']
+    lines = ['\n=== training health (docs/stages.md: "Is it learning?")']
     for stage, o in result.outcomes.items():
         if not isinstance(o.summary, TrainingSummary):
             continue

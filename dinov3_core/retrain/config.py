@@ -75,7 +75,7 @@ class RetentionConfig:
 
 @dataclass
 class RetrainConfig:
-    """One retraining cycle over the cohort under `root` (see docs: README "Scheduled retraining")."""
+    """One retraining cycle over the cohort under `root` (see docs/retraining.md)."""
 
     slides: str = MISSING  # the cohort's slides: directory, glob, or .txt/.csv list (grows between cycles)
     root: str = MISSING  # tiles.zarr, cycles/<id>/, features/ and the cycle lock live here

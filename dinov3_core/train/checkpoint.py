@@ -1,6 +1,6 @@
 """Resumable DCP checkpoints (`ckpt/<iteration>/`) and teacher-only eval checkpoints (`eval/training_<it>/`).
 
-Training checkpoint layout (DCP, facts §13): `.metadata` + `__<rank>_0.distcp` with keys
+Training checkpoint layout (DCP, docs/reference/dinov3.md#checkpoints): `.metadata` + `__<rank>_0.distcp` with keys
 `model.student.*`, `model.teacher.*`, `optimizer.state.student.<fqn>.*`, `optimizer.param_groups.*` and
 `train_state.{iteration, sampler.*, rng.*}`; plus `meta.json` for people and tools. Every rank writes its shards
 into `ckpt/.tmp-<it>/`; after a barrier rank 0 renames it to `ckpt/<it>/`, so an integer-named directory is

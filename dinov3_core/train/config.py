@@ -124,7 +124,7 @@ class HeadsConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, learning-rate and weight-decay schedules (DINOv3 facts §9, §10)."""
+    """AdamW, learning-rate and weight-decay schedules (docs/reference/dinov3.md#schedules, #parameter-groups)."""
 
     epochs: int = 100  # schedule length: epochs × train.epoch_length iterations
     lr: float = 1e-3  # base lr, scaled by `scaling_rule` with the global batch size

@@ -2,7 +2,8 @@
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE; without them (or with WORLD_SIZE=1) training
 runs in this process with no process group at all. GPU: NCCL for tensors plus gloo for CPU-side collectives
-(DCP, object gathers); CPU: gloo, with an explicit CPU device mesh (distributed-facts §1).
+(DCP, object gathers); CPU: gloo, with an explicit CPU device mesh
+(docs/reference/distributed.md#cpu-training-with-gloo).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`parallelism.*`: how the processes split a training step (pipeline stages × data parallel), and the pipeline's
-micro-batch contract, checked before any process group exists (distributed-facts §3).
+micro-batch contract, checked before any process group exists (docs/reference/distributed.md#pipeline-micro-batches).
 
     processes = parallelism.pp_degree × data-parallel degree
     micro-batch (train.batch_size_per_gpu) = PP micro-batches × parallelism.pp_microbatch_size
@@ -102,8 +102,9 @@ def pipeline_microbatches(p: ParallelismConfig, micro_batch: int) -> int:
 
 
 def check_pipeline_contract(p: ParallelismConfig, *, world_size: int, micro_batch: int | None, depth: int) -> None:
-    """The rules of distributed-facts §3 as ConfigErrors naming the keys and a setting that works. `micro_batch`
-    None: not known yet (train.batch_size_per_gpu=auto); the batch rules are then checked once it is planned."""
+    """The rules of docs/reference/distributed.md#pipeline-micro-batches as ConfigErrors naming the keys and a
+    setting that works. `micro_batch` None: not known yet (train.batch_size_per_gpu=auto); the batch rules are then
+    checked once it is planned."""
     if world_size % p.pp_degree:
         valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(

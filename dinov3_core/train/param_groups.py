@@ -1,4 +1,5 @@
-"""Optimizer parameter groups with layer-wise learning-rate decay and the no-weight-decay rule (facts §10).
+"""Optimizer parameter groups with layer-wise learning-rate decay and the no-weight-decay rule
+(docs/reference/dinov3.md#parameter-groups).
 
 Works on any module whose parameter names follow DINOv3 (`backbone.blocks.3.attn.qkv.weight`,
 `backbone.patch_embed.proj.weight`, `dino_head.mlp.0.weight`, …), including names wrapped by FSDP,

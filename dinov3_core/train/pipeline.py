@@ -4,7 +4,8 @@ Every random choice is a pure function of (seed, stream position), never of how 
 ranks or micro-batches:
 
 * masks: which global crops of the step are masked, and with which ratio, follows one permutation of the
-  step's S_g·B_global crops seeded by the step's first stream position (the official scheme, facts §7); the
+  step's S_g·B_global crops seeded by the step's first stream position (the official scheme,
+  docs/reference/dinov3.md#ibot-masking); the
   mask of each crop has its own generator seeded by (step, crop row). A rank builds only its own crops' masks.
 * crops: images are augmented in groups of `crops.rng_group_size` consecutive step positions, each group
   from a generator seeded by the stream position of its first image.

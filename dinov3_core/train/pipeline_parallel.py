@@ -47,7 +47,8 @@ class StepContext:
     koleo_features: Tensor | None
     koleo_base: int
     # Each micro-batch loss × this before backward: 1 / (accumulation steps × PP micro-batches), so the gradients
-    # are those of the step's mean loss (distributed-facts §4). A field, so the tests can break it on purpose.
+    # are those of the step's mean loss (docs/reference/distributed.md#loss-scaling). A field, so the tests can break
+    # it on purpose.
     loss_scale: float = 0.0
 
     def __post_init__(self) -> None:

@@ -87,7 +87,8 @@ def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
 @contextlib.contextmanager
 def training_process(cfg: C.PretrainConfig) -> Iterator[DistEnv]:
     """One training rank's set-up and teardown, for pretrain and gram alike: torch threads set before any compute
-    (distributed-facts §1), the process group, and both restored however training ends."""
+    (docs/reference/distributed.md#cpu-training-with-gloo), the process group, and both restored however training
+    ends."""
     C.check_parallelism(cfg, env_world()[1])  # the pipeline contract, before any process group exists
     threads = torch.get_num_threads()
     if cfg.train.num_threads:

@@ -1,4 +1,5 @@
-"""Per-iteration schedules (DINOv3 "v2" schedules, facts §9) and the learning-rate batch-size scaling rule.
+"""Per-iteration schedules (DINOv3 "v2" schedules, docs/reference/dinov3.md#schedules) and the learning-rate
+batch-size scaling rule.
 
 A schedule is a small immutable callable evaluated in closed form — nothing of length `total_iters` is
 materialised (1M iterations for long runs) — and `as_array()` gives the upstream numpy array for plotting or
@@ -70,9 +71,10 @@ def linear_warmup_cosine(
 
 
 # Upstream's teacher-temperature warm-up in iterations (30 epochs × 1250). Schedules that fit a run's length keep
-# this *pace* (facts §9): prototypes organise over tens of thousands of updates whatever the run's length, so a
-# shorter run ends at the temperature upstream had reached by its last iteration instead of squeezing the whole
-# warm-up into it (tried on 1,000 iterations: a warm-up over 30 % of the run stays at ln K, the paced one learns).
+# this *pace* (docs/reference/dinov3.md#schedules): prototypes organise over tens of thousands of updates whatever
+# the run's length, so a shorter run ends at the temperature upstream had reached by its last iteration instead of
+# squeezing the whole warm-up into it (tried on 1,000 iterations: a warm-up over 30 % of the run stays at ln K, the
+# paced one learns).
 UPSTREAM_TEMP_WARMUP_ITERS = 30 * 1250
 # Fitted final teacher momentum: at the end of a run the teacher's EMA time constant 1/(1 − m) is at most this share
 # of the run. Upstream's cosine to 1.0 freezes the teacher over the last ~8 % of its 125k iterations, which costs

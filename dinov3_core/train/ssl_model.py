@@ -3,7 +3,8 @@
 One optimizer step over a rank's step batch of B images, split into n micro-batches of b = B/n:
 
 1. `teacher_targets` — teacher forward on every micro-batch (no grad), then Sinkhorn-Knopp ONCE over the whole
-   step (all-reduced over ranks), so micro-batching does not change the targets (distributed-facts §5);
+   step (all-reduced over ranks), so micro-batching does not change the targets
+   (docs/reference/distributed.md#sinkhorn-per-step);
 2. `student_step_features` — with n > 1, a no-grad student pass gives the step's KoLeo neighbour set;
 3. `forward_loss` per micro-batch, on the targets' slice; the caller scales by 1/n and calls backward;
 4. `update_teacher` — θ_t ← m·θ_t + (1−m)·θ_s after the optimizer step.
@@ -47,7 +48,7 @@ class TeacherTargets:
 
 
 class SSLMetaArch(nn.Module):
-    """Student + EMA teacher and the DINO / iBOT / KoLeo objective (facts §6)."""
+    """Student + EMA teacher and the DINO / iBOT / KoLeo objective (docs/reference/dinov3.md#losses)."""
 
     def __init__(
         self,
