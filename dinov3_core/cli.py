@@ -64,10 +64,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return job_failed(stage.name, err, stage.rerun_hint)
     finally:
         close_bar()
-    if stage.name == "tile" and outcome.result is not None:  # the per-slide table a tile run ends with
-        from dinov3_core.tiling import report
-
-        print(report.format_summary(outcome.result))
+    if stage.report is not None and outcome.result is not None:  # tile: the per-slide table
+        print(stage.report(outcome.result))
     return EXIT_FAILED if outcome.summary.failures else EXIT_OK
 
 

@@ -175,6 +175,7 @@ class Stage(Generic[S]):
     epilog: str | None = None
     rerun_hint: str = "resume from the last checkpoint"
     progress_bar: bool = False  # the CLI draws a tile bar (tile always; extract when it runs as a job)
+    report: Callable[[Any], str] | None = None  # what the CLI prints of the stage function's result at the end
     mlflow_artifacts: Callable[[Any], list[tuple[Path, str]]] | None = None  # pictures worth a look: (file, folder)
 
     def as_job(self, launch: Any) -> bool:

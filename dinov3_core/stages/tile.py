@@ -54,6 +54,12 @@ def _work(cfg: TileConfig, hooks: RunHooks) -> tuple[Any, TileSummary]:
     return result, TileSummary(**result.counts, tiles_total=result.total_tiles, failed_slides=failed)
 
 
+def _report(result: Any) -> str:
+    from dinov3_core.tiling import report
+
+    return report.format_summary(result)  # one row per slide: ok, skipped or failed and why
+
+
 def _log_after_work(cfg: TileConfig, result: Any) -> None:
     from dinov3_core.tiling import report
 
@@ -81,4 +87,5 @@ STAGE: Stage[TileSummary] = Stage(
     ),
     override_example="tile_size=224 mpp=0.5 workers=4 filters.pen_filter=true",
     progress_bar=True,
+    report=_report,
 )
