@@ -25,9 +25,9 @@ from dinov3_core.train.memory import (
     plan_batch,
 )
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules
-from dinov3_core.train.pipeline import augment_step, rank_masks
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
 from dinov3_core.train.ssl_model import build_ssl_model
+from dinov3_core.train.step_batches import augment_step, rank_masks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

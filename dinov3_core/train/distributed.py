@@ -141,14 +141,14 @@ def parallelize(
 ) -> tuple[nn.ModuleDict, nn.ModuleDict]:
     """All parallelism, in one place and upstream's order: [pipeline split] → activation checkpointing → per-block
     compile → FSDP2 per block + root. Returns the student and teacher this process holds: the whole ones, or their
-    pipeline stages (`pipeline_stages.ModelStage`, same parameter names) when `parallelism.pp_degree` > 1.
+    pipeline stages (`pp_stages.PPStage`, same parameter names) when `parallelism.pp_degree` > 1.
 
     One data-parallel process: the modules are simply moved to the device (bf16 then comes from autocast in the
     loop). Several: every block and head is sharded over the data-parallel mesh, the teacher too (resharded after
     its forward), so it costs 1/dp of its size per process.
     """
     if parallelism is not None and parallelism.enabled:
-        from dinov3_core.train.pipeline_stages import split_model
+        from dinov3_core.train.pp_stages import split_model
 
         student = split_model(student, parallelism, env.pp_rank)
         teacher = split_model(teacher, parallelism, env.pp_rank, features_only=True)  # cut at the same blocks
@@ -172,11 +172,11 @@ def parallelize(
             for module in part.values():
                 apply_fsdp(module, env.mesh, mp_policy=mp)
         else:
-            shard_stage(part, env.mesh, mp)
+            shard_pp_stage(part, env.mesh, mp)
     return student, teacher
 
 
-def shard_stage(stage: nn.ModuleDict, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+def shard_pp_stage(stage: nn.ModuleDict, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
     """FSDP2 on a pipeline stage: blocks and heads are their own units and the stage is the root. The root holds
     what the stage calls without going through the backbone's forward (patch embedding, tokens, norms), and the
     pipeline schedule, seeing an FSDP module, defers gradient reduce-scatters to the last micro-batch of a step."""

@@ -21,7 +21,7 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
 * loader workers (host budget only): a Python+torch process each plus its prefetched step batches.
 * workspace: CUDA context and allocator slack (1.5 GiB) or the process baseline on CPU (0.5 GiB).
 
-Pipeline parallelism (`parallelism.pp_degree` > 1, `memory_pp`): each process holds one stage of the student
+Pipeline parallelism (`parallelism.pp_degree` > 1, `pp_memory`): each process holds one stage of the student
 (its blocks; the first also the embedding, the last also the norms and heads) FSDP-sharded over the dp =
 world_size / pp_degree processes holding it, and a whole teacher sharded over dp. Activations are the stage's
 share of the blocks for the images in flight (all PP micro-batches with GPipe, at most pp_degree − stage with
@@ -68,7 +68,7 @@ class ModelShape:
     ibot_prototypes: int
     head_hidden: int
     head_bottleneck: int
-    # Parameters per part of the student, for pipeline stages (`memory_pp`); the rest (none today) is on every
+    # Parameters per part of the student, for pipeline stages (`pp_memory`); the rest (none today) is on every
     # stage. (params, trainable) of: the patch embedding and cls/storage/mask tokens (first stage), each block,
     # the final norms and both heads (last stage). Empty / 0 in a shape built without them.
     embed_params: tuple[int, int] = (0, 0)
@@ -76,7 +76,7 @@ class ModelShape:
     last_params: tuple[int, int] = (0, 0)
 
 
-# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pipeline_stages.ModelStage`).
+# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pp_stages.PPStage`).
 FIRST_STAGE_PARTS = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
 LAST_STAGE_PARTS = ("norm", "cls_norm", "local_cls_norm")
 HEADS = ("dino_head", "ibot_head")
@@ -281,11 +281,11 @@ def estimate_memory(
     device_type: str,
     tile_size: int = 224,
 ) -> MemoryEstimate:
-    """Bytes per process; with pipeline parallelism those of its worst stage (`memory_pp`)."""
+    """Bytes per process; with pipeline parallelism those of its worst stage (`pp_memory`)."""
     if cfg.parallelism.enabled:
-        from dinov3_core.train.memory_pp import stage_estimates
+        from dinov3_core.train.pp_memory import pp_stage_estimates
 
-        stages = stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
+        stages = pp_stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
                                  device_type=device_type, tile_size=tile_size)  # fmt: skip
         return max(stages, key=lambda e: e.total)  # every process must fit: the stage needing the most
     bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
@@ -329,10 +329,10 @@ def plan_batch(
 ) -> BatchPlan:
     """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`; with pipeline
     parallelism the per-process step batch is global / data-parallel degree and only micro-batches the pipeline
-    contract accepts are tried (`memory_pp.pipeline_micro_batches`)."""
+    contract accepts are tried (`pp_memory.pipeline_micro_batches`)."""
     global_batch = cfg.train.global_batch_size
     if cfg.parallelism.enabled:
-        from dinov3_core.train.memory_pp import pipeline_micro_batches
+        from dinov3_core.train.pp_memory import pipeline_micro_batches
 
         step_batch, candidates = pipeline_micro_batches(cfg, shape, world_size=world_size)
     else:
