@@ -12,17 +12,8 @@ from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, backbone_kwargs
 from dinov3_core.train import config as C
-from dinov3_core.train.memory import (
-    GIB,
-    SAFETY,
-    activation_bytes_per_image,
-    estimate_memory,
-    loader_bytes,
-    model_shape,
-    plan_batch,
-    shape_of,
-    step_buffer_bytes,
-)
+from dinov3_core.train.memory import estimate_memory, model_shape, plan_batch, shape_of
+from dinov3_core.train.memory_terms import GIB, SAFETY, activation_bytes_per_image, loader_bytes, step_buffer_bytes
 from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
 from dinov3_core.train.pp_memory import pp_stage_estimates
 from dinov3_core.train.pp_stages import PPStage

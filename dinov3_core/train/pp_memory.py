@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import ScheduleGPipe, get_schedule_c
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import config as C
-from dinov3_core.train.memory import (
+from dinov3_core.train.memory_terms import (
     GIB,
     PER_TOKEN_D,
     PER_TOKEN_HEAD,
