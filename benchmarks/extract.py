@@ -10,7 +10,7 @@ Rows, side by side in one run:
 - `run_extract` with `loader_threads=0` (serial: read, normalise, model, write in turn) or the default
   `loader_threads=2, prefetch_batches=2` (overlapped), for PyTorch eager and for ONNX Runtime with its default
   session options (as extract had them before: only the intra-op thread count set) or the tuned ones
-  (`onnx_export.session_options`: all graph optimisations, intra-op threads = usable cores, no spinning, …).
+  (`onnx_runtime.session_options`: all graph optimisations, intra-op threads = usable cores, no spinning, …).
 
 tiles/s counts everything `run_extract` does (opening the store and model, reading + decoding tiles, normalising,
 the model, zarr writes; PCA maps off): the best of `--repeats` runs, configurations interleaved so that load from
@@ -45,10 +45,12 @@ from backbone import flops_per_image, measure_bf16_matmul_tflops  # the sibling 
 
 from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.export import onnx_export
 from dinov3_core.export.config import ExportConfig, ExtractConfig
-from dinov3_core.export.extract import normalise, open_model, run_extract
-from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES, run_export
+from dinov3_core.export.extract import run_extract
+from dinov3_core.export.onnx_export import run_export
+from dinov3_core.inference import onnx_runtime
+from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
+from dinov3_core.inference.feature_model import normalise, open_model
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.engine import run_tile
@@ -94,7 +96,7 @@ def ort_options(tuned: bool) -> Iterator[None]:
             opts.intra_op_num_threads = threads
         return opts
 
-    with mock.patch.object(onnx_export, "session_options", untuned):
+    with mock.patch.object(onnx_runtime, "session_options", untuned):
         yield
 
 

@@ -25,7 +25,8 @@ import yaml
 
 from dinov3_core.config import load_config
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES, BackboneFeatures, load_backbone, run_export
+from dinov3_core.export.onnx_export import run_export
+from dinov3_core.inference.backbone import INFERENCE_OVERRIDES, BackboneFeatures, load_backbone
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
 
 

@@ -4,7 +4,7 @@
         benchmarks/pp_bubble_worker.py --overrides '{"student.backbone_overrides": {"depth": 8}}'
 
 Every rank builds the same seeded student + EMA teacher from the `tiny` pretrain config with the given overrides
-(`build_ssl_model`, as the trainer) and cuts its pipeline stages out of it (`pipeline_stages.split_model`, one
+(`build_ssl_model`, as the trainer) and cuts its pipeline stages out of it (`pp_stages.split_model`, one
 per rank, even split). Then, for each schedule (GPipe, 1F1B) and number of pipeline micro-batches n_mb (a fixed
 micro-batch size, so the step batch is n_mb × that size):
 
@@ -44,8 +44,8 @@ from dinov3_core.data.masking import IBOTMaskSampler
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.parallel_config import ParallelismConfig
-from dinov3_core.train.pipeline_parallel import Pipeline, StepContext
-from dinov3_core.train.pipeline_stages import split_model
+from dinov3_core.train.pp import Pipeline, StepContext
+from dinov3_core.train.pp_stages import split_model
 from dinov3_core.train.ssl_model import build_ssl_model
 
 

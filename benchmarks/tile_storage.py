@@ -98,8 +98,8 @@ class Features:
     def __init__(self, backbone: str | None) -> None:
         import torch
 
-        from dinov3_core.export.extract import normalise
-        from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES, BackboneFeatures, load_backbone
+        from dinov3_core.inference.backbone import INFERENCE_OVERRIDES, BackboneFeatures, load_backbone
+        from dinov3_core.inference.feature_model import normalise
         from dinov3_core.models import build_backbone
 
         torch.manual_seed(0)

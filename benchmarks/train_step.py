@@ -130,8 +130,8 @@ def data_pipeline(store: Path, quick: bool, threads: int) -> list[dict[str, Any]
     from dinov3_core.data.augment import MultiCropAugmentation
     from dinov3_core.data.masking import IBOTMaskSampler
     from dinov3_core.train import config as C
-    from dinov3_core.train.pipeline import StepTileSource, augment_step, build_loader
     from dinov3_core.train.sampler import StepSampler
+    from dinov3_core.train.step_batches import StepTileSource, augment_step, build_loader
     from dinov3_core.train.trainer_setup import open_tiles
 
     torch.set_num_threads(threads)

@@ -23,7 +23,8 @@ BUDGET_SHARE = 0.9  # the planner's default budget: 90 % of the GPU's memory
 
 def cell(cfg: object, shape: object, gpus: int, gb: int) -> str:
     from dinov3_core.errors import WsidinoError
-    from dinov3_core.train.memory import GIB, plan_batch
+    from dinov3_core.train.memory import plan_batch
+    from dinov3_core.train.memory_terms import GIB
 
     try:
         plan = plan_batch(cfg, shape, world_size=gpus, budget_bytes=int(BUDGET_SHARE * gb * GIB), device_type="cuda")  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ NAME = "wsidino-backbone-evaltest"
 
 
 def backbone(root: Path, colour_blind: bool) -> Path:
-    from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES
+    from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
     from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
 
     torch.manual_seed(0)

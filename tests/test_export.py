@@ -9,7 +9,9 @@ import torch
 from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.export.onnx_export import FORBIDDEN_OPS, BackboneFeatures, load_backbone, ort_session, run_export
+from dinov3_core.export.onnx_export import FORBIDDEN_OPS, run_export
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
+from dinov3_core.inference.onnx_runtime import ort_session
 from tests.helpers import sqlite_uri
 
 

@@ -14,8 +14,9 @@ from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import ATTRS_KEY, normalise, pictures_dir, run_extract
-from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
+from dinov3_core.export.extract import ATTRS_KEY, pictures_dir, run_extract
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
+from dinov3_core.inference.feature_model import normalise
 
 
 def cfg(**values) -> ExtractConfig:
@@ -223,7 +224,7 @@ def test_tuned_ort_session_options_are_applied(exported) -> None:
 
     import onnxruntime as ort
 
-    from dinov3_core.export.onnx_export import ort_session
+    from dinov3_core.inference.onnx_runtime import ort_session
 
     opts = ort_session(exported.path).get_session_options()
     assert opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -238,8 +239,8 @@ def test_tuned_ort_session_options_are_applied(exported) -> None:
 def test_gpu_code_paths_give_the_cpu_features_when_run_on_the_cpu(exported, converted, stage_extract_store) -> None:
     """The CUDA paths' code, run on the CPU: ORT I/O binding (outputs bound to a device, copied out) and the PyTorch
     uint8 path (tiles shipped as uint8, normalised on the device, patch mean taken there)."""
-    from dinov3_core.export.feature_model import TorchRunner, bound_runner, open_model
-    from dinov3_core.export.onnx_export import INPUT_NAME, ort_session
+    from dinov3_core.inference.feature_model import TorchRunner, bound_runner, open_model
+    from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
 
     tiles = TileDataset(stage_extract_store, image_format="numpy").read_batch(np.arange(5))
     x = normalise(tiles)

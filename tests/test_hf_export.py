@@ -12,7 +12,7 @@ import torch
 
 from dinov3_core.config import load_config
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
 from dinov3_core.runner import run_stage
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")

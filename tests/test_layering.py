@@ -59,3 +59,172 @@ def test_launcher_imports_neither_torch_nor_prefect() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------------------------- inside dinov3_core
+
+CORE = REPO / "dinov3_core"
+# Edges left out of the cycle check, each with the reason it is still there.
+CYCLE_ALLOWED = {
+    # removed by the orchestration refactor
+    ("dinov3_core.cli", "dinov3_core.cli_chains"),
+    ("dinov3_core.cli_chains", "dinov3_core.cli"),
+}
+STAGES = {"dinov3_core.export", "dinov3_core.evaluate", "dinov3_core.pipeline", "dinov3_core.retrain"}
+# package → packages it must never import (its modules, at any depth)
+CORE_FORBIDDEN = {
+    "dinov3_core.evaluate": {"dinov3_core.export"},
+    "dinov3_core.export": {"dinov3_core.evaluate"},
+    "dinov3_core.inference": STAGES,
+    **{f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data", "train")},
+}
+LAYER_ALLOWED = {
+    # convert select=best_knn without a `choose`: removed by the orchestration refactor (its stage runner passes
+    # evaluate.checkpoints.best_knn_checkpoint to run_convert)
+    ("dinov3_core.export.convert", "dinov3_core.evaluate.checkpoints"),
+}
+
+
+def _module_names(root: Path, package: str) -> dict[str, Path]:
+    names = {}
+    for path in (root / package.replace(".", "/")).rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
+
+
+def import_graph(root: Path, package: str, *, type_checking: bool = False) -> dict[str, set[str]]:
+    """module → the modules of `package` it imports, from every import statement (module level and inside
+    functions). `from p import name` counts as an import of `p.name` when that is a module, else of `p`. Imports
+    under `if TYPE_CHECKING:` never run, so they cannot close an import cycle: left out unless `type_checking`."""
+    modules = _module_names(root, package)
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        todo: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+        while todo:
+            node = todo.pop()
+            if not type_checking and _type_checking_only(node):
+                todo.extend(node.orelse)  # type: ignore[attr-defined]
+                continue
+            todo.extend(ast.iter_child_nodes(node))
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
+            graph[module] |= {t for t in map(resolve, targets) if t and t != module}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_dinov3_core_has_no_import_cycle() -> None:
+    graph = import_graph(REPO, "dinov3_core")
+    assert graph["dinov3_core.export.extract"], "the graph is empty: the checker is broken"
+    for a, b in CYCLE_ALLOWED:
+        graph[a].discard(b)
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles (move the shared piece into the lower module): " + "; ".join(
+        " ↔ ".join(c) for c in cycles
+    )
+
+
+def _offenders(graph: dict[str, set[str]], rules: dict[str, set[str]], allowed: set[tuple[str, str]]) -> list[str]:
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return [
+        f"{module} imports {target}"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        for package, forbidden in rules.items()
+        if within(module, package) and any(within(target, f) for f in forbidden) and (module, target) not in allowed
+    ]
+
+
+def test_dinov3_core_layers() -> None:
+    """evaluate and export never import each other, the inference layer below them neither, and the model, loss,
+    data and training code no stage-level package (TYPE_CHECKING imports count: they are dependencies too)."""
+    graph = import_graph(REPO, "dinov3_core", type_checking=True)
+    assert all(package in graph for package in CORE_FORBIDDEN)
+    assert _offenders(graph, CORE_FORBIDDEN, LAYER_ALLOWED) == []
+
+
+def test_the_cycle_finder_sees_a_lazy_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "sub/__init__.py", "d.py"):
+        (pkg / name).write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import os\n\ndef f():\n    from .. import c\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
+                              "def g():\n    from pkg.a import f\n")  # fmt: skip
+    (pkg / "d.py").write_text("import pkg.c\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"}
+    assert find_cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert find_cycles(import_graph(tmp_path, "pkg", type_checking=True)) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
+    graph["pkg.c"].clear()
+    assert find_cycles(graph) == []
+
+
+def test_the_layer_rules_see_a_forbidden_import() -> None:
+    graph = {"dinov3_core.evaluate.x": {"dinov3_core.export.y"}, "dinov3_core.train.z": {"dinov3_core.retrain"},
+             "dinov3_core.export.y": {"dinov3_core.inference.w"}}  # fmt: skip
+    assert _offenders(graph, CORE_FORBIDDEN, set()) == [
+        "dinov3_core.evaluate.x imports dinov3_core.export.y",
+        "dinov3_core.train.z imports dinov3_core.retrain",
+    ]
+    assert _offenders(graph, CORE_FORBIDDEN, {("dinov3_core.evaluate.x", "dinov3_core.export.y")}) == [
+        "dinov3_core.train.z imports dinov3_core.retrain"
+    ]

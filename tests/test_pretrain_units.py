@@ -16,18 +16,12 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, backbone_kwargs, build_backbone
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import choose_device
-from dinov3_core.train.memory import (
-    backbone_activation_elements,
-    estimate_memory,
-    head_row_elements,
-    measure_activation_bytes,
-    model_shape,
-    plan_batch,
-)
+from dinov3_core.train.memory import estimate_memory, measure_activation_bytes, model_shape, plan_batch
+from dinov3_core.train.memory_terms import backbone_activation_elements, head_row_elements
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules
-from dinov3_core.train.pipeline import augment_step, rank_masks
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
 from dinov3_core.train.ssl_model import build_ssl_model
+from dinov3_core.train.step_batches import augment_step, rank_masks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

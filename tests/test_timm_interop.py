@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dinov3_core.export.onnx_export import INFERENCE_OVERRIDES, BackboneFeatures
+from dinov3_core.inference.backbone import INFERENCE_OVERRIDES, BackboneFeatures
 from dinov3_core.models import build_backbone, save_backbone
 
 timm = pytest.importorskip("timm", reason="timm needs torchvision (no CPU wheel beside the CPU torch pin here)")

@@ -8,7 +8,7 @@ The subset, split and kNN are the evaluate stage's (same labels, slide split, k 
 cached per checkpoint hash under `<run>/eval/knn_cache/`, so a rerun after one more checkpoint scores one file.
 When the run recorded a health probe (`<run>/health_probe.json`), each point also carries the label-free scores
 training logged at that iteration — CLS effective rank and augmentation invariance on the same tiles and views,
-by the same code (`evaluate.label_free`), from the checkpoint file instead of the teacher in memory.
+by the same code (`inference.label_free`), from the checkpoint file instead of the teacher in memory.
 The curve is written to `<run>/eval/knn_curve.json` and `knn_curve.png` (and to MLflow by the caller's run).
 `wsidino convert … select=best_knn` converts the best checkpoint instead of the latest.
 """
@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateError
+from dinov3_core.models.released import unwrap_backbone_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +108,25 @@ def knn_curve(
     return curve
 
 
+def best_knn_checkpoint(
+    run_dir: str | Path, store: str | Path, annotations: str | Path
+) -> tuple[Path, dict[str, torch.Tensor], int, KnnCurve]:
+    """The teacher-only eval checkpoint of the run with the best kNN score: (its directory, backbone state dict,
+    iteration, the whole curve)."""
+    curve = knn_curve(run_dir, store, annotations)
+    best = curve.best
+    logger.info("best_knn: iteration %d (kNN balanced accuracy %.4f) of %s", best.iteration,
+                best.knn_balanced_accuracy, [p.iteration for p in curve.points])  # fmt: skip
+    obj = torch.load(best.path, map_location="cpu", weights_only=True)
+    sd = {k: v.contiguous() for k, v in unwrap_backbone_state_dict(obj, source=best.path).items()}
+    return Path(best.path).parent, sd, best.iteration, curve
+
+
 def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dict[str, float] | None:
     """The training health probe's `effective_rank` and `invariance` of a model (an eval checkpoint of the run, or
     any backbone file), on the run's recorded probe tiles and views; None when the run recorded no probe."""
-    import torch
 
-    from dinov3_core.evaluate import label_free as LF
+    from dinov3_core.inference import label_free as LF
     from dinov3_core.train.health_probe import PROBE_FILE, read_probe
 
     probe = read_probe(Path(run_dir) / PROBE_FILE)
@@ -151,4 +166,4 @@ def read_curve(run_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-__all__ = ["CURVE_FILE", "CurvePoint", "KnnCurve", "knn_curve", "probe_scores", "read_curve"]
+__all__ = ["CURVE_FILE", "CurvePoint", "KnnCurve", "best_knn_checkpoint", "knn_curve", "probe_scores", "read_curve"]

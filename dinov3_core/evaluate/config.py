@@ -84,7 +84,7 @@ class EvaluateConfig:
     health_tiles: int = 256  # tiles for the label-free health scores (evenly spaced over the store)
     batch_size: int = 64
     num_threads: int = 0  # torch / ONNX Runtime threads; 0: library default (a job's CPU ranks: a share of the cores)
-    # The labelled tiles are embedded as extract embeds (`dinov3_core.export.loader`): this many threads read, decode
+    # The labelled tiles are embedded as extract embeds (`dinov3_core.inference.loader`): this many threads read, decode
     # and normalise the next `prefetch_batches` batches while the model runs; 0: serial. Same features either way.
     loader_threads: int = 2
     prefetch_batches: int = 2

@@ -75,8 +75,8 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
     from dinov3_core.data.tile_dataset import TileDataset
     from dinov3_core.evaluate import features as F
     from dinov3_core.evaluate.config import EvaluateError
-    from dinov3_core.export.extract_plan import rank_device, rank_threads
     from dinov3_core.files import atomic_path
+    from dinov3_core.inference.team import rank_device, rank_threads
 
     output, indices = Path(spec.output), np.load(spec.indices)
     share = np.array_split(indices, team.world_size)[team.rank]  # contiguous: rank order is index order
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     parser.add_argument("--config", required=True, help="the embed job file (JSON, written by the evaluate stage)")
     args = parser.parse_args(argv)
-    from dinov3_core.export.extract_plan import Team, rank_main
+    from dinov3_core.inference.team import Team, rank_main
 
     def work(team: Team) -> str | None:
         written = run_rank(EmbedSpec.read(args.config), team)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dinov3_core.evaluate.geojson import LabelError, MalformedAnnotations
-from dinov3_core.evaluate.labels import (
+from dinov3_core.evaluate.label_report import (
     CSV_COLUMNS,
     LabelReport,
     listed,

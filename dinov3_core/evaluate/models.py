@@ -173,8 +173,7 @@ def init_backbone(weights: Path, cache: Path) -> Path:
     (with its arch config beside it). Written once per architecture; the same bytes every time."""
     import torch
 
-    from dinov3_core.export.convert import ARCH_FILE
-    from dinov3_core.export.onnx_export import load_backbone
+    from dinov3_core.inference.backbone import ARCH_FILE, load_backbone
     from dinov3_core.models.released import save_backbone
 
     arch = weights.parent / ARCH_FILE

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from dinov3_core.config import load_config, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
 from dinov3_core.files import atomic_path
+from dinov3_core.inference.backbone import ARCH_FILE
 from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
 from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
@@ -47,12 +49,16 @@ logger = logging.getLogger(__name__)
 
 BACKBONE_FILE = "backbone.pth"
 SAFETENSORS_FILE = "backbone.safetensors"
-ARCH_FILE = "config.yaml"
 FULL_FILE = "full.pt"
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter.yaml"
 # Training-only constructor settings: left out of the exported architecture.
 _TRAINING_ONLY = ("drop_path_rate",)
+
+
+# select=best_knn: the chosen eval checkpoint's (directory, backbone state dict, iteration, kNN curve)
+Chosen = tuple[Path, dict[str, Tensor], int, Any]
+ChooseCheckpoint = Callable[[str, str, str], Chosen]
 
 
 class ConvertError(WsidinoError):
@@ -211,12 +217,15 @@ def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
             torch.save(sd, tmp)
 
 
-def run_convert(cfg: ConvertConfig) -> ConvertResult:
-    """Convert per `cfg`; raises `ConvertError` (a WsidinoError) for bad input before writing anything."""
+def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> ConvertResult:
+    """Convert per `cfg`; raises `ConvertError` (a WsidinoError) for bad input before writing anything.
+
+    `choose` (select=best_knn): (run dir, tile store, annotations) → the eval checkpoint to convert
+    (default `dinov3_core.evaluate.checkpoints.best_knn_checkpoint`)."""
     start = time.perf_counter()
     curve = None
     if cfg.select == "best_knn":
-        ckpt, sd, iteration, curve = _best_knn_checkpoint(cfg)
+        ckpt, sd, iteration, curve = _best_knn_checkpoint(cfg, choose)
     else:
         ckpt = find_checkpoint(cfg.input)
         sd = read_dcp_backbone(ckpt, cfg.which)
@@ -299,31 +308,11 @@ def run_convert(cfg: ConvertConfig) -> ConvertResult:
     return result
 
 
-def _best_knn_checkpoint(cfg: ConvertConfig) -> tuple[Path, dict[str, Tensor], int, Any]:
-    """The teacher-only eval checkpoint of the run with the best kNN score: (its directory, backbone state dict,
-    iteration, the whole curve)."""
-    from dinov3_core.evaluate.checkpoints import knn_curve
-    from dinov3_core.models.released import unwrap_backbone_state_dict
-
+def _best_knn_checkpoint(cfg: ConvertConfig, choose: ChooseCheckpoint | None) -> Chosen:
     if cfg.which != "teacher":
         raise ConvertError("select=best_knn converts eval checkpoints, which hold the teacher only: use which=teacher")
-    curve = knn_curve(cfg.input, cfg.store, cfg.annotations)  # type: ignore[arg-type]
-    best = curve.best
-    logger.info("best_knn: iteration %d (kNN balanced accuracy %.4f) of %s", best.iteration,
-                best.knn_balanced_accuracy, [p.iteration for p in curve.points])  # fmt: skip
-    obj = torch.load(best.path, map_location="cpu", weights_only=True)
-    sd = {k: v.contiguous() for k, v in unwrap_backbone_state_dict(obj, source=best.path).items()}
-    return Path(best.path).parent, sd, best.iteration, curve
-
-
-def read_arch_config(weights: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """`backbone_kwargs` from the `config.yaml` beside a converted backbone, or None."""
-    path = Path(weights).parent / ARCH_FILE
-    if not path.is_file():
-        return None
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConvertError(f"{path} is not valid YAML ({err}); delete it to infer the architecture") from None
-    kwargs = doc.get("backbone_kwargs") if isinstance(doc, dict) else None
-    return dict(kwargs) if isinstance(kwargs, dict) else None
+    if choose is None:
+        # The one place export reaches into evaluate (tests/test_layering.py allows this edge only): removed by the
+        # orchestration refactor, whose stage runner passes `evaluate.checkpoints.best_knn_checkpoint` as `choose`.
+        from dinov3_core.evaluate.checkpoints import best_knn_checkpoint as choose
+    return choose(cfg.input, cfg.store, cfg.annotations)  # type: ignore[arg-type]

@@ -12,8 +12,8 @@ and row ranges of slides larger than an even share), each rank writes its own sl
 over ranks is committed by one rank once every rank is done. `num_shards` / `shard_index` split the slides over
 independent processes writing the same output (per-slide commits do not collide). Within a process
 `loader_threads` threads read, decode and normalise the next `prefetch_batches` batches while the model runs and
-one thread writes behind it (`dinov3_core.export.loader`); the features are bit-identical to the serial loop
-(`loader_threads=0`) and to any number of ranks. The model: `dinov3_core.export.feature_model`.
+one thread writes behind it (`dinov3_core.inference.loader`); the features are bit-identical to the serial loop
+(`loader_threads=0`) and to any number of ranks. The model: `dinov3_core.inference.feature_model`.
 """
 
 from __future__ import annotations
@@ -38,16 +38,7 @@ import zarr
 from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
 from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract_plan import (
-    Team,
-    WorkUnit,
-    committer,
-    plan_work,
-    rank_device,
-    rank_threads,
-    split_slides,
-)
-from dinov3_core.export.feature_model import ExtractError, FeatureModel, file_hash, normalise, open_model
+from dinov3_core.export.extract_plan import WorkUnit, committer, plan_work, split_slides
 from dinov3_core.export.feature_store import (
     ATTRS_KEY,
     SlideArrays,
@@ -57,20 +48,17 @@ from dinov3_core.export.feature_store import (
     pictures_dir,
     staging,
 )
-from dinov3_core.export.loader import BackgroundWriter, TileReader, read_ahead
+from dinov3_core.inference.feature_model import ExtractError, FeatureModel, open_model
+from dinov3_core.inference.loader import BackgroundWriter, TileReader, read_ahead
+from dinov3_core.inference.team import Team, rank_device, rank_threads
 from dinov3_core.progress import Progress
 
 __all__ = [
     "ATTRS_KEY",
     "RESULT_NAME",
     "ExtractConfig",
-    "ExtractError",
     "ExtractResult",
-    "FeatureModel",
-    "file_hash",
     "job_progress",
-    "normalise",
-    "open_model",
     "pictures_dir",
     "run_extract",
 ]

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dinov3_core.export.config import ExtractConfig
     from dinov3_core.export.extract import run_extract
-    from dinov3_core.export.extract_plan import Team, rank_main
+    from dinov3_core.inference.team import Team, rank_main
 
     def work(team: Team) -> str:
         cfg = load_config(ExtractConfig, args.config, args.overrides, stage="extract")

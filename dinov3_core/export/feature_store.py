@@ -20,7 +20,7 @@ import numpy as np
 import zarr
 
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from dinov3_core.export.feature_model import ExtractError
+from dinov3_core.inference.feature_model import ExtractError
 from dinov3_core.manifest import MANIFEST_NAME
 from dinov3_core.tiling import store as ts
 

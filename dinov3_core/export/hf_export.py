@@ -150,8 +150,7 @@ def write_hf_model(
         raise HFExportError(
             f"writing a Hugging Face model needs transformers ({err}); pip install -e '.[hf]'"
         ) from None
-    from dinov3_core.export.convert import read_arch_config
-    from dinov3_core.export.onnx_export import BackboneFeatures, load_backbone
+    from dinov3_core.inference.backbone import BackboneFeatures, load_backbone, read_arch_config
     from dinov3_core.models.arch_inference import resolve_arch
     from dinov3_core.models.released import read_backbone_state_dict
 

@@ -23,60 +23,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dinov3_core import tracking
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.export.convert import read_arch_config
-from dinov3_core.models import DinoVisionTransformer, ReleasedWeightsError, load_released_backbone
-from dinov3_core.models.state_dict_check import UnreadableWeights
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
+from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
 
-__all__ = ["BackboneFeatures", "ExportConfig", "ExportError", "ExportResult", "load_backbone", "run_export"]
+__all__ = ["ExportConfig", "ExportError", "ExportResult", "run_export"]
 
 logger = logging.getLogger(__name__)
 
-INPUT_NAME = "pixel_values"
 FORBIDDEN_OPS = frozenset({"If", "Tile", "Loop"})
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB
-INFERENCE_OVERRIDES = {"pos_embed_rope_dtype": "fp32"}
 
 
 class ExportError(WsidinoError):
     """The backbone could not be exported, or the exported model disagrees with PyTorch."""
-
-
-class BackboneFeatures(nn.Module):
-    """forward(x) → (cls [B, D], patch tokens [B, N, D]), or pooled [B, 2D] = concat(cls, mean patch)."""
-
-    def __init__(self, backbone: DinoVisionTransformer, pooled: bool = False) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.pooled = pooled
-
-    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        out = self.backbone.forward_features(x)
-        cls, patch = out["x_norm_clstoken"], out["x_norm_patchtokens"]
-        if self.pooled:
-            return torch.cat([cls, patch.mean(dim=1)], dim=-1)
-        return cls, patch
-
-
-def load_backbone(weights: str | os.PathLike[str], device: str = "cpu") -> DinoVisionTransformer:
-    """The backbone of a converted / released weights file: arch from the adjacent `config.yaml` (written by
-    convert), else inferred from the tensors. Eval mode, RoPE in fp32 (inference setting: bf16 Sin/Cos is not
-    valid ONNX for ONNX Runtime; the RoPE periods are stored values, only the compute dtype changes)."""
-    path = Path(weights)
-    if not path.is_file():
-        raise ExportError(f"weights file {path} not found; give a backbone.pth written by `wsidino convert`")
-    try:
-        return load_released_backbone(path, read_arch_config(path), overrides=INFERENCE_OVERRIDES, device=device)
-    except UnreadableWeights:
-        raise
-    except ReleasedWeightsError as err:
-        raise ExportError(
-            f"weights file {path} does not fit its architecture ({path.parent / 'config.yaml'}):\n{err}"
-        ) from None
 
 
 @dataclass
@@ -189,44 +153,6 @@ def export_in_subprocess(timeout_s: float, **kwargs: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask on Linux), else the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def session_options(threads: int = 0) -> Any:
-    """The ORT session options for inference: every graph optimisation (fusions, constant folding), the intra-op
-    pool sized to the cores this process may run on (`threads` if given; ORT's own default counts the machine's
-    physical cores, which oversubscribes a CPU-limited container or a process pinned with taskset), one inter-op
-    thread and sequential execution (a ViT is one chain of ops: a parallel executor only adds a second pool).
-    Idle intra-op threads sleep instead of spinning: spinning burns the cores that extract's reader threads (and
-    anything else on a shared machine) need, and a ViT's ops are long enough that waking costs nothing measurable
-    (docs/benchmarks.md, "Extract"). The memory arena and memory patterns stay on (ORT's defaults): the arena off
-    halves throughput, memory patterns made no difference."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.intra_op_num_threads = threads or usable_cores()
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return opts
-
-
-def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0,
-                device_id: int = 0) -> Any:  # fmt: skip
-    """An ONNX Runtime session with `session_options`; providers None → CUDA when available (on GPU `device_id`:
-    `onnxruntime-gpu`, the `gpu` extra), then CPU."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if providers is None:
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    chosen: list[Any] = [(p, {"device_id": device_id}) if p == "CUDAExecutionProvider" else p for p in providers]
-    return ort.InferenceSession(str(path), sess_options=session_options(threads), providers=chosen)
-
-
 def within_tolerance(err: float, scale: float, atol: float, rtol: float) -> bool:
     """The export gate for one output: finite, and abs error ≤ atol + rtol × the output's scale (max |value|)."""
     return bool(np.isfinite(err)) and err <= atol + rtol * scale
@@ -281,7 +207,7 @@ def export_key(cfg: ExportConfig) -> str:
     """What makes two exports the same model: the weights' content and the settings that change the graph."""
     import hashlib
 
-    from dinov3_core.export.extract import file_hash
+    from dinov3_core.inference.feature_model import file_hash
 
     settings = (file_hash(cfg.weights), cfg.pooled, cfg.fp16, cfg.opset, cfg.max_side, cfg.external_data)
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:20]

@@ -47,14 +47,13 @@ from dinov3_core.models.released import backbone_state_dict
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import health_probe as HP
 from dinov3_core.train.config import PretrainConfig
-from dinov3_core.train.distributed import DistEnv
+from dinov3_core.train.distributed import DistEnv, gather_pp_state
 from dinov3_core.train.loop import PretrainResult, Trainer
 from dinov3_core.train.param_groups import clean_param_name
-from dinov3_core.train.pipeline import StepBatch
-from dinov3_core.train.pipeline_stages import gather_stage_state
 from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, mlflow_values, train_and_log, training_process
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
+from dinov3_core.train.step_batches import StepBatch
 from dinov3_core.train.trainer_setup import load_weights
 
 __all__ = ["GramResult", "GramSchedules", "run_gram"]
@@ -238,7 +237,7 @@ class GramTrainer(Trainer):
         merged on the way (the gram teacher is a plain backbone, released key layout)."""
         teacher = self.model.teacher["backbone"]
         if self.env.pp_size > 1:  # each process holds one pipeline stage of it
-            state = {clean_param_name(k): v for k, v in gather_stage_state(teacher, self.env, everywhere=True).items()}
+            state = {clean_param_name(k): v for k, v in gather_pp_state(teacher, self.env, everywhere=True).items()}
         else:
             state = backbone_state_dict(teacher)
         if has_lora(teacher):

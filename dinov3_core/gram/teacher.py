@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dinov3_core.errors import WsidinoError
-from dinov3_core.evaluate.label_free import effective_rank  # one implementation: training health, evaluate
+from dinov3_core.inference.label_free import effective_rank  # one implementation: training health, evaluate
 from dinov3_core.models.released import (
     ReleasedWeightsError,
     _build_and_load,

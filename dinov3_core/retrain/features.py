@@ -45,7 +45,7 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
                   f"{champion.weights}); features not extracted")  # fmt: skip
         log(f"retrain {cid}: {reason}")
         return {"status": "missing", "reason": reason}
-    from dinov3_core.export.extract import file_hash
+    from dinov3_core.inference.feature_model import file_hash
 
     model_hash = file_hash(onnx)
     store = layout.feature_store(model_hash)

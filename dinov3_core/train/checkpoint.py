@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
-from dinov3_core.train.distributed import DistEnv, barrier
+from dinov3_core.train.distributed import DistEnv, barrier, gather_pp_state
 
 logger = logging.getLogger(__name__)
 
@@ -299,9 +299,7 @@ def teacher_full_state_dict(teacher: nn.Module, env: DistEnv) -> dict[str, Tenso
     """Unsharded CPU state dict of the teacher (`backbone.*`, `dino_head.*`, `ibot_head.*`); complete on rank 0
     (all ranks must call it under FSDP: it all-gathers)."""
     if env.pp_size > 1:  # each process holds one stage of it
-        from dinov3_core.train.pipeline_stages import gather_stage_state
-
-        return gather_stage_state(teacher, env, everywhere=False)
+        return gather_pp_state(teacher, env, everywhere=False)
     if env.distributed:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(teacher, options=options)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -24,6 +24,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.models import apply_activation_checkpointing, apply_fsdp, compile_blocks
 from dinov3_core.models.adaptation import share_frozen_weights
 from dinov3_core.train.parallel_config import ParallelismConfig
+from dinov3_core.train.pp_stages import split_model
 
 
 @dataclass
@@ -142,15 +143,13 @@ def parallelize(
 ) -> tuple[nn.ModuleDict, nn.ModuleDict]:
     """All parallelism, in one place and upstream's order: [pipeline split] → activation checkpointing → per-block
     compile → FSDP2 per block + root. Returns the student and teacher this process holds: the whole ones, or their
-    pipeline stages (`pipeline_stages.ModelStage`, same parameter names) when `parallelism.pp_degree` > 1.
+    pipeline stages (`pp_stages.PPStage`, same parameter names) when `parallelism.pp_degree` > 1.
 
     One data-parallel process: the modules are simply moved to the device (bf16 then comes from autocast in the
     loop). Several: every block and head is sharded over the data-parallel mesh, the teacher too (resharded after
     its forward), so it costs 1/dp of its size per process.
     """
     if parallelism is not None and parallelism.enabled:
-        from dinov3_core.train.pipeline_stages import split_model
-
         student = split_model(student, parallelism, env.pp_rank)
         teacher = split_model(teacher, parallelism, env.pp_rank, features_only=True)  # cut at the same blocks
     if activation_checkpointing:
@@ -173,11 +172,11 @@ def parallelize(
             for module in part.values():
                 apply_fsdp(module, env.mesh, mp_policy=mp)
         else:
-            shard_stage(part, env.mesh, mp)
+            shard_pp_stage(part, env.mesh, mp)
     return student, teacher
 
 
-def shard_stage(stage: nn.ModuleDict, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+def shard_pp_stage(stage: nn.ModuleDict, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
     """FSDP2 on a pipeline stage: blocks and heads are their own units and the stage is the root. The root holds
     what the stage calls without going through the backbone's forward (patch embedding, tokens, norms), and the
     pipeline schedule, seeing an FSDP module, defers gradient reduce-scatters to the last micro-batch of a step."""
@@ -205,3 +204,39 @@ def autocast(env: DistEnv, bf16: bool) -> Iterator[None]:
             yield
     else:
         yield
+
+
+@torch.no_grad()
+def gather_pp_state(module: nn.Module, env: DistEnv, *, everywhere: bool) -> dict[str, Tensor]:
+    """The whole state dict of a pipelined (and possibly FSDP-sharded) module as CPU tensors: on every process
+    (`everywhere`) or on rank 0 only (the others get {}). A collective over all processes.
+
+    Tensor by tensor: the owning stage all-gathers it over its data-parallel peers, then its data-parallel rank 0
+    broadcasts it over its pipeline, so no process ever holds more than one full tensor on the device. Buffers
+    every stage holds (RoPE periods) come from the first stage that has them."""
+    local = module.state_dict()
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
+    layouts: list[dict[str, tuple[tuple[int, ...], torch.dtype]]] = [{} for _ in range(env.pp_size)]
+    dist.all_gather_object(layouts, layout, group=env.pp_group)
+    joins = everywhere or env.dp_rank == 0  # the pipelines that take part in the broadcasts
+    keep = everywhere or env.rank == 0
+    out: dict[str, Tensor] = {}
+    seen: set[str] = set()
+    for stage, stage_layout in enumerate(layouts):
+        for name, (shape, dtype) in stage_layout.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if env.pp_rank == stage:
+                value = local[name]
+                value = value.full_tensor() if hasattr(value, "full_tensor") else value  # over the dp peers
+                value = value.detach().contiguous()
+            elif joins:
+                value = torch.empty(shape, dtype=dtype, device=env.device)
+            else:
+                continue  # another pipeline's data-parallel rank 0 receives it
+            if joins:
+                dist.broadcast(value, src=dist.get_global_rank(env.pp_group, stage), group=env.pp_group)
+            if keep:
+                out[name] = value.to("cpu", copy=True)
+    return out

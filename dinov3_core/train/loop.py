@@ -44,12 +44,12 @@ from dinov3_core.train.health import (
 )
 from dinov3_core.train.memory_watch import MemoryWindow, Pressure, release_freed_memory
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
-from dinov3_core.train.pipeline import TORCH_STREAM, StepBatch, augment_step, derive_seed
-from dinov3_core.train.pipeline_parallel import Pipeline, clip_gradients_pp
+from dinov3_core.train.pp import Pipeline, clip_gradients_pp
 from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
 from dinov3_core.train.sampler import SamplerState
 from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, SSLMetaArch, build_ssl_model
 from dinov3_core.train.step import ENTROPY, forward_backward
+from dinov3_core.train.step_batches import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.trainer_setup import (
     build_step_loader,
     check_batch,

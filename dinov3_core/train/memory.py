@@ -21,7 +21,7 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
 * loader workers (host budget only): a Python+torch process each plus its prefetched step batches.
 * workspace: CUDA context and allocator slack (1.5 GiB) or the process baseline on CPU (0.5 GiB).
 
-Pipeline parallelism (`parallelism.pp_degree` > 1, `memory_pp`): each process holds one stage of the student
+Pipeline parallelism (`parallelism.pp_degree` > 1, `pp_memory`): each process holds one stage of the student
 (its blocks; the first also the embedding, the last also the norms and heads) FSDP-sharded over the dp =
 world_size / pp_degree processes holding it, and a whole teacher sharded over dp. Activations are the stage's
 share of the blocks for the images in flight (all PP micro-batches with GPipe, at most pp_degree − stage with
@@ -45,38 +45,18 @@ from torch import nn
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import backbone_kwargs
 from dinov3_core.train import config as C
+from dinov3_core.train.memory_terms import (
+    GIB,
+    SAFETY,
+    MemoryEstimate,
+    ModelShape,
+    activation_bytes_per_image,
+    loader_bytes,
+    step_buffer_bytes,
+)
+from dinov3_core.train.pp_memory import pipeline_micro_batches, pp_stage_estimates
 
-PER_TOKEN_D = 17.3  # saved elements per token, per block, per embedding dim (fit on vit_test / vit_small)
-PER_TOKEN_HEAD = 125.0  # … plus per attention head (softmax statistics, RoPE tables)
-HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
-SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    embed_dim: int
-    depth: int
-    num_heads: int
-    patch_size: int
-    n_storage_tokens: int
-    student_params: int
-    teacher_params: int
-    trainable_params: int  # student parameters with requires_grad: what gets gradients and AdamW states
-    trained_depth: int  # blocks whose activations backward needs (depth − frozen leading blocks)
-    dino_prototypes: int
-    ibot_prototypes: int
-    head_hidden: int
-    head_bottleneck: int
-    # Parameters per part of the student, for pipeline stages (`memory_pp`); the rest (none today) is on every
-    # stage. (params, trainable) of: the patch embedding and cls/storage/mask tokens (first stage), each block,
-    # the final norms and both heads (last stage). Empty / 0 in a shape built without them.
-    embed_params: tuple[int, int] = (0, 0)
-    block_params: tuple[tuple[int, int], ...] = ()
-    last_params: tuple[int, int] = (0, 0)
-
-
-# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pipeline_stages.ModelStage`).
+# Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pp_stages.PPStage`).
 FIRST_STAGE_PARTS = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
 LAST_STAGE_PARTS = ("norm", "cls_norm", "local_cls_norm")
 HEADS = ("dino_head", "ibot_head")
@@ -161,116 +141,6 @@ def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelSha
     return shape_of(student, cfg)
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank for one configuration; `total` is what must fit the budget."""
-
-    weights: int
-    grads: int
-    optimizer: int
-    teacher: int
-    activations: int  # micro-batch activations (× SAFETY)
-    step_buffers: int
-    loader: int
-    workspace: int
-    micro_batch: int
-    step_batch: int
-    stage: int | None = None  # pipeline parallelism: the stage this is for (the one needing the most memory)
-
-    @property
-    def total(self) -> int:
-        return (
-            self.weights
-            + self.grads
-            + self.optimizer
-            + self.teacher
-            + self.activations
-            + self.step_buffers
-            + self.loader
-            + self.workspace
-        )
-
-    def describe(self) -> str:
-        parts = ("weights", "grads", "optimizer", "teacher", "activations", "step_buffers", "loader", "workspace")
-        listed = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
-        where = "" if self.stage is None else f" at pipeline stage {self.stage}, the largest"
-        return f"{self.total / GIB:.2f} GiB per rank{where} (micro-batch {self.micro_batch}: {listed} GiB)"
-
-
-def tokens_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> tuple[int, int]:
-    """(global-crop tokens, local-crop tokens) per image, all crops of each kind together."""
-    prefix = 1 + shape.n_storage_tokens
-    g = cfg.crops.n_global_crops * (prefix + (cfg.crops.global_size // shape.patch_size) ** 2)
-    lo = cfg.crops.n_local_crops * (prefix + (cfg.crops.local_size // shape.patch_size) ** 2)
-    return g, lo
-
-
-def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
-    n_patches = (cfg.crops.global_size // shape.patch_size) ** 2
-    mean_ratio = sum(cfg.crops.mask_ratio) / 2
-    return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
-
-
-def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, checkpointing: bool) -> float:
-    """Elements the student backbone saves for backward per image (all its crops)."""
-    tokens = sum(tokens_per_image(cfg, shape))
-    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
-    depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
-    if checkpointing:  # block inputs kept, one block's activations recomputed at a time
-        return tokens * (depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
-    return tokens * depth * per_token_block
-
-
-def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
-    """Elements one head row (a CLS token or a masked patch) saves: MLP activations, logits, log-softmax."""
-    return 4 * shape.head_hidden + 3 * shape.head_bottleneck + 2 * n_prototypes
-
-
-def activation_bytes_per_image(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
-    """Saved activations of one image (all its crops) in the student forward, plus its head rows."""
-    elem = 2.5 if bf16 else 4.0
-    backbone = backbone_activation_elements(cfg, shape, checkpointing=checkpointing)
-    return (backbone + head_activation_elements(cfg, shape)) * elem
-
-
-def head_activation_elements(cfg: C.PretrainConfig, shape: ModelShape) -> float:
-    """Elements both heads save per image: its DINO rows (one per crop) and expected iBOT masked rows."""
-    dino_rows = cfg.crops.n_global_crops + cfg.crops.n_local_crops
-    heads = dino_rows * head_row_elements(shape, shape.dino_prototypes)
-    heads += masked_patches_per_image(cfg, shape) * head_row_elements(shape, shape.ibot_prototypes)
-    return heads
-
-
-def crop_bytes(cfg: C.PretrainConfig, step_batch: int) -> float:
-    """The step's augmented crops (fp32)."""
-    crops = cfg.crops
-    pixels = crops.n_global_crops * crops.global_size**2 + crops.n_local_crops * crops.local_size**2
-    return pixels * 3 * 4 * step_batch
-
-
-def step_buffer_bytes(cfg: C.PretrainConfig, shape: ModelShape, step_batch: int, world_size: int) -> float:
-    """Crops, teacher targets (×2: the Sinkhorn transient) and KoLeo features of a whole step (`world_size`: the
-    processes KoLeo gathers over with koleo_scope=global)."""
-    crops = cfg.crops
-    targets = (
-        4
-        * 2
-        * (
-            crops.n_global_crops * step_batch * shape.dino_prototypes
-            + masked_patches_per_image(cfg, shape) * step_batch * shape.ibot_prototypes
-        )
-    )
-    koleo_rows = step_batch * (world_size if cfg.losses.koleo_scope == "global" else 1)
-    koleo = 4 * crops.n_global_crops * koleo_rows * shape.embed_dim
-    return crop_bytes(cfg, step_batch) + targets + koleo
-
-
-def loader_bytes(cfg: C.PretrainConfig, step_batch: int, tile_size: int) -> float:
-    per_step = step_batch * tile_size * tile_size * 3
-    workers = cfg.data.num_workers
-    return workers * (350 * 2**20 + cfg.data.prefetch_factor * per_step) + 2 * per_step
-
-
 def estimate_memory(
     cfg: C.PretrainConfig,
     shape: ModelShape,
@@ -281,11 +151,9 @@ def estimate_memory(
     device_type: str,
     tile_size: int = 224,
 ) -> MemoryEstimate:
-    """Bytes per process; with pipeline parallelism those of its worst stage (`memory_pp`)."""
+    """Bytes per process; with pipeline parallelism those of its worst stage (`pp_memory`)."""
     if cfg.parallelism.enabled:
-        from dinov3_core.train.memory_pp import stage_estimates
-
-        stages = stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
+        stages = pp_stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
                                  device_type=device_type, tile_size=tile_size)  # fmt: skip
         return max(stages, key=lambda e: e.total)  # every process must fit: the stage needing the most
     bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
@@ -329,11 +197,9 @@ def plan_batch(
 ) -> BatchPlan:
     """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`; with pipeline
     parallelism the per-process step batch is global / data-parallel degree and only micro-batches the pipeline
-    contract accepts are tried (`memory_pp.pipeline_micro_batches`)."""
+    contract accepts are tried (`pp_memory.pipeline_micro_batches`)."""
     global_batch = cfg.train.global_batch_size
     if cfg.parallelism.enabled:
-        from dinov3_core.train.memory_pp import pipeline_micro_batches
-
         step_batch, candidates = pipeline_micro_batches(cfg, shape, world_size=world_size)
     else:
         if global_batch is None or global_batch % world_size:

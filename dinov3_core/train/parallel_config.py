@@ -20,7 +20,7 @@ from dinov3_core.config import ConfigError, require
 # Schedules whose ranks hold several stages each (`pp_stages_per_rank` > 1); V-shaped ones exactly two.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SUPPORTED_SCHEDULES = SINGLE_STAGE_SCHEDULES  # what `pipeline_parallel` runs today (one stage per process)
+SUPPORTED_SCHEDULES = SINGLE_STAGE_SCHEDULES  # what `pp` runs today (one stage per process)
 
 
 @dataclass

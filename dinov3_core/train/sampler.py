@@ -7,7 +7,7 @@ stream does not depend on the number of ranks, a run resumes on another world si
 sample: the whole state is the number of samples consumed (reported as epoch + position).
 
 The sampler yields `StepKey`s (what to load for one step on this rank) to a DataLoader with
-`batch_size=None`; the dataset (`pipeline.StepTileSource`) turns a key into a step batch.
+`batch_size=None`; the dataset (`step_batches.StepTileSource`) turns a key into a step batch.
 """
 
 from __future__ import annotations

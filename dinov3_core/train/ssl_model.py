@@ -69,7 +69,7 @@ class SSLMetaArch(nn.Module):
         self.ibot_loss = iBOTPatchLoss(losses.student_temp)
         self.koleo_loss = KoLeoLoss()
         # Sinkhorn's all-reduce group: None = the default world (FSDP / DDP); under pipeline parallelism the
-        # data-parallel group only (PP peers hold the same images: pipeline_parallel).
+        # data-parallel group only (PP peers hold the same images: pp).
         self.dp_group: dist.ProcessGroup | None = None
 
     def train(self, mode: bool = True) -> SSLMetaArch:
@@ -203,7 +203,7 @@ class SSLMetaArch(nn.Module):
         koleo_offset: int = 0,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The micro-batch loss from the student's outputs: what `forward_loss` does after the backbone and the
-        DINO head, and what the last pipeline stage computes (`pipeline_parallel`). Stages that add terms (gram
+        DINO head, and what the last pipeline stage computes (`pp`). Stages that add terms (gram
         anchoring) override this one method, so they work with and without pipeline parallelism.
 
         global_crops [S_g, b, 3, H, W]; cls_global [S_g·b, D]; dino_logits [(S_g+S_l)·b, K] (crop-major, globals

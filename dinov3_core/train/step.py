@@ -2,7 +2,7 @@
 
     teacher over the whole step (Sinkhorn once) → [KoLeo neighbour set over the whole step] → the student:
     micro-batch by micro-batch (loss × 1/n, FSDP gradient sync on the last one only), or through its pipeline stages
-    (`pipeline_parallel.Pipeline`: loss × 1/(n × pipeline micro-batches))
+    (`pp.Pipeline`: loss × 1/(n × pipeline micro-batches))
 
 Returns the per-term losses summed over micro-batches, not yet averaged over processes; the trainer does that,
 then clips, steps AdamW and updates the EMA teacher.
@@ -19,7 +19,7 @@ from torch import Tensor
 from dinov3_core.data.augment import MultiCrops
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.train.distributed import DistEnv, autocast, set_gradient_sync
-from dinov3_core.train.pipeline_parallel import Pipeline, StepContext
+from dinov3_core.train.pp import Pipeline, StepContext
 from dinov3_core.train.ssl_model import SSLMetaArch, TeacherTargets
 
 ENTROPY = "teacher_entropy"  # the last entry of the returned vector: a health signal, not a loss

@@ -23,11 +23,12 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import DistEnv
-from dinov3_core.train.memory import GIB, BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
-from dinov3_core.train.pipeline import StepTileSource, build_loader
+from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
+from dinov3_core.train.memory_terms import GIB
 from dinov3_core.train.replan import RunPlan
 from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
 from dinov3_core.train.ssl_model import SSLMetaArch
+from dinov3_core.train.step_batches import StepTileSource, build_loader
 
 __all__ = [
     "build_step_loader",

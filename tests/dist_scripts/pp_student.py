@@ -34,8 +34,8 @@ from dinov3_core.models import HUB_SETTINGS, DINOHead, build_backbone
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.optim import clip_gradients
 from dinov3_core.train.parallel_config import ParallelismConfig
-from dinov3_core.train.pipeline_parallel import Pipeline, StepContext, clip_gradients_pp
-from dinov3_core.train.pipeline_stages import split_model
+from dinov3_core.train.pp import Pipeline, StepContext, clip_gradients_pp
+from dinov3_core.train.pp_stages import split_model
 from dinov3_core.train.ssl_model import SSLMetaArch
 
 B, S_G, S_L, GLOBAL_PX, LOCAL_PX, PATCH = 4, 2, 3, 64, 32, 16

@@ -1,4 +1,4 @@
-"""Memory estimate and batch plan under pipeline parallelism (`memory_pp`, issue 14): per-stage weights, schedules'
+"""Memory estimate and batch plan under pipeline parallelism (`pp_memory`, issue 14): per-stage weights, schedules'
 activations in flight, data-parallel sharding, contract-aware plans, and calibration against real stages."""
 
 from __future__ import annotations
@@ -12,20 +12,11 @@ from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, backbone_kwargs
 from dinov3_core.train import config as C
-from dinov3_core.train.memory import (
-    GIB,
-    SAFETY,
-    activation_bytes_per_image,
-    estimate_memory,
-    loader_bytes,
-    model_shape,
-    plan_batch,
-    shape_of,
-    step_buffer_bytes,
-)
-from dinov3_core.train.memory_pp import stage_estimates
+from dinov3_core.train.memory import estimate_memory, model_shape, plan_batch, shape_of
+from dinov3_core.train.memory_terms import GIB, SAFETY, activation_bytes_per_image, loader_bytes, step_buffer_bytes
 from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
-from dinov3_core.train.pipeline_stages import ModelStage
+from dinov3_core.train.pp_memory import pp_stage_estimates
+from dinov3_core.train.pp_stages import PPStage
 from dinov3_core.train.ssl_model import build_ssl_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,7 +65,7 @@ def test_two_stages_hold_half_the_blocks_each_and_the_last_the_heads() -> None:
     one, _ = vitb()
     unsplit = estimate_memory(one, shape, micro_batch=32, step_batch=32, world_size=1, device_type="cuda")
     kw = {"micro_batch": 32, "step_batch": 32, "world_size": 2, "device_type": "cuda"}
-    first, last = stage_estimates(cfg, shape, **kw)
+    first, last = pp_stage_estimates(cfg, shape, **kw)
     tail = heads_and_norm_params(cfg, shape.embed_dim)
     blocks = shape.student_params - tail  # the embedding (~0.6 M) counts with the blocks here
     assert first.weights == pytest.approx(4 * blocks / 2, rel=0.01)
@@ -95,8 +86,8 @@ def test_gpipe_holds_every_micro_batch_1f1b_only_those_in_flight() -> None:
     gpipe_cfg, shape = vitb(pp_degree=2, pp_schedule="GPipe", pp_microbatch_size=4)
     ofob_cfg, _ = vitb(pp_degree=2, pp_schedule="1F1B", pp_microbatch_size=4)
     assert pipeline_microbatches(gpipe_cfg.parallelism, 32) == 8  # n_mb 8 > 2 stages
-    gpipe = stage_estimates(gpipe_cfg, shape, micro_batch=32, **kw)
-    ofob = stage_estimates(ofob_cfg, shape, micro_batch=32, **kw)
+    gpipe = pp_stage_estimates(gpipe_cfg, shape, micro_batch=32, **kw)
+    ofob = pp_stage_estimates(ofob_cfg, shape, micro_batch=32, **kw)
     assert gpipe[0].activations == pytest.approx(4 * ofob[0].activations, rel=1e-6)  # 8 vs 2 in flight
     assert gpipe[1].activations == pytest.approx(8 * ofob[1].activations, rel=1e-6)  # 8 vs 1 (+ heads)
     assert ofob[0].activations > ofob[1].activations * 1.2  # 1F1B: the first stage holds the most blocks' work
@@ -104,14 +95,14 @@ def test_gpipe_holds_every_micro_batch_1f1b_only_those_in_flight() -> None:
         estimate_memory(ofob_cfg, shape, micro_batch=32, **kw).activations
     )
     # n_mb == stages: the first stage holds every micro-batch under either schedule
-    few = [stage_estimates(c, shape, micro_batch=8, **kw)[0] for c in (gpipe_cfg, ofob_cfg)]
+    few = [pp_stage_estimates(c, shape, micro_batch=8, **kw)[0] for c in (gpipe_cfg, ofob_cfg)]
     assert few[0].activations == few[1].activations
 
 
 def test_data_parallel_degree_shards_each_stage() -> None:
     cfg, shape = vitb(pp_degree=2, pp_schedule="GPipe")
     kw = {"micro_batch": 1, "step_batch": 1, "device_type": "cuda"}  # one PP micro-batch: FSDP reshards
-    dp1, dp4 = stage_estimates(cfg, shape, world_size=2, **kw), stage_estimates(cfg, shape, world_size=8, **kw)
+    dp1, dp4 = pp_stage_estimates(cfg, shape, world_size=2, **kw), pp_stage_estimates(cfg, shape, world_size=8, **kw)
     for a, b in zip(dp1, dp4, strict=True):
         assert b.weights == pytest.approx(a.weights / 4, abs=1)
         assert b.grads == pytest.approx(a.grads / 4, abs=1)
@@ -119,7 +110,7 @@ def test_data_parallel_degree_shards_each_stage() -> None:
         assert b.teacher == pytest.approx(a.teacher / 4, abs=1)
     # several PP micro-batches under FSDP: gradients (and bf16 weights) stay unsharded until the last backward
     cfg.parallelism.pp_microbatch_size = 1
-    many = stage_estimates(cfg, shape, world_size=8, micro_batch=4, step_batch=4, device_type="cuda")
+    many = pp_stage_estimates(cfg, shape, world_size=8, micro_batch=4, step_batch=4, device_type="cuda")
     assert many[0].grads == dp1[0].grads and many[0].weights > dp1[0].weights / 2
 
 
@@ -130,7 +121,7 @@ def test_a_frozen_student_does_not_share_the_teacher_under_pp() -> None:
     kw = {"micro_batch": 4, "step_batch": 4, "world_size": 1, "device_type": "cpu"}
     assert estimate_memory(cfg, shape, **kw).teacher == 4 * shape.trainable_params  # one process: shared
     cfg.parallelism.pp_degree = 2
-    stages = stage_estimates(cfg, shape, **{**kw, "world_size": 2})
+    stages = pp_stage_estimates(cfg, shape, **{**kw, "world_size": 2})
     assert sum(s.teacher for s in stages) == 4 * shape.teacher_params  # cut in stages, not shared
     assert all(s.teacher == 4 * (s.weights // 4) for s in stages)
     assert stages[0].activations == 0  # the frozen first block saves nothing for backward
@@ -208,11 +199,11 @@ def test_stage_parameter_bytes_match_the_real_stages(overrides: dict, pp: dict) 
     assert shape.depth == 4 and shape.student_params == sum(p.numel() for p in student.parameters())
     ranges = split_blocks(cfg.parallelism, shape.depth)
     kw = {"micro_batch": 6, "step_batch": 6, "world_size": cfg.parallelism.pp_degree, "device_type": "cpu"}
-    estimates = stage_estimates(cfg, shape, **kw)
+    estimates = pp_stage_estimates(cfg, shape, **kw)
     params = dict(student.named_parameters())
     for s, est in enumerate(estimates):
         names = stage_names(student, s, ranges)
-        real = ModelStage(copy.deepcopy(student), s, len(ranges), ranges[s])  # the split is in place
+        real = PPStage(copy.deepcopy(student), s, len(ranges), ranges[s])  # the split is in place
         assert sorted(n for n, _ in real.named_parameters()) == sorted(names)  # the FQNs are kept
         held = sum(p.numel() for p in real.parameters())
         assert est.weights == 4 * held  # dp 1: the stage's fp32 weights

@@ -19,7 +19,7 @@ def test_split_keeps_fqns() -> None:
 
     from dinov3_core.models import HUB_SETTINGS, DINOHead, build_backbone
     from dinov3_core.train.parallel_config import ParallelismConfig, split_blocks
-    from dinov3_core.train.pipeline_stages import split_model
+    from dinov3_core.train.pp_stages import split_model
 
     p = ParallelismConfig(pp_degree=2)
     assert [list(r) for r in split_blocks(p, 5)] == [[0, 1, 2], [3, 4]]

@@ -1,5 +1,5 @@
 """Pipeline parallelism (PP) for the student and the EMA teacher, with `torch.distributed.pipelining`
-(design: docs/pipeline-parallel.md; the stages themselves: `pipeline_stages`).
+(design: docs/pipeline-parallel.md; the stages themselves: `pp_stages`).
 
 `Pipeline` runs one optimizer step through this process's stages:
 
@@ -30,7 +30,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.parallel_config import ParallelismConfig, pipeline_microbatches
-from dinov3_core.train.pipeline_stages import ModelStage
+from dinov3_core.train.pp_stages import PPStage
 from dinov3_core.train.ssl_model import SSLMetaArch, TeacherTargets, _local
 
 SUBMODULES = ("backbone", "dino_head", "ibot_head")
@@ -72,7 +72,7 @@ class Pipeline:
     ) -> None:
         """`grids`: the patch grids of the [global, local] crops (the teacher sees the global ones)."""
         stage, teacher = meta.student, meta.teacher
-        assert isinstance(stage, ModelStage) and isinstance(teacher, ModelStage), "split the model first (parallelize)"
+        assert isinstance(stage, PPStage) and isinstance(teacher, PPStage), "split the model first (parallelize)"
         self.meta, self.env, self.stage = meta, env, stage
         self.teacher_grids = grids[:1]
         stage.set_grids(grids)

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import ScheduleGPipe, get_schedule_c
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import config as C
-from dinov3_core.train.memory import (
+from dinov3_core.train.memory_terms import (
     GIB,
     PER_TOKEN_D,
     PER_TOKEN_HEAD,
@@ -44,7 +44,7 @@ from dinov3_core.train.memory import (
 from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
 
 
-def stage_params(shape: ModelShape, blocks: range, *, first: bool, last: bool) -> tuple[int, int]:
+def pp_stage_params(shape: ModelShape, blocks: range, *, first: bool, last: bool) -> tuple[int, int]:
     """(parameters, trainable parameters) a stage holds: its blocks, the embedding on the first, the norms and
     heads on the last, and anything outside those parts (none in this backbone) on every stage."""
     if len(shape.block_params) != shape.depth:
@@ -68,7 +68,7 @@ def images_in_flight(cfg: C.PretrainConfig, micro_batch: int, stage: int) -> flo
     return in_flight * micro_batch / n_mb
 
 
-def stage_estimates(
+def pp_stage_estimates(
     cfg: C.PretrainConfig,
     shape: ModelShape,
     *,
@@ -93,7 +93,7 @@ def stage_estimates(
     estimates = []
     for s, blocks in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
-        params, trainable = stage_params(shape, blocks, first=first, last=last)
+        params, trainable = pp_stage_params(shape, blocks, first=first, last=last)
         unsharded = (2 if bf16 else 4) * params if dp > 1 and n_mb > 1 else 0
         images = images_in_flight(cfg, micro_batch, s)
         trained = sum(i >= first_trained for i in blocks)

@@ -1,10 +1,11 @@
-"""Pipeline stages: the student and the EMA teacher cut into consecutive stages, one per process, in place.
+"""PP stages (pipeline parallelism): the student and the EMA teacher cut into consecutive PP stages, one per
+process, in place.
 
     stage 0:    patch_embed, cls/storage/mask tokens, rope_embed, blocks[0:k1]
     stage i:    rope_embed, blocks[k_i:k_{i+1}]
     last stage: rope_embed, blocks[k_{n-1}:], norm(s), dino_head, ibot_head
 
-A `ModelStage` is still a `ModuleDict(backbone, dino_head, ibot_head)` named like the model it was cut from, and its
+A `PPStage` is still a `ModuleDict(backbone, dino_head, ibot_head)` named like the model it was cut from, and its
 blocks keep their index (`backbone.blocks.7.*`), so its keys are a subset of the unsplit model's: DCP checkpoints,
 the EMA (paired by name) and `convert` see the same names, and a checkpoint resumes on another pipeline layout. The
 student and the teacher are cut at the same blocks, so each process's EMA is local.
@@ -17,7 +18,7 @@ Stage I/O is tensor-only (crop-major, images along dim 1 at stage 0, which the s
     features stage 0 in:  images [S, b, 3, H, W] (the teacher's global crops, or probe tiles with S = 1)
              last out:    (cls [S·m, D], patch tokens [S·m, N, D]): the heads run on the merged step outputs
 
-`gather_stage_state` puts a pipelined module back together (the eval teacher file, the gram teacher refresh).
+`distributed.gather_pp_state` puts a pipelined module back together (the eval teacher file, the gram teacher refresh).
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.parallel_config import ParallelismConfig, split_blocks
 
 FIRST_STAGE_ONLY = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
@@ -45,7 +44,7 @@ class StageBlocks(nn.ModuleDict):
         return iter(self.values())
 
 
-class ModelStage(nn.ModuleDict):
+class PPStage(nn.ModuleDict):
     """One pipeline stage of the student (`features_only=False`: the SSL outputs) or of the teacher (`True`: the
     normed CLS and patch tokens, heads applied outside). The module docstring has the layout and I/O."""
 
@@ -98,43 +97,7 @@ class ModelStage(nn.ModuleDict):
         return cls_global, dino_logits, patch_global
 
 
-def split_model(model: nn.ModuleDict, p: ParallelismConfig, pp_rank: int, *, features_only: bool = False) -> ModelStage:
+def split_model(model: nn.ModuleDict, p: ParallelismConfig, pp_rank: int, *, features_only: bool = False) -> PPStage:
     """This process's stage, cut from `model` in place (one stage per process: GPipe, 1F1B)."""
     ranges = split_blocks(p, len(model["backbone"].blocks))
-    return ModelStage(model, pp_rank, p.n_stages, ranges[pp_rank], features_only=features_only)
-
-
-@torch.no_grad()
-def gather_stage_state(module: nn.Module, env: DistEnv, *, everywhere: bool) -> dict[str, Tensor]:
-    """The whole state dict of a pipelined (and possibly FSDP-sharded) module as CPU tensors: on every process
-    (`everywhere`) or on rank 0 only (the others get {}). A collective over all processes.
-
-    Tensor by tensor: the owning stage all-gathers it over its data-parallel peers, then its data-parallel rank 0
-    broadcasts it over its pipeline, so no process ever holds more than one full tensor on the device. Buffers
-    every stage holds (RoPE periods) come from the first stage that has them."""
-    local = module.state_dict()
-    layout = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
-    layouts: list[dict[str, tuple[tuple[int, ...], torch.dtype]]] = [{} for _ in range(env.pp_size)]
-    dist.all_gather_object(layouts, layout, group=env.pp_group)
-    joins = everywhere or env.dp_rank == 0  # the pipelines that take part in the broadcasts
-    keep = everywhere or env.rank == 0
-    out: dict[str, Tensor] = {}
-    seen: set[str] = set()
-    for stage, stage_layout in enumerate(layouts):
-        for name, (shape, dtype) in stage_layout.items():
-            if name in seen:
-                continue
-            seen.add(name)
-            if env.pp_rank == stage:
-                value = local[name]
-                value = value.full_tensor() if hasattr(value, "full_tensor") else value  # over the dp peers
-                value = value.detach().contiguous()
-            elif joins:
-                value = torch.empty(shape, dtype=dtype, device=env.device)
-            else:
-                continue  # another pipeline's data-parallel rank 0 receives it
-            if joins:
-                dist.broadcast(value, src=dist.get_global_rank(env.pp_group, stage), group=env.pp_group)
-            if keep:
-                out[name] = value.to("cpu", copy=True)
-    return out
+    return PPStage(model, pp_rank, p.n_stages, ranges[pp_rank], features_only=features_only)

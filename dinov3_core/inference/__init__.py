@@ -1,0 +1,10 @@
+"""What the model hand-off stages share, below them: export (convert, ONNX, extract) and evaluate never import each
+other, both import this.
+
+* `backbone` — a converted / released backbone from its weights file, wrapped to return (CLS, patch tokens);
+* `onnx_runtime` — ONNX Runtime sessions tuned for inference (`ort_session`);
+* `feature_model` — `open_model`: an ONNX model or a backbone file as one `FeatureModel` (uint8 tiles → features);
+* `loader` — tiles read ahead on reader threads, outputs written behind (`TileReader`, `read_ahead`);
+* `team` — the ranks of a torchrun inference job (`Team`, `rank_main`, `rank_device`, `rank_threads`);
+* `label_free` — label-free scores of a feature extractor (effective rank, augmentation invariance).
+"""

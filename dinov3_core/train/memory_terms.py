@@ -1,0 +1,147 @@
+"""The terms of the memory estimate (`memory`, `pp_memory`): the model's shape, the estimate's parts, and the bytes
+of each part per image or per step. The model behind these numbers: `memory`'s docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dinov3_core.train import config as C
+
+PER_TOKEN_D = 17.3  # saved elements per token, per block, per embedding dim (fit on vit_test / vit_small)
+PER_TOKEN_HEAD = 125.0  # … plus per attention head (softmax statistics, RoPE tables)
+HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
+SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    embed_dim: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    n_storage_tokens: int
+    student_params: int
+    teacher_params: int
+    trainable_params: int  # student parameters with requires_grad: what gets gradients and AdamW states
+    trained_depth: int  # blocks whose activations backward needs (depth − frozen leading blocks)
+    dino_prototypes: int
+    ibot_prototypes: int
+    head_hidden: int
+    head_bottleneck: int
+    # Parameters per part of the student, for pipeline stages (`pp_memory`); the rest (none today) is on every
+    # stage. (params, trainable) of: the patch embedding and cls/storage/mask tokens (first stage), each block,
+    # the final norms and both heads (last stage). Empty / 0 in a shape built without them.
+    embed_params: tuple[int, int] = (0, 0)
+    block_params: tuple[tuple[int, int], ...] = ()
+    last_params: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for one configuration; `total` is what must fit the budget."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    teacher: int
+    activations: int  # micro-batch activations (× SAFETY)
+    step_buffers: int
+    loader: int
+    workspace: int
+    micro_batch: int
+    step_batch: int
+    stage: int | None = None  # pipeline parallelism: the stage this is for (the one needing the most memory)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.teacher
+            + self.activations
+            + self.step_buffers
+            + self.loader
+            + self.workspace
+        )
+
+    def describe(self) -> str:
+        parts = ("weights", "grads", "optimizer", "teacher", "activations", "step_buffers", "loader", "workspace")
+        listed = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+        where = "" if self.stage is None else f" at pipeline stage {self.stage}, the largest"
+        return f"{self.total / GIB:.2f} GiB per rank{where} (micro-batch {self.micro_batch}: {listed} GiB)"
+
+
+def tokens_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> tuple[int, int]:
+    """(global-crop tokens, local-crop tokens) per image, all crops of each kind together."""
+    prefix = 1 + shape.n_storage_tokens
+    g = cfg.crops.n_global_crops * (prefix + (cfg.crops.global_size // shape.patch_size) ** 2)
+    lo = cfg.crops.n_local_crops * (prefix + (cfg.crops.local_size // shape.patch_size) ** 2)
+    return g, lo
+
+
+def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
+    n_patches = (cfg.crops.global_size // shape.patch_size) ** 2
+    mean_ratio = sum(cfg.crops.mask_ratio) / 2
+    return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
+
+
+def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, checkpointing: bool) -> float:
+    """Elements the student backbone saves for backward per image (all its crops)."""
+    tokens = sum(tokens_per_image(cfg, shape))
+    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
+    if checkpointing:  # block inputs kept, one block's activations recomputed at a time
+        return tokens * (depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
+    return tokens * depth * per_token_block
+
+
+def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
+    """Elements one head row (a CLS token or a masked patch) saves: MLP activations, logits, log-softmax."""
+    return 4 * shape.head_hidden + 3 * shape.head_bottleneck + 2 * n_prototypes
+
+
+def activation_bytes_per_image(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
+    """Saved activations of one image (all its crops) in the student forward, plus its head rows."""
+    elem = 2.5 if bf16 else 4.0
+    backbone = backbone_activation_elements(cfg, shape, checkpointing=checkpointing)
+    return (backbone + head_activation_elements(cfg, shape)) * elem
+
+
+def head_activation_elements(cfg: C.PretrainConfig, shape: ModelShape) -> float:
+    """Elements both heads save per image: its DINO rows (one per crop) and expected iBOT masked rows."""
+    dino_rows = cfg.crops.n_global_crops + cfg.crops.n_local_crops
+    heads = dino_rows * head_row_elements(shape, shape.dino_prototypes)
+    heads += masked_patches_per_image(cfg, shape) * head_row_elements(shape, shape.ibot_prototypes)
+    return heads
+
+
+def crop_bytes(cfg: C.PretrainConfig, step_batch: int) -> float:
+    """The step's augmented crops (fp32)."""
+    crops = cfg.crops
+    pixels = crops.n_global_crops * crops.global_size**2 + crops.n_local_crops * crops.local_size**2
+    return pixels * 3 * 4 * step_batch
+
+
+def step_buffer_bytes(cfg: C.PretrainConfig, shape: ModelShape, step_batch: int, world_size: int) -> float:
+    """Crops, teacher targets (×2: the Sinkhorn transient) and KoLeo features of a whole step (`world_size`: the
+    processes KoLeo gathers over with koleo_scope=global)."""
+    crops = cfg.crops
+    targets = (
+        4
+        * 2
+        * (
+            crops.n_global_crops * step_batch * shape.dino_prototypes
+            + masked_patches_per_image(cfg, shape) * step_batch * shape.ibot_prototypes
+        )
+    )
+    koleo_rows = step_batch * (world_size if cfg.losses.koleo_scope == "global" else 1)
+    koleo = 4 * crops.n_global_crops * koleo_rows * shape.embed_dim
+    return crop_bytes(cfg, step_batch) + targets + koleo
+
+
+def loader_bytes(cfg: C.PretrainConfig, step_batch: int, tile_size: int) -> float:
+    per_step = step_batch * tile_size * tile_size * 3
+    workers = cfg.data.num_workers
+    return workers * (350 * 2**20 + cfg.data.prefetch_factor * per_step) + 2 * per_step
