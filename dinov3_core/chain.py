@@ -12,7 +12,7 @@ reported with the keys as the user types them in the chain (`gram.train.global_b
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -115,28 +115,12 @@ def chain_config(
 # ---------------------------------------------------------------------------------------- checks before work
 
 
-def store_facts(stores: Iterable[str | Path], cfg: Any, world_size: int, prefix: str = "") -> PreflightFacts:
-    """Tiles a training config would read from `stores` (its slide and tissue filters applied) and their size;
-    unknown (None) while the stores are not tiled yet or cannot be read (the stage then says why itself)."""
-    from dinov3_core.data.tile_index import TileIndex
-
-    unknown = PreflightFacts(world_size=world_size, prefix=prefix)
-    paths = [Path(s) for s in stores]
-    if not paths or not all(p.is_dir() for p in paths):
-        return unknown
-    data = cfg.data
-    try:
-        index = TileIndex(paths, slide_ids=data.slide_ids, min_tissue_fraction=data.min_tissue_fraction)
-    except Exception:  # an empty or unreadable store: the tile stage or the training job names the problem
-        return unknown
-    return PreflightFacts(tiles=len(index), tile_size=index.tile_size, world_size=world_size, prefix=prefix)
-
-
 def check_before_work(
-    configs: Mapping[str, Any], tile_store: Path, world_size: int, *, prefix: bool = True, when: str = ""
+    configs: Mapping[str, Any], tile_store: Path | None, world_size: int, *, prefix: bool = True, when: str = ""
 ) -> None:
-    """Every stage's checks before any training stage starts, all problems at once, each with the key as the user
-    types it (`gram.train.global_batch_size` in a chain, `train.global_batch_size` alone) and a value that works.
+    """Every stage's checks before work (`Stage.preflight`: the batch and crops against the tiles, the annotations
+    readable), all problems at once, each with the key as the user types it (`gram.train.global_batch_size` in a
+    chain, `train.global_batch_size` alone) and a value that works.
 
     Args:
         configs: Stage name → its typed config, for the stages about to run.
@@ -153,10 +137,9 @@ def check_before_work(
         stage = get_stage(name)
         if stage.preflight is None:
             continue
-        facts = store_facts(cfg.data.stores or [tile_store], cfg, world_size, f"{name}." if prefix else "")
-        problems += stage.preflight(cfg, facts)
+        problems += stage.preflight(cfg, PreflightFacts(tile_store, world_size, f"{name}." if prefix else ""))
     if problems:
-        head = f"{len(problems)} problem(s) found before training{' ' + when if when else ''}"
+        head = f"{len(problems)} problem(s) found before any work{' ' + when if when else ''}"
         raise ConfigError(head + ":\n" + "\n".join(f"  {p}" for p in problems))
 
 
@@ -168,6 +151,5 @@ __all__ = [
     "chain_config",
     "check_before_work",
     "route_overrides",
-    "store_facts",
     "tracking_values",
 ]

@@ -16,7 +16,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from dinov3_core.cli_chains import add_chain_commands
@@ -54,8 +53,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
     hooks = RunHooks()
     close_bar: Callable[[], None] = lambda: None  # noqa: E731
     launch = launch_from(args) if stage.launch_help else None
-    if stage.preflight is not None:  # a training job: what would stop it minutes in, before it starts
-        check_before_work({stage.name: cfg}, Path(), launch.world_size if launch else 1, prefix=False)
+    if stage.preflight is not None:  # what would stop it minutes in (a training job, unreadable annotations)
+        check_before_work({stage.name: cfg}, None, launch.world_size if launch else 1, prefix=False)
     if stage.progress_bar or (stage.job_log is not None and stage.as_job(launch)):
         hooks.progress, close_bar = tile_progress(stage.name, cfg)  # a job's progress: the sum over its ranks
     try:

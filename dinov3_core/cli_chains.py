@@ -112,7 +112,8 @@ def cmd_retrain(args: argparse.Namespace) -> int:
             values[key] = getattr(args, key)
     cfg = load_retrain_config(args.config, values)
     try:
-        result = run_cycle(cfg, local_runner(launch_from(args), bars=False))
+        launch = launch_from(args)
+        result = run_cycle(cfg, local_runner(launch, bars=False), world_size=launch.world_size)
     except TorchrunFailed as err:
         return job_failed("retrain", err, "resume the cycle")
     print(result.message)

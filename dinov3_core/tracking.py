@@ -76,10 +76,10 @@ def _start_run(
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    resume = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+    resume = run_id or None  # the runner's run, handed down (a torchrun rank's __main__ reads $MLFLOW_RUN_ID)
     if not resume:
         ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
-    parent = None if resume else parent_run_id or os.environ.get("WSIDINO_MLFLOW_PARENT_RUN_ID")
+    parent = None if resume else parent_run_id
     return mlflow.start_run(
         run_id=resume,
         run_name=None if resume else run_name,
@@ -103,13 +103,29 @@ def stage_run(
 
     `run_id` resumes that run (a retried stage keeps one run); `parent_run_id` nests a new run under it.
 
-    Logs into the active run when the caller (a Prefect task running the stage in-process) opened one; joins
-    `$MLFLOW_RUN_ID` when a task pre-created the run for a subprocess (torchrun rank 0); nests under
-    `$WSIDINO_MLFLOW_PARENT_RUN_ID` otherwise. A failure inside marks the run FAILED (unless the caller owns the
-    run) and re-raises.
+    Logs into the active run when the caller (the stage runner) opened one; a torchrun rank 0 joins the runner's
+    run by its id (`run_id`, which the rank's `__main__` reads from `$MLFLOW_RUN_ID`). A failure inside marks the
+    run FAILED (unless the caller owns the run) and re-raises.
     """
     with pending_stage_run(cfg, run_name, params, tags, run_id=run_id, parent_run_id=parent_run_id) as pending:
         yield pending.wait()
+
+
+@contextlib.contextmanager
+def into_active_run(
+    cfg: TrackingConfig, params: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None
+) -> Iterator[Any]:
+    """The MLflow run the stage runner opened for an in-process stage, with `params` and `tags` logged into it; None
+    (nothing logged) when tracking is off or the stage function was called without the runner. A stage function
+    never opens a run of its own: the runner owns it (`dinov3_core.runner`)."""
+    mlflow = sys.modules.get("mlflow")  # not imported yet: nobody opened a run
+    active = mlflow.active_run() if cfg.enabled and mlflow is not None else None
+    if active is not None:
+        if params:
+            log_params(params)
+        if tags:
+            mlflow.set_tags(dict(tags))
+    yield active
 
 
 @contextlib.contextmanager

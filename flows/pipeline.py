@@ -3,7 +3,7 @@ task (artifacts, GPU slots, crash retries of training), under one MLflow run. `w
 function with the in-process stage runner, so the form's fields are the command's options.
 
     from flows.pipeline import pipeline_flow
-    from tasks.params import PipelineParams
+    from tasks.chain_params import PipelineParams
     pipeline_flow(PipelineParams(slides="slides/", workdir="runs/lab1", config="cpu"))
 
 Outputs under the work directory: tiles.zarr, pretrain/, gram/, model/ (backbone.pth, model.onnx, MODEL_CARD.md),
@@ -22,7 +22,7 @@ from prefect.states import Completed
 
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.workdir import run_pipeline
-from tasks.params import PipelineParams
+from tasks.chain_params import PipelineParams
 from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 

@@ -1,7 +1,7 @@
 """Scheduled retraining: one versioned cycle per flow run (`dinov3_core.retrain.cycle.run_cycle`).
 
     from flows.retrain import retrain_flow
-    from tasks.params import RetrainParams
+    from tasks.chain_params import RetrainParams
     retrain_flow(RetrainParams(slides="slides/", root="retrain/", config="tiny"))
 
 A retry of the same flow run resumes its cycle (training from its last DCP checkpoint); a new flow run starts a
@@ -20,7 +20,7 @@ from prefect.states import Completed
 
 from dinov3_core.retrain.config import load_retrain_config
 from dinov3_core.retrain.cycle import run_cycle
-from tasks.params import RetrainParams
+from tasks.chain_params import RetrainParams
 from tasks.retrain import cycle_markdown
 from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
@@ -45,6 +45,7 @@ def retrain_flow(params: RetrainParams) -> Any:
         attempt_key=str(flow_run.id or "prefect-local"),
         log=logger.info,
         tags=prefect_run_tags("retrain"),
+        world_size=params.launch.world_size,
     )
     create_markdown_artifact(cycle_markdown(result), key="retrain-cycle", description=result.message[:500])
     logger.info(result.message)

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from dinov3_core.config import ConfigError, parse_overrides
 from dinov3_core.launch.training import LaunchSettings
-from dinov3_core.stages import STAGE_NAMES, StageName
 from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
 
@@ -382,122 +381,6 @@ class ExtractParams(BaseModel):
         return merge_values(self.stage.overrides, fields, "extract")
 
 
-class PipelineParams(BaseModel):
-    """Slides → tiles → pretraining → gram anchoring → backbone → ONNX → evaluation → features, in one work
-    directory: the fields of `wsidino pipeline` (README: "On your own slides").
-
-    Stages whose manifest shows the same inputs and config are skipped (unless listed in `force`), so a rerun
-    or a retried failed run resumes at the first stage with something to do.
-    """
-
-    model_config = ConfigDict(extra="forbid", title="Pipeline parameters")
-
-    slides: str = Field(
-        min_length=1, title="Slides",
-        description="A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths.",
-        json_schema_extra=ui(0),
-    )  # fmt: skip
-    workdir: str = Field(
-        min_length=1, title="Work directory",
-        description="Every stage's output goes under it, e.g. /data/runs/lab1 (the MLflow store too, unless a "
-        "tracking URI is set below).",
-        json_schema_extra=ui(1),
-    )  # fmt: skip
-    config: str = Field(
-        "cpu", title="Pipeline config",
-        description="A name under configs/pipeline/: cpu (demo and smoke runs), vits16-1gpu, vitb16-1gpu, "
-        "vitl16-1gpu (one GPU), vitb16, vitl16 (8 GPUs; docs/hardware.md), or a YAML path.",
-        json_schema_extra=ui(2),
-    )  # fmt: skip
-    weights: str | None = Field(
-        None, title="Released DINOv3 weights",
-        description="Warm start: a local .pth, or a preset (vitb16, …) found in weights_dir / $WSIDINO_WEIGHTS_DIR. "
-        "Empty: random init.",
-        json_schema_extra=ui(3),
-    )  # fmt: skip
-    annotations: str | None = Field(
-        None, title="Annotations",
-        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
-        "Empty: label-free health only, no promotion.",
-        json_schema_extra=ui(4),
-    )  # fmt: skip
-    start_at: StageName = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
-    stop_after: StageName = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
-    force: list[StageName] = Field(
-        default_factory=list, title="Force stages", description="Recompute these even when up to date.",
-        json_schema_extra=ui(7),
-    )  # fmt: skip
-    overrides: list[Override] = Field(
-        default_factory=list, title="Overrides",
-        description="Pipeline keys (gram_anchoring=false, extract_model=candidate, weights_dir=/weights) or any "
-        "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
-        json_schema_extra=ui(8),
-    )  # fmt: skip
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(9))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PipelineParams:
-        if STAGE_NAMES.index(self.start_at) > STAGE_NAMES.index(self.stop_after):
-            raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
-        return self
-
-    def config_values(self) -> dict[str, Any]:
-        fields = {"slides": self.slides, "workdir": self.workdir, "weights": self.weights,
-                  "annotations": self.annotations, "start_at": self.start_at, "stop_after": self.stop_after,
-                  "force": list(self.force) or None, **self.tracking.config_values()}  # fmt: skip
-        return merge_values(self.overrides, fields, "pipeline")
-
-
-class RetrainParams(BaseModel):
-    """One scheduled-retraining cycle: tile new slides, train from the champion when the cohort grew, evaluate,
-    promote only if better, extract with the champion (docs/retraining.md).
-
-    Each run is a new cycle under `<root>/cycles/`; retrying a failed run resumes its cycle.
-    """
-
-    model_config = ConfigDict(extra="forbid", title="Retrain parameters")
-
-    slides: str = Field(
-        min_length=1, title="Slides",
-        description="The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list.",
-        json_schema_extra=ui(0),
-    )  # fmt: skip
-    root: str = Field(
-        min_length=1, title="Retraining root",
-        description="tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain.", json_schema_extra=ui(1),
-    )  # fmt: skip
-    annotations: str | None = Field(
-        None, title="Annotations",
-        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the gate. Empty: label-free "
-        "health only, no promotion unless evaluate.gate.label_free=true.",
-        json_schema_extra=ui(2),
-    )  # fmt: skip
-    config: str = Field(
-        "tiny", title="Retrain config",
-        description="A name under configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
-        json_schema_extra=ui(3),
-    )  # fmt: skip
-    overrides: list[Override] = Field(
-        default_factory=list, title="Overrides",
-        description="Retrain keys (trigger.min_new_slides=5, length.iterations=2000, retention.keep_last=3, "
-        "warm_start=released, pretrained_weights=/w.pth) or any stage's key after its name "
-        "(pretrain.train.stop_at=100, evaluate.gate.margin=0.01).",
-        json_schema_extra=ui(4),
-    )  # fmt: skip
-    force: bool = Field(
-        False, title="Train even if nothing changed", description="trigger.force: train this cycle regardless.",
-        json_schema_extra=ui(5),
-    )  # fmt: skip
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(6))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
-
-    def config_values(self) -> dict[str, Any]:
-        fields = {"slides": self.slides, "root": self.root, "annotations": self.annotations,
-                  "trigger.force": True if self.force else None, **self.tracking.config_values()}  # fmt: skip
-        return merge_values(self.overrides, fields, "retrain")
-
-
 __all__ = [
     "ConvertParams",
     "DaskParams",
@@ -507,9 +390,7 @@ __all__ = [
     "GramParams",
     "LaunchParams",
     "Override",
-    "PipelineParams",
     "PretrainParams",
-    "RetrainParams",
     "StageOptions",
     "TileParams",
     "TrackingParams",

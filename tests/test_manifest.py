@@ -16,7 +16,8 @@ from dinov3_core.export.config import ExportConfig
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.stages import get_stage
-from tasks.params import PipelineParams, StageOptions, merge_values
+from tasks.chain_params import PipelineParams
+from tasks.params import StageOptions, merge_values
 from tests.helpers import by_name, read_json, slide_list
 from wsidino_dev import faults
 

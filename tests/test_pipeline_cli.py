@@ -164,7 +164,7 @@ def test_every_batch_and_crop_problem_is_named_at_once_before_training(
             "gram.train.batch_size_per_gpu=5000", "gram.crops.global_size=96"]  # fmt: skip
     assert cli.main(args) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "3 problem(s) found before training once the tiles exist" in err, err
+    assert "3 problem(s) found before any work once the tiles exist" in err, err
     for key in ("pretrain.train.global_batch_size", "gram.train.batch_size_per_gpu", "gram.crops.global_size"):
         assert f"  {key}: " in err
     assert "tile store holds" in err and "larger than the store's 64 px tiles" in err

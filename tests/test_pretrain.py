@@ -324,7 +324,6 @@ def test_warm_start_from_a_released_backbone_joins_the_given_mlflow_run(
     weights = save_backbone(released, tmp_path / "released_vit_test.pth")
     client = MlflowClient(tracking_uri=reference["uri"])
     run_id = client.create_run(client.get_experiment_by_name("pretrain-test").experiment_id).info.run_id
-    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
 
     out = tmp_path / "warm"
     extra = {
@@ -335,7 +334,7 @@ def test_warm_start_from_a_released_backbone_joins_the_given_mlflow_run(
         "tracking.enabled": True,
         "tracking.uri": reference["uri"],
     }
-    result = run_pretrain(config(small_tile_store, out, **extra))
+    result = run_pretrain(config(small_tile_store, out, **extra), mlflow_run_id=run_id)  # as its __main__ does
     assert result.end_iteration == 1
     teacher = torch.load(out / "eval" / "training_0" / "teacher_checkpoint.pth", weights_only=True)["teacher"]
     backbone = {k.removeprefix("backbone."): v for k, v in teacher.items() if k.startswith("backbone.")}

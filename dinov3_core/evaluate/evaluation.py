@@ -304,7 +304,9 @@ def _flat_metrics(model: dict[str, Any]) -> dict[str, float]:
 def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> None:
     if not cfg.tracking.enabled:
         return
-    with tracking.stage_run(cfg.tracking, "evaluate", tags={"wsidino.stage": "evaluate"}):
+    with tracking.into_active_run(cfg.tracking, tags={"wsidino.stage": "evaluate"}) as run:
+        if run is None:
+            return
         for role, model in evaluation["models"].items():
             tracking.log_metrics({f"{role}.{k}": v for k, v in _flat_metrics(model).items() if np.isfinite(v)})
         for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:

@@ -40,7 +40,7 @@ from dinov3_core.evaluate.label_report import (
     read_slide,
     slide_labels,
 )
-from dinov3_core.evaluate.labels_csv import label_csv
+from dinov3_core.evaluate.labels_csv import label_csv, read_csv
 from dinov3_core.tiling import store as ts
 
 __all__ = [
@@ -96,6 +96,37 @@ def label_tiles(
         f"annotations {source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
         "file with the header slide_id,x,y,label"
     )
+
+
+def annotation_problems(annotations: str | Path) -> list[str]:
+    """Why the annotations cannot be read, one line per file, each naming it (empty: every file parses). Checked
+    before a pipeline starts, so a broken export is found before hours of training, not after."""
+    source = Path(annotations).expanduser()
+    try:
+        if source.is_dir():
+            paths = sorted(p for p in source.iterdir() if p.name.lower().endswith(GEOJSON_SUFFIX) and p.is_file())
+            if not paths:
+                raise LabelError(
+                    f"no {GEOJSON_SUFFIX} files in {source}; export one <slide_id>{GEOJSON_SUFFIX} per slide from "
+                    "QuPath, or give a CSV file with the header slide_id,x,y,label"
+                )
+            problems = []
+            for path in paths:
+                try:
+                    read_geojson(path)
+                except LabelError as err:
+                    problems.append(str(err) if str(path) in str(err) else f"{path}: {err}")
+            return problems
+        if source.is_file() and source.suffix.lower() == ".csv":
+            read_csv(source)
+            return []
+        what = "does not exist" if not source.exists() else "is neither a folder nor a .csv file"
+        raise LabelError(f"{source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
+                         "file with the header slide_id,x,y,label")  # fmt: skip
+    except LabelError as err:
+        return [str(err)]
+    except OSError as err:
+        return [f"{source}: cannot read it ({err.strerror})"]
 
 
 def _select(store_ids: list[str], slide_ids: Iterable[str] | None, root: Path) -> list[str]:

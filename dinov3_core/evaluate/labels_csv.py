@@ -33,7 +33,7 @@ class _CsvRow:
 
 
 def label_csv(root: Path, path: Path, store_ids: list[str], selected: list[str], min_overlap: float) -> LabelReport:
-    records = _read_csv(path)
+    records = read_csv(path)
     known = set(store_ids)
     strangers = [r for r in records if r.slide_id not in known]
     if strangers:
@@ -76,7 +76,7 @@ def label_csv(root: Path, path: Path, store_ids: list[str], selected: list[str],
     return report
 
 
-def _read_csv(path: Path) -> list[_CsvRow]:
+def read_csv(path: Path) -> list[_CsvRow]:
     try:
         # utf-8-sig: spreadsheets often start the file with a byte-order mark.
         with path.open(newline="", encoding="utf-8-sig") as handle:

@@ -295,7 +295,9 @@ def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> C
     if cfg.tracking.enabled:
         params = {"which": cfg.which, "arch": arch, "checkpoint": str(ckpt), "iteration": iteration,
                   "select": cfg.select}  # fmt: skip
-        with tracking.stage_run(cfg.tracking, "convert", params=params):
+        with tracking.into_active_run(cfg.tracking, params=params) as run:
+            if run is None:  # called without the stage runner: nothing to log into
+                return result
             tracking.log_metrics(
                 {"backbone_mb": result.backbone_bytes / 1e6, "checkpoint_mb": result.checkpoint_bytes / 1e6}
             )

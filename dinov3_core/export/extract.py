@@ -225,12 +225,13 @@ def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Tea
 
 
 def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None,
-                team: Team | None = None) -> ExtractResult:  # fmt: skip
+                team: Team | None = None, mlflow_run_id: str | None = None) -> ExtractResult:  # fmt: skip
     """Extract per `cfg`; returns which slides were extracted / skipped and the throughput.
 
     `progress(tiles done, tiles to do)`: called as batches finish (the Prefect progress artifact); with
     `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s. `team`: this process's rank
-    in a torchrun job (`dinov3_core.export.extract_job`); None: a single process."""
+    in a torchrun job (`dinov3_core.export.extract_job`); None: a single process. MLflow: the stage runner's run,
+    active in this process or named by `mlflow_run_id` (a job's rank 0); nothing is logged without one."""
     team = team or Team()
     start_time = time.perf_counter()
     ds = _open_dataset(cfg)
@@ -263,8 +264,10 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
             progress = _RankProgress(out, team.rank)
         bar = Progress(label, unit="tile", total=total, enabled=cfg.progress, callback=progress,
                        every_s=cfg.progress_every_s)  # fmt: skip
-        with tracking.stage_run(cfg.tracking, "extract", params={"model_hash": model.hash, "backend": model.backend,
-                                                                   "store": cfg.store}):  # fmt: skip
+        params = {"model_hash": model.hash, "backend": model.backend, "store": cfg.store}
+        # In process: the runner's active run; a job's rank 0: the runner's run, joined by its id.
+        joined = tracking.stage_run(cfg.tracking, "extract", params=params, run_id=mlflow_run_id)
+        with joined if mlflow_run_id else tracking.into_active_run(cfg.tracking, params=params):
             readers, depth = cfg.loader_threads, cfg.prefetch_batches
             writer = BackgroundWriter(readers, depth)
             jobs = _batches(ds, units, offsets, cfg.batch_size)

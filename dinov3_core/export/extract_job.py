@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(ExtractConfig, args.config, args.overrides, stage="extract")
         if not team.is_main:  # one MLflow writer; the other ranks' figures reach it through the gather
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))
-        r = run_extract(cfg, team=team)
+        r = run_extract(cfg, team=team, mlflow_run_id=os.environ.get("MLFLOW_RUN_ID"))  # the runner's run
         rate = f"{r.tiles} tiles in {r.seconds:.1f} s ({r.tiles_per_s:.1f} tiles/s) on {team.world_size} rank(s)"
         return f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date, {rate} → {r.output}"
 

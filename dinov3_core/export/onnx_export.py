@@ -231,7 +231,9 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
     from mlflow import MlflowClient
 
     params = {"weights": cfg.weights, "pooled": cfg.pooled, "fp16": cfg.fp16, "n_nodes": result.n_nodes}
-    with tracking.stage_run(cfg.tracking, "export", params=params, tags={"wsidino.stage": "export"}):
+    with tracking.into_active_run(cfg.tracking, params=params, tags={"wsidino.stage": "export"}) as run:
+        if run is None:  # called without the stage runner: it owns the run the model is registered from
+            return
         tracking.log_metrics({"max_abs_error": result.max_abs_error, "max_rel_error": result.max_rel_error,
                               "export_seconds": result.export_seconds})  # fmt: skip
         client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append(f"pretrain_dir={args.pretrain_dir}")
     try:
         cfg = load_config(GramConfig, args.config, overrides, stage="gram")
-        result = run_gram(cfg)
+        result = run_gram(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
     except WsidinoError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code(err)  # 2: bad input (the stage removes what it created), 1: stopped, output kept

@@ -315,15 +315,16 @@ def choose_teacher(cfg: GramConfig, *, write: bool, device: torch.device | str =
     )
 
 
-def run_gram(cfg: GramConfig) -> GramResult:
-    """Train (or resume) the gram stage per `cfg`; one process here, or every rank under torchrun."""
+def run_gram(cfg: GramConfig, mlflow_run_id: str | None = None) -> GramResult:
+    """Train (or resume) the gram stage per `cfg`; one process here, or every rank under torchrun. Rank 0 logs into
+    the MLflow run `mlflow_run_id` names (the stage runner's), else into a run of its own."""
     cfg = prepare_config(cfg)
     with training_process(cfg) as env:
         selection = choose_teacher(cfg, write=env.is_main, device=env.device)
         teacher_file = cfg.gram.teacher_path or (selection.chosen.path if selection else cfg.student.pretrained_weights)
         gram_teacher = T.load_gram_teacher(teacher_file)  # type: ignore[arg-type]
         with contextlib.closing(GramTrainer(cfg, env, gram_teacher)) as trainer:
-            with _mlflow_run(cfg, trainer, selection) as run:
+            with _mlflow_run(cfg, trainer, selection, mlflow_run_id) as run:
                 base = train_and_log(trainer, run, _log_to_mlflow)
             return GramResult(
                 **vars(base),
@@ -333,7 +334,9 @@ def run_gram(cfg: GramConfig) -> GramResult:
 
 
 @contextlib.contextmanager
-def _mlflow_run(cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelection | None) -> Iterator[Any]:
+def _mlflow_run(
+    cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelection | None, run_id: str | None
+) -> Iterator[Any]:
     if not trainer.env.is_main or not cfg.tracking.enabled:
         yield None
         return
@@ -347,7 +350,7 @@ def _mlflow_run(cfg: GramConfig, trainer: GramTrainer, selection: T.TeacherSelec
         "gram_update_frequency": cfg.gram.update_frequency,
     }
     tags = {"wsidino.stage": "gram", "wsidino.output_dir": str(Path(cfg.output_dir).resolve())}
-    with tracking.stage_run(cfg.tracking, "gram", params=params, tags=tags) as run:
+    with tracking.stage_run(cfg.tracking, "gram", params=params, tags=tags, run_id=run_id) as run:
         tracking.log_artifact(Path(cfg.output_dir) / "config.yaml")
         if selection is not None:
             T._log_selection(selection)

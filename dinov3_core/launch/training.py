@@ -80,17 +80,21 @@ class LaunchSettings(BaseModel):
         return self
 
 
-def stage_job(stage: Stage[Any], cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None) -> TorchrunJob:
+def stage_job(
+    stage: Stage[Any] | str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None
+) -> TorchrunJob:
     """The torchrun job of a stage (`pretrain`, `gram`, `extract`) for its resolved config.
 
     Args:
-        stage: The stage; its `job_module` is what every rank runs.
+        stage: The stage (or its name); its `job_module` is what every rank runs.
         cfg: The stage's typed config; written to `<job dir>/launch_config.yaml` for the ranks.
         launch: Processes, nodes, rendezvous, GPUs and the wall-clock limit.
         env: Extra environment for every rank (the MLflow run to join).
     """
     from dinov3_core.config import save_config
+    from dinov3_core.stages import get_stage  # deferred: the launcher itself stays light (no stage configs)
 
+    stage = get_stage(stage)
     assert stage.job_module is not None and stage.job_dir is not None, f"{stage.name} has no torchrun job"
     if stage.job_check is not None:
         # Bad settings fail here with the keys to change (exit code 2), before torchrun starts a rank.

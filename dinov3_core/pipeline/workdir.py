@@ -153,7 +153,7 @@ def run_pipeline(
                 outcomes[stage.name] = outcome
                 if isinstance(outcome.summary, TileSummary):
                     check_tiled(cfg, outcome)
-                    training = {k: v for k, v in configs.items() if get_stage(k).preflight is not None}
+                    training = {k: v for k, v in configs.items() if get_stage(k).always_job}
                     check_before_work(training, layout(cfg).tile_store, world, when="once the tiles exist")
             result = PipelineResult(workdir, layout(cfg), outcomes, parent, cfg.tracking.uri, "")
             result.message = _message(result)

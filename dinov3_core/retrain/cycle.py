@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dinov3_core.chain import StageRunner
+from dinov3_core.chain import StageRunner, check_before_work
 from dinov3_core.retrain import registry, retention
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.config import RetrainConfig, RetrainError
@@ -57,8 +57,8 @@ class CycleResult:
 
 
 class _Cycle:
-    def __init__(self, cfg: RetrainConfig, run: StageRunner, log: Callable[[str], None]) -> None:
-        self.cfg, self.run_stage, self.log = cfg, run, log
+    def __init__(self, cfg: RetrainConfig, run: StageRunner, log: Callable[[str], None], world_size: int = 1) -> None:
+        self.cfg, self.run_stage, self.log, self.world_size = cfg, run, log, world_size
         self.layout = CycleLayout(Path(cfg.root).resolve())
         self.record: CycleRecord
         self.parent: str | None = None
@@ -175,9 +175,13 @@ class _Cycle:
             f"retrain {cid}: training {pretrain.optim.epochs * pretrain.train.epoch_length} iterations on "
             f"{len(snap.slides)} slides ({snap.tiles} tiles), warm start: {self.record.warm_start['source']}"
         )
+        training = {"pretrain": pretrain}
+        if cfg.gram_anchoring:
+            training["gram"] = sc.build(cfg, "gram", layout, cid, slide_ids=snap.slide_ids)
+        check_before_work(training, layout.tile_store, self.world_size, when=f"on the snapshot's {snap.tiles} tiles")
         self.stage("pretrain", pretrain)
         if cfg.gram_anchoring:
-            self.stage("gram", sc.build(cfg, "gram", layout, cid, slide_ids=snap.slide_ids))
+            self.stage("gram", training["gram"])
         self.stage("convert", sc.build(cfg, "convert", layout, cid))
         export: StageOutcome[ExportSummary] = self.stage("export", sc.build(cfg, "export", layout, cid))
         version = export.summary.model_version
@@ -258,6 +262,7 @@ def run_cycle(
     attempt_key: str = CLI_ATTEMPT,
     log: Callable[[str], None] = print,
     tags: Mapping[str, str] | None = None,
+    world_size: int = 1,
 ) -> CycleResult:
     """One cycle under `cfg.root`: trained (and gated) or skipped, with the reason; see the module docstring.
 
@@ -267,11 +272,12 @@ def run_cycle(
         attempt_key: Identifies the attempt (the Prefect flow run id): the same key resumes its cycle.
         log: Where progress lines go.
         tags: Extra MLflow tags of the cycle's run (the Prefect flow run).
+        world_size: Processes of each training job (the runner's launch), for the batch checks.
 
     Raises:
         RetrainError / WsidinoError: bad input, another cycle holds the root, the registry is unreachable.
     """
-    c = _Cycle(cfg, run, log)
+    c = _Cycle(cfg, run, log, world_size)
     sc.validate(cfg, c.layout)
     registry.check_reachable(cfg)
     with root_lock(c.layout):

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.chain import build_stage_config
+from dinov3_core.chain import build_stage_config, check_before_work
 from dinov3_core.retrain.config import RetrainConfig
 from dinov3_core.retrain.cycles import CycleLayout
 from dinov3_core.stages import STAGES, ChainPaths, Stage, get_stage
@@ -66,12 +66,15 @@ def build(
 
 
 def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
-    """Load every stage's config once before anything runs, so a typo fails the cycle at its start."""
+    """Load every stage's config once before anything runs, so a typo fails the cycle at its start; then the
+    checks that need no tiles (the annotations readable)."""
+    configs = {}
     for stage in STAGES:
         if stage.name == "gram" and not cfg.gram_anchoring:
             continue
-        build(cfg, stage, layout, "validate", weights="(warm start)", model="model.onnx",
-              output=str(layout.features / "validate.zarr"))  # fmt: skip
+        configs[stage.name] = build(cfg, stage, layout, "validate", weights="(warm start)", model="model.onnx",
+                                    output=str(layout.features / "validate.zarr"))  # fmt: skip
+    check_before_work({"evaluate": configs["evaluate"]}, layout.tile_store, 1)
 
 
 __all__ = ["OWNER", "build", "cycle_paths", "training_length", "validate"]

@@ -209,10 +209,9 @@ class Stage(Generic[S]):
 
 @dataclass(frozen=True)
 class PreflightFacts:
-    """What a chain knows before a stage runs, for the stage's preflight checks."""
+    """What a stage's checks before work get from where they run (a chain, or the stage's own command)."""
 
-    tiles: int | None = None  # tiles in the store the stage will read (None: not tiled yet)
-    tile_size: int | None = None  # the store's tile size in pixels (None: not tiled yet)
+    tile_store: Path | None = None  # the chain's tile store (a training config that names none reads it)
     world_size: int = 1  # processes of a training job
     prefix: str = ""  # how the user names the stage's keys: "gram." in a chain, nothing for the stage alone
 

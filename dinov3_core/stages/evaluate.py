@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
+from dinov3_core.stages.base import ChainPaths, CliOption, PreflightFacts, Problem, RunHooks, Stage, Summary
 from dinov3_core.stages.versions import describe_version
 
 EPILOG = """\
@@ -89,6 +89,17 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     )  # fmt: skip
 
 
+def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
+    """Annotations that cannot be read are found before training, not after it (`annotations` is the key the
+    user types, alone and in a pipeline: a chain passes its own through)."""
+    if not cfg.annotations:
+        return []
+    from dinov3_core.evaluate.labels import annotation_problems
+
+    fix = "fix or remove that file (QuPath: File › Export objects as GeoJSON), or give other annotations"
+    return [Problem("annotations", said, fix) for said in annotation_problems(cfg.annotations)]
+
+
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
     values: dict[str, Any] = {"store": str(p.tile_store), "candidate": str(p.onnx), "output": str(p.evaluation),
                               "annotations": p.annotations}  # fmt: skip
@@ -109,6 +120,7 @@ STAGE: Stage[EvaluateSummary] = Stage(
     outputs=lambda c: {"evaluation": str(Path(c.output) / "evaluation.json")},
     chain_values=_chain_values,
     work=_work,
+    preflight=_preflight,
     # device and precision are not here: they change the features slightly, so they change the hash
     volatile=("tracking.", "progress", "num_threads", "batch_size", "loader_threads", "prefetch_batches"),
     options=(

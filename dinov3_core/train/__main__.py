@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides, stage="pretrain")
-        result = run_pretrain(cfg)
+        result = run_pretrain(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
     except WsidinoError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_code(err)  # 2: bad input (the stage removes what it created), 1: stopped, output kept

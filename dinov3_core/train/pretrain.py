@@ -7,7 +7,8 @@
     # several processes: `dinov3_core.runner.run_stage("pretrain", cfg, launch=…)` starts torchrun on
     # `python -m dinov3_core.train`, and every rank calls run_pretrain
 
-MLflow (rank 0 only): joins $MLFLOW_RUN_ID when set, otherwise opens its own run; curated params, the resolved
+MLflow (rank 0 only): joins the run `mlflow_run_id` names (the stage runner's, which `python -m dinov3_core.train`
+reads from $MLFLOW_RUN_ID), otherwise opens its own run; curated params, the resolved
 config as artifact, metrics at every log line, and the metrics file and loss curve at the end.
 """
 
@@ -73,13 +74,13 @@ PROBE_METRICS = {"effective_rank": "health/effective_rank", "invariance": "healt
                  "probe_seconds": "health/probe_seconds"}  # fmt: skip
 
 
-def run_pretrain(cfg: C.PretrainConfig) -> PretrainResult:
+def run_pretrain(cfg: C.PretrainConfig, mlflow_run_id: str | None = None) -> PretrainResult:
     """Train (or resume) per `cfg`. Runs in this process when not launched by torchrun (or with one process);
     under torchrun every rank calls it. Raises `WsidinoError` for bad input before writing anything."""
     with (
         training_process(cfg) as env,
         contextlib.closing(Trainer(cfg, env)) as trainer,
-        _mlflow_run(cfg, trainer) as run,
+        _mlflow_run(cfg, trainer, mlflow_run_id) as run,
     ):
         return train_and_log(trainer, run, _log_to_mlflow)
 
@@ -115,12 +116,13 @@ def train_and_log(trainer: Trainer, run: Any, on_metrics: Callable[[dict[str, An
 
 
 @contextlib.contextmanager
-def _mlflow_run(cfg: C.PretrainConfig, trainer: Trainer) -> Iterator[Any]:
+def _mlflow_run(cfg: C.PretrainConfig, trainer: Trainer, run_id: str | None) -> Iterator[Any]:
     if not trainer.env.is_main or not cfg.tracking.enabled:
         yield None
         return
     tags = {"wsidino.stage": "pretrain", "wsidino.output_dir": str(Path(cfg.output_dir).resolve())}
-    with tracking.stage_run(cfg.tracking, "pretrain", params=curated_params(cfg, trainer), tags=tags) as run:
+    params = curated_params(cfg, trainer)
+    with tracking.stage_run(cfg.tracking, "pretrain", params=params, tags=tags, run_id=run_id) as run:
         tracking.log_artifact(Path(cfg.output_dir) / "config.yaml")
         yield run
 

@@ -110,7 +110,7 @@ def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> 
 
     Validated against `PipelineParams`; complete (a run's `--params` replaces the whole object).
     """
-    from tasks.params import PipelineParams
+    from tasks.chain_params import PipelineParams
 
     spec = next(s for s in load_deployment_specs(prefect_file) if s["name"] == DEMO_DEPLOYMENT)
     params = dict(spec["parameters"]["params"])
@@ -124,7 +124,7 @@ def demo_pipeline_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> 
 def demo_retrain_params(serve_dir: Path, prefect_file: Path = PREFECT_FILE) -> dict[str, Any]:
     """The CPU retrain deployment's `params` with slides, annotations and the retraining root under `serve_dir`
     (the same sample slides as the pipeline; add slides there and run it again to see a second cycle)."""
-    from tasks.params import RetrainParams
+    from tasks.chain_params import RetrainParams
 
     spec = next(s for s in load_deployment_specs(prefect_file) if s["name"] == RETRAIN_DEPLOYMENT)
     params = dict(spec["parameters"]["params"])
