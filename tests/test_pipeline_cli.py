@@ -179,6 +179,23 @@ def test_every_batch_and_crop_problem_is_named_at_once_before_training(
     assert "Traceback" not in alone.stderr and not (tmp_path / "alone").exists()
 
 
+def test_unreadable_annotations_are_named_before_anything_is_written(
+    good_slides: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    annotations = tmp_path / "annotations"
+    annotations.mkdir()
+    (annotations / "tissue_20x.geojson").write_text('{"type": "FeatureCollection", "features": [')  # cut off
+    (annotations / "tissue_40x.geojson").write_bytes(b"\x93not json")
+    args = ["pipeline", "--slides", str(good_slides), "--workdir", str(tmp_path / "run"), "--annotations",
+            str(annotations)]  # fmt: skip
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "2 problem(s) found before any work" in err, err
+    for name in ("tissue_20x.geojson", "tissue_40x.geojson"):
+        assert f"  annotations: {annotations / name}" in err or str(annotations / name) in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_print_config_round_trips(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -96,7 +96,7 @@ def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
         return []
     from dinov3_core.evaluate.labels import annotation_problems
 
-    fix = "fix or remove that file (QuPath: File › Export objects as GeoJSON), or give other annotations"
+    fix = "or move that file out of the annotations folder to evaluate without it"
     return [Problem("annotations", said, fix) for said in annotation_problems(cfg.annotations)]
 
 
