@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from dinov3_core.errors import WsidinoError
+from dinov3_core.files import write_text_atomic
 
 T = TypeVar("T")
 
@@ -309,16 +312,11 @@ def flat_params(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config atomically (temporary name, then rename)."""
-    from dinov3_core.files import write_text_atomic
-
     return write_text_atomic(path, to_yaml(cfg))
 
 
 def config_hash(cfg: Any, exclude: Iterable[str] = ()) -> str:
     """Stable hash of the config's values (minus `exclude`d dotted keys): used to decide whether a rerun may skip."""
-    import hashlib
-    import json
-
     flat = {k: v for k, v in flat_params(cfg).items() if k not in set(exclude)}
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -18,6 +18,8 @@ from datetime import timedelta
 from types import TracebackType
 from typing import IO, Any
 
+from tqdm import tqdm
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,8 +49,6 @@ class Progress:
         stream = stream or sys.stderr
         self.bar: Any = None
         if enabled and stream.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, unit=unit, desc=label, file=stream, dynamic_ncols=True)
         self.lines = enabled and self.bar is None  # no terminal: periodic log lines
 

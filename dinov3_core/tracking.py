@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dinov3_core.config import flat_params
+
+# Every function imports mlflow where it needs it (deferred: ~1 s at import): this module is imported by the
+# stage runner and the CLI, which must stay light when tracking is off.
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 # MLflow's routine chatter (system-metrics monitor start/stop on every run, database set-up) is not news to a user;
@@ -267,8 +272,6 @@ def log_config_params(tracking: TrackingConfig, run_id: str | None, cfg: Any) ->
     if run_id is None:
         return
     from mlflow import MlflowClient
-
-    from dinov3_core.config import flat_params
 
     client = MlflowClient(tracking_uri=tracking_uri(tracking))
     existing = client.get_run(run_id).data.params

@@ -24,10 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateError
+from dinov3_core.evaluate.evaluation import labelled_tiles
+from dinov3_core.evaluate.report import write_json
+from dinov3_core.gram.teacher import find_eval_checkpoints
+from dinov3_core.inference import label_free as LF
 from dinov3_core.models.released import unwrap_backbone_state_dict
+from dinov3_core.tiling import store as ts
+from dinov3_core.train.health_probe import PROBE_FILE, read_probe
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +83,6 @@ def knn_curve(
     Raises:
         EvaluateError: No eval checkpoint, or no labelled tile in the store.
     """
-    from dinov3_core.data.tile_dataset import TileDataset
-    from dinov3_core.evaluate.evaluation import labelled_tiles
-    from dinov3_core.gram.teacher import find_eval_checkpoints
-    from dinov3_core.tiling import store as ts
-
     run = Path(run_dir)
     checkpoints = find_eval_checkpoints(run)
     if not checkpoints:
@@ -126,9 +128,6 @@ def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dic
     """The training health probe's `effective_rank` and `invariance` of a model (an eval checkpoint of the run, or
     any backbone file), on the run's recorded probe tiles and views; None when the run recorded no probe."""
 
-    from dinov3_core.inference import label_free as LF
-    from dinov3_core.train.health_probe import PROBE_FILE, read_probe
-
     probe = read_probe(Path(run_dir) / PROBE_FILE)
     if probe is None:
         return None
@@ -141,12 +140,11 @@ def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dic
 
 
 def _write(eval_dir: Path, curve: KnnCurve) -> None:
+    # deferred: matplotlib (~0.4 s), only for the figures
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dinov3_core.evaluate.report import write_json
 
     write_json(eval_dir / CURVE_FILE, curve.as_dict())
     fig, ax = plt.subplots(figsize=(5, 3))

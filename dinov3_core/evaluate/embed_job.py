@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from dinov3_core.data.tile_dataset import TileDataset
+from dinov3_core.evaluate import features as F
+from dinov3_core.evaluate.config import EvaluateError
+from dinov3_core.evaluate.features import precision_of
+from dinov3_core.files import atomic_path, write_text_atomic
+from dinov3_core.inference.team import Team, rank_device, rank_main, rank_threads
+from dinov3_core.launch import TorchrunJob, run_torchrun
 
 MODULE = "dinov3_core.evaluate.embed_job"
 JOBS_DIR, LOGS_DIR = "embed_jobs", "torchrun_logs"  # under the evaluation directory
@@ -56,8 +65,6 @@ class EmbedSpec:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> EmbedSpec:
-        from dinov3_core.evaluate.config import EvaluateError
-
         try:
             return cls(**json.loads(Path(path).read_text()))
         except (OSError, ValueError, TypeError) as err:
@@ -70,14 +77,6 @@ def parts_dir(output: Path) -> Path:
 
 def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
     """This rank's share of the embedding; rank 0 writes `spec.output` once all shares are done (then returns it)."""
-    import torch
-
-    from dinov3_core.data.tile_dataset import TileDataset
-    from dinov3_core.evaluate import features as F
-    from dinov3_core.evaluate.config import EvaluateError
-    from dinov3_core.files import atomic_path
-    from dinov3_core.inference.team import rank_device, rank_threads
-
     output, indices = Path(spec.output), np.load(spec.indices)
     share = np.array_split(indices, team.world_size)[team.rank]  # contiguous: rank order is index order
     part = None
@@ -114,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
     parser.add_argument("--config", required=True, help="the embed job file (JSON, written by the evaluate stage)")
     args = parser.parse_args(argv)
-    from dinov3_core.inference.team import Team, rank_main
 
     def work(team: Team) -> str | None:
         written = run_rank(EmbedSpec.read(args.config), team)
@@ -138,11 +136,6 @@ def launch_embedding(
     `launch` (`LaunchSettings`) processes; `hold_resources`: the GPU-slot guard entered around it; `run_job`: what
     runs the job (None: `run_torchrun` on this host; the SLURM backend submits it). Raises
     `TorchrunFailed` (the failing rank's error) when a rank fails."""
-    from dinov3_core.evaluate.config import EvaluateError
-    from dinov3_core.evaluate.features import precision_of
-    from dinov3_core.files import atomic_path, write_text_atomic
-    from dinov3_core.launch import TorchrunJob, run_torchrun
-
     out = Path(cfg.output)
     jobs = out / JOBS_DIR
     ids = jobs / f"{output.stem}.indices.npy"

@@ -26,11 +26,13 @@ from typing import Any
 import numpy as np
 
 from dinov3_core import tracking
+from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
+from dinov3_core.evaluate.labels import label_tiles
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.tiling import store as ts
@@ -84,7 +86,6 @@ def labelled_tiles(
     empty = (np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
     if not annotations:
         return (*empty, {"annotations": None})
-    from dinov3_core.evaluate.labels import label_tiles
 
     found = label_tiles(root, annotations, min_overlap=min_overlap)
     warnings += found.warnings
@@ -152,8 +153,6 @@ EmbedJob = Callable[[F.FeatureModel, Path, np.ndarray], None]
 def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> EvaluateResult:
     """Embed, probe and compare; write the outputs; decide and apply the promotion. Bad input raises a
     `WsidinoError` naming the file or key; a failed `embed_job` raises `TorchrunFailed`, whichever the model."""
-    from dinov3_core.data.tile_dataset import TileDataset
-
     start = time.perf_counter()
     out, warnings = Path(cfg.output), []
     cache = out / "cache"
@@ -311,6 +310,7 @@ def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> N
             tracking.log_metrics({f"{role}.{k}": v for k, v in _flat_metrics(model).items() if np.isfinite(v)})
         for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
             tracking.log_artifact(path)
+        # deferred: mlflow costs ~1 s at import, paid only when tracking
         import mlflow
 
         if mlflow.active_run() is not None:

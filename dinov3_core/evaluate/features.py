@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from dinov3_core.files import atomic_path
+from dinov3_core.gram.teacher import dense_scores_of
 from dinov3_core.inference.feature_model import FeatureModel, normalise, open_model
+from dinov3_core.inference.label_free import effective_rank
 from dinov3_core.inference.loader import TileReader, read_ahead
 
 FEATURES = ("cls", "mean_patch")
@@ -119,9 +121,6 @@ def health(model: FeatureModel, images: np.ndarray) -> dict[str, float]:
     """Label-free health on normalised images (N, 3, S, S): effective rank of the CLS features (near 0: collapsed)
     and the gram stage's dense consistency (patch features agree under a flip + rotation), so a collapsed model
     is caught even where nobody annotated anything."""
-    from dinov3_core.gram.teacher import dense_scores_of
-    from dinov3_core.inference.label_free import effective_rank
-
     cls, patch = model.run(images)
     scores = {"cls_effective_rank": effective_rank(torch.from_numpy(cls))}
     side = math.isqrt(patch.shape[1])

@@ -58,6 +58,7 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
     Raises:
         ProtocolError: A class is on fewer than two groups, or ends up on one side only; the message names it.
     """
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold
 
     classes = np.unique(labels)
@@ -101,6 +102,7 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
 def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
     """Positions (within the training tiles) of the validation part: a group fold when there are ≥ 2 groups
     with every class, else a stratified quarter of the tiles (recorded as such)."""
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold, StratifiedShuffleSplit
 
     if len(np.unique(groups)) >= 3:
@@ -143,6 +145,7 @@ def linear_probe(
     train: np.ndarray, train_y: np.ndarray, val_pos: np.ndarray, test: np.ndarray, cs: Sequence[float], seed: int
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(class order, test probabilities, chosen C): C by balanced accuracy on the validation tiles."""
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import balanced_accuracy_score
     from sklearn.preprocessing import StandardScaler
@@ -194,6 +197,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, n: int, _: np.ndarray | None = Non
 
 
 def auroc(y: np.ndarray, _: np.ndarray, n: int, positive_score: np.ndarray | None) -> float:
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     from sklearn.metrics import roc_auc_score
 
     if positive_score is None or n != 2 or len(np.unique(y)) < 2:

@@ -88,6 +88,7 @@ def save_pictures(
 ) -> None:
     """Per model: the linear probe's confusion matrix on the test tiles, and a 2-D PCA map of all labelled tiles
     coloured by class (test tiles as crosses)."""
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     import matplotlib
 
     matplotlib.use("Agg")

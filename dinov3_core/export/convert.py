@@ -28,9 +28,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dinov3_core import tracking
@@ -38,10 +40,13 @@ from dinov3_core.config import load_config, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
 from dinov3_core.files import atomic_path
+from dinov3_core.gram.config import GramConfig
 from dinov3_core.inference.backbone import ARCH_FILE
 from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_backbone_kwargs
 from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
+from dinov3_core.train import config as C
+from dinov3_core.train.checkpoint import CKPT_DIR, latest_checkpoint, read_meta
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
 
@@ -88,8 +93,6 @@ def dir_bytes(path: Path) -> int:
 
 def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The DCP directory for `path`: itself (has `.metadata`), or the latest complete `ckpt/<it>/` of a run dir."""
-    from dinov3_core.train.checkpoint import CKPT_DIR, latest_checkpoint
-
     p = Path(path)
     if not p.exists():
         raise ConvertError(f"convert input {p} does not exist; give a pretrain output dir or its ckpt/<iteration>/")
@@ -155,9 +158,6 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
     run_cfg = _run_config(ckpt)
     if run_cfg is not None:
         try:
-            from dinov3_core.gram.config import GramConfig
-            from dinov3_core.train import config as C
-
             doc = yaml.safe_load(run_cfg.read_text()) or {}
             schema = GramConfig if isinstance(doc, dict) and "gram" in doc else C.PretrainConfig
             cfg = load_config(schema, run_cfg)
@@ -176,8 +176,6 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
 
 def lora_settings(ckpt: Path) -> dict[str, Any]:
     """`student.lora` of the run that wrote `ckpt`: its meta.json (`adaptation.lora`), else its config.yaml."""
-    from dinov3_core.train.checkpoint import read_meta
-
     lora = (read_meta(ckpt).get("adaptation") or {}).get("lora")
     if lora:
         return dict(lora)
@@ -210,8 +208,6 @@ def merge_checkpoint_lora(ckpt: Path, sd: dict[str, Tensor]) -> tuple[dict[str, 
 def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
     with atomic_path(path) as tmp:
         if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
             save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(tmp))
         else:
             torch.save(sd, tmp)
@@ -229,7 +225,6 @@ def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> C
     else:
         ckpt = find_checkpoint(cfg.input)
         sd = read_dcp_backbone(ckpt, cfg.which)
-        from dinov3_core.train.checkpoint import read_meta
 
         iteration = read_meta(ckpt).get("iteration", int(ckpt.name) if ckpt.name.isdigit() else None)
     sd, adapter, lora = merge_checkpoint_lora(ckpt, sd)
@@ -249,8 +244,6 @@ def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> C
         _save_tensors(sd, st)
     full = None
     if cfg.full_consolidation:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
         full = out / FULL_FILE
         with atomic_path(full) as tmp:
             dcp_to_torch_save(ckpt, tmp)

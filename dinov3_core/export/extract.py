@@ -37,6 +37,7 @@ import zarr
 
 from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
+from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.export.config import ExtractConfig
 from dinov3_core.export.extract_plan import WorkUnit, committer, plan_work, split_slides
 from dinov3_core.export.feature_store import (
@@ -52,6 +53,7 @@ from dinov3_core.inference.feature_model import ExtractError, FeatureModel, open
 from dinov3_core.inference.loader import BackgroundWriter, TileReader, read_ahead
 from dinov3_core.inference.team import Team, rank_device, rank_threads
 from dinov3_core.progress import Progress
+from dinov3_core.tiling import store as ts
 
 __all__ = [
     "ATTRS_KEY",
@@ -84,9 +86,6 @@ class ExtractResult:
 
 
 def _open_dataset(cfg: ExtractConfig) -> Any:
-    from dinov3_core.data.tile_dataset import TileDataset
-    from dinov3_core.tiling import store as ts
-
     root = ts.check_store(cfg.store)  # TileStoreError (a WsidinoError) names the store and what to do
     try:
         return TileDataset(root, slide_ids=cfg.slide_ids, image_format="numpy")

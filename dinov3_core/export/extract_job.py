@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
+from dinov3_core.export.config import ExtractConfig
+from dinov3_core.export.extract import run_extract
+from dinov3_core.inference.team import Team, rank_main
 
 
 @record
@@ -29,9 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the extract config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
-    from dinov3_core.export.config import ExtractConfig
-    from dinov3_core.export.extract import run_extract
-    from dinov3_core.inference.team import Team, rank_main
 
     def work(team: Team) -> str:
         cfg = load_config(ExtractConfig, args.config, args.overrides, stage="extract")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from PIL import Image, ImageDraw
 
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.inference.feature_model import ExtractError
@@ -146,8 +147,6 @@ def write_pca_png(
 ) -> list[float]:
     """Tiles at their level-0 coords, scaled so the map's long side is `max_side` px, coloured by the first 3 PCs;
     `title` (slide, model) on top, what the colours mean and the explained variance below."""
-    from PIL import Image, ImageDraw
-
     rgb, ratio = pca_rgb(features)
     extent = float((coords.max(0) - coords.min(0)).max()) + tile_level0
     scale = max_side / extent

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch import Tensor
 
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.onnx_export import within_tolerance
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone, read_arch_config
+from dinov3_core.models.arch_inference import resolve_arch
+from dinov3_core.models.released import read_backbone_state_dict
 
 HF_DTYPE = torch.float32
 
@@ -144,15 +148,12 @@ def write_hf_model(
 ) -> HFResult:
     """Write `out_dir` (replacing it only once the new one is complete and checked) and return its parity."""
     try:
-        import safetensors.torch
+        # deferred: transformers, the optional `hf` extra
         from transformers import DINOv3ViTConfig, DINOv3ViTModel
     except ImportError as err:
         raise HFExportError(
             f"writing a Hugging Face model needs transformers ({err}); pip install -e '.[hf]'"
         ) from None
-    from dinov3_core.inference.backbone import BackboneFeatures, load_backbone, read_arch_config
-    from dinov3_core.models.arch_inference import resolve_arch
-    from dinov3_core.models.released import read_backbone_state_dict
 
     sd = read_backbone_state_dict(weights)
     _, kwargs = resolve_arch(sd, read_arch_config(weights), source=str(weights))

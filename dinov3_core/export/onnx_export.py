@@ -12,6 +12,7 @@ Sin / Cos, no If / Tile / Loop: checked). The export runs in a spawned process k
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from dinov3_core import tracking
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
+from dinov3_core.inference.feature_model import file_hash
 from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
 
 __all__ = ["ExportConfig", "ExportError", "ExportResult", "run_export"]
@@ -111,8 +114,6 @@ def _export_onnx(weights: str, output: str, pooled: bool, half: bool, opset: int
         written = tmp.with_name(tmp.name + ".data")
         data = out.with_name(out.name + ".data")
         if written.exists():
-            import onnx
-
             proto = onnx.load(str(tmp), load_external_data=True)
             onnx.save(proto, str(tmp), save_as_external_data=True, location=data.name, all_tensors_to_one_file=True)
             written.unlink(missing_ok=True)
@@ -205,16 +206,13 @@ EXPORT_KEY_TAG = "wsidino.export_key"
 
 def export_key(cfg: ExportConfig) -> str:
     """What makes two exports the same model: the weights' content and the settings that change the graph."""
-    import hashlib
-
-    from dinov3_core.inference.feature_model import file_hash
-
     settings = (file_hash(cfg.weights), cfg.pooled, cfg.fp16, cfg.opset, cfg.max_side, cfg.external_data)
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:20]
 
 
 def registered_version(client: Any, name: str, key: str) -> str | None:
     """The version of `name` already registered for this export key, if any."""
+    # deferred: mlflow costs ~1 s at import, paid only when tracking
     from mlflow.exceptions import MlflowException
 
     try:
@@ -226,8 +224,8 @@ def registered_version(client: Any, name: str, key: str) -> str | None:
 
 
 def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
+    # deferred: mlflow costs ~1 s at import, paid only when tracking
     import mlflow
-    import onnx
     from mlflow import MlflowClient
 
     params = {"weights": cfg.weights, "pooled": cfg.pooled, "fp16": cfg.fp16, "n_nodes": result.n_nodes}
@@ -265,8 +263,6 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
 
 def run_export(cfg: ExportConfig) -> ExportResult:
     """Export, check (`onnx.checker` on the path, forbidden ops, ORT parity) and optionally log / register."""
-    import onnx
-
     model = BackboneFeatures(load_backbone(cfg.weights), cfg.pooled).eval()  # fails early on bad weights
     p = model.backbone.patch_size
     bad = [s for s in cfg.parity_sizes if s % p]

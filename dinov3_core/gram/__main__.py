@@ -18,6 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError, exit_code
+from dinov3_core.gram.anchoring import run_gram
+from dinov3_core.gram.config import GramConfig
 from dinov3_core.procutil import die_with_parent
 
 
@@ -34,8 +36,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
         die_with_parent()
     args = build_parser().parse_args(argv)
-    from dinov3_core.gram.anchoring import run_gram
-    from dinov3_core.gram.config import GramConfig
 
     overrides = list(args.overrides)
     if args.pretrain_dir is not None:

@@ -42,6 +42,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.gram import teacher as T
 from dinov3_core.gram.config import GramConfig, validate_gram
 from dinov3_core.losses.gram import GramLoss, resize_patch_tokens
+from dinov3_core.models import PRESETS, RELEASED
 from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.models.released import backbone_state_dict
 from dinov3_core.train import checkpoint as ckpt
@@ -275,8 +276,6 @@ def prepare_config(cfg: GramConfig) -> GramConfig:
 def _resolved_arch(pretrain_dir: Path, config_path: Path) -> str:
     """The architecture a `student.arch=auto` pretraining run resolved from its weights file: its checkpoint's
     meta.json names it when the file matched a released or preset architecture."""
-    from dinov3_core.models import PRESETS, RELEASED
-
     latest = ckpt.latest_checkpoint(pretrain_dir / ckpt.CKPT_DIR)
     arch = ckpt.read_meta(latest).get("arch") if latest is not None else None
     if arch in RELEASED or arch in PRESETS:

@@ -40,6 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dinov3_core import tracking
+from dinov3_core.config import load_config
+from dinov3_core.data import TileDataset
 from dinov3_core.errors import WsidinoError
 from dinov3_core.inference.label_free import effective_rank  # one implementation: training health, evaluate
 from dinov3_core.models.released import (
@@ -48,6 +51,7 @@ from dinov3_core.models.released import (
     resolve_arch,
     unwrap_backbone_state_dict,
 )
+from dinov3_core.train.config import PretrainConfig, total_iterations
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +124,6 @@ def _require_candidates(pretrain_dir: str | os.PathLike[str]) -> list[Candidate]
 
 def pretrain_total_iterations(pretrain_dir: str | os.PathLike[str]) -> int:
     """The pretraining schedule length (optim.epochs × train.epoch_length) from its `config.yaml`."""
-    from dinov3_core.config import load_config
-    from dinov3_core.train.config import PretrainConfig, total_iterations
-
     path = Path(pretrain_dir) / "config.yaml"
     if not path.is_file():
         raise GramTeacherError(
@@ -235,8 +236,6 @@ def dense_scores_of(patch_tokens: Callable[[Tensor], Tensor], images: Tensor, pa
 def held_out_images(stores: Sequence[str], n_tiles: int, size: int | None, patch_size: int) -> Tensor:
     """`n_tiles` tiles evenly spaced over the stores (deterministic), centre-cropped to a multiple of the patch
     size (`size`, or the largest that fits), as ImageNet-normalised float [N, 3, S, S]."""
-    from dinov3_core.data import TileDataset
-
     try:
         tiles = TileDataset(list(stores))
     except ValueError as err:
@@ -317,12 +316,12 @@ def select_gram_teacher(
 def _log_selection(selection: TeacherSelection) -> None:
     """Params, per-candidate metrics (step = iteration) and the JSON artifact, into the active MLflow run."""
     try:
+        # deferred: mlflow costs ~1 s at import, paid only when tracking
         import mlflow
     except ImportError:  # pragma: no cover
         return
     if mlflow.active_run() is None:
         return
-    from dinov3_core import tracking
 
     tracking.log_params(
         {

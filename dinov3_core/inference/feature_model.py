@@ -24,6 +24,8 @@ import torch
 
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.errors import WsidinoError
+from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
+from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
 
 __all__ = ["ExtractError", "FeatureModel", "Features", "file_hash", "normalise", "open_model", "torch_device"]
 
@@ -105,8 +107,6 @@ def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: l
 
 
 def _onnx_model(p: Path, providers: list[str] | None, threads: int, device_id: int = 0) -> FeatureModel:
-    from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
-
     try:
         session = ort_session(p, providers, threads, device_id)
     except Exception as err:  # ORT raises its own exception types
@@ -139,8 +139,6 @@ def bound_runner(session: Any, device: str, device_id: int = 0) -> Callable[[np.
     """`session.run` through I/O binding: the input bound from host memory, the outputs allocated by ORT on `device`
     and copied out once, so ORT neither stages the input nor syncs per output (used with the CUDA provider; "cpu"
     runs the same code on any machine)."""
-    from dinov3_core.inference.onnx_runtime import INPUT_NAME
-
     names = [o.name for o in session.get_outputs()]
 
     def run(x: np.ndarray) -> Features:
@@ -156,8 +154,6 @@ def bound_runner(session: Any, device: str, device_id: int = 0) -> Callable[[np.
 
 
 def _torch_model(p: Path, device: torch.device, precision: str) -> FeatureModel:
-    from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
-
     model = BackboneFeatures(load_backbone(p, device=str(device))).eval()
     runner = TorchRunner(model, device, AUTOCAST[precision])
     fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device}"], model.backbone.patch_size,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dinov3_core.data.augment import AugmentationConfig, MultiCropAugmentation
+from dinov3_core.train.step_batches import derive_seed
 
 GROUP = 16  # tiles augmented from one generator (and embedded in one call)
 PROBE_STREAM = 4  # random stream of the views, beside dinov3_core.train.step_batches's MASK / AUGMENT / TORCH streams
@@ -93,8 +94,6 @@ class ProbeViews:
     def render(self, tiles: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
         """Normalised float [B, 3, S, S] clean view, view A and view B of uint8 tiles [B, T, T, 3] (on their
         device); the views have the crop size, the clean view `clean_size`."""
-        from dinov3_core.train.step_batches import derive_seed
-
         cfg = AugmentationConfig(**self.augmentation)
         # A CPU generator on any device: the training GPU and the evaluate stage's CPU draw the same views.
         generator = torch.Generator().manual_seed(derive_seed(self.seed, PROBE_STREAM, group))

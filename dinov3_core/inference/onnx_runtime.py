@@ -24,6 +24,7 @@ def session_options(threads: int = 0) -> Any:
     anything else on a shared machine) need, and a ViT's ops are long enough that waking costs nothing measurable
     (docs/benchmarks.md, "Extract"). The memory arena and memory patterns stay on (ORT's defaults): the arena off
     halves throughput, memory patterns made no difference."""
+    # deferred: onnxruntime, only where an ONNX model runs
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -39,6 +40,7 @@ def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None
                 device_id: int = 0) -> Any:  # fmt: skip
     """An ONNX Runtime session with `session_options`; providers None → CUDA when available (on GPU `device_id`:
     `onnxruntime-gpu`, the `gpu` extra), then CPU."""
+    # deferred: onnxruntime, only where an ONNX model runs
     import onnxruntime as ort
 
     available = ort.get_available_providers()

@@ -55,6 +55,7 @@ def read_backbone_state_dict(path: PathLike) -> dict[str, Tensor]:
         raise FileNotFoundError(f"weights file not found: {path}")
     if path.suffix == ".safetensors":
         try:
+            # deferred: a readable error if safetensors is missing
             from safetensors.torch import load_file
         except ImportError as e:
             raise ImportError(f"{path}: reading .safetensors needs the `safetensors` package") from e
@@ -169,6 +170,7 @@ def save_backbone(model: nn.Module, path: PathLike) -> Path:
     try:
         if path.suffix == ".safetensors":
             try:
+                # deferred: a readable error if safetensors is missing
                 from safetensors.torch import save_file
             except ImportError as e:
                 raise ImportError(f"{path}: writing .safetensors needs the `safetensors` package") from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from dinov3_core import tracking
@@ -26,6 +27,7 @@ def cycle_mlflow_run(cfg: RetrainConfig, record: CycleRecord, tags: Mapping[str,
 def set_tags(cfg: RetrainConfig, run_id: str | None, tags: Mapping[str, Any]) -> None:
     if run_id is None:
         return
+    # deferred: mlflow costs ~1 s at import, paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
@@ -38,8 +40,8 @@ def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> N
     """cycle.json as an artifact and the cycle's headline figures as metrics."""
     if run_id is None:
         return
-    from dataclasses import asdict
 
+    # deferred: mlflow costs ~1 s at import, paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dinov3_core.export.extract import pictures_dir
 from dinov3_core.files import write_text_atomic
+from dinov3_core.inference.feature_model import file_hash
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.cycles import utc_now
 from dinov3_core.retrain.registry import Champion
@@ -45,7 +46,6 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
                   f"{champion.weights}); features not extracted")  # fmt: skip
         log(f"retrain {cid}: {reason}")
         return {"status": "missing", "reason": reason}
-    from dinov3_core.inference.feature_model import file_hash
 
     model_hash = file_hash(onnx)
     store = layout.feature_store(model_hash)

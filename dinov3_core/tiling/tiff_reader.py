@@ -18,6 +18,7 @@ import os
 from collections import OrderedDict
 
 import numpy as np
+import simplejpeg
 import tifffile
 
 TIFF_VENDORS = frozenset({"aperio", "generic-tiff"})
@@ -106,8 +107,6 @@ class TiffLevelReader:
         return tile
 
     def _decode_scaled(self, data: bytes, index: int) -> np.ndarray:
-        import simplejpeg
-
         tables = self._page.jpegtables
         if tables:  # an abbreviated stream: splice the shared tables in (tables without EOI + tile without SOI)
             data = bytes(tables[:-2]) + data[2:]

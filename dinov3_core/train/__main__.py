@@ -20,6 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError, exit_code
 from dinov3_core.procutil import die_with_parent
+from dinov3_core.train.config import PretrainConfig
+from dinov3_core.train.pretrain import run_pretrain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +36,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
         die_with_parent()
     args = build_parser().parse_args(argv)
-    from dinov3_core.train.config import PretrainConfig
-    from dinov3_core.train.pretrain import run_pretrain
 
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides, stage="pretrain")

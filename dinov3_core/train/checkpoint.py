@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.train.distributed import DistEnv, barrier, gather_pp_state
+from dinov3_core.train.param_groups import clean_param_name
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ class ModelLayout:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelLayout:
-        from dinov3_core.train.param_groups import clean_param_name
-
         shapes = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}
         trainable = frozenset(clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad)
         return cls(shapes, trainable)

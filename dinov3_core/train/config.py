@@ -19,6 +19,7 @@ from omegaconf import MISSING
 from dinov3_core.config import ConfigError, require
 from dinov3_core.data.augment import AugmentationConfig
 from dinov3_core.losses import LossesConfig
+from dinov3_core.models import backbone_kwargs
 from dinov3_core.tracking import TrackingConfig
 from dinov3_core.train.parallel_config import ParallelismConfig, check_pipeline_contract
 from dinov3_core.train.schedules import ScalingRule
@@ -367,8 +368,6 @@ STRUCTURE = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens"
 def structure_mismatch(theirs: Mapping[str, Any], cfg: PretrainConfig) -> str:
     """The structural settings in which a backbone's constructor kwargs (`theirs`) differ from what `cfg` trains,
     as "embed_dim 64 vs 768, …" (theirs vs the config's); empty when they fit or a setting is unknown."""
-    from dinov3_core.models.vision_transformer import backbone_kwargs
-
     ours = backbone_kwargs(cfg.student.arch, **backbone_overrides(cfg))
     diff = {k: (theirs[k], ours[k]) for k in STRUCTURE if k in theirs and k in ours and theirs[k] != ours[k]}
     return ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
@@ -444,8 +443,6 @@ def check_parallelism(cfg: PretrainConfig, world_size: int, micro_batch: int | N
 
 def _depth(cfg: PretrainConfig) -> int | None:
     """Blocks of the configured backbone; None when only the weights file tells (student.arch=auto)."""
-    from dinov3_core.models import backbone_kwargs
-
     if "depth" in cfg.student.backbone_overrides:
         return int(cfg.student.backbone_overrides["depth"])
     if cfg.student.arch == "auto":
@@ -454,8 +451,6 @@ def _depth(cfg: PretrainConfig) -> int | None:
 
 
 def _patch_size(cfg: PretrainConfig) -> int:
-    from dinov3_core.models import backbone_kwargs
-
     if "patch_size" in cfg.student.backbone_overrides:
         return int(cfg.student.backbone_overrides["patch_size"])
     if cfg.student.arch == "auto":

@@ -21,6 +21,7 @@ features are all-gathered, so every rank holds the same scores: `health.policy=s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -150,8 +151,6 @@ def record(cfg: C.PretrainConfig, probe: ProbeSet | None) -> None:
 
 
 def _without_holdout(cfg: C.PretrainConfig) -> C.PretrainConfig:
-    import copy
-
     cfg = copy.deepcopy(cfg)
     cfg.health.holdout_slides = 0
     return cfg

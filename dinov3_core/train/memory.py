@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from dinov3_core.errors import WsidinoError
-from dinov3_core.models import backbone_kwargs
+from dinov3_core.models import DINOHead, DinoVisionTransformer, backbone_kwargs
+from dinov3_core.models.adaptation import EMBEDDINGS, apply_adaptation
 from dinov3_core.train import config as C
 from dinov3_core.train.memory_terms import (
     GIB,
@@ -109,8 +110,6 @@ def shape_of(student: nn.ModuleDict, cfg: C.PretrainConfig) -> ModelShape:
 def frozen_prefix(vit: nn.Module) -> int:
     """Leading blocks backward never enters: K when blocks < K and everything before them (patch embedding,
     tokens) need no gradient, else 0."""
-    from dinov3_core.models.adaptation import EMBEDDINGS
-
     if any(p.requires_grad for name, p in vit.named_parameters() if name.split(".")[0] in EMBEDDINGS):
         return 0
     for i, block in enumerate(vit.blocks):
@@ -123,9 +122,6 @@ def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelSha
     """Sizes of the configured model, built on the meta device (no memory), with its `student.freeze_blocks` /
     `student.lora` applied (peft injects adapters on the meta device too), so the trainable count is exact.
     `backbone`: constructor kwargs when already known (a warm start reads them from the file)."""
-    from dinov3_core.models import DINOHead, DinoVisionTransformer
-    from dinov3_core.models.adaptation import apply_adaptation
-
     kwargs = backbone if backbone is not None else backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
     with torch.device("meta"):
         vit = DinoVisionTransformer(**kwargs)

@@ -28,6 +28,7 @@ from typing import Literal
 
 import psutil
 import torch
+import torch.distributed as dist
 
 MIB = 2**20
 Pressure = Literal["host", "device"]
@@ -271,8 +272,6 @@ class MemoryWatch:
 
 
 def _worst_over_ranks(window: MemoryWindow, device: torch.device) -> MemoryWindow:
-    import torch.distributed as dist
-
     values = torch.tensor(
         [window.process_mb, -window.host_available_mb, window.swap_in_mb, window.swap_out_mb, window.device_mb],
         dtype=torch.float64,

@@ -203,6 +203,7 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain")
     rows = [r for r in read_metrics(metrics_path) if "event" not in r]  # event lines: memory re-plans
     if not rows:
         return None
+    # deferred: matplotlib (~0.4 s), only for the figures
     import matplotlib
 
     matplotlib.use("Agg")
