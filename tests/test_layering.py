@@ -74,11 +74,7 @@ CORE_FORBIDDEN = {
     "dinov3_core.inference": STAGES,
     **{f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data", "train")},
 }
-LAYER_ALLOWED = {
-    # convert select=best_knn without a `choose`: removed by the orchestration refactor (its stage runner passes
-    # evaluate.checkpoints.best_knn_checkpoint to run_convert)
-    ("dinov3_core.export.convert", "dinov3_core.evaluate.checkpoints"),
-}
+LAYER_ALLOWED: set[tuple[str, str]] = set()  # none today
 
 
 def _module_names(root: Path, package: str) -> dict[str, Path]:

@@ -216,8 +216,9 @@ def _save_tensors(sd: dict[str, Tensor], path: Path) -> None:
 def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> ConvertResult:
     """Convert per `cfg`; raises `ConvertError` (a WsidinoError) for bad input before writing anything.
 
-    `choose` (select=best_knn): (run dir, tile store, annotations) → the eval checkpoint to convert
-    (default `dinov3_core.evaluate.checkpoints.best_knn_checkpoint`)."""
+    `choose` (needed with select=best_knn): (run dir, tile store, annotations) → the eval checkpoint to convert;
+    the convert stage passes `dinov3_core.evaluate.checkpoints.best_knn_checkpoint` (export never imports
+    evaluate)."""
     start = time.perf_counter()
     curve = None
     if cfg.select == "best_knn":
@@ -307,7 +308,5 @@ def _best_knn_checkpoint(cfg: ConvertConfig, choose: ChooseCheckpoint | None) ->
     if cfg.which != "teacher":
         raise ConvertError("select=best_knn converts eval checkpoints, which hold the teacher only: use which=teacher")
     if choose is None:
-        # The one place export reaches into evaluate (tests/test_layering.py allows this edge only): removed by the
-        # orchestration refactor, whose stage runner passes `evaluate.checkpoints.best_knn_checkpoint` as `choose`.
-        from dinov3_core.evaluate.checkpoints import best_knn_checkpoint as choose
+        raise ValueError("select=best_knn needs `choose` (the convert stage passes evaluate's best_knn_checkpoint)")
     return choose(cfg.input, cfg.store, cfg.annotations)  # type: ignore[arg-type]

@@ -20,9 +20,10 @@ class ConvertSummary(Summary):
 
 
 def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
+    from dinov3_core.evaluate.checkpoints import best_knn_checkpoint
     from dinov3_core.export.convert import run_convert
 
-    r = run_convert(cfg)
+    r = run_convert(cfg, choose=best_knn_checkpoint)  # select=best_knn: the kNN curve of the run's eval checkpoints
     hooks.log(f"convert: {r.checkpoint} → {r.backbone}")
     return r, ConvertSummary(str(r.checkpoint), r.iteration, r.arch, round(r.backbone_bytes / 1e6, 2),
                              round(r.checkpoint_bytes / 1e6, 2))  # fmt: skip
