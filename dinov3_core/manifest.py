@@ -9,10 +9,15 @@ single-file output such as `model.onnx`):
      "lineage": {"convert": "<run id>", "gram": "<run id>", "pretrain": "<run id>", "tile": "<run id>"}, …}
 
 A stage is up to date when its manifest is `complete`, the config hash and every input fingerprint match, and
-the recorded outputs exist. An input produced by another stage is fingerprinted by that stage's manifest
-(`output_fingerprint`: the producer's config, inputs and output content), so a downstream stage reruns exactly
-when what it reads changed. Other inputs are fingerprinted from file sizes and content samples (no full hashing of
-multi-GB checkpoints). `lineage` carries the MLflow run ids of every upstream stage, which is how features are
+the recorded outputs exist and are what was written: `artifacts` keeps the SHA-256 of every file output and the
+checksums file of every checkpoint directory (`dinov3_core.checksums`), checked on every skip decision (size and
+mtime first, the content when they differ, always for model files) and wherever another stage reads them
+(`fingerprint`): a damaged output makes its stage run again, saying why, and a replaced input is refused.
+
+An input produced by another stage is fingerprinted by that stage's manifest (`output_fingerprint`: the
+producer's config, inputs and output content), so a downstream stage reruns exactly when what it reads changed.
+Other inputs are fingerprinted from file sizes and content samples (no full hashing of multi-GB files the project
+did not write). `lineage` carries the MLflow run ids of every upstream stage, which is how features are
 traced back to the model, the training runs and the tile store.
 """
 
@@ -30,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dinov3_core import locks
+from dinov3_core import checksums, locks
 from dinov3_core.errors import WsidinoError
 from dinov3_core.files import write_text_atomic
 
@@ -58,6 +63,7 @@ class StageManifest:
     config_hash: str
     inputs: dict[str, dict[str, str]]  # name → {"path", "fingerprint"}
     outputs: dict[str, str] = field(default_factory=dict)  # name → path
+    artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)  # output name → its content record
     output_fingerprint: str | None = None  # set on completion; what downstream stages record as our fingerprint
     mlflow_run_id: str | None = None
     lineage: dict[str, str] = field(default_factory=dict)  # upstream stage → its MLflow run id
@@ -88,9 +94,11 @@ def read_manifest(path: str | os.PathLike[str]) -> StageManifest | None:
     if not p.is_file():
         return None
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError: name the file either way
         raise ManifestError(f"{p}: unreadable stage manifest ({err}); delete it to rerun the stage") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{p}: not a stage manifest (a JSON object was expected); delete it to rerun the stage")
     if doc.get("format") != FORMAT:
         return None
     return StageManifest.from_dict(doc)
@@ -182,14 +190,22 @@ def _tree_fingerprint(root: Path, limit: int = 100_000) -> str:
 
 
 def fingerprint(path: str | os.PathLike[str], key: str = "input") -> str:
-    """A fingerprint of one stage input: the producer's manifest when there is one, else file/tree metadata.
+    """A fingerprint of one stage input: the producer's manifest when there is one (the file checked against what
+    the producer wrote), else file/tree metadata.
 
     Raises:
-        ManifestError: `path` does not exist (naming the config key it came from).
+        ManifestError: `path` does not exist, or is not what the stage that wrote it recorded (naming the config
+            key it came from).
     """
     p = Path(path)
     producer = producer_manifest(p)
     if producer is not None:
+        damaged = check_artifacts(producer.artifacts, within=p)
+        if damaged:
+            raise ManifestError(
+                f"{key}: {'; '.join(damaged)}: not the output the {producer.stage} stage wrote. Rerun {producer.stage} "
+                f"(e.g. --force {producer.stage}) to write it again, or copy the file elsewhere to use it as your own"
+            )
         return f"stage:{producer.stage}:{producer.output_fingerprint}"
     if p.is_file():
         return file_fingerprint(p)
@@ -257,6 +273,42 @@ def lineage_of(paths: Iterable[str | os.PathLike[str] | None]) -> dict[str, str]
     return lineage
 
 
+# ------------------------------------------------------------------------------------------------- artifacts
+
+
+def record_artifacts(outputs: Mapping[str, str | os.PathLike[str]]) -> dict[str, dict[str, Any]]:
+    """Content records of a stage's outputs: every file's SHA-256, every checkpoint directory's checksums file
+    (other directories, tile and feature stores, are fingerprinted by their own manifests)."""
+    records: dict[str, dict[str, Any]] = {}
+    for name, path in outputs.items():
+        p = Path(path)
+        if p.is_file():
+            records[name] = checksums.file_record(p)
+        elif p.is_dir() and checksums.has_checksums(p):
+            records[name] = {"path": str(p.resolve()), "checksums": checksums.file_record(p / checksums.CHECKSUMS)}
+    return records
+
+
+def check_artifacts(
+    records: Mapping[str, Mapping[str, Any]], *, within: str | os.PathLike[str] | None = None, full: bool = False
+) -> list[str]:
+    """What is no longer as recorded (empty: all intact), for every record (or those at or under `within`)."""
+    root = Path(within).resolve() if within is not None else None
+    problems: list[str] = []
+    for record in records.values():
+        path = Path(record["path"])
+        if root is not None and path != root and root not in path.parents:
+            continue
+        if "checksums" in record:  # a checkpoint directory: its checksums file, then the files it lists
+            said = checksums.check_file(record["checksums"], full=True)
+            problems += [said] if said else checksums.check_directory(path, full=full)
+        else:
+            said = checksums.check_file(record, full=True if full else None)
+            if said:
+                problems.append(said)
+    return problems
+
+
 # -------------------------------------------------------------------------------------------------- decision
 
 
@@ -287,6 +339,9 @@ def check_up_to_date(path: Path, config_hash: str, inputs: Mapping[str, Mapping[
     missing = [name for name, out in previous.outputs.items() if not Path(out).exists()]
     if missing:
         return Decision(False, f"outputs missing: {', '.join(missing)}", previous)
+    damaged = check_artifacts(previous.artifacts)
+    if damaged:
+        return Decision(False, f"outputs changed since they were written: {'; '.join(damaged)}", previous)
     return Decision(True, "same config and inputs as the complete run of " + str(previous.finished_at), previous)
 
 
@@ -314,6 +369,7 @@ __all__ = [
     "ManifestError",
     "StageManifest",
     "StateInput",
+    "check_artifacts",
     "check_up_to_date",
     "completion_fingerprint",
     "fingerprint",
@@ -323,5 +379,6 @@ __all__ = [
     "output_lock",
     "producer_manifest",
     "read_manifest",
+    "record_artifacts",
     "write_manifest",
 ]

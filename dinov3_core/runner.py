@@ -213,6 +213,7 @@ def manifest_guard(spec: Stage[Any], cfg: Any, inputs: dict[str, dict[str, str]]
                 m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
                 mf.write_manifest(path, m)
                 raise OutputsMissing(f"{spec.name}: {m.error} (see {path})")
+            m.artifacts = mf.record_artifacts(m.outputs)  # what a skip decision and the next stage check
             m.status, m.finished_at = "complete", mf.now()
             m.output_fingerprint = mf.completion_fingerprint(m)
             mf.write_manifest(path, m)

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dinov3_core import tracking
+from dinov3_core import checksums, tracking
 from dinov3_core.config import load_config, to_yaml
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ConvertConfig
@@ -46,7 +46,7 @@ from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_back
 from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
 from dinov3_core.train import config as C
-from dinov3_core.train.checkpoint import CKPT_DIR, latest_checkpoint, read_meta
+from dinov3_core.train.checkpoint import CKPT_DIR, complete_checkpoints, latest_intact_checkpoint, read_meta
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
 
@@ -97,12 +97,16 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     if not p.exists():
         raise ConvertError(f"convert input {p} does not exist; give a pretrain output dir or its ckpt/<iteration>/")
     if (p / ".metadata").is_file():
+        damaged = checksums.check_directory(p, full=True)
+        if damaged:
+            raise ConvertError(f"convert input {p} is damaged ({'; '.join(damaged)}); convert an intact checkpoint")
         return p
     for root in (p / CKPT_DIR, p):
-        if root.is_dir():
-            found = latest_checkpoint(root)
-            if found is not None:
-                return found
+        if root.is_dir() and complete_checkpoints(root):
+            found = latest_intact_checkpoint(root)  # a damaged latest one is named in a warning and skipped
+            if found is None:
+                raise ConvertError(f"every checkpoint under {root} is damaged (see the warnings); nothing to convert")
+            return found
     raise ConvertError(
         f"convert input {p} is neither a DCP checkpoint (no .metadata) nor a pretrain output dir with a complete "
         f"checkpoint under {p / CKPT_DIR}/<iteration>/; point `input` at one (a crash leaves only .tmp-* dirs)"

@@ -199,7 +199,7 @@ class GramTrainer(Trainer):
         self.gram_updates = self.gram_schedules.updates_before(self.start_iteration)
 
     def _start_from_pretraining(self, pretrain_dir: Path) -> None:
-        latest = ckpt.latest_checkpoint(pretrain_dir / ckpt.CKPT_DIR)
+        latest = ckpt.latest_intact_checkpoint(pretrain_dir / ckpt.CKPT_DIR)  # a damaged one is named and skipped
         if latest is None:
             raise WsidinoError(
                 f"no training checkpoint in {pretrain_dir / ckpt.CKPT_DIR}: pretrain_dir must be a pretraining "

@@ -43,7 +43,7 @@ from dinov3_core.retrain.snapshot import (
 from dinov3_core.runner import StageOutcome
 from dinov3_core.stages import get_stage
 from dinov3_core.stages.evaluate import EvaluateSummary
-from dinov3_core.stages.export import ExportSummary
+from dinov3_core.stages.export import WEIGHTS_SHA_TAG, ExportSummary
 from dinov3_core.stages.tile import TileSummary
 
 
@@ -144,6 +144,7 @@ class _Cycle:
                     f"machine ({registry.WEIGHTS_TAG}={weights}); restore it, move @champion to a version whose "
                     "files exist, or set warm_start=released|scratch"
                 )
+            champion.verified(weights, WEIGHTS_SHA_TAG)  # a replaced or damaged champion file is never trained on
             check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
             choice = {"source": "champion", "path": str(weights), "version": champion.version,
                       "cycle": champion.cycle}  # fmt: skip

@@ -20,6 +20,7 @@ from dinov3_core.inference.feature_model import file_hash
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.cycles import utc_now
 from dinov3_core.retrain.registry import Champion
+from dinov3_core.stages.export import ONNX_SHA_TAG
 
 if TYPE_CHECKING:
     from dinov3_core.retrain.cycle import _Cycle
@@ -47,6 +48,7 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
         log(f"retrain {cid}: {reason}")
         return {"status": "missing", "reason": reason}
 
+    champion.verified(onnx, ONNX_SHA_TAG)  # never features from a file that is not the registered champion
     model_hash = file_hash(onnx)
     store = layout.feature_store(model_hash)
     previous = current_features(layout.features)

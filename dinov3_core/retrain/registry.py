@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dinov3_core import tracking
+from dinov3_core import checksums, tracking
 from dinov3_core.retrain.config import RetrainConfig, RetrainError
 
 CYCLE_TAG = "wsidino.cycle"
@@ -39,6 +39,17 @@ class Champion:
             return None
         candidate = self.weights.parent / "model.onnx"
         return candidate if candidate.is_file() else None
+
+    def verified(self, path: Path, tag: str) -> Path:
+        """`path` (the champion's weights or ONNX file on this machine) if its SHA-256 is the one the version was
+        registered with; a version registered before the tag existed is taken as it is."""
+        expected = self.tags.get(tag)
+        if expected and checksums.sha256(path) != expected:
+            raise RetrainError(
+                f"{path} is not the file champion v{self.version} was registered with (its SHA-256 differs from the "
+                f"version's {tag} tag); restore it, or move @champion to a version whose files are intact"
+            )
+        return path
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "cycle": self.cycle, "weights": str(self.weights) if self.weights else None}

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dinov3_core import checksums, tracking
 from dinov3_core import manifest as mf
-from dinov3_core import tracking
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
 from dinov3_core.stages.versions import describe_version, lineage_tags
+
+ONNX_SHA_TAG = "wsidino.sha256"  # a registered version's model.onnx on disk
+WEIGHTS_SHA_TAG = "wsidino.weights_sha256"  # the backbone.pth it was exported from
 
 
 @dataclass
@@ -59,14 +62,17 @@ def _work(cfg: ExportConfig, hooks: RunHooks) -> tuple[Any, ExportSummary]:
 
 
 def _tag_model_version(cfg: ExportConfig, m: mf.StageManifest) -> None:
-    """The registered ONNX model version carries the run ids it came from (registry → training → tiles)."""
+    """The registered ONNX model version carries the run ids it came from (registry → training → tiles) and the
+    SHA-256 of its files on disk, so whoever uses them later (a cycle's warm start, extraction with the champion)
+    can refuse a file that is not the one registered."""
     s = STAGE.summary(m.summary)
     if not s.model_version or not s.registered_model:
         return
     from mlflow import MlflowClient  # deferred: mlflow costs ~2 s at import
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
-    for key, value in {**lineage_tags(m.lineage), "wsidino.weights": str(cfg.weights)}.items():
+    hashes = {ONNX_SHA_TAG: m.artifacts["onnx"]["sha256"], WEIGHTS_SHA_TAG: checksums.sha256(Path(cfg.weights))}
+    for key, value in {**lineage_tags(m.lineage), "wsidino.weights": str(cfg.weights), **hashes}.items():
         client.set_model_version_tag(s.registered_model, s.model_version, key, value)
 
 

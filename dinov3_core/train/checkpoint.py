@@ -5,7 +5,9 @@ Training checkpoint layout (DCP, docs/reference/dinov3.md#checkpoints): `.metada
 `train_state.{iteration, sampler.*, rng.*}`; plus `meta.json` for people and tools. Every rank writes its shards
 into `ckpt/.tmp-<it>/`; after a barrier rank 0 renames it to `ckpt/<it>/`, so an integer-named directory is
 always complete (a crash leaves only a `.tmp-*` directory, removed at the next start). DCP reshards on load,
-so a run resumes on another number of ranks.
+so a run resumes on another number of ranks. Rank 0 also writes `checksums.json` (CRC-32C of every file,
+`dinov3_core.checksums`) before the rename: a resume checks the checkpoint in full and falls back to the newest
+intact one, naming the damaged one (`latest_intact_checkpoint`), so flipped bytes are never trained on.
 
 Randomness needs no generator state: every draw is seeded from (seed, iteration / stream position, rank),
 see `pipeline`. `train_state.rng` records that seed; the sampler state records the stream position.
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from dinov3_core import checksums
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.train.distributed import DistEnv, barrier, gather_pp_state
@@ -70,6 +73,17 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def latest_intact_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint whose files match its checksums (read in full); a damaged one is skipped
+    with a warning naming it and what differs. None: no intact checkpoint (a fresh start)."""
+    for _, path in reversed(complete_checkpoints(root)):
+        damaged = checksums.check_directory(path, full=True)
+        if not damaged:
+            return path
+        logger.warning("checkpoint %s is damaged (%s); falling back to an older one", path, "; ".join(damaged))
+    return None
 
 
 def remove_partial(root: Path) -> None:
@@ -226,6 +240,7 @@ def save_checkpoint(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     barrier(env)  # every rank's shards are on disk
     if env.is_main:
+        checksums.write_checksums(tmp)  # before the rename: a complete checkpoint always has its checksums
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

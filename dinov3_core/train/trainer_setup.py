@@ -135,8 +135,9 @@ def check_batch(cfg: C.PretrainConfig, n_tiles: int, plan: BatchPlan) -> None:
 
 
 def checkpoint_to_resume(cfg: C.PretrainConfig, ckpt_root: Path, model: SSLMetaArch) -> Path | None:
-    """The latest complete checkpoint under `ckpt_root`, checked against `model`; None for a fresh run."""
-    latest = ckpt.latest_checkpoint(ckpt_root)
+    """The latest intact checkpoint under `ckpt_root` (a damaged one is skipped, named in a warning), checked
+    against `model`; None for a fresh run."""
+    latest = ckpt.latest_intact_checkpoint(ckpt_root)
     if latest is not None and not cfg.checkpointing.resume:
         raise WsidinoError(
             f"{ckpt_root} already holds checkpoints but checkpointing.resume=false: choose a new "
