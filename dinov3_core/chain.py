@@ -116,7 +116,13 @@ def chain_config(
 
 
 def check_before_work(
-    configs: Mapping[str, Any], tile_store: Path | None, world_size: int, *, prefix: bool = True, when: str = ""
+    configs: Mapping[str, Any],
+    tile_store: Path | None,
+    world_size: int,
+    *,
+    prefix: bool = True,
+    when: str = "",
+    chain_keys: Mapping[str, str] | None = None,
 ) -> None:
     """Every stage's checks before work (`Stage.preflight`: the batch and crops against the tiles, the annotations
     readable), all problems at once, each with the key as the user types it (`gram.train.global_batch_size` in a
@@ -128,6 +134,8 @@ def check_before_work(
         world_size: Processes of each training job.
         prefix: Name keys after their stage (a chain's keys).
         when: Said in the message (e.g. "once the tiles exist").
+        chain_keys: A stage key the chain sets from one of its own → that key (`pretrain.student.pretrained_weights`
+            → `weights`: the user typed --weights).
 
     Raises:
         ConfigError: Naming every problem found.
@@ -137,7 +145,9 @@ def check_before_work(
         stage = get_stage(name)
         if stage.preflight is None:
             continue
-        problems += stage.preflight(cfg, PreflightFacts(tile_store, world_size, f"{name}." if prefix else ""))
+        for p in stage.preflight(cfg, PreflightFacts(tile_store, world_size, f"{name}." if prefix else "")):
+            user_key = (chain_keys or {}).get(p.key, p.key)
+            problems.append(Problem(user_key, p.message, p.fix.replace(p.key, user_key)))
     if problems:
         head = f"{len(problems)} problem(s) found before any work{' ' + when if when else ''}"
         raise ConfigError(head + ":\n" + "\n".join(f"  {p}" for p in problems))

@@ -133,6 +133,7 @@ def small_backbone(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--weights", "vitb16"], "set weights_dir=DIR"),
         (["--config", "vitb16-1gpu"], "continues released DINOv3 weights: give --weights"),
         (["--weights", "{backbone}", "--config", "vitb16-1gpu"], "do not fit the pretrain config"),
+        (["--weights", "{file}"], "weights: {file}: cannot be read as a weights file"),  # opened before any stage
         (["pretrain.train.stopat=3"], "did you mean 'train.stop_at'"),
         (["gram_anchorin=false"], "did you mean 'gram_anchoring'"),
         (["--to", "tile", "--from", "gram"], "comes after"),
@@ -147,7 +148,7 @@ def test_bad_input_is_named_before_anything_is_written(
     extra = [e.format(file=a_file, backbone=small_backbone) for e in extra]
     args = ["pipeline", "--slides", str(good_slides), "--workdir", str(tmp_path / "run"), *extra]
     assert cli.main(args) == cli.EXIT_USAGE
-    assert said in capsys.readouterr().err
+    assert said.format(file=a_file) in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 

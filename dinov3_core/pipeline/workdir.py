@@ -40,6 +40,7 @@ from dinov3_core.stages.tile import TileSummary
 PIPELINE_TAG = "wsidino.pipeline"
 ATTEMPT_TAG = "wsidino.pipeline.attempt"
 OWNER = "the pipeline (each stage's paths under --workdir)"
+CHAIN_KEYS = {"pretrain.student.pretrained_weights": "weights"}  # what the user typed for what the pipeline sets
 
 
 def layout(cfg: PipelineConfig, weights: Path | None = None) -> ChainPaths:
@@ -134,9 +135,10 @@ def run_pipeline(
     stages = [get_stage(s) for s in cfg.selected()]
     weights = resolve_weights(cfg)
     configs = {s.name: stage_config(cfg, s, weights) for s in stages}  # every key checked against its schema
-    check_inputs(cfg, [s.name for s in stages], weights)
+    check_inputs(cfg, [s.name for s in stages])
     world = world_size
-    check_before_work(configs, layout(cfg).tile_store, world)  # a store tiled before: its tiles count now
+    # A store tiled before: its tiles count now; the warm-start file is opened and its keys read.
+    check_before_work(configs, layout(cfg).tile_store, world, chain_keys=CHAIN_KEYS)
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
     try:
@@ -165,8 +167,9 @@ def run_pipeline(
     return result
 
 
-def check_inputs(cfg: PipelineConfig, stages: list[str], weights: Path | None) -> None:
-    """What can be known to fail before anything is written: the workdir, the slides, the weights' shape."""
+def check_inputs(cfg: PipelineConfig, stages: list[str]) -> None:
+    """What can be known to fail before anything is written: the workdir, the slides (the stages' own checks,
+    the warm-start file included, follow in `check_before_work`)."""
     workdir = Path(cfg.workdir).expanduser().resolve()
     existing = next(p for p in (workdir, *workdir.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -176,31 +179,6 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], weights: Path | None) -
 
         tile = stage_config(cfg, "tile")
         discover_slides(tile.input, tile.extensions)  # names the folder when it holds no slide
-    if weights is not None and "pretrain" in stages:
-        check_weights(weights, stage_config(cfg, "pretrain", weights))
-
-
-def check_weights(weights: Path, pretrain: Any) -> None:
-    """The warm-start file must have the architecture the pretrain config trains (its shape, read from the
-    file's keys), so a mismatch fails here and not minutes later inside the training job."""
-    from dinov3_core.models.arch_inference import infer_backbone_kwargs
-    from dinov3_core.models.released import read_backbone_state_dict
-    from dinov3_core.models.state_dict_check import ReleasedWeightsError
-    from dinov3_core.train.config import structure_mismatch
-
-    if pretrain.student.arch == "auto":
-        return
-    try:
-        name, theirs = infer_backbone_kwargs(read_backbone_state_dict(weights), source=str(weights))
-    except ReleasedWeightsError as err:
-        raise ConfigError(f"weights: {err}") from None
-    said = structure_mismatch(theirs, pretrain)
-    if said:
-        raise ConfigError(
-            f"weights {weights} ({name or 'not a released variant'}) do not fit the pretrain config's "
-            f"student.arch={pretrain.student.arch} ({said}, file vs config); choose the --config of that model "
-            "size (docs/hardware.md) or set pretrain.student.arch=auto"
-        )
 
 
 def check_tiled(cfg: PipelineConfig, outcome: StageOutcome[TileSummary]) -> None:
@@ -256,7 +234,6 @@ def _message(result: PipelineResult) -> str:
 __all__ = [
     "PipelineResult",
     "check_inputs",
-    "check_weights",
     "extraction_model",
     "layout",
     "run_pipeline",

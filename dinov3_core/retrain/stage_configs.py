@@ -74,7 +74,10 @@ def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
             continue
         configs[stage.name] = build(cfg, stage, layout, "validate", weights="(warm start)", model="model.onnx",
                                     output=str(layout.features / "validate.zarr"))  # fmt: skip
-    check_before_work({"evaluate": configs["evaluate"]}, layout.tile_store, 1)
+    checks = {"evaluate": configs["evaluate"]}
+    if cfg.pretrained_weights:  # the released weights a cycle may warm-start from: opened and read now
+        checks["pretrain"] = build(cfg, "pretrain", layout, "validate", weights=cfg.pretrained_weights)
+    check_before_work(checks, None, 1, chain_keys={"pretrain.student.pretrained_weights": "pretrained_weights"})
 
 
 __all__ = ["OWNER", "build", "cycle_paths", "training_length", "validate"]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core.stages import training
-from dinov3_core.stages.base import ChainPaths, CliOption, Stage, stores_input
+from dinov3_core.stages.base import ChainPaths, CliOption, PreflightFacts, Problem, Stage, stores_input
 from dinov3_core.stages.training import TrainingSummary
 
 # What changes neither the model nor its checkpoints.
@@ -19,6 +19,43 @@ def schema() -> type:
     from dinov3_core.train.config import PretrainConfig
 
     return PretrainConfig
+
+
+def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
+    """The training checks, and the warm-start file opened and its keys read before any stage runs: a file that is
+    no backbone, or one of another architecture than `student.arch`, fails now and not inside the job."""
+    problems = training.preflight(cfg, facts)
+    if cfg.student.pretrained_weights:
+        problems += weights_problems(Path(cfg.student.pretrained_weights), cfg, facts.key("student.pretrained_weights"))
+    return problems
+
+
+def weights_problems(weights: Path, cfg: Any, key: str) -> list[Problem]:
+    """Why `weights` cannot warm-start the pretrain config `cfg` (empty: it can)."""
+    from dinov3_core.models.arch_inference import infer_backbone_kwargs
+    from dinov3_core.models.released import read_backbone_state_dict
+    from dinov3_core.models.state_dict_check import ReleasedWeightsError
+    from dinov3_core.train.config import structure_mismatch
+
+    give = "give a released DINOv3 backbone .pth (or .safetensors) or a `wsidino convert` backbone.pth"
+    if not weights.is_file():
+        return [Problem(key, f"{weights} is not a file", give)]
+    try:
+        name, theirs = infer_backbone_kwargs(read_backbone_state_dict(weights), source=str(weights))
+    except (ReleasedWeightsError, OSError) as err:
+        return [Problem(key, str(err), give)]
+    said = structure_mismatch(theirs, cfg) if cfg.student.arch != "auto" else None
+    if said:
+        return [
+            Problem(
+                key,
+                f"{weights} ({name or 'not a released variant'}) does not fit the pretrain config's "
+                f"student.arch={cfg.student.arch} ({said}, file vs config): the weights do not fit the "
+                "pretrain config",
+                "choose the --config of that model size (docs/hardware.md) or set pretrain.student.arch=auto",
+            )
+        ]
+    return []
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
@@ -46,7 +83,7 @@ STAGE: Stage[TrainingSummary] = Stage(
     job_summary=training.training_summary,
     job_check=training.check_job,
     volatile=TRAINING_VOLATILE,
-    preflight=training.preflight,
+    preflight=_preflight,
     options=(
         CliOption("--store", "data.stores", "tile store (repeat for several); = data.stores", repeat=True),
         CliOption("--output-dir", "output_dir", "run directory (checkpoints, eval/, metrics); = output_dir"),
