@@ -171,3 +171,54 @@ def test_a_second_cycle_on_a_busy_root_names_the_holder(tmp_path: Path) -> None:
         done = _retrain(tmp_path, f"tracking.uri=sqlite:///{tmp_path / 'm.db'}")
     assert done.returncode == 2 and f"pid {os.getpid()}" in done.stderr, done.stderr
     assert not (tmp_path / "root" / "cycles").exists()
+
+
+def test_retention_with_a_real_registry_spares_the_champions_files_cycles_in_use_and_everything_outside(
+    tmp_path: Path,
+) -> None:
+    """The cycle's own retention step (`_Cycle.retain`) against a real MLflow registry: the champion is a version
+    registered outside any cycle (no cycle tag) whose files live in an old candidate's cycle; a failed cycle holds a
+    link to a folder outside the root. Nothing of the champion, of a running cycle, or outside cycles/ goes."""
+    from mlflow import MlflowClient
+
+    from dinov3_core.retrain.config import load_retrain_config
+    from dinov3_core.retrain.cycle import _Cycle
+    from dinov3_core.retrain.registry import WEIGHTS_TAG
+    from tests.helpers import sqlite_uri
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.pth").write_text("keep me")
+    uri = sqlite_uri(tmp_path)
+    cfg = load_retrain_config("tiny", {"slides": str(tmp_path / "slides"), "root": str(root), "tracking.uri": uri,
+                                       "retention.keep_last": 0})  # fmt: skip
+    layout = CycleLayout(root)
+    cycles = [
+        _cycle(layout, 1, "trained", promoted=False),  # an old candidate: its model folder holds the champion
+        _cycle(layout, 2, "failed"),  # records only; it holds a link to a folder outside the root
+        _cycle(layout, 3, "running"),  # in use by another attempt: never touched
+        _cycle(layout, 4, "trained", promoted=False),  # this cycle, finishing
+    ]
+    (layout.cycle_dir(cycles[1].id) / "model" / "outside").symlink_to(outside)
+    (root / "tiles.zarr").mkdir()
+    (root / "tiles.zarr" / "zarr.json").write_text("{}")
+    champion_weights = layout.cycle_dir(cycles[0].id) / "model" / "backbone.pth"
+    client = MlflowClient(tracking_uri=uri)
+    client.create_registered_model(cfg.register_name)
+    version = client.create_model_version(cfg.register_name, source=str(champion_weights.parent),
+                                          tags={WEIGHTS_TAG: str(champion_weights)})  # fmt: skip
+    client.set_registered_model_alias(cfg.register_name, "champion", version.version)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+
+    cycle = _Cycle(cfg, lambda *a, **k: None, log=lambda line: None)  # type: ignore[arg-type]
+    cycle.record = cycles[3]
+    cycle.retain()
+
+    gone = {p for p in before if not p.exists()}
+    assert champion_weights.read_bytes() == before[champion_weights]  # the champion's files, outside its tag's rule
+    assert (champion_weights.parent / "model.onnx").is_file()
+    assert not any(layout.cycle_dir(cycles[2].id) in p.parents for p in gone)  # the running cycle: untouched
+    assert (outside / "precious.pth").read_text() == "keep me"  # the link went, not what it points to
+    assert not (layout.cycle_dir(cycles[1].id) / "model").exists()
+    assert all(layout.cycles in p.parents for p in gone) and (root / "tiles.zarr" / "zarr.json").is_file()
+    assert gone  # and retention did delete something (the failed cycle's files, old checkpoints)

@@ -214,8 +214,9 @@ class _Cycle:
 
     def retain(self) -> None:
         champion = registry.champion(self.cfg)
+        files = [champion.weights, champion.weights.parent / "model.onnx"] if champion and champion.weights else []
         plan = retention.plan(self.layout, list_cycles(self.layout), self.cfg.retention, self.record.id,
-                              champion.cycle if champion else None)  # fmt: skip
+                              champion.cycle if champion else None, protected=files)  # fmt: skip
         retention.apply(self.layout, plan)
         self.record.retention = plan.as_dict(self.layout.root)
         for path in self.record.retention["deleted"]:

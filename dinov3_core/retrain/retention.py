@@ -10,12 +10,16 @@ runs meanwhile):
 * older trained, failed or abandoned cycles: everything but the records (cycle.json, snapshot.json and the
   evaluation's evaluation.json / evaluation.md).
 
-Deletion goes through `_remove`, which refuses any path outside `<root>/cycles/<id>/`.
+Whatever holds the registry champion's files (`protected`: its backbone and ONNX, wherever its tags say they are)
+is never deleted, whichever cycle it is in, even a champion registered outside any cycle or moved by hand.
+Deletion goes through `_remove`, which refuses any path outside `<root>/cycles/<id>/` and removes a symbolic link
+itself, never what it points to.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +56,10 @@ def _all_but_records(cycle_dir: Path) -> list[Path]:
 
 
 def plan(
-    layout: CycleLayout, cycles: list[CycleRecord], cfg: RetentionConfig, running: str, champion_cycle: str | None
+    layout: CycleLayout, cycles: list[CycleRecord], cfg: RetentionConfig, running: str, champion_cycle: str | None,
+    protected: Iterable[Path] = (),
 ) -> RetentionPlan:  # fmt: skip
+    """What to delete. `protected`: files that must survive (the champion's), with every folder holding them."""
     result = RetentionPlan()
     others = 0
     for c in reversed(cycles):  # newest first: the last `keep_last` are the newest
@@ -80,18 +86,24 @@ def plan(
         else:
             result.kept[c.id] = "records only"
             result.delete += _all_but_records(d)
+    keep = [Path(p).resolve() for p in protected]
+    spared = [p for p in result.delete if any(k == p.resolve() or p.resolve() in k.parents for k in keep)]
+    for p in spared:
+        result.kept[str(p)] = "holds the champion's files"
+    result.delete = [p for p in result.delete if p not in spared]
     return result
 
 
 def _remove(layout: CycleLayout, path: Path) -> None:
     cycles = layout.cycles.resolve()
-    target = path.resolve()
+    # The entry itself (a symbolic link is judged and removed where it is, not where it points).
+    target = path.parent.resolve() / path.name
     if cycles not in target.parents or target.parent == cycles:
         raise RuntimeError(f"retention refused to delete {target}: not inside a cycle directory under {cycles}")
-    if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)
-    else:
+    if target.is_symlink() or not target.is_dir():
         target.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(target)  # removes links inside, never what they point to
 
 
 def apply(layout: CycleLayout, retention: RetentionPlan) -> None:
