@@ -27,6 +27,7 @@ SCRIPTS = [
     "evaluate.py",
     "training_health.py",
     "stage_manifest.py",
+    "verify_cost.py",
     "onnx_parity.py",
     "small_machine.py",
     "pipeline_parallel.py",

@@ -29,12 +29,22 @@ _CHUNK = 1 << 22  # 4 MiB reads
 MODEL_SUFFIXES = (".pth", ".pt", ".onnx", ".safetensors", ".data")  # always fully hashed when checked
 
 
+_SEEN: dict[tuple[Any, ...], str] = {}  # this process's digests, by file identity and change time
+
+
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """SHA-256 of the file's content. Within one process a file is read once: a no-op pipeline rerun checks a model
+    file where it is written and again where each later stage reads it. Keyed on inode, size, mtime and ctime, and
+    ctime cannot be set back by hand, so a file rewritten in between is read again."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _SEEN:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        _SEEN[key] = h.hexdigest()
+    return _SEEN[key]
 
 
 def crc32c(path: Path) -> str:
