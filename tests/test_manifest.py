@@ -177,10 +177,11 @@ def test_one_run_per_output(tmp_path: Path):
     assert mf.read_manifest(spec.manifest_path(cfg)).error == "RuntimeError: boom"
 
 
-def test_unreadable_manifest_says_what_to_do(tmp_path: Path):
+@pytest.mark.parametrize("content", [b"{not json", b"\x93 not UTF-8 \x94", b"[1, 2]"])
+def test_unreadable_manifest_says_what_to_do(tmp_path: Path, content: bytes):
     path = tmp_path / mf.MANIFEST_NAME
-    path.write_text("{not json")
-    with pytest.raises(mf.ManifestError, match="delete it to rerun"):
+    path.write_bytes(content)
+    with pytest.raises(mf.ManifestError, match=rf"^{path}: .*delete it to rerun the stage$"):
         mf.read_manifest(path)
 
 
