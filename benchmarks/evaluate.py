@@ -47,8 +47,9 @@ from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig
 from dinov3_core.evaluate.evaluation import _comparisons, _score_model, run_evaluate
 from dinov3_core.evaluate.labels import label_tiles
-from dinov3_core.export.config import ExportConfig, ExtractConfig
-from dinov3_core.export.extract import run_extract
+from dinov3_core.export.config import ExportConfig
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import run_extract
 from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
 from dinov3_core.runner import run_stage

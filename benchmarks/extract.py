@@ -45,9 +45,10 @@ from backbone import flops_per_image, measure_bf16_matmul_tflops  # the sibling 
 
 from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.export.config import ExportConfig, ExtractConfig
-from dinov3_core.export.extract import run_extract
+from dinov3_core.export.config import ExportConfig
 from dinov3_core.export.onnx_export import run_export
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import run_extract
 from dinov3_core.inference import onnx_runtime
 from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
 from dinov3_core.inference.feature_model import normalise, open_model

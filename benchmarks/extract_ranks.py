@@ -34,8 +34,8 @@ from extract import make_model, make_store  # the sibling script (its dir is sys
 
 from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import read_run_record
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import read_run_record
 from dinov3_core.inference.feature_model import open_model
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.runner import run_stage

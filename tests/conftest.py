@@ -132,8 +132,8 @@ def pretrain_run_2ranks(stage_tile_store: Path, tmp_path_factory: pytest.TempPat
 def converted(pretrain_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`backbone.pth` (+ config.yaml) converted from the tiny run's latest checkpoint (teacher)."""
     from dinov3_core.config import load_config
-    from dinov3_core.export.config import ConvertConfig
-    from dinov3_core.export.convert import run_convert
+    from dinov3_core.convert.config import ConvertConfig
+    from dinov3_core.convert.convert import run_convert
 
     out = tmp_path_factory.mktemp("converted")
     return run_convert(load_config(ConvertConfig, None, {"input": str(pretrain_run), "output_dir": str(out)})).backbone

@@ -9,9 +9,9 @@ import torch
 import yaml
 
 from dinov3_core.config import load_config
+from dinov3_core.convert.config import ConvertConfig
+from dinov3_core.convert.convert import find_checkpoint, run_convert
 from dinov3_core.errors import WsidinoError
-from dinov3_core.export.config import ConvertConfig
-from dinov3_core.export.convert import find_checkpoint, run_convert
 from dinov3_core.models import load_released_backbone, read_backbone_state_dict
 
 

@@ -187,7 +187,7 @@ def test_no_annotations_measures_health_and_promotes_nothing(setup: dict[str, An
 @pytest.mark.usefixtures("one_thread")
 def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, Any]) -> None:
     from dinov3_core.config import ConfigError
-    from dinov3_core.export.config import ConvertConfig
+    from dinov3_core.convert.config import ConvertConfig
     from dinov3_core.models.released import unwrap_backbone_state_dict
     from dinov3_core.train.pretrain import run_pretrain
     from tests.helpers import pretrain_config

@@ -13,8 +13,8 @@ import zarr
 from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.errors import WsidinoError
-from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import ATTRS_KEY, pictures_dir, run_extract
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import ATTRS_KEY, pictures_dir, run_extract
 from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
 from dinov3_core.inference.feature_model import normalise
 

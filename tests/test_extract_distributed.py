@@ -14,9 +14,9 @@ import zarr
 
 from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import ATTRS_KEY, read_run_record, run_extract
-from dinov3_core.export.extract_plan import committer, plan_work, split_slides
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import ATTRS_KEY, read_run_record, run_extract
+from dinov3_core.extract.plan import committer, plan_work, split_slides
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.runner import RunHooks, run_stage

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from dinov3_core.config import ConfigError, load_config
-from dinov3_core.export.config import ConvertConfig
-from dinov3_core.export.convert import ConvertError, run_convert
+from dinov3_core.convert.config import ConvertConfig
+from dinov3_core.convert.convert import ConvertError, run_convert
 from dinov3_core.models import build_backbone, load_released_backbone, save_backbone
 from dinov3_core.models.adaptation import (
     LoRASettings,

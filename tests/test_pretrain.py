@@ -269,8 +269,8 @@ def test_pipeline_by_data_parallel_trains_resumes_and_converts(reference, small_
     the single-process full-batch reference; (c) its checkpoint resumed without a pipeline (pp 2 → 1) still does,
     and (d) converts to a backbone that loads strictly; (e) the reference's own checkpoint resumes on the pipeline."""
     from dinov3_core.config import load_config
-    from dinov3_core.export.config import ConvertConfig
-    from dinov3_core.export.convert import run_convert
+    from dinov3_core.convert.config import ConvertConfig
+    from dinov3_core.convert.convert import run_convert
     from dinov3_core.models import load_released_backbone
 
     ref, out, from_one = reference["out"], tmp_path / "pp", tmp_path / "from_one"

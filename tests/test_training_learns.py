@@ -53,10 +53,10 @@ def mean_gap(rows: list[dict[str, Any]], last: int = 50) -> float:
 @pytest.mark.timeout(1500)  # ~3 min alone on 2 cores; far more when the machine is shared
 def test_the_cpu_recipe_learns_and_beats_its_initialisation(store: Path, demo_slides: Any, tmp_path: Path) -> None:
     from dinov3_core.config import load_config
+    from dinov3_core.convert.config import ConvertConfig
+    from dinov3_core.convert.convert import run_convert
     from dinov3_core.evaluate.config import EvaluateConfig
     from dinov3_core.evaluate.evaluation import run_evaluate
-    from dinov3_core.export.config import ConvertConfig
-    from dinov3_core.export.convert import run_convert
 
     rows = pretrain(store, tmp_path / "run", {})
     verdict = json.loads((tmp_path / "run" / "health.json").read_text())["verdict"]

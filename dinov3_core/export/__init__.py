@@ -1,5 +1,5 @@
-"""Model hand-off stages: convert (DCP → released backbone), export (→ ONNX) and extract (tile features)."""
+"""Stage export: released-layout backbone → ONNX (and optionally a Hugging Face model directory)."""
 
-from dinov3_core.export.config import ConvertConfig, ExportConfig, ExtractConfig
+from dinov3_core.export.config import ExportConfig
 
-__all__ = ["ConvertConfig", "ExportConfig", "ExtractConfig"]
+__all__ = ["ExportConfig"]

@@ -1,5 +1,5 @@
-"""What the model hand-off stages share, below them: export (convert, ONNX, extract) and evaluate never import each
-other, both import this.
+"""What the model hand-off stages share, below them: export and evaluate never import each other, convert and
+extract never import evaluate, and they all import this.
 
 * `backbone` — a converted / released backbone from its weights file, wrapped to return (CLS, patch tokens);
 * `onnx_runtime` — ONNX Runtime sessions tuned for inference (`ort_session`);

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dinov3_core.export.extract import pictures_dir
+from dinov3_core.extract.extract import pictures_dir
 from dinov3_core.files import write_text_atomic
 from dinov3_core.inference.feature_model import file_hash
 from dinov3_core.retrain import stage_configs as sc

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.export.config import ConvertConfig
+from dinov3_core.convert.config import ConvertConfig
 from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
 
 
@@ -20,8 +20,8 @@ class ConvertSummary(Summary):
 
 
 def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
+    from dinov3_core.convert.convert import run_convert
     from dinov3_core.evaluate.checkpoints import best_knn_checkpoint
-    from dinov3_core.export.convert import run_convert
 
     r = run_convert(cfg, choose=best_knn_checkpoint)  # select=best_knn: the kNN curve of the run's eval checkpoints
     hooks.log(f"convert: {r.checkpoint} → {r.backbone}")

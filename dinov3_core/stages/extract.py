@@ -1,5 +1,5 @@
 """extract: features for every tile of a tile store, slide embeddings and PCA maps, in this process or as a
-torchrun job on several processes (`python -m dinov3_core.export.extract_job`, one store, any world size)."""
+torchrun job on several processes (`python -m dinov3_core.extract.job`, one store, any world size)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.export.config import ExtractConfig
+from dinov3_core.extract.config import ExtractConfig
 from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
 
 
@@ -37,7 +37,7 @@ def summarize(r: Mapping[str, Any]) -> ExtractSummary:
 
 
 def _work(cfg: ExtractConfig, hooks: RunHooks) -> tuple[Any, ExtractSummary]:
-    from dinov3_core.export.extract import run_extract
+    from dinov3_core.extract.extract import run_extract
 
     r = run_extract(cfg, progress=hooks.progress)
     hooks.log(f"extract: {len(r.extracted)} slides extracted, {len(r.skipped)} up to date → {r.output}")
@@ -45,14 +45,14 @@ def _work(cfg: ExtractConfig, hooks: RunHooks) -> tuple[Any, ExtractSummary]:
 
 
 def _job_summary(cfg: ExtractConfig) -> ExtractSummary:
-    from dinov3_core.export.extract import read_run_record
+    from dinov3_core.extract.extract import read_run_record
 
     return summarize(read_run_record(cfg.output))
 
 
 def _job_dir(cfg: ExtractConfig) -> Path:
     """The folder beside the feature store: nothing but zarr goes into the store."""
-    from dinov3_core.export.feature_store import pictures_dir
+    from dinov3_core.extract.feature_store import pictures_dir
 
     return pictures_dir(cfg.output)
 
@@ -60,7 +60,7 @@ def _job_dir(cfg: ExtractConfig) -> Path:
 def job_progress_log(cfg: ExtractConfig, hooks: RunHooks) -> Callable[[str], None]:
     """`hooks.log` that also reports the whole job's progress (every rank's count) with each line rank 0 prints:
     its progress lines come every `progress_every_s`. Called in the launching thread, as Prefect's artifacts need."""
-    from dinov3_core.export.extract import PROGRESS_DIR, job_progress, pictures_dir
+    from dinov3_core.extract.extract import PROGRESS_DIR, job_progress, pictures_dir
 
     shutil.rmtree(pictures_dir(cfg.output) / PROGRESS_DIR, ignore_errors=True)  # counts of an earlier job
     progress = hooks.progress
@@ -77,13 +77,13 @@ def job_progress_log(cfg: ExtractConfig, hooks: RunHooks) -> Callable[[str], Non
 
 def _check(cfg: ExtractConfig) -> None:
     """An output that is not a feature store fails here, before a manifest is written into it or a job starts."""
-    from dinov3_core.export.feature_store import check_output
+    from dinov3_core.extract.feature_store import check_output
 
     check_output(Path(cfg.output))
 
 
 def _pictures(cfg: ExtractConfig) -> list[tuple[Path, str]]:
-    from dinov3_core.export.extract import pictures_dir
+    from dinov3_core.extract.extract import pictures_dir
 
     return [(png, f"pca/{png.parent.name}") for png in sorted(pictures_dir(cfg.output).glob("*/pca.png"))[:50]]
 
@@ -107,7 +107,7 @@ STAGE: Stage[ExtractSummary] = Stage(
     outputs=lambda c: {"features": c.output},
     chain_values=_chain_values,
     work=_work,
-    job_module="dinov3_core.export.extract_job",
+    job_module="dinov3_core.extract.job",
     job_dir=_job_dir,
     job_summary=_job_summary,
     job_log=job_progress_log,

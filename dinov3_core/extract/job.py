@@ -1,6 +1,6 @@
-"""`python -m dinov3_core.export.extract_job --config FILE [key=value ...]`: one rank of an extract job.
+"""`python -m dinov3_core.extract.job --config FILE [key=value ...]`: one rank of an extract job.
 
-    torchrun --standalone --nproc-per-node=8 -m dinov3_core.export.extract_job --config features/launch_config.yaml
+    torchrun --standalone --nproc-per-node=8 -m dinov3_core.extract.job --config features/launch_config.yaml
 
 `wsidino extract --nproc-per-node N` (and the Prefect extract flow with `launch.nproc_per_node` > 1) starts this
 through the one torchrun launcher (`dinov3_core.launch`), which writes the resolved config beside the feature store.
@@ -21,14 +21,14 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
-from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract import run_extract
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.extract import run_extract
 from dinov3_core.inference.team import Team, rank_main
 
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dinov3_core.export.extract_job", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dinov3_core.extract.job", description=__doc__)
     parser.add_argument("--config", required=True, help="the extract config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)

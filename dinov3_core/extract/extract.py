@@ -4,10 +4,10 @@
                                              "output": "out/features.zarr"}, stage="extract")
     result = run_extract(cfg)
 
-The store's layout and how a slide is committed: `dinov3_core.export.feature_store`. Tiles are normalised as in
+The store's layout and how a slide is committed: `dinov3_core.extract.feature_store`. Tiles are normalised as in
 training (ImageNet mean / std). A rerun skips slides already extracted with the same model (hash) and redoes the
 others. One process, or one rank of a torchrun job (`wsidino extract --nproc-per-node N`, entry point
-`dinov3_core.export.extract_job`): rank 0 plans who extracts what (`dinov3_core.export.extract_plan`: whole slides,
+`dinov3_core.extract.job`): rank 0 plans who extracts what (`dinov3_core.extract.plan`: whole slides,
 and row ranges of slides larger than an even share), each rank writes its own slides and ranges, and a slide split
 over ranks is committed by one rank once every rank is done. `num_shards` / `shard_index` split the slides over
 independent processes writing the same output (per-slide commits do not collide). Within a process
@@ -38,9 +38,8 @@ import zarr
 from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.export.config import ExtractConfig
-from dinov3_core.export.extract_plan import WorkUnit, committer, plan_work, split_slides
-from dinov3_core.export.feature_store import (
+from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.feature_store import (
     ATTRS_KEY,
     SlideArrays,
     commit_slide,
@@ -49,6 +48,7 @@ from dinov3_core.export.feature_store import (
     pictures_dir,
     staging,
 )
+from dinov3_core.extract.plan import WorkUnit, committer, plan_work, split_slides
 from dinov3_core.inference.feature_model import ExtractError, FeatureModel, open_model
 from dinov3_core.inference.loader import BackgroundWriter, TileReader, read_ahead
 from dinov3_core.inference.team import Team, rank_device, rank_threads
@@ -229,7 +229,7 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
 
     `progress(tiles done, tiles to do)`: called as batches finish (the Prefect progress artifact); with
     `cfg.progress` a bar on a terminal, else a log line with rate and ETA every 30 s. `team`: this process's rank
-    in a torchrun job (`dinov3_core.export.extract_job`); None: a single process. MLflow: the stage runner's run,
+    in a torchrun job (`dinov3_core.extract.job`); None: a single process. MLflow: the stage runner's run,
     active in this process or named by `mlflow_run_id` (a job's rank 0); nothing is logged without one."""
     team = team or Team()
     start_time = time.perf_counter()

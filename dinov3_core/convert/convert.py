@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dinov3_core import checksums, tracking
 from dinov3_core.config import load_config, to_yaml
+from dinov3_core.convert.config import ConvertConfig
 from dinov3_core.errors import WsidinoError
-from dinov3_core.export.config import ConvertConfig
 from dinov3_core.files import atomic_path
 from dinov3_core.gram.config import GramConfig
 from dinov3_core.inference.backbone import ARCH_FILE

@@ -1,0 +1,60 @@
+"""Typed config of the extract stage (load with `dinov3_core.config.load_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omegaconf import MISSING
+
+from dinov3_core.config import require
+from dinov3_core.tracking import TrackingConfig
+
+
+@dataclass
+class ExtractConfig:
+    """Per-tile features of a tile store → `features.zarr/slides/<id>/{cls, mean_patch, coords}`."""
+
+    store: str = MISSING  # tile store (tiles.zarr)
+    model: str = MISSING  # model.onnx (ONNX Runtime) or backbone.pth / .safetensors (PyTorch)
+    output: str = MISSING  # features.zarr
+    backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: by the model file's suffix
+    batch_size: int = 64
+    patch_tokens: bool = False  # also store every patch token (N, n_patches, D) as `patch`
+    slide_ids: list[str] | None = None  # null: every slide of the store
+    # Independent processes writing one store (e.g. array jobs of a scheduler; for GPUs of one job prefer
+    # `wsidino extract --nproc-per-node N`, which also splits large slides): this many processes …
+    num_shards: int = 1
+    shard_index: int = 0  # … of which this is one: it takes slides shard_index, shard_index + num_shards, …
+    pca_map: bool = True  # pca.png per slide
+    pca_max_side: int = 768  # px of the PCA map's long side
+    providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
+    num_threads: int = 0  # torch / ORT intra-op threads; 0 → torch's default, ORT: the cores this process may use
+    # Reading overlaps the model: this many threads read, decode and normalise the next batches while the model runs
+    # on the current one, and one more writes the outputs behind it. 0: one thread does everything in turn (serial).
+    # The features are the same either way.
+    loader_threads: int = 2
+    prefetch_batches: int = 2  # batches read ahead of the model (and writes pending behind it); memory ∝ this
+    device: str | None = None  # torch backend: null → cuda when available, else cpu (ORT: `providers`)
+    # torch backend: bf16 / fp16 autocast (for GPUs; docs/benchmarks.md has the features' difference from fp32)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Rows per zarr chunk of cls / mean_patch. In a job of several ranks a slide larger than an even share of the
+    # tiles is split into row ranges starting at multiples of this (of lcm(chunk_rows, batch_size) with
+    # patch_tokens), so no chunk has two writers.
+    chunk_rows: int = 4096
+    progress: bool = True
+    progress_every_s: float = 30.0  # without a terminal: a progress line (count, rate, ETA) this often
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.loader_threads >= 0, "loader_threads", f"must be >= 0 (0: serial), got {self.loader_threads}")
+        require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
+        require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")
+        require(self.num_shards >= 1, "num_shards", f"must be >= 1, got {self.num_shards}")
+        require(self.chunk_rows >= 1, "chunk_rows", f"must be >= 1, got {self.chunk_rows}")
+        require(
+            0 <= self.shard_index < self.num_shards,
+            "shard_index",
+            f"must be in [0, num_shards) = [0, {self.num_shards}), got {self.shard_index}",
+        )
