@@ -25,15 +25,14 @@ from pydantic import BaseModel
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.workdir import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
+from tasks.chain_params import PipelineParams, RetrainParams
 from tasks.params import (
     ConvertParams,
     EvaluateParams,
     ExportParams,
     ExtractParams,
     GramParams,
-    PipelineParams,
     PretrainParams,
-    RetrainParams,
     StageOptions,
     TileParams,
 )

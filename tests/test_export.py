@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx
 import pytest
 import torch
@@ -43,6 +45,14 @@ def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted
     assert abs(cls - ref_cls.numpy()).max() < 1e-4 and abs(patch - ref_patch.numpy()).max() < 1e-4
 
 
+def exported_by_the_runner(cfg: ExportConfig) -> Any:
+    """The export stage as the CLI and Prefect run it: the runner's MLflow run is the one the model registers from
+    (a bare `run_export` call opens none)."""
+    from dinov3_core.runner import run_stage
+
+    return run_stage("export", cfg, force=True).result
+
+
 def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) -> None:
     uri = sqlite_uri(tmp_path)
     values = {
@@ -56,7 +66,7 @@ def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) 
         "tracking.uri": uri,
         "tracking.experiment": "export-test",
     }
-    result = run_export(load_config(ExportConfig, "default", values, stage="export"))
+    result = exported_by_the_runner(load_config(ExportConfig, "default", values, stage="export"))
     assert result.outputs == ["pooled"] and result.max_abs_error < 1e-4
     assert result.data_path is not None and result.data_path.is_file()
     assert result.data_path.stat().st_size > 2 * result.path.stat().st_size  # the weights live beside the graph
@@ -83,18 +93,18 @@ def test_rerunning_export_with_unchanged_weights_registers_no_new_version(conver
     uri = sqlite_uri(tmp_path)
     values = {"weights": str(converted), "parity_sizes": [32], "parity_batches": [1], "register_name": "rerun-test",
               "tracking.uri": uri, "tracking.experiment": "export-rerun"}  # fmt: skip
-    first = run_export(
+    first = exported_by_the_runner(
         load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "a.onnx")}, stage="export")
     )
-    again = run_export(
+    again = exported_by_the_runner(
         load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "b.onnx")}, stage="export")
     )
     assert (first.reused_version, again.reused_version) == (False, True)
     assert again.model_version == first.model_version
     client = MlflowClient(tracking_uri=uri)
     assert len(client.search_model_versions("name='rerun-test'")) == 1
-    pooled = run_export(load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "c.onnx"),
-                                                              "pooled": True}, stage="export"))  # fmt: skip
+    pooled = exported_by_the_runner(load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "c.onnx"),
+                                                                          "pooled": True}, stage="export"))  # fmt: skip
     assert not pooled.reused_version and pooled.model_version != first.model_version  # another graph: a version
 
 

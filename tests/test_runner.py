@@ -47,6 +47,11 @@ def test_the_runner_owns_the_stages_mlflow_run(backbone: Path, tmp_path: Path) -
     assert [r.info.run_id for r in runs] == [outcome.mlflow_run_id]  # one run: the runner's
     assert runs[0].data.params["n_nodes"] and runs[0].data.tags["wsidino.stage"] == "export"  # the stage logged in it
     assert outcome.as_dict()["summary"]["model_version"] == "1"  # a dict only at the Prefect boundary
+    from dinov3_core.checksums import sha256
+
+    tags = client.get_model_version("runner-test", "1").tags  # the registered version carries its files' digests
+    assert tags["wsidino.sha256"] == sha256(tmp_path / "runner" / "model.onnx")
+    assert tags["wsidino.weights_sha256"] == sha256(backbone)
 
 
 def test_a_rank_that_stops_on_bad_input_is_told_as_its_one_line_cause(

@@ -13,7 +13,8 @@ import pytest
 from dinov3_core import checksums
 from dinov3_core import manifest as mf
 from dinov3_core.config import load_config
-from dinov3_core.export.config import ConvertConfig, ExportConfig
+from dinov3_core.convert.config import ConvertConfig
+from dinov3_core.export.config import ExportConfig
 from dinov3_core.runner import run_stage
 from tests import helpers
 

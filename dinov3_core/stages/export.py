@@ -71,7 +71,8 @@ def _tag_model_version(cfg: ExportConfig, m: mf.StageManifest) -> None:
     from mlflow import MlflowClient  # deferred: mlflow costs ~2 s at import
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
-    hashes = {ONNX_SHA_TAG: m.artifacts["onnx"]["sha256"], WEIGHTS_SHA_TAG: checksums.sha256(Path(cfg.weights))}
+    # (the manifest records the same digests as the run closes: each file is read once per process)
+    hashes = {ONNX_SHA_TAG: checksums.sha256(Path(cfg.output)), WEIGHTS_SHA_TAG: checksums.sha256(Path(cfg.weights))}
     for key, value in {**lineage_tags(m.lineage), "wsidino.weights": str(cfg.weights), **hashes}.items():
         client.set_model_version_tag(s.registered_model, s.model_version, key, value)
 
