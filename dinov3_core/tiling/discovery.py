@@ -116,19 +116,23 @@ def safe_slide_id(name: str) -> str:
     return f"{base}-{_short_hash(name)}"
 
 
-def id_source(path: Path) -> str:
-    """What a slide's id is made from: the file stem, or for a DICOM file the folder holding the slide (OpenSlide
-    opens a DICOM slide from any one of the files of its folder; the file names are often just frame numbers)."""
-    if path.suffix.lower() == DICOM_SUFFIX and path.parent.name:
-        return path.parent.name
-    return path.stem
+def dicom_openers(paths: Iterable[Path]) -> dict[Path, Path]:
+    """For each folder holding `.dcm` inputs, the one file its DICOM slide is opened from: the first in path order.
+    OpenSlide reads one DICOM slide a folder and finds its other files (levels, frame sets) itself."""
+    openers: dict[Path, Path] = {}
+    for p in sorted(paths, key=str):
+        if p.suffix.lower() == DICOM_SUFFIX:
+            openers.setdefault(p.absolute().parent, p)
+    return openers
 
 
 def assign_slide_ids(paths: Iterable[Path]) -> list[SlideTask]:
-    """Each path's safe id (`safe_slide_id` of `id_source`), made unique with a short hash of the path when two
-    inputs share it."""
+    """Each path's safe id (`safe_slide_id` of its stem, or of its folder's name for the file a DICOM slide is
+    opened from: DICOM file names are often just frame numbers), made unique with a short hash of the path when
+    two inputs share it."""
     paths = list(paths)
-    base = [safe_slide_id(id_source(p)) for p in paths]
+    openers = set(dicom_openers(paths).values())
+    base = [safe_slide_id(p.parent.name if p in openers and p.parent.name else p.stem) for p in paths]
     counts: dict[str, int] = defaultdict(int)
     for slide_id in base:
         counts[slide_id] += 1
@@ -164,13 +168,13 @@ def find_repeats(tasks: Sequence[SlideTask]) -> tuple[list[SlideTask], list[Repe
     file of one folder is one slide, opened from the first in path order), then byte-identical copies (same size,
     same SHA-256; the first in path order is kept). Files that cannot be read stay tasks: their rows say why."""
     order = sorted(tasks, key=lambda t: str(t.path))
+    openers = dicom_openers(t.path for t in tasks)
+    opener_task = {t.path: t for t in tasks if t.path in openers.values()}
     repeats: list[Repeat] = []
-    dicom_first: dict[Path, SlideTask] = {}
     kept: list[SlideTask] = []
     for task in order:
         if task.path.suffix.lower() == DICOM_SUFFIX:
-            folder = task.path.absolute().parent
-            first = dicom_first.setdefault(folder, task)
+            first = opener_task[openers[task.path.absolute().parent]]
             if first is not task:
                 why = f"{task.path}: one more file of the DICOM slide opened from {first.path} (one slide a folder)"
                 repeats.append(Repeat(task, first, why))

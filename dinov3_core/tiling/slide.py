@@ -114,8 +114,13 @@ def check_readable(path: Path) -> None:
             raise SlideError(f"{path}: file not found; check the input path") from None
         raise SlideError(f"{path}: cannot access it ({err.strerror}); check its permissions") from None
     if stat.S_ISDIR(st.st_mode):
-        if not os.access(path, os.R_OK | os.X_OK):  # a folder of the input that could not be searched
-            raise SlideError(f"{path}: a folder that cannot be listed (permission denied); check its permissions")
+        try:  # a folder of the input that could not be searched for slides is listed as an input of its own
+            os.listdir(path)
+        except OSError as err:
+            raise SlideError(
+                f"{path}: a folder that cannot be listed ({err.strerror}), so its slides are not tiled; "
+                "check its permissions"
+            ) from None
         raise SlideError(f"{path}: a folder, not a slide file")
     if not stat.S_ISREG(st.st_mode):
         raise SlideError(f"{path}: not a regular file")
