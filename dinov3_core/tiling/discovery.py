@@ -1,15 +1,22 @@
 """Which slides a tile run covers, their ids, and which are already complete in the store.
 
 Inputs name slides as a directory (searched recursively), a glob, one file, or a .txt/.csv list; ids are file
-stems made unique; a slide is up to date when the store holds it complete from the same file content and the same
-tiling parameters. Used by the tile engine and by the stage manifest's input fingerprint of listed slides.
+stems made safe and unique (`slide_id_for`); a slide is up to date when the store holds it complete from the same
+file content and the same tiling parameters. `find_repeats` recognises inputs that hold no slide of their own: a
+byte-identical copy of another input, or one more file of a DICOM slide, so that the same tissue is tiled once
+(and cannot land in both a training and a test split). Used by the tile engine and by the stage manifest's input
+fingerprint of listed slides.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
-from collections.abc import Iterable
+import os
+import unicodedata
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from dinov3_core.config import ConfigError
@@ -18,27 +25,60 @@ from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.plan import SlideTask, slide_params_hash
 from dinov3_core.tiling.slide import file_fingerprint, override_for
 
+# Longest slide id in UTF-8 bytes: a file name may be 255 bytes, and the store adds suffixes to ids under
+# `.incoming/`; an id this long is unreadable anyway.
+MAX_ID_BYTES = 128
+HASH_CHARS = 8
+# Unicode categories never kept in an id: control characters (newline, NUL, \x01), format characters (bidi
+# overrides that make an id print as another), undecodable bytes (lone surrogates) and line/paragraph separators.
+_UNSAFE_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+DICOM_SUFFIX = ".dcm"
+
 
 def discover_slides(spec: str, extensions: Iterable[str]) -> list[Path]:
     """Slides named by a directory (recursive), a glob, a single file, or a .txt/.csv list of paths.
 
-    Paths listed in a list file are returned even when missing, so that they fail individually and visibly.
+    Paths listed in a list file are returned even when missing, and a directory's symlink loops, broken links and
+    unreadable subdirectories are returned too, so that each fails individually and visibly (a row naming it)
+    instead of vanishing. A path named twice is returned once.
     """
     exts = {e.lower() for e in extensions}
     path = Path(spec).expanduser()
     if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+        found = _walk(path, exts)
     elif path.is_file() and path.suffix.lower() in {".txt", ".csv"}:
         found = _read_slide_list(path)
-    elif path.is_file():
+    elif path.is_file() or path.is_symlink():  # a link to nothing (or a loop): its row says so
         found = [path]
     elif any(ch in spec for ch in "*?["):
-        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if not Path(p).is_dir())
     else:
         raise ConfigError(f"input {spec!r} does not exist; give a directory, a glob, a slide file or a list file")
     if not found:
         raise ConfigError(f"no slides found for input {spec!r} (extensions: {', '.join(sorted(exts))})")
-    return found
+    return list(dict.fromkeys(found, None))  # Path equality is lexical: the same path listed twice is one input
+
+
+def _walk(top: Path, exts: set[str]) -> list[Path]:
+    """Files under `top` with a slide extension, plus what cannot be looked into: entries that are neither file nor
+    directory by the time they are stat'ed (symlink loops, broken links) and subdirectories that cannot be listed.
+    Symlinked directories are not descended into (as before, with `rglob`): a link back up would loop."""
+    unlisted: list[Path] = []
+
+    def onerror(err: OSError) -> None:
+        if Path(err.filename) == top:
+            raise ConfigError(
+                f"cannot list the input directory {str(top)!r} ({err.strerror}); check its permissions"
+            ) from None
+        unlisted.append(Path(err.filename))
+
+    found = []
+    for dirpath, _, filenames in os.walk(top, onerror=onerror):
+        for name in filenames:  # os.walk puts everything that is not a directory here, loops included
+            p = Path(dirpath) / name
+            if p.suffix.lower() in exts:
+                found.append(p)
+    return sorted(found + unlisted)
 
 
 def _read_slide_list(path: Path) -> list[Path]:
@@ -48,19 +88,136 @@ def _read_slide_list(path: Path) -> list[Path]:
     return [(path.parent / p if not Path(p).is_absolute() else Path(p)) for p in lines]
 
 
+def _short_hash(text: str) -> str:
+    # surrogatepass: a file name with undecodable bytes still hashes, always to the same value
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_CHARS]
+
+
+def _clip(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8, on a character boundary."""
+    return text.encode("utf-8")[:max_bytes].decode("utf-8", "ignore")
+
+
+def safe_slide_id(name: str) -> str:
+    """`name` as a slide id that is safe as one directory name under the store's `slides/`.
+
+    A plain name (e.g. `tissue_20x`) is returned unchanged, so stores tiled before keep their ids. Otherwise the
+    unsafe characters (path separators, control and format characters, undecodable bytes) become `_`, leading
+    dots are dropped (no `.`, `..` nor hidden directory), the result is cut to `MAX_ID_BYTES` and a short hash of
+    the original name is appended, so two names that clean up alike still differ and a rerun finds the same id:
+    `..` → `slide-<hash8>`, `.svs` → `svs-<hash8>`, `a\\nb` → `a_b-<hash8>`.
+    """
+    cleaned = "".join(
+        "_" if ch in "/\\" or unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch for ch in name
+    ).lstrip(".")
+    if cleaned == name and name and len(name.encode("utf-8")) <= MAX_ID_BYTES:
+        return name
+    base = _clip(cleaned, MAX_ID_BYTES - HASH_CHARS - 1) or "slide"
+    return f"{base}-{_short_hash(name)}"
+
+
+def dicom_openers(paths: Iterable[Path]) -> dict[Path, Path]:
+    """For each folder holding `.dcm` inputs, the one file its DICOM slide is opened from: the first in path order.
+    OpenSlide reads one DICOM slide a folder and finds its other files (levels, frame sets) itself."""
+    openers: dict[Path, Path] = {}
+    for p in sorted(paths, key=str):
+        if p.suffix.lower() == DICOM_SUFFIX:
+            openers.setdefault(p.absolute().parent, p)
+    return openers
+
+
 def assign_slide_ids(paths: Iterable[Path]) -> list[SlideTask]:
-    """The file stem, made unique with a short hash of the path when two inputs share a stem."""
+    """Each path's safe id (`safe_slide_id` of its stem, or of its folder's name for the file a DICOM slide is
+    opened from: DICOM file names are often just frame numbers), made unique with a short hash of the path when
+    two inputs share it."""
     paths = list(paths)
-    stems: dict[str, int] = {}
-    for p in paths:
-        stems[p.stem] = stems.get(p.stem, 0) + 1
-    tasks = []
-    for p in paths:
-        slide_id = p.stem
-        if stems[p.stem] > 1:
-            slide_id = f"{p.stem}-{hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]}"
+    openers = set(dicom_openers(paths).values())
+    base = [safe_slide_id(p.parent.name if p in openers and p.parent.name else p.stem) for p in paths]
+    counts: dict[str, int] = defaultdict(int)
+    for slide_id in base:
+        counts[slide_id] += 1
+    tasks, taken = [], set()
+    for p, slide_id in zip(paths, base, strict=True):
+        if counts[slide_id] > 1:
+            slide_id = _with_hash(slide_id, str(p.resolve()))
+        if slide_id in taken:  # two names of one resolved file (a symlink beside its target)
+            slide_id = _with_hash(slide_id, str(p.absolute()))
+        taken.add(slide_id)
         tasks.append(SlideTask(slide_id=slide_id, path=p))
     return tasks
+
+
+def _with_hash(slide_id: str, text: str) -> str:
+    return f"{_clip(slide_id, MAX_ID_BYTES - HASH_CHARS - 1)}-{_short_hash(text)}"
+
+
+# ------------------------------------------------------------------------------------- one slide, several inputs
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """An input that is not tiled because another input (`of`) already covers its tissue; `why` says how."""
+
+    task: SlideTask
+    of: SlideTask
+    why: str
+
+
+def find_repeats(tasks: Sequence[SlideTask]) -> tuple[list[SlideTask], list[Repeat]]:
+    """The tasks to tile, and the inputs they already cover: the further files of a DICOM slide (every `.dcm`
+    file of one folder is one slide, opened from the first in path order), then byte-identical copies (same size,
+    same SHA-256; the first in path order is kept). Files that cannot be read stay tasks: their rows say why."""
+    order = sorted(tasks, key=lambda t: str(t.path))
+    openers = dicom_openers(t.path for t in tasks)
+    opener_task = {t.path: t for t in tasks if t.path in openers.values()}
+    repeats: list[Repeat] = []
+    kept: list[SlideTask] = []
+    for task in order:
+        if task.path.suffix.lower() == DICOM_SUFFIX:
+            first = opener_task[openers[task.path.absolute().parent]]
+            if first is not task:
+                why = f"{task.path}: one more file of the DICOM slide opened from {first.path} (one slide a folder)"
+                repeats.append(Repeat(task, first, why))
+                continue
+        kept.append(task)
+    # Cheap first: only files of equal size and equal first and last MiB (`file_fingerprint`) are read whole.
+    candidates: dict[tuple[int, str], list[SlideTask]] = defaultdict(list)
+    for task in kept:
+        fingerprint = _fingerprint(task.path)
+        if fingerprint is not None:
+            candidates[fingerprint].append(task)
+    copies: set[str] = set()
+    for alike in candidates.values():
+        first_of: dict[str, SlideTask] = {}
+        for task in alike if len(alike) > 1 else ():
+            digest = _content_digest(task.path)
+            if digest is None:
+                continue
+            first = first_of.setdefault(digest, task)
+            if first is not task:
+                why = f"{task.path}: byte-identical to {first.path} (slide {first.slide_id}); tiled once"
+                repeats.append(Repeat(task, first, why))
+                copies.add(task.slide_id)
+    kept_ids = {t.slide_id for t in kept} - copies
+    return [t for t in tasks if t.slide_id in kept_ids], repeats
+
+
+def _fingerprint(path: Path) -> tuple[int, str] | None:
+    """`file_fingerprint` of a regular file, None for anything else or a file that cannot be read (it fails later,
+    with a row saying why)."""
+    try:
+        return file_fingerprint(path) if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _content_digest(path: Path) -> str | None:
+    """SHA-256 of the whole file (what proves two files equal), or None when it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def is_up_to_date(root: Path, task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> bool:

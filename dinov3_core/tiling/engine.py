@@ -19,12 +19,19 @@ from pathlib import Path
 from dinov3_core.config import save_config
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.discovery import assign_slide_ids, discover_slides, is_up_to_date
+from dinov3_core.tiling.discovery import Repeat, assign_slide_ids, discover_slides, find_repeats, is_up_to_date
 from dinov3_core.tiling.engine_pool import run_pool
 from dinov3_core.tiling.groups import RunGroups, collect_groups, remote_job
 from dinov3_core.tiling.plan import SlideTask
 from dinov3_core.tiling.slide import load_mpp_overrides
-from dinov3_core.tiling.slide_job import ProgressFn, SlideFn, SlideOutcome, skipped_outcome, store_extras
+from dinov3_core.tiling.slide_job import (
+    ProgressFn,
+    SlideFn,
+    SlideOutcome,
+    duplicate_outcome,
+    skipped_outcome,
+    store_extras,
+)
 
 log = logging.getLogger("wsidino.tile")
 
@@ -42,10 +49,17 @@ class TileResult:
 
     @property
     def counts(self) -> dict[str, int]:
+        """Slides tiled, failed and already up to date (the stage summary's fields); duplicates: `duplicates`."""
         out = {"ok": 0, "failed": 0, "skipped": 0}
         for o in self.outcomes:
-            out[o.status] += 1
+            if o.status in out:
+                out[o.status] += 1
         return out
+
+    @property
+    def duplicates(self) -> int:
+        """Inputs not tiled because another input holds the same tissue (neither tiled nor failed)."""
+        return sum(o.status == "duplicate" for o in self.outcomes)
 
     @property
     def total_tiles(self) -> int:
@@ -80,11 +94,16 @@ def run_tile(
             the store manifest is then written once, when every group has finished.
     """
     start = time.perf_counter()
-    root, tasks, overrides = prepare_store(cfg)
+    root, inputs, overrides = prepare_store(cfg)
+    tasks, repeats = find_repeats(inputs)
     with ts.store_lock(root):
         ts.clear_incoming(root)
         save_config(cfg, root / "config.yaml")
         outcomes: dict[str, SlideOutcome] = {}
+        for repeat in repeats:
+            outcomes[repeat.task.slide_id] = _duplicate(root, repeat)
+            if on_slide is not None:
+                on_slide(outcomes[repeat.task.slide_id])
         todo: list[SlideTask] = []
         for task in tasks:
             try:
@@ -99,7 +118,7 @@ def run_tile(
         timing = {"plan": 0.0, "write": 0.0}
         try:
             if run_groups is None:
-                if outcomes:  # the pool writes each slide's entry as it commits: record the skipped ones first
+                if outcomes:  # the pool writes each slide's entry as it commits: record the others first
                     ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
                 written = run_pool(root, todo, cfg, overrides, outcomes, progress, on_slide, timing)
             elif todo:
@@ -109,7 +128,7 @@ def run_tile(
                 written = 0
         finally:  # also when a group runner gives up: the slides committed so far are in the manifest
             ts.write_manifest(root, [o.as_manifest_entry() for o in outcomes.values()], store_extras(cfg))
-    ordered = [outcomes[t.slide_id] for t in tasks]
+    ordered = [outcomes[t.slide_id] for t in inputs]
     return TileResult(
         store=root,
         outcomes=ordered,
@@ -118,3 +137,14 @@ def run_tile(
         plan_seconds=timing["plan"],
         write_seconds=timing["write"],
     )
+
+
+def _duplicate(root: Path, repeat: Repeat) -> SlideOutcome:
+    """The row of an input another input covers. Tiles an earlier run stored under its own id are removed (the same
+    tissue twice in the store would let it land in both a training and a test split); its row says so."""
+    outcome = duplicate_outcome(repeat)
+    if repeat.task.slide_id in ts.complete_slide_ids(root):
+        ts.remove_slide(root, repeat.task.slide_id)
+        outcome.note = f"{outcome.note}; its tiles from an earlier run were removed from the store"
+        log.warning("%s", outcome.note)
+    return outcome

@@ -26,6 +26,7 @@ from dinov3_core.tiling.slide_job import (
     begin_plan,
     draw_qc,
     error_text,
+    failed_outcome,
     finish_plan,
     limit_zarr_threads,
     store_extras,
@@ -80,9 +81,9 @@ def run_pool(
         state = states.pop(slide_id, None)
         if state is not None:
             ts.abandon_slide(state.incoming)
-        outcomes[slide_id] = SlideOutcome(slide_id, path, "failed", error=message)
+        outcomes[slide_id] = failed_outcome(slide_id, path, message)
         ts.write_manifest(root, [outcomes[slide_id].as_manifest_entry()], store_extras(cfg))
-        log.warning("slide failed: %s", message)
+        log.warning("slide failed: %s", outcomes[slide_id].error)
         if on_slide is not None:
             on_slide(outcomes[slide_id])
 

@@ -32,6 +32,7 @@ from dinov3_core.tiling.slide_job import (
     begin_plan,
     draw_qc,
     error_text,
+    failed_outcome,
     finish_plan,
     limit_zarr_threads,
     process_name,
@@ -157,8 +158,9 @@ def _tile_one(
     except Exception as err:
         if incoming is not None:
             ts.abandon_slide(incoming)
-        log.warning("slide failed: %s", error_text(err))
-        return SlideOutcome(task.slide_id, str(task.path), "failed", error=error_text(err))
+        outcome = failed_outcome(task.slide_id, task.path, error_text(err))
+        log.warning("slide failed: %s", outcome.error)
+        return outcome
     outcome.workers = 1
     return outcome
 

@@ -202,6 +202,7 @@ def slide_attrs(plan: SlidePlan, cfg: TileConfig) -> dict[str, Any]:
     d = to_dict(cfg)
     return {
         "source_path": info.path,
+        "input_path": str(plan.task.path),  # as the input named it (source_path is resolved): what the id came from
         "source_size": plan.size,
         "source_fingerprint": plan.fingerprint,
         "vendor": info.vendor,

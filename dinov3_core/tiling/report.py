@@ -15,6 +15,7 @@ def summary_metrics(result: TileResult) -> dict[str, float]:
         "slides_ok": counts["ok"],
         "slides_skipped": counts["skipped"],
         "slides_failed": counts["failed"],
+        "slides_duplicate": result.duplicates,
         "tiles_total": result.total_tiles,
         "tiles_written": result.tiles_written,
         "seconds": round(result.seconds, 3),
@@ -31,7 +32,7 @@ def summary_rows(result: TileResult) -> list[dict[str, Any]]:
             "tiles": o.tile_count,
             "um_per_px": round(o.mpp_effective, 4) if o.mpp_effective else None,
             "seconds": o.seconds,
-            "error": o.error or "",
+            "error": o.error or o.note or "",  # a duplicate's note: which input it repeats
         }
         for o in result.outcomes
     ]
@@ -39,14 +40,15 @@ def summary_rows(result: TileResult) -> list[dict[str, Any]]:
 
 def format_summary(result: TileResult) -> str:
     rows = summary_rows(result)
-    header = f"{'slide':<28} {'status':<8} {'tiles':>7} {'µm/px':>7}  error"
+    header = f"{'slide':<28} {'status':<9} {'tiles':>7} {'µm/px':>7}  error"
     lines = [header, "-" * len(header)]
     for r in rows:
         mpp = f"{r['um_per_px']:.3f}" if r["um_per_px"] else "-"
-        lines.append(f"{r['slide'][:28]:<28} {r['status']:<8} {r['tiles']:>7} {mpp:>7}  {r['error']}")
+        lines.append(f"{r['slide'][:28]:<28} {r['status']:<9} {r['tiles']:>7} {mpp:>7}  {r['error']}")
     m = summary_metrics(result)
     lines.append(
-        f"{m['slides_ok']:.0f} tiled, {m['slides_skipped']:.0f} up to date, {m['slides_failed']:.0f} failed; "
+        f"{m['slides_ok']:.0f} tiled, {m['slides_skipped']:.0f} up to date, {m['slides_failed']:.0f} failed, "
+        f"{m['slides_duplicate']:.0f} duplicate; "
         f"{m['tiles_total']:.0f} tiles in {result.store} ({m['tiles_written']:.0f} written in {m['seconds']:.1f} s)"
     )
     return "\n".join(lines)

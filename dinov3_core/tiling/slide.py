@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import math
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,10 +78,7 @@ class ReadPlan:
 def open_slide(path: str | os.PathLike[str]) -> openslide.OpenSlide:
     """Open with OpenSlide only (no silent ImageSlide fallback: a plain image has no µm/px or pyramid)."""
     path = Path(path)
-    if not path.exists():
-        raise SlideError(f"{path}: file not found; check the input path")
-    if not path.is_file():
-        raise SlideError(f"{path}: not a regular file")
+    check_readable(path)
     try:
         slide = openslide.OpenSlide(str(path))
     except openslide.OpenSlideUnsupportedFormatError:
@@ -93,6 +92,43 @@ def open_slide(path: str | os.PathLike[str]) -> openslide.OpenSlide:
         ) from None
     slide.set_cache(openslide.OpenSlideCache(SLIDE_CACHE_BYTES))
     return slide
+
+
+def check_readable(path: Path) -> None:
+    """Raise a SlideError naming `path` and what is wrong when it is not a regular file this process can read.
+
+    OpenSlide reports an unreadable file as an unsupported format, and `Path.exists()` calls a symlink loop
+    missing: here each gets its own cause and fix.
+    """
+    try:
+        st = path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SlideError(f"{path}: a symbolic link loop; point the link at the slide file or remove it") from None
+        if err.errno == errno.ENOENT and path.is_symlink():
+            target = os.readlink(path)
+            raise SlideError(
+                f"{path}: a broken symbolic link (to {target}, which does not exist); fix or remove it"
+            ) from None
+        if err.errno == errno.ENOENT:
+            raise SlideError(f"{path}: file not found; check the input path") from None
+        raise SlideError(f"{path}: cannot access it ({err.strerror}); check its permissions") from None
+    if stat.S_ISDIR(st.st_mode):
+        try:  # a folder of the input that could not be searched for slides is listed as an input of its own
+            os.listdir(path)
+        except OSError as err:
+            raise SlideError(
+                f"{path}: a folder that cannot be listed ({err.strerror}), so its slides are not tiled; "
+                "check its permissions"
+            ) from None
+        raise SlideError(f"{path}: a folder, not a slide file")
+    if not stat.S_ISREG(st.st_mode):
+        raise SlideError(f"{path}: not a regular file")
+    try:
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except OSError as err:
+        raise SlideError(f"{path}: cannot read it ({err.strerror}); check its permissions") from None
 
 
 def file_fingerprint(path: str | os.PathLike[str], block: int = 1 << 20) -> tuple[int, str]:

@@ -17,6 +17,7 @@ from typing import Any
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.discovery import Repeat
 from dinov3_core.tiling.plan import SlidePlan, SlideTask, slide_attrs, tiling_params
 from dinov3_core.tiling.qc import QC_PICTURES, save_qc_pictures
 from dinov3_core.tiling.writer import WriteUnit
@@ -28,8 +29,8 @@ SHARDS_PER_UNIT = 1
 class SlideOutcome:
     slide_id: str
     source_path: str
-    status: str  # ok | failed | skipped
-    error: str | None = None
+    status: str  # ok | failed | skipped | duplicate (an input another one covers: see `duplicate_of`, `note`)
+    error: str | None = None  # of a failed slide: names its file, says what is wrong and what to do
     tile_count: int = 0
     seconds: float = 0.0
     bytes_per_tile: float | None = None
@@ -37,6 +38,8 @@ class SlideOutcome:
     qc: dict[str, str] = field(default_factory=dict)
     workers: int = 0  # worker processes that wrote this slide's tiles (a large slide is spread over all of them)
     tiled_by: str | None = None  # "host:pid" of the process that tiled it as part of a slide group (Dask worker)
+    duplicate_of: str | None = None  # of a duplicate: the id of the slide that holds its tissue
+    note: str | None = None  # of a duplicate: which input it repeats and how
 
     def as_manifest_entry(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +91,25 @@ def error_text(err: BaseException) -> str:
     if isinstance(err, WsidinoError):
         return str(err)
     return f"{type(err).__name__}: {err}"
+
+
+def failed_outcome(slide_id: str, path: str | os.PathLike[str], message: str) -> SlideOutcome:
+    """A failed slide's row. Its error names the slide file once: our own errors already start with it, a
+    library's (OpenSlideError: Bogus marker length, [Errno 28] No space left on device) does not."""
+    path = str(path)
+    error = message if path in message else f"{path}: {message}"
+    return SlideOutcome(slide_id, path, "failed", error=error)
+
+
+def duplicate_outcome(repeat: Repeat) -> SlideOutcome:
+    """The row of an input not tiled because another input holds the same tissue (`discovery.find_repeats`)."""
+    return SlideOutcome(
+        repeat.task.slide_id,
+        str(repeat.task.path),
+        "duplicate",
+        duplicate_of=repeat.of.slide_id,
+        note=repeat.why,
+    )
 
 
 def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:

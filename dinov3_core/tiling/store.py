@@ -15,7 +15,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,8 +124,37 @@ def clear_incoming(root: Path) -> list[str]:
     return removed
 
 
-def slide_dir(root: Path, slide_id: str) -> Path:
-    return root / SLIDES / slide_id
+def slide_dir(root: str | os.PathLike[str], slide_id: str) -> Path:
+    """The committed group of a slide: `<root>/slides/<slide_id>` (checked by `_slide_path`)."""
+    return _slide_path(Path(root), SLIDES, slide_id)
+
+
+def incoming_dir(root: str | os.PathLike[str], slide_id: str, tag: str) -> Path:
+    """A slide's folder under `.incoming/`: `<root>/.incoming/<slide_id>-<tag>` (checked by `_slide_path`)."""
+    return _slide_path(Path(root), INCOMING, slide_id, f"-{tag}")
+
+
+def _slide_path(root: Path, area: str, slide_id: str, suffix: str = "") -> Path:
+    """The one place a slide id becomes a path: every write, rename and delete of a slide's files goes through here.
+
+    The path must be a direct child of `<root>/<area>` named exactly `<slide_id><suffix>`, also after resolving
+    symlinks; an id such as `.`, `..`, `a/b` or `` (or a slide folder that is a link to somewhere else) would
+    otherwise let one slide's commit replace, move or delete what is not its own.
+    """
+    name = f"{slide_id}{suffix}"
+    parent = root / area
+    path = parent / name
+    escapes = not isinstance(slide_id, str) or slide_id in {"", ".", ".."} or any(c in slide_id for c in "/\\\0")
+    if not escapes:
+        real = path.resolve()
+        escapes = real.name != name or real.parent != parent.resolve()
+    if escapes:
+        raise TileStoreError(
+            f"slide id {slide_id!r} does not name one folder of its own under {parent}; refusing to write, move or "
+            "delete anything for it. `wsidino tile` never makes such an id: if a tool of yours wrote this store, "
+            "give the slide a plain id (a file name without path separators)"
+        )
+    return path
 
 
 def complete_slide_ids(root: str | os.PathLike[str]) -> list[str]:
@@ -137,7 +166,7 @@ def complete_slide_ids(root: str | os.PathLike[str]) -> list[str]:
 
 
 def read_slide_attrs(root: str | os.PathLike[str], slide_id: str) -> dict[str, Any]:
-    meta = json.loads((Path(root) / SLIDES / slide_id / "zarr.json").read_text())
+    meta = json.loads((slide_dir(root, slide_id) / "zarr.json").read_text())
     return dict(meta.get("attributes", {}).get(ATTRS_KEY, {}))
 
 
@@ -153,13 +182,17 @@ def _tile_codecs(compressor: Compressor, level: int, jpeg_quality: int) -> dict[
 
 @dataclass(frozen=True)
 class IncomingSlide:
-    """A slide group being written under `.incoming/`. Picklable: workers reopen arrays by path."""
+    """A slide group being written under `.incoming/<slide_id>-<tag>`. Picklable: workers reopen arrays by path."""
 
     root: Path
     slide_id: str
-    path: Path
+    tag: str  # makes the folder unique per attempt
     n_tiles: int
     tiles_per_shard: int
+    path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", incoming_dir(self.root, self.slide_id, self.tag))  # checked once, here
 
     def tiles_array(self) -> zarr.Array:
         return zarr.open_array(str(self.path / "tiles"), mode="r+")
@@ -202,9 +235,9 @@ def begin_slide(
     columns: Mapping[str, np.ndarray] | None = None,
 ) -> IncomingSlide:
     """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns."""
-    path = root / INCOMING / f"{slide_id}-{uuid.uuid4().hex[:8]}"
-    group = zarr.open_group(str(path), mode="w", zarr_format=3)
-    shard = max(1, min(tiles_per_shard, max(n_tiles, 1)))
+    slide = IncomingSlide(root, slide_id, uuid.uuid4().hex[:8], n_tiles, max(1, min(tiles_per_shard, max(n_tiles, 1))))
+    group = zarr.open_group(str(slide.path), mode="w", zarr_format=3)
+    shard = slide.tiles_per_shard
     group.create_array(
         "tiles",
         shape=(n_tiles, tile_size, tile_size, 3),
@@ -228,7 +261,7 @@ def begin_slide(
         )
         if n_tiles:
             arr[...] = values
-    return IncomingSlide(root=root, slide_id=slide_id, path=path, n_tiles=n_tiles, tiles_per_shard=shard)
+    return slide
 
 
 def stored_bytes(path: Path) -> int:
@@ -237,6 +270,7 @@ def stored_bytes(path: Path) -> int:
 
 def commit_slide(incoming: IncomingSlide, attrs: Mapping[str, Any]) -> Path:
     """Mark the slide complete and move it into `slides/` atomically, replacing an older version if any."""
+    final = slide_dir(incoming.root, incoming.slide_id)  # before anything is written: a bad id changes nothing
     group = zarr.open_group(str(incoming.path), mode="r+")
     tiles_bytes = stored_bytes(incoming.path / "tiles")
     group.attrs[ATTRS_KEY] = {
@@ -248,10 +282,9 @@ def commit_slide(incoming: IncomingSlide, attrs: Mapping[str, Any]) -> Path:
         "created": utc_now(),
         "complete": True,
     }
-    final = slide_dir(incoming.root, incoming.slide_id)
     retired = None
     if final.exists():
-        retired = incoming.root / INCOMING / f"{incoming.slide_id}-retired-{uuid.uuid4().hex[:8]}"
+        retired = incoming_dir(incoming.root, incoming.slide_id, f"retired-{uuid.uuid4().hex[:8]}")
         os.rename(final, retired)
     os.rename(incoming.path, final)
     if retired is not None:
@@ -267,7 +300,7 @@ def remove_slide(root: Path, slide_id: str) -> None:
     """Drop a committed slide (its source changed and could not be re-tiled, so the old tiles are stale)."""
     final = slide_dir(root, slide_id)
     if final.exists():
-        retired = root / INCOMING / f"{slide_id}-stale-{uuid.uuid4().hex[:8]}"
+        retired = incoming_dir(root, slide_id, f"stale-{uuid.uuid4().hex[:8]}")
         os.rename(final, retired)
         shutil.rmtree(retired, ignore_errors=True)
 
