@@ -16,6 +16,7 @@ class TileSummary(Summary):
     ok: int = 0  # slides tiled by this run
     skipped: int = 0  # slides already in the store with the same settings
     failed: int = 0  # slides that could not be tiled (their rows say why)
+    duplicate: int = 0  # inputs that are another input's bytes (or part of its DICOM slide): not tiled twice
     tiles_total: int = 0
     failed_slides: list[str] = field(default_factory=list)
 
@@ -51,7 +52,9 @@ def _work(cfg: TileConfig, hooks: RunHooks) -> tuple[Any, TileSummary]:
 
     result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide, run_groups=hooks.run_groups)
     failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
-    return result, TileSummary(**result.counts, tiles_total=result.total_tiles, failed_slides=failed)
+    summary = TileSummary(**result.counts, duplicate=result.duplicates, tiles_total=result.total_tiles,
+                          failed_slides=failed)  # fmt: skip
+    return result, summary
 
 
 def _report(result: Any) -> str:
