@@ -51,6 +51,16 @@ def test_the_checker_sees_a_lazy_import(tmp_path: Path) -> None:
     assert imported_packages(module) == [(2, "prefect"), (3, "tasks")]
 
 
+def test_the_stage_list_and_the_cli_stay_light() -> None:
+    """Every command imports the stage list (the CLI builds its parser from it): no torch, zarr, OpenSlide, MLflow."""
+    code = (
+        "import sys, dinov3_core.cli, dinov3_core.stages, dinov3_core.chain\n"
+        "sys.exit(sorted(m for m in ('torch', 'zarr', 'openslide', 'mlflow', 'prefect') if m in sys.modules) or 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
 def test_launcher_imports_neither_torch_nor_prefect() -> None:
     """The torchrun launcher runs in thin CLI and Prefect-worker processes: it must not pay for torch or Prefect."""
     code = (
