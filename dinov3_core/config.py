@@ -26,6 +26,9 @@ from dinov3_core.files import write_text_atomic
 T = TypeVar("T")
 
 CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
+# A config is a few kB (a long mpp_by_slide table some 100 kB). The cap bounds the pure-Python loader below (~10 s
+# for a dense 1 MB file on a busy 2-core box) and stops a wrong file passed as --config before it is parsed.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class ConfigError(WsidinoError, ValueError):
@@ -184,11 +187,83 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_BoundedLoader) if raw.strip() else ""  # a SafeLoader
+        except _AliasRefused:
+            raise ConfigError(
+                f"override {key}=…: YAML aliases (*name) are not allowed in wsidino configs; write the values out"
+            ) from None
         except yaml.YAMLError:
             value = raw
         out[key] = value
     return out
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing aliases (`*name`).
+
+    An alias shares a node; 9 levels of `[*a, *a, …]` share 10⁹ leaves that OmegaConf copies one by one (the "billion
+    laughs": a hang with no output). Composing refuses the first alias event, so parsing stays linear in the file.
+    Unknown tags (`!!python/object`, …) are refused by SafeLoader's constructor and reported by `load_yaml` with the
+    line.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(event.anchor, event.start_mark)
+        return super().compose_node(parent, index)
+
+
+class _AliasRefused(yaml.YAMLError):
+    def __init__(self, anchor: str, mark: yaml.Mark) -> None:
+        super().__init__(anchor)
+        self.anchor, self.mark = anchor, mark
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """`text` parsed as YAML without aliases or unknown tags; a `ConfigError` naming `source` and the line."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass
+    except _AliasRefused as err:
+        raise ConfigError(
+            f"{source} line {err.mark.line + 1}: YAML aliases (*{err.anchor}) are not allowed in wsidino configs; "
+            "write the values out"
+        ) from None
+    except yaml.constructor.ConstructorError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"{source}{where}: {err.problem} (wsidino configs hold plain values: mappings, lists, strings, numbers; "
+            "remove the tag)"
+        ) from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}{where} is not valid YAML: {err.problem or err.context}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source} is not valid YAML: {err}") from None
+
+
+def load_yaml(path: str | os.PathLike[str], *, what: str = "config file") -> Any:
+    """A user's YAML file, bounded: at most MAX_CONFIG_BYTES, UTF-8, no aliases, no tags beyond plain values. Every
+    problem is a one-line `ConfigError` naming the file (and the line)."""
+    path = Path(path)
+    source = f"{what} {path}"
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"cannot read {source}: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source} is larger than {MAX_CONFIG_BYTES >> 20} MB, far beyond any config; check the path "
+            "(a config holds settings, not data)"
+        )
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    return parse_yaml(text, source)
 
 
 BASE_KEY = "base"  # a config file may start from another named config of its stage: `base: vitb16-continued`
@@ -198,7 +273,7 @@ def _yaml_chain(stage: str, path: Path, seen: tuple[Path, ...] = ()) -> list[tup
     """The file and the configs it builds on (`base:`), the most basic first."""
     if path.resolve() in seen:
         raise ConfigError(f"config file {path}: `base:` goes round in a circle ({' → '.join(map(str, seen))})")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    loaded = load_yaml(path) or {}
     if not isinstance(loaded, Mapping):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}")
     loaded = dict(loaded)
@@ -334,6 +409,7 @@ __all__ = [
     "flat_params",
     "flatten",
     "load_config",
+    "load_yaml",
     "parse_overrides",
     "require",
     "resolve_config_path",

@@ -5,14 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
+import sqlite3
 import sys
+import tempfile
 import threading
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dinov3_core.config import flat_params
+from dinov3_core.errors import WsidinoError
 
 # Every function imports mlflow where it needs it (deferred: ~1 s at import): this module is imported by the
 # stage runner and the CLI, which must stay light when tracking is off.
@@ -36,6 +41,127 @@ class TrackingConfig:
 
 def tracking_uri(cfg: TrackingConfig) -> str:
     return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+class TrackingStoreError(WsidinoError):
+    """The local MLflow store cannot be opened or created; the message names the file and the ways on."""
+
+
+def local_store(uri: str) -> Path | None:
+    """The file of a `sqlite:///…` tracking URI (None for a server or an in-memory store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    name = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return None if name in ("", ":memory:") else Path(name).absolute()
+
+
+_CHECKED: set[Path] = set()  # stores found sound (or made) by this process: later calls cost nothing
+_CHECK_LOCK = threading.Lock()  # a background run opener and the main thread may both ask
+
+
+def ensure_store(uri: str, *, create: bool = True) -> None:
+    """Make sure a local SQLite store at `uri` is usable before MLflow touches it; servers are left to MLflow.
+
+    Missing (or an empty file): its schema is built in a temporary file beside it and moved into place, so a
+    creation that fails (a full disk) leaves nothing half-made and the next run simply creates it (`create`=False:
+    leave that to a later call). Existing: checked once per process with SQLite itself; a file that is not a
+    database, is damaged, or holds a half-made schema raises `TrackingStoreError` naming it and the ways on.
+    """
+    path = local_store(uri)
+    if path is None or path in _CHECKED:
+        return
+    with _CHECK_LOCK:
+        if path in _CHECKED:
+            return
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        except OSError as err:
+            raise _store_error(path, err.strerror or str(err)) from None
+        if size:
+            _check_store(path)
+        elif create:
+            _create_store(path, uri)  # also replaces a 0-byte file: SQLite's empty database, nothing to lose
+        else:
+            return
+        _CHECKED.add(path)
+
+
+def _store_error(path: Path, cause: str) -> TrackingStoreError:
+    aside = shlex.quote(f"{path}.broken")
+    return TrackingStoreError(
+        f"the MLflow store {path} cannot be opened ({cause}): move it aside (mv {shlex.quote(str(path))} {aside}) "
+        "to start a new one, or run with tracking.enabled=false"
+    )
+
+
+def _check_store(path: Path) -> None:
+    """SQLite's own quick check, then MLflow's schema version (alembic_version), read-only and without MLflow."""
+    try:
+        # mode=ro: a check never creates or changes the file; the timeout waits out another run's write.
+        con = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as err:
+        raise _store_error(path, str(err)) from None
+    try:
+        with contextlib.closing(con):
+            verdict = [row[0] for row in con.execute("PRAGMA quick_check")]
+            if verdict != ["ok"]:
+                raise _store_error(path, f"SQLite finds it damaged: {verdict[0]}")
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            versions = con.execute("SELECT version_num FROM alembic_version").fetchall() if (
+                "alembic_version" in tables) else []  # fmt: skip
+    except sqlite3.OperationalError as err:
+        if "locked" in str(err):
+            return  # another run holds it for longer than the timeout: busy, not broken; MLflow will wait too
+        raise _store_error(path, str(err)) from None
+    except sqlite3.DatabaseError as err:  # "file is not a database", "database disk image is malformed"
+        raise _store_error(path, str(err)) from None
+    if tables and not versions:
+        # MLflow would create the tables again and stop at "table … already exists" on every run.
+        raise _store_error(
+            path, "its schema is half-made: MLflow tables without a schema version, left by a creation that failed"
+        )
+
+
+def _create_store(path: Path, uri: str) -> None:
+    """Build MLflow's schema in a temporary file in the store's folder, then link it into place (atomic)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".creating", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", artifact_location(uri))
+        store.engine.dispose()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails when another process made the store meanwhile: theirs is kept
+        except FileExistsError:
+            if path.stat().st_size == 0:  # the empty file this creation replaces
+                os.replace(tmp, path)
+        except OSError:  # a file system without hard links
+            os.replace(tmp, path)
+        with contextlib.suppress(OSError):  # the new name survives a crash (not every platform opens folders)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except Exception as err:
+        cause = str(getattr(err, "orig", None) or err).splitlines()[0][:200]
+        raise TrackingStoreError(
+            f"cannot create the MLflow store {path} ({type(err).__name__}: {cause}); nothing was left behind: free "
+            "space or fix the folder's permissions and rerun, or run with tracking.enabled=false"
+        ) from None
+    finally:
+        if tmp is not None:
+            for leftover in (tmp, *(tmp.with_name(tmp.name + s) for s in ("-journal", "-wal", "-shm"))):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
 
 
 class PendingRun:
@@ -80,6 +206,7 @@ def _start_run(
     import mlflow
 
     uri = tracking_uri(cfg)
+    ensure_store(uri)
     mlflow.set_tracking_uri(uri)
     resume = run_id or None  # the runner's run, handed down (a torchrun rank's __main__ reads $MLFLOW_RUN_ID)
     if not resume:
@@ -159,6 +286,10 @@ def pending_stage_run(
         yield PendingRun(run=active)
         return
 
+    # A broken store stops the stage before its work, not after it (a background opener would find it late);
+    # creating a missing one is left to the opener.
+    ensure_store(tracking_uri(cfg), create=not background)
+
     def open_run() -> str:
         # On the background thread MLflow's own system-metrics monitor is not started: `wait` starts it.
         run = _start_run(cfg, run_name, tags, run_id, parent_run_id, False if background else cfg.system_metrics)
@@ -228,6 +359,7 @@ def ensure_experiment(name: str, uri: str) -> str:
     """Select the experiment, creating it with an explicit artifact location the first time."""
     import mlflow
 
+    ensure_store(uri)
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
         # Another process may create it at the same moment; then set_experiment below finds theirs.
@@ -251,6 +383,7 @@ def parent_run(
     from mlflow import MlflowClient
 
     uri = tracking_uri(cfg)
+    ensure_store(uri)
     mlflow.set_tracking_uri(uri)  # ensure_experiment works on the global URI
     client = MlflowClient(tracking_uri=uri)
     experiment = ensure_experiment(cfg.experiment, uri)

@@ -8,6 +8,8 @@ QuPath writes one `FeatureCollection` per image (or a bare list of features, or 
 from __future__ import annotations
 
 import json
+import logging
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +23,14 @@ import shapely.geometry
 
 from dinov3_core.errors import WsidinoError
 
+logger = logging.getLogger(__name__)
+
 POLYGONAL = frozenset({"Polygon", "MultiPolygon"})
+# QuPath's annotation exports are a few MB, tens with detailed outlines; a million small polygons is ~250 MB and
+# takes ~2.5 GB of memory to read. Beyond the cap, the file is more likely a cell-detection export than annotations.
+MAX_GEOJSON_BYTES = 512 << 20
+CHUNK = 1 << 16  # geometries built together by shapely.from_ragged_array
+PROGRESS_EVERY_S = 10.0
 NO_CLASSIFICATION = "no classification"
 EMPTY_GEOMETRY = "empty geometry"
 
@@ -56,6 +65,18 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
     """
     path = Path(path)
     try:
+        size = path.stat().st_size
+    except OSError as err:
+        raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
+    if size > MAX_GEOJSON_BYTES:
+        raise MalformedAnnotations(
+            f"{path} is {size / 2**20:.0f} MB, over the {MAX_GEOJSON_BYTES >> 20} MB an annotation file may take; "
+            "export only the annotations that label tissue (not cell detections), or simplify their outlines in "
+            "QuPath (Objects › Annotations › Simplify shape), and export again"
+        )
+    if size > 50 << 20:
+        logger.info("reading %s (%.0f MB of annotations)", path, size / 2**20)
+    try:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as err:
         raise LabelError(f"cannot read annotation file {path}: {err.strerror or err}") from None
@@ -67,10 +88,14 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
             "QuPath (File › Export objects as GeoJSON)"
         ) from None
 
-    shapes: list[tuple[str, shapely.Geometry]] = []
+    names: list[str] = []
+    geometries: list[dict[str, Any]] = []
+    index: list[int] = []  # feature number of each kept geometry, for messages
     skipped: Counter[str] = Counter()
-    repaired = 0
-    for i, feature in enumerate(_features(doc, path)):
+    features = _features(doc, path)
+    ticker = _Ticker(f"reading {path}", len(features))
+    for i, feature in enumerate(features):
+        ticker.tick(i)
         where = f"{path}, feature {i}"
         if not isinstance(feature, dict):
             raise MalformedAnnotations(f"{where} is a {type(feature).__name__}, not a GeoJSON Feature object")
@@ -87,15 +112,100 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
         if name is None:
             skipped[NO_CLASSIFICATION] += 1
             continue
-        shape = _read_geometry(geometry, where)
-        if not shape.is_empty and not shape.is_valid:
-            shape = _polygonal_part(shapely.make_valid(shape))
-            repaired += not shape.is_empty  # a sliver repairs into lines only: counted as skipped, below
-        if shape.is_empty:
-            skipped[EMPTY_GEOMETRY] += 1
-            continue
-        shapes.append((name, shape))
-    return GeoJsonAnnotations(path, shapes, dict(sorted(skipped.items())), repaired)
+        names.append(name)
+        geometries.append(geometry)
+        index.append(i)
+    shapes = np.concatenate(
+        [_read_geometries(geometries[k : k + CHUNK], index[k : k + CHUNK], path) for k in range(0, len(index), CHUNK)]
+        or [np.empty(0, dtype=object)]
+    )
+    shapes = shapely.force_2d(shapes)
+    invalid = np.flatnonzero(~shapely.is_empty(shapes) & ~shapely.is_valid(shapes))
+    repaired = 0
+    for k in invalid:  # few: each repaired alone
+        shapes[k] = _polygonal_part(shapely.make_valid(shapes[k]))
+        repaired += not shapes[k].is_empty  # a sliver repairs into lines only: counted as skipped, below
+    empty = shapely.is_empty(shapes)
+    skipped[EMPTY_GEOMETRY] += int(empty.sum())
+    if not skipped[EMPTY_GEOMETRY]:
+        del skipped[EMPTY_GEOMETRY]
+    kept = [(names[k], shapes[k]) for k in np.flatnonzero(~empty).tolist()]
+    return GeoJsonAnnotations(path, kept, dict(sorted(skipped.items())), repaired)
+
+
+class _Ticker:
+    """A log line every PROGRESS_EVERY_S seconds through a long loop (a file of a million objects)."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total = what, total
+        self.start = self.last = time.monotonic()
+
+    def tick(self, done: int) -> None:
+        if done % 4096 == 0 and (now := time.monotonic()) - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            logger.info("%s: %d/%d objects, %.0f s", self.what, done, self.total, now - self.start)
+
+
+def _read_geometries(geometries: list[dict[str, Any]], index: list[int], path: Path) -> np.ndarray:
+    """Polygons and multipolygons built together from their coordinates (shapely.from_ragged_array), so a file of a
+    million small objects takes seconds; a chunk holding anything but closed rings of ≥ 4 finite [x, y(, z)]
+    numbers is built one geometry at a time as before, which names the feature at fault."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        built = _ragged(geometries)
+    if built is None:
+        return np.array(
+            [_read_geometry(g, f"{path}, feature {i}") for g, i in zip(geometries, index, strict=True)],
+            dtype=object,
+        )
+    coords, which = shapely.get_coordinates(built, return_index=True)
+    bad = which[~np.isfinite(coords).all(axis=1)]
+    if len(bad):
+        _read_geometry(geometries[bad[0]], f"{path}, feature {index[bad[0]]}")  # raises, naming the feature
+    return built
+
+
+def _ragged(geometries: list[dict[str, Any]]) -> np.ndarray | None:
+    """The geometries in bulk, or None when one of them is not of the plain shape (see `_read_geometries`)."""
+    points: list[Any] = []
+    ring_sizes: list[int] = []
+    rings_per_part: list[int] = []
+    parts_per_geometry: list[int] = []
+    multi: list[bool] = []
+    try:
+        for geometry in geometries:
+            is_multi = geometry["type"] == "MultiPolygon"
+            coordinates = geometry["coordinates"]
+            parts = coordinates if is_multi else (coordinates,)
+            for part in parts:
+                for ring in part:
+                    points.extend(ring)
+                    ring_sizes.append(len(ring))
+                rings_per_part.append(len(part))
+            parts_per_geometry.append(len(parts))
+            multi.append(is_multi)
+        xy = np.asarray(points, dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        return None
+    sizes = np.asarray(ring_sizes, dtype=np.int64)
+    if xy.ndim != 2 or xy.shape[1] not in (2, 3) or len(sizes) == 0 or (sizes < 4).any():
+        return None
+    if 0 in rings_per_part or 0 in parts_per_geometry:
+        return None  # an empty polygon: built alone
+    ring_offsets = np.concatenate([[0], np.cumsum(sizes)])
+    if not (xy[ring_offsets[:-1]] == xy[ring_offsets[1:] - 1]).all():
+        return None  # a ring not closed (shapely.geometry.shape closes it), or a NaN corner
+    part_offsets = np.concatenate([[0], np.cumsum(rings_per_part)])
+    parts_built = shapely.from_ragged_array(shapely.GeometryType.POLYGON, xy, (ring_offsets, part_offsets))
+    is_multi = np.asarray(multi)
+    first_part = np.concatenate([[0], np.cumsum(parts_per_geometry)[:-1]])
+    out = np.empty(len(geometries), dtype=object)
+    out[~is_multi] = parts_built[first_part[~is_multi]]
+    if is_multi.any():
+        owner = np.repeat(np.arange(len(geometries)), parts_per_geometry)
+        mine = is_multi[owner]
+        shapely.multipolygons(parts_built[mine], indices=owner[mine], out=out)
+    return out
 
 
 def _features(doc: Any, path: Path) -> list[Any]:

@@ -16,8 +16,10 @@ Every tile of a labelled slide is exactly one of labelled, unlabelled or ambiguo
 
 from __future__ import annotations
 
+import logging
 import math
-from collections import Counter, defaultdict
+import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -53,7 +55,10 @@ __all__ = [
     "read_geojson",
 ]
 
+logger = logging.getLogger(__name__)
+
 GEOJSON_SUFFIX = ".geojson"
+PROGRESS_EVERY_S = 10.0
 CORNER_FRACTION = 1 / 8  # annotations confined to this share of the slide in x and y look like thumbnail coords
 # Area ratios are computed in floating point: a tile covered exactly at the threshold must not fall just below it.
 OVERLAP_TOLERANCE = 1e-9
@@ -203,30 +208,82 @@ def _match_files(folder: Path, store_ids: list[str]) -> tuple[dict[str, Path], l
 def _label_by_polygons(
     slide: SlideTiles, shapes: list[tuple[str, shapely.Geometry]], min_overlap: float
 ) -> SlideLabels:
-    by_class: dict[str, list[shapely.Geometry]] = defaultdict(list)
-    for name, shape in shapes:
-        by_class[name].append(shape)
-    names = sorted(by_class)
+    """Each class claims the tiles whose centre lies inside the union of its polygons (holes excluded, a centre on
+    an edge claimed only where the union goes on beyond it) and, with `min_overlap`, whose area those polygons cover
+    by at least that fraction.
+
+    No union of the class is built: an R-tree over the tile centres (shapely.STRtree) finds the centres each polygon
+    contains, with the polygon prepared, so a million small polygons take seconds. Only a centre on an edge, where
+    the union may differ from its parts (two polygons of one class side by side), is decided on the union of the
+    few polygons that touch it."""
+    names = sorted({name for name, _ in shapes})
     centres = slide.coords + slide.tile / 2
     hits = np.zeros((len(names), len(slide.coords)), dtype=bool)
-    for k, name in enumerate(names):
-        union = shapely.union_all(by_class[name])
-        shapely.prepare(union)  # a prepared geometry answers point queries for 10⁵ tiles in milliseconds
-        inside = shapely.contains_xy(union, centres[:, 0], centres[:, 1])
-        if min_overlap > 0 and inside.any():
-            idx = np.flatnonzero(inside)
-            inside[idx] = _covered_fraction(union, slide.coords[idx], slide.tile) >= min_overlap - OVERLAP_TOLERANCE
-        hits[k] = inside
+    if not shapes or not len(slide.coords):
+        return slide_labels(slide.slide_id, hits, names)
+    geoms = np.array([shape for _, shape in shapes], dtype=object)
+    number = {name: k for k, name in enumerate(names)}
+    klass = np.array([number[name] for name, _ in shapes], dtype=np.int64)
+    points = shapely.points(centres)
+    tree = shapely.STRtree(points)
+    inside, centre = tree.query(geoms, predicate="contains")  # (polygon, tile) pairs; the polygon is prepared
+    hits[klass[inside], centre] = True
+    on_edge, edge_centre = tree.query(geoms, predicate="touches")
+    if len(on_edge):
+        _edge_centres(hits, geoms, klass, on_edge, edge_centre, centres)
+    if min_overlap > 0:
+        _apply_min_overlap(hits, geoms, klass, slide, min_overlap)
     return slide_labels(slide.slide_id, hits, names)
 
 
-def _covered_fraction(union: shapely.Geometry, origins: np.ndarray, tile: float) -> np.ndarray:
-    """Share of each tile's area inside `union`; the exact intersection only for tiles not wholly covered."""
-    boxes = shapely.box(origins[:, 0], origins[:, 1], origins[:, 0] + tile, origins[:, 1] + tile)
-    fraction = np.ones(len(boxes))
-    partial = ~shapely.covers(union, boxes)
-    fraction[partial] = shapely.area(shapely.intersection(boxes[partial], union)) / (tile * tile)
-    return fraction
+def _edge_centres(
+    hits: np.ndarray, geoms: np.ndarray, klass: np.ndarray, polygon: np.ndarray, tile: np.ndarray,
+    centres: np.ndarray,
+) -> None:  # fmt: skip
+    """A centre on the edge of a polygon of a class that does not already claim it: inside the class's union when
+    the union of the class's polygons covering the centre (the only ones near it) has it in its interior."""
+    open_ = ~hits[klass[polygon], tile]
+    pairs = sorted(set(zip(klass[polygon[open_]].tolist(), tile[open_].tolist(), strict=True)))
+    for k, t in pairs:
+        near = polygon[(tile == t) & (klass[polygon] == k)]
+        union = shapely.union_all(geoms[near])
+        hits[k, t] = bool(shapely.contains_xy(union, centres[t, 0], centres[t, 1]))
+
+
+def _apply_min_overlap(
+    hits: np.ndarray, geoms: np.ndarray, klass: np.ndarray, slide: SlideTiles, min_overlap: float
+) -> None:
+    """Keep a class's claim on a tile only when the class's polygons cover at least `min_overlap` of its area."""
+    claimed = np.flatnonzero(hits.any(axis=0))
+    if not len(claimed):
+        return
+    t = slide.tile
+    x, y = slide.coords[claimed, 0], slide.coords[claimed, 1]
+    boxes = shapely.box(x, y, x + t, y + t)
+    polygon, box = shapely.STRtree(boxes).query(geoms, predicate="intersects")
+    claim = hits[klass[polygon], claimed[box]]  # pairs of a class with a tile it claims
+    polygon, box = polygon[claim], box[claim]
+    covered = np.zeros(hits.shape, dtype=bool)
+    shapely.prepare(geoms[np.unique(polygon)])  # a large polygon answers many tiles' `covers` quickly
+    whole = shapely.covers(geoms[polygon], boxes[box])
+    covered[klass[polygon[whole]], claimed[box[whole]]] = True
+    rest = ~covered[klass[polygon], claimed[box]]
+    order = np.lexsort((polygon[rest], box[rest], klass[polygon[rest]]))
+    kk, bb, pp = klass[polygon[rest]][order], box[rest][order], polygon[rest][order]
+    if not len(kk):
+        hits &= covered
+        return
+    starts = np.flatnonzero(np.r_[True, (kk[1:] != kk[:-1]) | (bb[1:] != bb[:-1])])
+    ticker_start = last = time.monotonic()
+    for n, (lo, hi) in enumerate(zip(starts, [*starts[1:], len(kk)], strict=True)):
+        k, b = int(kk[lo]), int(bb[lo])
+        union = shapely.union_all(geoms[pp[lo:hi]])
+        share = 1.0 if shapely.covers(union, boxes[b]) else shapely.area(shapely.intersection(boxes[b], union)) / t**2
+        covered[k, claimed[b]] = share >= min_overlap - OVERLAP_TOLERANCE
+        if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
+            last = now
+            logger.info("%s: overlap of %d/%d tiles, %.0f s", slide.slide_id, n, len(starts), now - ticker_start)
+    hits &= covered
 
 
 def _check_bounds(found: GeoJsonAnnotations, slide: SlideTiles) -> None:
