@@ -15,7 +15,7 @@ QuPath-style GeoJSON, one polygon per tile around its centre. Then, in one run, 
   1–16 × 5 draws, 1000 bootstrap resamples);
 * **run_evaluate, warm**: the same again with the feature cache filled: labels, label-free health, probes,
   pictures and reports only;
-* and its parts on the cached features: labels (GeoJSON → tiles), health (256 tiles per model), probes (split,
+* and its parts on the cached features: labels (GeoJSON → tiles), health (256 tiles per model), probes (folds,
   kNN, linear probe with the C sweep, few-shot kNN, bootstrap intervals and paired differences, both models) and
   pictures.
 
@@ -188,18 +188,18 @@ def main() -> None:
             feats[role] = F.represent(cached, cfg.probe.features)
         start = time.perf_counter()
         pc = cfg.probe
-        split = P.split_by_group(y, groups, test_fraction=pc.test_fraction, seed=pc.seed)
-        boot = P.Bootstrap.over_groups(groups[split.test], pc.bootstrap, pc.seed)
-        draws = P.few_shot_draws(y[split.train], pc.few_shot, pc.few_shot_draws, pc.seed)
-        preds = {role: _score_model(cfg, x, y, split, boot, draws)[1] for role, x in feats.items()}
-        _comparisons(y[split.test], preds, boot)
+        cv = P.cross_validate_by_group(y, groups, folds=pc.folds, seed=pc.seed)
+        boot = P.Bootstrap.over_groups(groups, pc.bootstrap, pc.seed)  # every tile is a test tile of its fold
+        draws = P.few_shot_draws_cv(y, cv, pc.few_shot, pc.few_shot_draws, pc.seed)
+        preds = {role: _score_model(cfg, x, y, cv, boot, draws)[1] for role, x in feats.items()}
+        _comparisons(y, preds, boot)
         probes_s = time.perf_counter() - start
-        _, pictures_s = timed(report.save_pictures, root / "pictures", y, split, feats, preds)
+        _, pictures_s = timed(report.save_pictures, root / "pictures", y, feats, preds)
         # Side by side on the same resamples: balanced accuracy by scikit-learn (string labels, as before) and by
         # the confusion-matrix metric the stage uses.
         from sklearn.metrics import balanced_accuracy_score
 
-        linear, y_test = preds["candidate"]["linear"], y[split.test]
+        linear, y_test = preds["candidate"]["linear"], y
         sk = timed(lambda: [balanced_accuracy_score(y_test[s], linear.predicted[s]) for s in boot.samples])
         cm = timed(lambda: [P.score(y_test, linear, P.balanced_accuracy, s) for s in boot.samples])
         assert np.allclose(sk[0], cm[0]), "the two metrics disagree"
@@ -215,7 +215,7 @@ def main() -> None:
         {"measurement": "labels: GeoJSON → tile labels (shapely)", "tiles": labelled, "seconds": labels_s},
         {"measurement": f"label-free health ({cfg.health_tiles} tiles × {models} models: {roles})", "tiles": labelled,
          "seconds": health_s},
-        {"measurement": f"probes: split, kNN, linear (C sweep), few-shot, {pc.bootstrap} bootstraps ({roles})",
+        {"measurement": f"probes: folds, kNN, linear (C sweep), few-shot, {pc.bootstrap} bootstraps ({roles})",
          "tiles": labelled, "seconds": probes_s},
         {"measurement": f"pictures: confusion + embedding maps ({roles})", "tiles": labelled,
          "seconds": pictures_s},
@@ -229,8 +229,9 @@ def main() -> None:
     summary = {
         "labelled_tiles": labelled,
         "classes": counts,
-        "test_slides": len(split.test_groups),
-        "test_tiles": len(split.test),
+        "test_slides": len(cv.test_groups),
+        "folds": len(cv.folds),
+        "test_tiles": labelled,
         "extract_tiles_per_s": extract["tiles_per_s"],
         "embedding_tiles_per_s": cand["tiles_per_s"],
         "embedding_over_extract": cand["tiles_per_s"] / extract["tiles_per_s"],
@@ -243,8 +244,8 @@ def main() -> None:
            "batch_size": args.batch_size, "arch": "vit_test", "export_seconds": round(export_s, 1)}  # fmt: skip
     (out / "evaluate.json").write_text(json.dumps({"environment": env, "summary": summary, "results": rows}, indent=2))
     print(f"\n## evaluate ({labelled} labelled tiles of {args.tile_size} px, {len(counts)} classes, vit_test, "
-          f"batch {args.batch_size}, CPU {env['threads']} threads; test side: {len(split.test_groups)} slide(s), "
-          f"{len(split.test)} tiles)\n")  # fmt: skip
+          f"batch {args.batch_size}, CPU {env['threads']} threads; {len(cv.folds)}-fold cross-validation: "
+          f"{len(cv.test_groups)} test slide(s), {labelled} tiles)\n")  # fmt: skip
     print("| measurement | tiles | s | tiles/s | s per 10,000 labelled tiles |\n|---|---:|---:|---:|---:|")
     for r in rows:
         rate = f"{r['tiles_per_s']:.1f}" if "tiles_per_s" in r else "–"

@@ -1,4 +1,5 @@
-"""The evaluation protocol on controlled features: the slide split, the probes, the intervals and the gate."""
+"""The evaluation protocol on controlled features: the grouped cross-validation, the probes, the intervals and the
+gate (its evidence rule included)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,33 @@ def test_split_never_puts_a_slide_on_both_sides() -> None:
     assert np.array_equal(split.test, again.test)  # fixed seed: the same split every run
 
 
-def test_a_class_on_one_slide_only_is_refused_with_its_name() -> None:
-    _, y, g = clustered(4, 10, 2, 1.0, 0)
-    y[g == "slide0"] = "rare"  # only slide0 has it
-    y[(g != "slide0") & (y == "rare")] = "class0"
-    with pytest.raises(P.ProtocolError, match=r"class 'rare' is annotated on 1 slide"):
-        P.split_by_group(y, g, test_fraction=0.34, seed=0)
+@pytest.mark.parametrize(("n_slides", "folds", "expect"), [(9, 5, 5), (3, 5, 3), (2, 5, 2), (12, 2, 2)])
+def test_cross_validation_tests_every_slide_once_and_never_trains_on_it(n_slides: int, folds: int, expect: int) -> None:
+    _, y, g = clustered(n_slides, 10, 3, 1.0, 0)
+    cv = P.cross_validate_by_group(y, g, folds=folds, seed=3)
+    assert len(cv.folds) == expect  # capped at the number of slides
+    tested = np.concatenate([f.test for f in cv.folds])
+    assert np.array_equal(np.sort(tested), np.arange(len(y)))  # every tile tested exactly once
+    assert cv.test_groups == sorted(set(g))  # so every slide is a test slide
+    for f in cv.folds:
+        assert not set(g[f.train]) & set(g[f.test])  # a fold never trains on the slides it tests
+        assert set(g[f.train]) | set(g[f.test]) == set(g)
+        assert set(y[f.train]) == set(y)  # every class on the training side
+        assert set(f.val) <= set(f.train)
+    again = P.cross_validate_by_group(y, g, folds=folds, seed=3)
+    assert all(np.array_equal(a.test, b.test) and np.array_equal(a.val, b.val)
+               for a, b in zip(cv.folds, again.folds, strict=True))  # fmt: skip
+    assert cv.as_dict()["folds"] == expect and len(cv.as_dict()["per_fold"]) == expect
+
+
+def test_cross_validation_keeps_a_rare_class_on_every_training_side() -> None:
+    _, y, g = clustered(6, 10, 2, 1.0, 0)
+    y[np.isin(g, ["slide0", "slide1"]) & (y == "class1")] = "rare"  # on two slides only
+    cv = P.cross_validate_by_group(y, g, folds=2, seed=0)
+    for f in cv.folds:  # two folds could put both slides on one test side: another deal (or leave-one-out) avoids it
+        assert "rare" in set(y[f.train])
+    tested = np.concatenate([f.test for f in cv.folds])
+    assert np.array_equal(np.sort(tested), np.arange(len(y)))
 
 
 def test_probes_separate_clusters_and_fail_on_noise() -> None:
@@ -99,7 +121,9 @@ def gate_cfg(**values: Any) -> EvaluateConfig:
     return load_config(EvaluateConfig, None, {"store": "s", "candidate": "c.onnx", "output": "o", **values})
 
 
-def evaluation(cand: float, champ: tuple[float, float] | None, base: float = 0.0, rank: float = 0.3) -> dict:
+def evaluation(
+    cand: float, champ: tuple[float, float] | None, base: float = 0.0, rank: float = 0.3, test_groups: int = 5
+) -> dict:
     metric = {"value": 0.8, "ci_low": 0.7, "ci_high": 0.9}
     models: dict[str, Any] = {"candidate": {"health": {"cls_effective_rank": rank, "dense_score": 0.5},
                                             "probes": {"linear": {"balanced_accuracy": metric}}}}  # fmt: skip
@@ -109,7 +133,8 @@ def evaluation(cand: float, champ: tuple[float, float] | None, base: float = 0.0
         models["champion"] = {"health": {"cls_effective_rank": 0.3, "dense_score": 0.4}}
         comparisons["candidate_vs_champion"] = {"linear.balanced_accuracy": {"value": cand, "ci_low": champ[0],
                                                                              "ci_high": champ[1]}}  # fmt: skip
-    return {"models": models, "comparisons": comparisons, "labelled_tiles": 100}
+    evidence = {"unit": "slide", "test_groups": test_groups, "folds": min(5, test_groups)}
+    return {"models": models, "comparisons": comparisons, "labelled_tiles": 100, "evidence": evidence}
 
 
 def test_gate_rules() -> None:
@@ -128,6 +153,75 @@ def test_gate_rules() -> None:
     broken = evaluation(0.1, (0.02, 0.2))
     broken["models"]["champion"]["error"] = "ExtractError: cannot load"
     assert "could not be evaluated" in decide(cfg, broken).reason
+
+
+def test_gate_needs_evidence_before_it_promotes() -> None:
+    cfg = gate_cfg()
+    # The audit's case: one test slide, every interval a point, noise +0.054 "above margin 0".
+    one = evaluation(0.054, (0.054, 0.054), test_groups=1)
+    d = decide(cfg, one)
+    assert not d.promote
+    assert "not enough evidence: 1 test slide(s), fewer than gate.min_test_slides=3" in d.reason
+    assert "annotate at least 2 more slide(s)" in d.reason and "gate.allow_point_estimate=true" in d.reason
+    assert d.evidence["sufficient"] is False and d.evidence["point_estimate"] is False
+    assert d.evidence["interval"] == {"value": 0.054, "ci_low": 0.054, "ci_high": 0.054}
+    # A clear gain on two slides is still not enough by default; the key moves the bar.
+    two = evaluation(0.2, (0.1, 0.3), test_groups=2)
+    assert "annotate at least 1 more slide(s)" in decide(cfg, two).reason and not decide(cfg, two).promote
+    assert decide(gate_cfg(**{"gate.min_test_slides": 2}), two).promote
+    # Enough slides, but the interval has zero width: no uncertainty measured, no promotion.
+    flat = evaluation(0.05, (0.05, 0.05), test_groups=4)
+    assert not decide(cfg, flat).promote and "has zero width" in decide(cfg, flat).reason
+    # The first model of a registry faces the same rule against the baseline.
+    first = evaluation(0.0, None, base=0.2, test_groups=1)
+    assert not decide(cfg, first).promote and "1 test slide(s)" in decide(cfg, first).reason
+    # Patients: the groups are patients, and the advice says so.
+    patients = evaluation(0.2, (0.1, 0.3), test_groups=2)
+    patients["evidence"]["unit"] = "patient"
+    assert "slides of at least 1 more patient(s)" in decide(cfg, patients).reason
+    # A refusal needs no evidence either way: below the baseline stays below the baseline with enough slides.
+    assert "below the baseline" in decide(cfg, evaluation(0.1, (0.02, 0.2), base=-0.1)).reason
+
+
+def test_allow_point_estimate_decides_on_one_slide_and_says_so() -> None:
+    cfg = gate_cfg(**{"gate.allow_point_estimate": True})
+    d = decide(cfg, evaluation(0.054, (0.054, 0.054), test_groups=1))
+    assert d.promote  # the explicit opt-in: the old rule, lower bound (here the point) > margin
+    assert "decided on a point estimate (gate.allow_point_estimate=true) although 1 test slide(s)" in d.reason
+    assert d.evidence["point_estimate"] is True and d.evidence["allow_point_estimate"] is True
+    assert not decide(cfg, evaluation(-0.01, (-0.01, -0.01), test_groups=1)).promote  # still needs the point > margin
+    # With enough evidence the opt-in changes nothing and is not claimed.
+    enough = decide(cfg, evaluation(0.1, (0.02, 0.2)))
+    assert enough.promote and "point estimate" not in enough.reason and enough.evidence["sufficient"] is True
+
+
+def test_gate_config_checks_min_test_slides() -> None:
+    from dinov3_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="min_test_slides"):
+        gate_cfg(**{"gate.min_test_slides": 1})
+    with pytest.raises(ConfigError, match="folds"):
+        gate_cfg(**{"probe.folds": 1})
+
+
+def test_pooled_folds_give_a_small_cohort_a_real_interval() -> None:
+    """Three slides: the old single split tested one (a point interval); the folds test all three."""
+    x, y, g = clustered(3, 20, 2, 4.0, 4)  # overlapping classes: accuracy below 1 on some slide
+    cv = P.cross_validate_by_group(y, g, folds=5, seed=0)
+    classes = np.unique(y)
+    scores = np.zeros((len(y), 2), np.float32)
+    for f in cv.folds:
+        scores[f.test] = P.knn_scores(x[f.train], y[f.train], x[f.test], classes, 20, 0.07)
+    noise = np.random.default_rng(1).normal(size=x.shape)
+    chance = np.zeros_like(scores)
+    for f in cv.folds:
+        chance[f.test] = P.knn_scores(noise[f.train], y[f.train], noise[f.test], classes, 20, 0.07)
+    boot = P.Bootstrap.over_groups(g, 200, seed=0)
+    m = P.metrics_with_ci(y, P.Predictions(classes, scores), boot)["balanced_accuracy"]
+    assert m["ci_high"] - m["ci_low"] > 0
+    diff = P.paired_difference(y, P.Predictions(classes, scores), P.Predictions(classes, chance), "balanced_accuracy",
+                               boot)  # fmt: skip
+    assert diff["ci_high"] > diff["ci_low"] and diff["value"] > 0
 
 
 @pytest.mark.parametrize("n_classes", [2, 3, 5])

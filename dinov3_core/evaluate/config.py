@@ -31,7 +31,9 @@ class ProbeConfig:
     few_shot: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # tiles per class
     few_shot_draws: int = 5
     bootstrap: int = 1000  # resamples of the test slides for the 95 % intervals
-    test_fraction: float = 0.34  # share of slides (or patients) in the test split
+    # Grouped cross-validation: slides (or patients) dealt into this many folds, capped at the number of groups;
+    # each fold is tested by probes fitted on the others, so every slide is a test slide once.
+    folds: int = 5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,7 +43,7 @@ class ProbeConfig:
         require(all(n >= 1 for n in self.few_shot), "few_shot", f"tiles per class must be >= 1, got {self.few_shot}")
         require(self.few_shot_draws >= 1, "few_shot_draws", f"must be >= 1, got {self.few_shot_draws}")
         require(self.bootstrap >= 10, "bootstrap", f"must be >= 10 resamples, got {self.bootstrap}")
-        require(0 < self.test_fraction < 1, "test_fraction", f"must be in (0, 1), got {self.test_fraction}")
+        require(self.folds >= 2, "folds", f"must be >= 2 (every slide tested once needs two folds), got {self.folds}")
 
 
 @dataclass
@@ -53,6 +55,12 @@ class GateConfig:
     margin: float = 0.0  # the lower 95 % bound of (candidate − champion) must exceed this
     min_effective_rank: float = 0.02  # label-free health: below this the features have collapsed
     label_free: bool = False  # without annotations, promote a healthy candidate that beats the baseline's health
+    # Evidence: promotion needs a 95 % interval of non-zero width from at least this many test slides (or patient
+    # groups with patients=CSV). With fewer, a bootstrap has (almost) nothing to resample and noise can win.
+    min_test_slides: int = 3
+    # Explicit opt-in: decide on fewer test slides or a zero-width interval (a point estimate) all the same;
+    # recorded in the reason and in evaluation.json. For demos and smoke runs, never for a shared registry.
+    allow_point_estimate: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -62,6 +70,12 @@ class GateConfig:
         )
         require(
             0 <= self.min_effective_rank < 1, "min_effective_rank", f"must be in [0, 1), got {self.min_effective_rank}"
+        )
+        require(
+            self.min_test_slides >= 2,
+            "min_test_slides",
+            f"must be >= 2 (one slide gives a zero-width interval; gate.allow_point_estimate=true is the explicit way "
+            f"to decide on less), got {self.min_test_slides}",
         )
 
 

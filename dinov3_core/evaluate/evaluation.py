@@ -4,8 +4,8 @@
                                               "output": "out/evaluation", "annotations": "slides/annotations"})
     result = run_evaluate(cfg)     # evaluation.json, pictures, the gate's decision (and the alias moved)
 
-One run scores the candidate, the registry's champion and a baseline on the same labelled tiles, split and draws
-(`probes`), adds label-free health for each (`features.health`), and lets the gate decide (`gate`).
+One run scores the candidate, the registry's champion and a baseline on the same labelled tiles, cross-validation
+folds and draws (`probes`), adds label-free health for each (`features.health`), and lets the gate decide (`gate`).
 
 The labelled tiles are embedded through extract's reader threads and model (`features.embed`); given an
 `embed_job` (the stage runner's, when the launch asks for more than one process) a model's features are computed
@@ -123,27 +123,39 @@ def _score_model(
     cfg: EvaluateConfig,
     x: np.ndarray,
     y: np.ndarray,
-    split: P.Split,
+    cv: P.CrossValidation,
     boot: P.Bootstrap,
-    draws: dict[int, list[np.ndarray]],
+    draws: dict[int, list[list[np.ndarray]]],
 ) -> tuple[dict[str, Any], dict[str, P.Predictions]]:
-    """kNN, linear probe and few-shot kNN of one model's features: metrics (with CIs) and test predictions."""
+    """kNN, linear probe and few-shot kNN of one model's features, each fold predicted by probes fitted on the
+    other folds: metrics (with CIs) of the pooled predictions, and the predictions (every labelled tile, once)."""
     pc = cfg.probe
     classes = np.unique(y)
-    xtr, ytr, xte, yte = x[split.train], y[split.train], x[split.test], y[split.test]
-    knn = P.Predictions(classes, P.knn_scores(xtr, ytr, xte, classes, pc.knn_k, pc.knn_temperature))
-    val_pos = np.searchsorted(split.train, split.val)
-    order, proba, c = P.linear_probe(xtr, ytr, val_pos, xte, pc.linear_c, pc.seed)
-    linear = P.Predictions(order, proba)
+    knn = np.zeros((len(y), len(classes)), np.float32)
+    linear = np.zeros((len(y), len(classes)), np.float64)
+    cs = []
+    for f in cv.folds:
+        xtr, ytr, xte = x[f.train], y[f.train], x[f.test]
+        knn[f.test] = P.knn_scores(xtr, ytr, xte, classes, pc.knn_k, pc.knn_temperature)
+        order, proba, c = P.linear_probe(xtr, ytr, np.searchsorted(f.train, f.val), xte, pc.linear_c, pc.seed)
+        linear[np.ix_(f.test, np.searchsorted(classes, order))] = proba  # order: the classes of the fold's training
+        cs.append(c)
     few: dict[str, Any] = {}
-    for n, picks in draws.items():
-        accs = [P.score(yte, P.Predictions(classes, P.knn_scores(xtr[p], ytr[p], xte, classes, pc.knn_k,
-                                                                pc.knn_temperature)), P.balanced_accuracy)
-                for p in picks]  # fmt: skip
+    for n, per_draw in draws.items():
+        accs = []
+        for picks in per_draw:  # one draw: the pooled predictions of every fold's n-shot kNN
+            scores = np.zeros((len(y), len(classes)), np.float32)
+            for f, p in zip(cv.folds, picks, strict=True):
+                scores[f.test] = P.knn_scores(x[f.train[p]], y[f.train[p]], x[f.test], classes, pc.knn_k,
+                                              pc.knn_temperature)  # fmt: skip
+            accs.append(P.score(y, P.Predictions(classes, scores), P.balanced_accuracy))
         few[str(n)] = {"balanced_accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "draws": len(accs)}
-    probes = {"knn": P.metrics_with_ci(yte, knn, boot), "linear": P.metrics_with_ci(yte, linear, boot),
-              "few_shot": few, "linear_c": c}  # fmt: skip
-    return probes, {"knn": knn, "linear": linear}
+    knn_p, linear_p = P.Predictions(classes, knn), P.Predictions(classes, linear)
+    values, counts = np.unique(cs, return_counts=True)
+    probes = {"knn": P.metrics_with_ci(y, knn_p, boot), "linear": P.metrics_with_ci(y, linear_p, boot),
+              "few_shot": few, "linear_c": float(values[counts.argmax()]),  # the C most folds chose
+              "linear_c_per_fold": cs}  # fmt: skip
+    return probes, {"knn": knn_p, "linear": linear_p}
 
 
 # (opened model, its cache file, the labelled tiles' global indices): fills the cache file (a torchrun job)
@@ -223,32 +235,37 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     if "champion" in dims and dims["champion"] != dims["candidate"]:
         warnings.append(
             f"the champion ({champion.description if champion else ''}) is another architecture (features of "
-            f"{dims['champion']} vs {dims['candidate']} dimensions): both are probed on the same tiles and split, "
+            f"{dims['champion']} vs {dims['candidate']} dimensions): both are probed on the same tiles and folds, "
             "so the comparison stands, but check that replacing it is intended"
         )
     predictions: dict[str, dict[str, P.Predictions]] = {}
     if len(idx):
-        split = P.split_by_group(y, groups, test_fraction=cfg.probe.test_fraction, seed=cfg.probe.seed)
-        evaluation["split"] = {**split.as_dict(), "by": "patient" if patients else "slide", "seed": cfg.probe.seed}
-        if len(split.test_groups) < 2:
+        unit = "patient" if patients else "slide"
+        cv = P.cross_validate_by_group(y, groups, folds=cfg.probe.folds, seed=cfg.probe.seed)
+        evaluation["split"] = {**cv.as_dict(), "by": unit, "seed": cfg.probe.seed}
+        evaluation["evidence"] = {"unit": unit, "test_groups": len(cv.test_groups), "folds": len(cv.folds)}
+        if len(cv.test_groups) < cfg.gate.min_test_slides:
             warnings.append(
-                f"only one test {'patient' if patients else 'slide'} ({split.test_groups[0]}): the bootstrap has "
-                "nothing to resample, so every 95 % interval is a point and the gate decides on the point estimate; "
-                "annotate more slides for intervals that mean something"
+                f"only {len(cv.test_groups)} annotated {unit}s ({', '.join(cv.test_groups)}): the bootstrap has "
+                f"little to resample, so the 95 % intervals are too narrow to trust and the gate promotes nothing "
+                f"below gate.min_test_slides={cfg.gate.min_test_slides} (unless gate.allow_point_estimate=true); "
+                "annotate more slides"
             )
-        boot = P.Bootstrap.over_groups(groups[split.test], cfg.probe.bootstrap, cfg.probe.seed)
-        draws = P.few_shot_draws(y[split.train], cfg.probe.few_shot, cfg.probe.few_shot_draws, cfg.probe.seed)
+        # Every tile is a test tile (of its own fold): the bootstrap resamples all the groups.
+        boot = P.Bootstrap.over_groups(groups, cfg.probe.bootstrap, cfg.probe.seed)
+        draws = P.few_shot_draws_cv(y, cv, cfg.probe.few_shot, cfg.probe.few_shot_draws, cfg.probe.seed)
         for role, x in feats.items():
-            evaluation["models"][role]["probes"], predictions[role] = _score_model(cfg, x, y, split, boot, draws)
-        evaluation["comparisons"] = _comparisons(y[split.test], predictions, boot)
+            evaluation["models"][role]["probes"], predictions[role] = _score_model(cfg, x, y, cv, boot, draws)
+        evaluation["comparisons"] = _comparisons(y, predictions, boot)
         sites = _table(cfg.sites, "sites")
         if sites:
-            evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, split, warnings)
-        report.save_pictures(out, y, split, feats, predictions)
+            evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
+        report.save_pictures(out, y, feats, predictions)
     decision = G.decide(cfg, evaluation)
     cand_metrics = _flat_metrics(evaluation["models"]["candidate"])
     decision = G.apply(cfg, decision, candidate.version, cand_metrics)
     evaluation["decision"] = decision.as_dict()
+    evaluation["evidence"] = decision.evidence  # the protocol's counts and what the gate made of them
     evaluation["champion_model"] = str(candidate.path) if (decision.applied or same) else (
         str(champion.path) if champion is not None and champion.path.is_file() else None)  # fmt: skip
     table = report.markdown(evaluation)
@@ -275,20 +292,28 @@ def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], boot
 
 
 def _site_predictability(
-    cfg: EvaluateConfig, feats: dict[str, np.ndarray], slides: np.ndarray, sites: dict[str, str], split: P.Split,
-    warnings: list[str],
+    cfg: EvaluateConfig, feats: dict[str, np.ndarray], slides: np.ndarray, sites: dict[str, str],
+    cv: P.CrossValidation, warnings: list[str],
 ) -> dict[str, float]:  # fmt: skip
-    """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same split: lower is better."""
+    """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same folds, pooled over the folds
+    whose test sites are all among their training slides: lower is better."""
     s = np.array([sites.get(str(x), "") for x in slides], object)
-    if not set(s[split.test]) <= set(s[split.train]) or len(set(s)) < 2:
-        warnings.append("site predictability skipped: every test site must also be among the training slides")
+    usable = [f for f in cv.folds if set(s[f.test]) <= set(s[f.train])]
+    if not usable or len(set(s)) < 2:
+        warnings.append("site predictability skipped: no fold has all its test sites among its training slides")
         return {}
+    if len(usable) < len(cv.folds):
+        warnings.append(f"site predictability on {len(usable)} of {len(cv.folds)} folds: the others test a site "
+                        "none of their training slides comes from")  # fmt: skip
     classes = np.unique(s)
+    tested = np.concatenate([f.test for f in usable])
     out = {}
     for role, x in feats.items():
-        p = P.Predictions(classes, P.knn_scores(x[split.train], s[split.train], x[split.test], classes,
-                                                cfg.probe.knn_k, cfg.probe.knn_temperature))  # fmt: skip
-        out[role] = P.score(s[split.test], p, P.balanced_accuracy)
+        scores = np.zeros((len(s), len(classes)), np.float32)
+        for f in usable:
+            scores[f.test] = P.knn_scores(x[f.train], s[f.train], x[f.test], classes, cfg.probe.knn_k,
+                                          cfg.probe.knn_temperature)  # fmt: skip
+        out[role] = P.score(s[tested], P.Predictions(classes, scores[tested]), P.balanced_accuracy)
     return out
 
 

@@ -1,18 +1,23 @@
-"""Frozen-feature probes with slides kept apart: the split, kNN, linear probe, few-shot kNN and their metrics.
+"""Frozen-feature probes with slides kept apart: grouped cross-validation, kNN, linear probe, few-shot kNN, metrics.
 
 The protocol of pathology foundation-model evaluations (kaiko's eva, UNI, Virchow), on one set of labelled tiles:
 
-* **split by slide** (or by patient when a slide → patient table is given): no slide on both sides; stratified by
-  class over groups (scikit-learn's `StratifiedGroupKFold`), fixed seed, and recorded;
+* **grouped cross-validation over slides** (or patients when a slide → patient table is given): the groups are
+  dealt into k folds (`probe.folds`, at most one fold per group, at least 2), stratified by class (scikit-learn's
+  `StratifiedGroupKFold`, fixed seed, recorded); each fold's probes are fitted on the other folds' groups and
+  predict its own, so every slide is tested exactly once and never by a probe that saw it. The predictions of all
+  folds are pooled: every labelled tile is a test tile, and a small cohort still has several test slides;
 * **kNN**: k = 20 nearest training tiles by cosine similarity, votes weighted by exp(similarity / T) (DINO's
   weighted kNN);
 * **linear probe**: L2-regularised logistic regression on standardised features, C chosen on a validation split of
-  the training slides, then refitted on all training slides;
-* **few-shot kNN**: n tiles per class (1, 2, 4, 8, 16) drawn from the training slides, several draws;
-* **metrics**: balanced accuracy and macro-F1 (AUROC for two classes), each with a bootstrap 95 % interval over
-  test slides; paired differences between two models resample the *same* slides for both.
+  the fold's training slides, then refitted on all of them;
+* **few-shot kNN**: n tiles per class (1, 2, 4, 8, 16) drawn from each fold's training slides, several draws;
+* **metrics**: balanced accuracy and macro-F1 (AUROC for two classes) of the pooled predictions, each with a
+  bootstrap 95 % interval over the test slides (all of them); paired differences between two models resample the
+  *same* slides for both.
 
-Every model is scored on the same tiles, split and draws, so differences come from the features alone.
+Every model is scored on the same tiles, folds and draws, so differences come from the features alone.
+`split_by_group` (one train/test split) remains for the quick checks that need no interval (convert's kNN curve).
 """
 
 from __future__ import annotations
@@ -62,14 +67,7 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
     from sklearn.model_selection import StratifiedGroupKFold
 
     classes = np.unique(labels)
-    for c in classes:
-        on = np.unique(groups[labels == c])
-        if len(on) < 2:
-            raise ProtocolError(
-                f"class {c!r} is annotated on {len(on)} slide/patient group(s) ({', '.join(map(str, on))}); a split "
-                "that keeps slides apart needs it on at least two. Annotate it on more slides, or merge or drop it "
-                "(evaluate.exclude_classes)"
-            )
+    _require_two_groups_per_class(labels, groups)
     n_groups = len(np.unique(groups))
     folds = min(max(2, round(1 / test_fraction)), n_groups)
     cv = StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed)
@@ -97,6 +95,84 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
         test_groups=sorted(map(str, np.unique(groups[test]))),
         val_by=val_by,
     )
+
+
+# Deals of the groups tried before falling back to leave-one-group-out, which always has every class on the
+# training side of every fold (each class is on ≥ 2 groups) but costs a fold per group.
+_DEALS = 20
+
+
+@dataclass
+class CrossValidation:
+    """The folds of a grouped cross-validation: every group is the test side of exactly one fold."""
+
+    folds: list[Split]
+    scheme: str  # "stratified group k-fold" or "leave one group out" (the fallback)
+
+    @property
+    def test_groups(self) -> list[str]:
+        return sorted(g for f in self.folds for g in f.test_groups)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "folds": len(self.folds),
+            "scheme": self.scheme,
+            "test_groups": self.test_groups,  # every group: each is tested once
+            "per_fold": [f.as_dict() for f in self.folds],
+        }
+
+
+def _require_two_groups_per_class(labels: np.ndarray, groups: np.ndarray) -> None:
+    for c in np.unique(labels):
+        on = np.unique(groups[labels == c])
+        if len(on) < 2:
+            raise ProtocolError(
+                f"class {c!r} is annotated on {len(on)} slide/patient group(s) ({', '.join(map(str, on))}); an "
+                "evaluation that keeps slides apart needs it on at least two. Annotate it on more slides, or merge "
+                "or drop it (evaluate.exclude_classes)"
+            )
+
+
+def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: int, seed: int) -> CrossValidation:
+    """k-fold cross-validation over groups (k = `folds`, capped at the number of groups, at least 2), stratified
+    by class; every fold's training side holds every class (else another deal, else leave-one-group-out).
+
+    Raises:
+        ProtocolError: A class is on fewer than two groups; the message names it and the fix.
+    """
+    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    from sklearn.model_selection import LeaveOneGroupOut, StratifiedGroupKFold
+
+    _require_two_groups_per_class(labels, groups)
+    classes = set(np.unique(labels))
+    n_groups = len(np.unique(groups))
+    k = min(max(2, folds), n_groups)
+    x = np.zeros(len(labels))
+    parts: list[tuple[np.ndarray, np.ndarray]] | None = None
+    scheme = "leave one group out"
+    if k < n_groups:
+        for deal in range(_DEALS):  # deterministic: the seeds seed, seed + 1, … in order
+            cv = StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed + deal)
+            found = list(cv.split(x, labels, groups))
+            if all(len(test) and set(labels[train]) == classes for train, test in found):
+                parts, scheme = found, "stratified group k-fold"
+                break
+    if parts is None:  # k == number of groups, or no deal kept every class on every training side
+        parts = list(LeaveOneGroupOut().split(x, labels, groups))
+    out = []
+    for train, test in parts:
+        val_pos, val_by = _validation(labels[train], groups[train], seed)
+        out.append(
+            Split(
+                train=np.sort(train),
+                val=np.sort(train[val_pos]),
+                test=np.sort(test),
+                train_groups=sorted(map(str, np.unique(groups[train]))),
+                test_groups=sorted(map(str, np.unique(groups[test]))),
+                val_by=val_by,
+            )
+        )
+    return CrossValidation(out, scheme)
 
 
 def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
@@ -297,13 +373,26 @@ def few_shot_draws(
     return out
 
 
+def few_shot_draws_cv(
+    labels: np.ndarray, cv: CrossValidation, shots: Sequence[int], draws: int, seed: int
+) -> dict[int, list[list[np.ndarray]]]:  # fmt: skip
+    """{shots: [draw: [fold: positions within that fold's training tiles]]}: the shot counts every fold's training
+    side has enough tiles of every class for, drawn once for every model."""
+    per_fold = [few_shot_draws(labels[f.train], shots, draws, seed + i) for i, f in enumerate(cv.folds)]
+    common = [n for n in shots if all(n in d for d in per_fold)]
+    return {n: [[d[n][j] for d in per_fold] for j in range(draws)] for n in common}
+
+
 __all__ = [
     "METRICS",
     "Bootstrap",
+    "CrossValidation",
     "Predictions",
     "ProtocolError",
     "Split",
+    "cross_validate_by_group",
     "few_shot_draws",
+    "few_shot_draws_cv",
     "knn_scores",
     "linear_probe",
     "metrics_with_ci",

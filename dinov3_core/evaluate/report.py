@@ -41,9 +41,11 @@ def markdown(evaluation: dict[str, Any]) -> str:
     if n:
         split = evaluation.get("split", {})
         classes = ", ".join(f"{c} {k}" for c, k in evaluation["classes"].items())
-        lines += [f"{n} labelled tiles ({classes}); split by {split.get('by')}: train {split.get('train_groups')}, "
-                  f"test {split.get('test_groups')} (seed {split.get('seed')}). Values: point estimate "
-                  "[bootstrap 95 % interval over test slides].", ""]  # fmt: skip
+        unit = split.get("by", "slide")
+        lines += [f"{n} labelled tiles ({classes}); {split.get('folds')}-fold cross-validation by {unit} "
+                  f"({split.get('scheme')}, seed {split.get('seed')}): every {unit} tested once, by probes fitted on "
+                  f"the other folds; test {unit}s {split.get('test_groups')}. Values: point estimate [bootstrap 95 % "
+                  f"interval over the {len(split.get('test_groups', []))} test {unit}s].", ""]  # fmt: skip
     else:
         lines += ["No annotations: label-free health only.", ""]
     head = (
@@ -78,16 +80,26 @@ def markdown(evaluation: dict[str, Any]) -> str:
     d = evaluation.get("decision", {})
     verdict = "PROMOTED to @champion" if d.get("applied") else ("promote" if d.get("promote") else "not promoted")
     lines += ["", f"**Decision: {verdict}** — {d.get('reason', '')}"]
+    e = evaluation.get("evidence") or d.get("evidence")
+    if e and n:
+        interval = e.get("interval")
+        used = (f"; interval used: {e['comparison']} {e['metric']} {interval['value']:+.3f} "
+                f"[{interval['ci_low']:+.3f}, {interval['ci_high']:+.3f}]") if interval else ""  # fmt: skip
+        strength = {None: "not assessed", True: "sufficient", False: "insufficient"}[e.get("sufficient")]
+        if e.get("point_estimate"):
+            strength = "insufficient, decided on a point estimate (gate.allow_point_estimate=true)"
+        lines.append(f"\nEvidence: {e['test_groups']} test {e['unit']}s (gate.min_test_slides {e['min_test_slides']}), "
+                     f"{e['folds']} folds{used}; {strength}.")  # fmt: skip
     for w in evaluation.get("warnings", []):
         lines.append(f"\n⚠ {w}")
     return "\n".join(lines) + "\n"
 
 
 def save_pictures(
-    out: Path, y: np.ndarray, split: P.Split, feats: dict[str, np.ndarray], preds: dict[str, dict[str, P.Predictions]]
+    out: Path, y: np.ndarray, feats: dict[str, np.ndarray], preds: dict[str, dict[str, P.Predictions]]
 ) -> None:
-    """Per model: the linear probe's confusion matrix on the test tiles, and a 2-D PCA map of all labelled tiles
-    coloured by class (test tiles as crosses)."""
+    """Per model: the linear probe's confusion matrix (every labelled tile, each predicted by the fold that held
+    its slide out), and a 2-D PCA map of all labelled tiles coloured by class."""
     # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     import matplotlib
 
@@ -98,27 +110,21 @@ def save_pictures(
 
     out.mkdir(parents=True, exist_ok=True)
     classes = np.unique(y)
-    test = np.zeros(len(y), bool)
-    test[split.test] = True
     for role, x in feats.items():
         fig, ax = plt.subplots(figsize=(4.5, 4))
         ConfusionMatrixDisplay.from_predictions(
-            y[split.test], preds[role]["linear"].predicted, labels=classes, ax=ax, colorbar=False,
-            xticks_rotation=30,
-        )  # fmt: skip
-        ax.set_title(f"{role}: linear probe, test slides")
+            y, preds[role]["linear"].predicted, labels=classes, ax=ax, colorbar=False, xticks_rotation=30
+        )
+        ax.set_title(f"{role}: linear probe, held-out slides")
         fig.tight_layout()
         fig.savefig(out / f"confusion_{role}.png", dpi=110)
         plt.close(fig)
         xy = PCA(n_components=2, random_state=0).fit_transform(P.l2_normalise(x))
         fig, ax = plt.subplots(figsize=(4.5, 4))
         for k, c in enumerate(classes):
-            colour = plt.get_cmap("tab10")(k % 10)  # one colour per class, training dots and test crosses alike
-            for side, marker in ((~test, "o"), (test, "x")):
-                sel = (y == c) & side
-                ax.scatter(xy[sel, 0], xy[sel, 1], s=8, marker=marker, alpha=0.7, color=colour,
-                           label=f"{c}" if marker == "o" else None)  # fmt: skip
-        ax.set_title(f"{role}: PCA of tile features (x: test)")
+            sel = y == c
+            ax.scatter(xy[sel, 0], xy[sel, 1], s=8, alpha=0.7, color=plt.get_cmap("tab10")(k % 10), label=f"{c}")
+        ax.set_title(f"{role}: PCA of tile features")
         ax.legend(fontsize=7, markerscale=2)
         fig.tight_layout()
         fig.savefig(out / f"embedding_{role}.png", dpi=110)

@@ -15,17 +15,21 @@ from dinov3_core.stages.versions import describe_version
 EPILOG = """\
 protocol:
   Tiles take the class of the annotation polygon their centre lies in (min_overlap=F: and F of their area).
-  Slides (or patients, patients=CSV) are split into training and test, never one slide on both sides.
-  Each model embeds the same labelled tiles (cls+mean_patch, probe.features) and is scored by a kNN
-  (k=20, cosine, temperature-weighted), a linear probe (logistic regression, C chosen on a validation
-  split of the training slides) and few-shot kNN (1-16 tiles per class); balanced accuracy and
-  macro-F1 (AUROC for two classes) with bootstrap 95 % intervals over test slides. Label-free health
-  (CLS effective rank, dense consistency) is reported for every model, annotations or not.
+  Slides (or patients, patients=CSV) are dealt into probe.folds folds (default 5, at most one per slide):
+  each fold is tested by probes fitted on the other folds' slides, so every slide is tested once and no
+  slide is ever on both sides. Each model embeds the same labelled tiles (cls+mean_patch, probe.features)
+  and is scored by a kNN (k=20, cosine, temperature-weighted), a linear probe (logistic regression, C
+  chosen on a validation split of each fold's training slides) and few-shot kNN (1-16 tiles per class);
+  balanced accuracy and macro-F1 (AUROC for two classes) of the pooled predictions, with bootstrap 95 %
+  intervals over all test slides. Label-free health (CLS effective rank, dense consistency) is reported
+  for every model, annotations or not.
 
 gate:
   The candidate becomes <register_name>@champion when the lower 95 % bound of its paired difference to
   the champion on gate.primary_metric (default linear.balanced_accuracy) exceeds gate.margin, it is not
   below the baseline, and its features did not collapse. The first model must beat the baseline.
+  Evidence first: the interval must come from at least gate.min_test_slides (3) slides or patients and
+  have non-zero width; gate.allow_point_estimate=true opts into deciding on less (recorded).
   Without annotations promotion is off (gate.label_free=true opts into a health-only gate);
   gate.promote=false measures without moving aliases.
 
