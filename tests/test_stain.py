@@ -64,11 +64,11 @@ def test_recorded_slide_stats_match_the_stored_tiles(cohort_store: Path) -> None
         np.testing.assert_allclose(attrs["stain_lab_mean"], lab.reshape(-1, 3).mean(0), atol=1e-2)
         np.testing.assert_allclose(attrs["stain_lab_std"], lab.reshape(-1, 3).std(0), atol=1e-2)
         np.testing.assert_allclose(attrs["stain_lab_tile_std"], lab.std(1).mean(0), atol=1e-2)
-        # The subsample stands for the whole tile: every pixel gives close statistics (the sample slides' texture is
-        # periodic, so a regular 1/16 grid is off by up to ~1 LAB unit, far below the differences between stains).
+        # The subsample stands for the whole tile: every pixel gives close statistics (the sample slides' texture
+        # is periodic, so the 1/64 grid of a 64-px test tile is off by up to ~2 LAB units, below the stain gaps).
         full = color.rgb2lab(tiles).reshape(-1, 3)
-        np.testing.assert_allclose(attrs["stain_lab_mean"], full.mean(0), atol=1.5)
-        np.testing.assert_allclose(attrs["stain_lab_std"], full.std(0), rtol=0.05)
+        np.testing.assert_allclose(attrs["stain_lab_mean"], full.mean(0), atol=2.5)
+        np.testing.assert_allclose(attrs["stain_lab_std"], full.std(0), rtol=0.1)
         # The units' sum files are gone from the committed slide.
         assert not list(ts.slide_dir(cohort_store, slide_id).glob(f"{tiling_stain.SUMS_PREFIX}*"))
 
