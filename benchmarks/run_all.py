@@ -31,6 +31,7 @@ SCRIPTS = [
     "onnx_parity.py",
     "small_machine.py",
     "pipeline_parallel.py",
+    "stain_aug.py",
 ]
 
 

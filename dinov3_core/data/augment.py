@@ -7,7 +7,9 @@ every random choice made per image from one `torch.Generator`:
 1. random-resized crop (one `grid_sample` per crop set, geometry from an affine grid per crop) composed
    with a random element of the dihedral group D4 — horizontal/vertical flips and 90° rotations, because
    tissue has no canonical orientation (upstream: horizontal flip only);
-2. HED stain jitter (ours; Ruifrok-Johnston colour deconvolution, per-image stain scale and shift);
+2. stain: re-targeting of the image's LAB statistics to a draw from the cohort's stain distribution (ours,
+   RandStainNA, Shen et al. 2022; `dinov3_core.data.stain`, off by default), then HED stain jitter (ours;
+   Ruifrok-Johnston colour deconvolution, per-image stain scale and shift);
 3. colour jitter (brightness, contrast, saturation, hue in random per-image order, p=0.8), grayscale (p=0.2);
 4. Gaussian blur with the INTENDED probabilities 1.0 / 0.1 / 0.5 (upstream passes 1−p to RandomApply and
    effectively blurs 0.0 / 0.9 / 0.5 — dinov3 #286);
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from dinov3_core.config import require
 from dinov3_core.data.photometric import photometric
+from dinov3_core.data.stain import CohortStain
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -63,6 +66,10 @@ class AugmentationConfig:
     interpolation: Literal["bilinear", "bicubic"] = "bicubic"
     max_downscale: float = 1.5  # larger tiles are pre-shrunk (antialiased) so no crop is downscaled more
     dihedral: bool = True  # D4 flips and rotations (tissue has no orientation); false: horizontal flip only
+    # RandStainNA: with this probability an image's LAB mean/std are re-targeted to a draw from the cohort's
+    # recorded stain statistics (needs stores tiled with stain statistics; without, the step is skipped).
+    stain_norm_p: float = 0.0
+    stain_norm_sigma_scale: float = 1.0  # widens (>1) or narrows (<1) the cohort's spread the targets are drawn from
     hed_p: float = 0.5
     hed_scale_sigma: float = 0.05  # stain multiplied by U(1−σ, 1+σ)
     hed_shift_sigma: float = 0.01  # stain shifted by U(−σ, σ), skimage rgb2hed units
@@ -97,8 +104,13 @@ class AugmentationConfig:
                 f"needs one probability per global crop ({self.n_global_crops}), got {list(values)}",
             )
             require(all(0.0 <= p <= 1.0 for p in values), key, f"must be probabilities in [0, 1], got {list(values)}")
-        for key in ("hed_p", "color_jitter_p", "grayscale_p", "blur_p_local"):
+        for key in ("stain_norm_p", "hed_p", "color_jitter_p", "grayscale_p", "blur_p_local"):
             require(0.0 <= getattr(self, key) <= 1.0, key, f"must be in [0, 1], got {getattr(self, key)}")
+        require(
+            self.stain_norm_sigma_scale >= 0.0,
+            "stain_norm_sigma_scale",
+            f"must be >= 0 (0 = always the cohort's centre), got {self.stain_norm_sigma_scale}",
+        )
         require(self.blur_kernel_size % 2 == 1, "blur_kernel_size", f"must be odd, got {self.blur_kernel_size}")
         for key in ("global_size", "local_size"):
             require(
@@ -128,10 +140,15 @@ class MultiCrops:
 
 
 class MultiCropAugmentation:
-    """Callable: tiles → `MultiCrops`. Stateless apart from its config; safe to share across threads."""
+    """Callable: tiles → `MultiCrops`. Stateless apart from its config and cohort; safe to share across threads.
 
-    def __init__(self, config: AugmentationConfig | None = None) -> None:
+    `stain`: the cohort's stain distribution (`CohortStain.from_dataset` of the training tiles) that
+    `crops.stain_norm_p` re-targets to; None skips that step.
+    """
+
+    def __init__(self, config: AugmentationConfig | None = None, stain: CohortStain | None = None) -> None:
         self.config = config or AugmentationConfig()
+        self.stain = stain
 
     def __call__(self, images: Tensor, generator: torch.Generator | None = None) -> MultiCrops:
         """Augment a batch.
@@ -149,11 +166,12 @@ class MultiCropAugmentation:
 
         globals_ = _random_resized_crops(x, cfg.n_global_crops, cfg.global_size, cfg.global_scale, cfg, rand)
         globals_ = photometric(
-            globals_, torch.tensor(cfg.blur_p_global), torch.tensor(cfg.solarize_p_global), cfg, rand
+            globals_, torch.tensor(cfg.blur_p_global), torch.tensor(cfg.solarize_p_global), cfg, rand, self.stain
         )
         if cfg.n_local_crops:
             locals_ = _random_resized_crops(x, cfg.n_local_crops, cfg.local_size, cfg.local_scale, cfg, rand)
-            locals_ = photometric(locals_, torch.full((cfg.n_local_crops,), cfg.blur_p_local), None, cfg, rand)
+            blur_p = torch.full((cfg.n_local_crops,), cfg.blur_p_local)
+            locals_ = photometric(locals_, blur_p, None, cfg, rand, self.stain)
         else:
             locals_ = x.new_empty(0, x.shape[0], 3, cfg.local_size, cfg.local_size)
         return MultiCrops(globals_, locals_)
@@ -174,6 +192,10 @@ class _Random:
     def bernoulli(self, p: Tensor | float, *shape: int) -> Tensor:
         u = torch.rand(shape, generator=self.generator, device=self.source_device, dtype=torch.float64)
         return (u < torch.as_tensor(p, dtype=torch.float64, device=self.source_device)).to(self.device)
+
+    def normal(self, *shape: int) -> Tensor:
+        z = torch.randn(shape, generator=self.generator, device=self.source_device, dtype=torch.float64)
+        return z.to(self.device, torch.float32)
 
     def integers(self, high: int, *shape: int) -> Tensor:
         return torch.randint(0, high, shape, generator=self.generator, device=self.source_device).to(self.device)

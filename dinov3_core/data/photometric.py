@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dinov3_core.data.stain import stain_norm
+
 if TYPE_CHECKING:
     from dinov3_core.data.augment import AugmentationConfig, _Random
+    from dinov3_core.data.stain import CohortStain
 
 # Ruifrok & Johnston (2001) stain OD vectors, rows haematoxylin, eosin, DAB — skimage.color.rgb_from_hed.
 RGB_FROM_HED = torch.tensor([[0.65, 0.70, 0.29], [0.07, 0.99, 0.11], [0.27, 0.57, 0.78]], dtype=torch.float64)
@@ -32,13 +35,19 @@ _YIQ_TO_RGB = torch.linalg.inv(_RGB_TO_YIQ)  # once, on CPU: no linalg solver in
 
 
 def photometric(
-    crops: Tensor, blur_p: Tensor, solarize_p: Tensor | None, cfg: AugmentationConfig, rand: _Random
+    crops: Tensor,
+    blur_p: Tensor,
+    solarize_p: Tensor | None,
+    cfg: AugmentationConfig,
+    rand: _Random,
+    stain: CohortStain | None = None,
 ) -> Tensor:
     """[S, B, 3, s, s] in [0, 1] → same shape, augmented and normalised. `blur_p`/`solarize_p`: [S] per crop
-    index. May reuse `crops`' memory."""
+    index; `stain`: the cohort's stain distribution (None: no re-targeting). May reuse `crops`' memory."""
     n_crops, b = crops.shape[:2]
     x = crops.reshape(n_crops * b, 3, *crops.shape[-2:])  # crop-major rows, as the parameters
 
+    stain_norm(x, cfg, stain, rand)  # to a cohort-typical stain first, then jitter around it
     _hed_jitter(x, cfg, rand)
     x = _color_jitter(x, cfg, rand)
     _grayscale(x, rand.bernoulli(cfg.grayscale_p, x.shape[0]))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core.errors import WsidinoError
+from dinov3_core.tiling import stain
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.discovery import Repeat
@@ -160,7 +161,8 @@ def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> Non
 
 def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
     """The atomic commit of the slide into `slides/` (its QC pictures drawn by `draw_qc` before)."""
-    final = ts.commit_slide(incoming, slide_attrs(plan, cfg))
+    stain_attrs = stain.slide_stain_attrs(stain.pop_slide_sums(incoming.path))  # the units' sums, pooled
+    final = ts.commit_slide(incoming, {**slide_attrs(plan, cfg), **stain_attrs})
     attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)
     return SlideOutcome(
         slide_id=plan.task.slide_id,

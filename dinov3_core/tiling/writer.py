@@ -16,6 +16,7 @@ from PIL import Image
 
 from dinov3_core import events
 from dinov3_core.tiling import slide as slide_io
+from dinov3_core.tiling import stain
 from dinov3_core.tiling.store import IncomingSlide
 from dinov3_core.tiling.tiff_reader import TiffLevelReader
 
@@ -180,6 +181,8 @@ def write_unit(unit: WriteUnit) -> tuple[str, int, float, int]:
     start = time.perf_counter()
     tiles = read_tiles(_region_reader(unit), unit.read, unit.coords)
     unit.incoming.write_tiles(unit.start, tiles)
+    # The slide's stain statistics come from the tiles in hand: no second read at commit (docs/tile-store.md).
+    stain.save_unit_sums(unit.incoming.path, unit.start, stain.tile_lab_sums(tiles))
     slide_id = unit.incoming.slide_id
     events.emit("tile.shard_written", store=str(unit.incoming.root), slide_id=slide_id,
                 start=unit.start, tiles=len(tiles))  # fmt: skip

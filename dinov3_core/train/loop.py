@@ -28,6 +28,7 @@ from dinov3_core import config as core_config
 from dinov3_core import events
 from dinov3_core.data.augment import MultiCropAugmentation
 from dinov3_core.data.masking import IBOTMasks
+from dinov3_core.data.stain import CohortStain
 from dinov3_core.errors import RunStopped
 from dinov3_core.models import apply_activation_checkpointing
 from dinov3_core.train import checkpoint as ckpt
@@ -176,7 +177,9 @@ class Trainer:
         except BaseException:
             self.close()  # in-process callers keep no dangling log handler
             raise
-        self.augmentation = MultiCropAugmentation(cfg.crops)
+        # The cohort's stain distribution from the slides' recorded statistics, read only when the step is on.
+        stain = CohortStain.from_dataset(self.tiles) if cfg.crops.stain_norm_p > 0 else None
+        self.augmentation = MultiCropAugmentation(cfg.crops, stain=stain)
         self.probe = HP.HealthProbe(self.probe_set, env, self.bf16) if self.probe_set else None
         self.nonfinite_streak = 0
 
