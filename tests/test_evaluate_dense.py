@@ -122,6 +122,15 @@ def test_token_centres_and_the_boundary_rule_on_a_tiled_slide(cohort: dict[str, 
     assert sorted(set(inside) - set(kept)) == [1, 5, 9, 13]
     assert all(edge - centres[k, 0] > step / 2 for k in kept)
     assert found.counts()["tokens"] == 4 and found.counts()["grid"] == "4x4"
+    # A second class overlapping the top row makes those tokens ambiguous, even when the class is excluded
+    top = shapely.box(x - size, y - size, x + size, y + step)  # row 0 inside it, row 1 half a token below
+    feature2 = {**feature, "geometry": json.loads(shapely.to_geojson(top)),
+                "properties": {"objectType": "annotation", "classification": {"name": "Ignore"}}}  # fmt: skip
+    (folder / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection",
+                                                            "features": [feature, feature2]}))  # fmt: skip
+    found = dense_tokens(cohort["store"], ds, str(folder), np.array([ds.global_index(s, row)]), 4, per_tile=16,
+                         exclude=["Ignore"])  # fmt: skip
+    assert sorted(found.positions[0][found.positions[0] >= 0].tolist()) == [8, 12]  # row 1: ½ token off the edge
 
 
 def test_at_most_dense_tokens_per_tile_are_kept_evenly(cohort: dict[str, Any], tmp_path: Path) -> None:

@@ -45,9 +45,9 @@ def token_centres(origins: np.ndarray, tile_level0: float, side: int) -> np.ndar
     return np.asarray(origins, np.float64)[:, None, :] + grid[None]
 
 
-def class_unions(shapes: Sequence[tuple[str, shapely.Geometry]], exclude: Sequence[str] = ()) -> dict[str, Any]:
+def class_unions(shapes: Sequence[tuple[str, shapely.Geometry]]) -> dict[str, Any]:
     """class → the union of its polygons (prepared: many points are tested against it), sorted by class."""
-    names = sorted({name for name, _ in shapes} - set(exclude))
+    names = sorted({name for name, _ in shapes})
     unions = {n: shapely.union_all([g for name, g in shapes if name == n]) for n in names}
     for u in unions.values():
         shapely.prepare(u)
@@ -125,9 +125,11 @@ def dense_tokens(
         slide = read_slide(root, slide_id)
         at = np.flatnonzero(slide_of == s)
         centres = token_centres(slide.coords[row_of[at]], slide.tile, side)
-        unions = class_unions(read_geojson(files[slide_id]).shapes, exclude)
+        unions = class_unions(read_geojson(files[slide_id]).shapes)
         step = slide.tile / side
         classes = token_classes(centres.reshape(-1, 2), unions, step / 2).reshape(len(at), side * side)
+        # excluded classes still make a token in two classes ambiguous (as they make a tile), then are dropped
+        classes[np.isin(classes.astype(str), list(exclude))] = ""
         positions[at], labels[at] = pick_tokens(classes, per_tile)
     return DenseTokens(side, positions, labels)
 

@@ -118,12 +118,11 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     against = "champion" if champion is not None else "baseline"
     if _primary(models, "candidate", metric) is None or metric not in comparisons.get(f"candidate_vs_{against}", {}):
         # dense.*: no labelled patch tokens (a CSV of tiles has no polygons) or another patch grid than the other
-        # model's; nothing measured is nothing promoted
-        return verdict(
-            False,
-            f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
-            "(the dense probe needs GeoJSON polygons and the same patch grid); nothing promoted",
-        )
+        # model's; auroc: more than two classes. Nothing measured is nothing promoted.
+        why = ("the dense probe needs GeoJSON polygons and the same patch grid" if metric.startswith("dense.")
+               else "AUROC needs two classes" if metric.endswith(".auroc") else "see the warnings")  # fmt: skip
+        return verdict(False, f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
+                              f"({why}); nothing promoted")  # fmt: skip
     diff = comparisons[f"candidate_vs_{against}"][metric]
     evidence.update(comparison=f"candidate_vs_{against}", metric=metric,
                     interval={k: diff[k] for k in ("value", "ci_low", "ci_high")})  # fmt: skip
