@@ -67,7 +67,8 @@ def test_one_process_features_are_the_serial_loops_bit_for_bit(setup: dict[str, 
         cls.append(c)
         mean.append(patch.mean(axis=1))
     (name, got), *rest = single["features"].items()
-    assert not rest and name == F.cache_path(Path(), model, F.selection_key(setup["store"], idx)).name
+    plain = F.cache_path(Path(), model, F.selection_key(setup["store"], idx)).stem
+    assert not rest and name.startswith(f"{plain}-d")  # the dense probe's patch tokens are part of the key
     np.testing.assert_array_equal(got["cls"], np.concatenate(cls))
     np.testing.assert_array_equal(got["mean_patch"], np.concatenate(mean))
 
@@ -82,12 +83,12 @@ def test_two_ranks_embed_every_labelled_tile_once_as_one_process_does(
     (name, features), (_, expected) = next(iter(got.items())), next(iter(ref.items()))
     n = outcome.manifest.summary["labelled_tiles"]
     assert n == single["outcome"].manifest.summary["labelled_tiles"] > 40
-    for k in F.FEATURES:
+    for k in (*F.FEATURES, "dense"):  # the dense probe's patch tokens come from the job too, split like the tiles
         assert features[k].shape == expected[k].shape and len(features[k]) == n, k
         np.testing.assert_allclose(features[k], expected[k], atol=1e-5, rtol=0, err_msg=k)
     # it was the job that embedded them: its spec, its ranks' logs; its parts are gone
     spec = json.loads((out / "embed_jobs" / f"{Path(name).stem}.json").read_text())
-    assert spec["output"] == str((out / "cache" / name).resolve())
+    assert spec["output"] == str((out / "cache" / name).resolve()) and spec["tokens"].endswith(".tokens.npy")
     logs = sorted((out / "torchrun_logs").rglob("stdout.log"))
     assert len(logs) == 2 and all("tiles on torch-cpu" in p.read_text() for p in logs), logs
     assert not list((out / "cache").glob(".*")), "parts or temporary files left"

@@ -11,8 +11,10 @@ from dinov3_core.config import require
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tracking import TrackingConfig
 
-PRIMARY_METRICS = tuple(
-    f"{probe}.{metric}" for probe in ("linear", "knn") for metric in ("balanced_accuracy", "macro_f1", "auroc")
+PRIMARY_METRICS = (
+    *(f"{probe}.{metric}" for probe in ("linear", "knn") for metric in ("balanced_accuracy", "macro_f1", "auroc")),
+    "dense.balanced_accuracy",  # the dense probe on patch tokens (`dinov3_core.evaluate.dense`)
+    "dense.miou",
 )
 
 
@@ -35,6 +37,9 @@ class ProbeConfig:
     # each fold is tested by probes fitted on the others, so every slide is a test slide once.
     folds: int = 5
     seed: int = 0
+    # Dense probe: at most this many labelled patch tokens per labelled tile (evenly spaced; 0: no dense probe).
+    # They are kept from the tile probe's embedding pass, tiles × this × feature dims float32 in memory and cache.
+    dense_tokens_per_tile: int = 16
 
     def __post_init__(self) -> None:
         require(self.knn_k >= 1, "knn_k", f"must be >= 1, got {self.knn_k}")
@@ -43,7 +48,26 @@ class ProbeConfig:
         require(all(n >= 1 for n in self.few_shot), "few_shot", f"tiles per class must be >= 1, got {self.few_shot}")
         require(self.few_shot_draws >= 1, "few_shot_draws", f"must be >= 1, got {self.few_shot_draws}")
         require(self.bootstrap >= 10, "bootstrap", f"must be >= 10 resamples, got {self.bootstrap}")
+        n = self.dense_tokens_per_tile
+        require(n >= 0, "dense_tokens_per_tile", f"must be >= 0 (0: no dense probe), got {n}")
         require(self.folds >= 2, "folds", f"must be >= 2 (every slide tested once needs two folds), got {self.folds}")
+
+
+@dataclass
+class StainConfig:
+    """Label-free stain invariance: `tiles` health tiles re-stained by HED jitter, each must retrieve its original."""
+
+    tiles: int = 64  # evenly spaced over the store (the health tiles' first ones)
+    # Per tile a fixed scale U(1 ± σ) and shift U(± σ) of the haematoxylin / eosin / DAB stains: twice the
+    # training augmentation's defaults, so a model is tested a little beyond what it was trained to ignore.
+    scale_sigma: float = 0.1
+    shift_sigma: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.tiles >= 2, "tiles", f"must be >= 2 (retrieval among one tile is trivial), got {self.tiles}")
+        require(0 <= self.scale_sigma < 1, "scale_sigma", f"must be in [0, 1), got {self.scale_sigma}")
+        require(self.shift_sigma >= 0, "shift_sigma", f"must be >= 0, got {self.shift_sigma}")
 
 
 @dataclass
@@ -51,7 +75,7 @@ class GateConfig:
     """When the candidate becomes `@champion` in the registry."""
 
     promote: bool = True  # false: measure and record only, never move the alias
-    primary_metric: str = "linear.balanced_accuracy"  # <probe>.<metric>, probe linear or knn
+    primary_metric: str = "linear.balanced_accuracy"  # <probe>.<metric>, probe linear, knn or dense (mIoU too)
     margin: float = 0.0  # the lower 95 % bound of (candidate − champion) must exceed this
     min_effective_rank: float = 0.02  # label-free health: below this the features have collapsed
     label_free: bool = False  # without annotations, promote a healthy candidate that beats the baseline's health
@@ -108,6 +132,7 @@ class EvaluateConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     register_name: str = "wsidino-backbone"  # the registered model whose aliases the gate moves
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    stain: StainConfig = field(default_factory=StainConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     progress: bool = True
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -127,4 +152,4 @@ class EvaluateConfig:
         )
 
 
-__all__ = ["EvaluateConfig", "EvaluateError", "GateConfig", "ProbeConfig"]
+__all__ = ["EvaluateConfig", "EvaluateError", "GateConfig", "ProbeConfig", "StainConfig"]

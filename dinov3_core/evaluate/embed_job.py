@@ -62,6 +62,7 @@ class EmbedSpec:
     prefetch_batches: int = 2
     device: str | None = None  # torch backend; None → cuda:LOCAL_RANK when there are GPUs, else cpu
     precision: str = "fp32"
+    tokens: str | None = None  # a .npy (N, K) of the patch tokens kept per tile for the dense probe; None: none
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> EmbedSpec:
@@ -79,6 +80,7 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
     """This rank's share of the embedding; rank 0 writes `spec.output` once all shares are done (then returns it)."""
     output, indices = Path(spec.output), np.load(spec.indices)
     share = np.array_split(indices, team.world_size)[team.rank]  # contiguous: rank order is index order
+    tokens = np.array_split(np.load(spec.tokens), team.world_size)[team.rank] if spec.tokens else None
     part = None
     if len(share):
         threads = rank_threads(spec.num_threads, team)
@@ -90,7 +92,7 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
             raise EvaluateError(f"model {spec.model} changed while the evaluation ran (hash {model.hash}, expected "
                                 f"{spec.model_hash}); rerun the evaluation")  # fmt: skip
         ds = TileDataset(spec.store, image_format="numpy")
-        out = F.compute(model, ds, share, spec.batch_size, spec.loader_threads, spec.prefetch_batches)
+        out = F.compute(model, ds, share, spec.batch_size, spec.loader_threads, spec.prefetch_batches, tokens=tokens)
         part = parts_dir(output) / f"part-{team.rank:05d}.npz"
         part.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(part) as tmp:
@@ -99,7 +101,7 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
     parts = team.gather(str(part) if part else None)  # every rank done
     if team.is_main:
         loaded = [F.load(Path(p)) for p in parts if p is not None]
-        features = {k: np.concatenate([x[k] for x in loaded]) for k in F.FEATURES}
+        features = {k: np.concatenate([x[k] for x in loaded]) for k in loaded[0]}
         if len(features["cls"]) != len(indices):
             raise RuntimeError(f"embed job: {len(features['cls'])} features for {len(indices)} tiles")
         F.save(output, features)
@@ -131,19 +133,27 @@ def launch_embedding(
     log: Callable[[str], None] = print,
     hold_resources: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
     run_job: Callable[..., None] | None = None,
+    tokens: np.ndarray | None = None,
 ) -> None:
     """Embed `indices` with `model` (an opened `FeatureModel`) into the cache file `output` as a torchrun job of
     `launch` (`LaunchSettings`) processes; `hold_resources`: the GPU-slot guard entered around it; `run_job`: what
-    runs the job (None: `run_torchrun` on this host; the SLURM backend submits it). Raises
+    runs the job (None: `run_torchrun` on this host; the SLURM backend submits it); `tokens`: the patch tokens
+    kept per tile for the dense probe (`features.compute`). Raises
     `TorchrunFailed` (the failing rank's error) when a rank fails."""
     out = Path(cfg.output)
     jobs = out / JOBS_DIR
     ids = jobs / f"{output.stem}.indices.npy"
     with atomic_path(ids) as tmp:
         np.save(tmp, np.ascontiguousarray(indices, np.int64))
+    token_file = None
+    if tokens is not None:
+        token_file = jobs / f"{output.stem}.tokens.npy"
+        with atomic_path(token_file) as tmp:
+            np.save(tmp, np.ascontiguousarray(tokens, np.int64))
     spec = EmbedSpec(str(Path(cfg.store).resolve()), str(model.path.resolve()), model.hash, str(ids.resolve()),
                      str(output.resolve()), cfg.batch_size, cfg.num_threads, cfg.loader_threads,
-                     cfg.prefetch_batches, cfg.device, precision_of(model.path, cfg.precision))  # fmt: skip
+                     cfg.prefetch_batches, cfg.device, precision_of(model.path, cfg.precision),
+                     str(token_file.resolve()) if token_file else None)  # fmt: skip
     spec_path = write_text_atomic(jobs / f"{output.stem}.json", json.dumps(asdict(spec), indent=1))
     job = TorchrunJob(
         module=MODULE,

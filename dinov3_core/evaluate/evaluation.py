@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import numpy as np
 
 from dinov3_core import tracking
 from dinov3_core.data.tile_dataset import TileDataset
+from dinov3_core.evaluate import dense as D
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
@@ -114,9 +116,55 @@ def labelled_tiles(
     return np.concatenate(idx), np.concatenate(labels), np.concatenate(slides), info
 
 
-def _health_images(ds: Any, n: int) -> np.ndarray:
-    idx = np.unique(np.linspace(0, len(ds) - 1, min(n, len(ds))).round().astype(np.int64))
-    return F.normalise(ds.read_batch(idx))
+def _evenly(n: int, k: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(k, n)).round().astype(np.int64))
+
+
+def _health_tiles(ds: Any, n: int) -> np.ndarray:
+    """uint8 tiles evenly spaced over the store."""
+    return ds.read_batch(_evenly(len(ds), n))
+
+
+def _grid_side(fm: F.FeatureModel, image: np.ndarray) -> int | None:
+    """The side of the model's square patch grid (None: not square), from one tile."""
+    n = fm.run(image[None])[1].shape[1]
+    side = math.isqrt(n)
+    return side if side * side == n else None
+
+
+def _dense_probe(
+    cfg: EvaluateConfig, dense: dict[str, tuple[D.DenseTokens, np.ndarray]], groups: np.ndarray,
+    cv: P.CrossValidation, evaluation: dict[str, Any],
+) -> None:  # fmt: skip
+    """The dense probe of every model with labelled tokens, into `probes.dense`, and the paired candidate − other
+    differences into the comparisons (only between models of one patch grid: the same tokens, so paired)."""
+    preds: dict[str, tuple[D.DenseSet, P.Predictions, P.Bootstrap, int]] = {}
+    boots: dict[int, P.Bootstrap] = {}
+    for role, (tokens, x) in dense.items():
+        d = D.dense_set(tokens, x)
+        if len(np.unique(d.y)) < 2:
+            evaluation["warnings"].append(f"{role}: fewer than two classes among the labelled tokens: no dense probe")
+            continue
+        if tokens.side not in boots:  # the token bootstrap resamples the same slides as the tile bootstrap
+            boots[tokens.side] = P.Bootstrap.over_groups(groups[d.tile], cfg.probe.bootstrap, cfg.probe.seed)
+        boot = boots[tokens.side]
+        p, cs = D.predict(d, cv, cfg.probe.linear_c, cfg.probe.seed)
+        evaluation["models"][role].setdefault("probes", {})["dense"] = {
+            **D.metrics_with_ci(d.y, p, boot), "linear_c_per_fold": cs, "counts": tokens.counts()}  # fmt: skip
+        preds[role] = (d, p, boot, tokens.side)
+    if "candidate" not in preds:
+        return
+    d, mine, boot, side = preds["candidate"]
+    for other in ("champion", "baseline"):
+        if other not in preds:
+            continue
+        if preds[other][3] != side:
+            evaluation["warnings"].append(f"dense probe: the {other}'s patch grid differs from the candidate's, so "
+                                          "their dense metrics are not paired (no dense comparison)")  # fmt: skip
+            continue
+        evaluation["comparisons"].setdefault(f"candidate_vs_{other}", {}).update(
+            {f"dense.{m}": D.paired_difference(d.y, mine, preds[other][1], m, boot) for m in D.DENSE_METRICS}
+        )
 
 
 def _score_model(
@@ -193,7 +241,11 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         if unknown:
             raise EvaluateError(f"patients={cfg.patients} has no patient for slide(s) {', '.join(unknown[:10])}")
         groups = np.array([patients[s] for s in slides], object)
-    images = _health_images(ds, cfg.health_tiles)
+    tiles = _health_tiles(ds, cfg.health_tiles)
+    images = F.normalise(tiles)
+    stain_tiles = tiles[_evenly(len(tiles), cfg.stain.tiles)]
+    want_dense = bool(len(idx) and cfg.probe.dense_tokens_per_tile and cfg.annotations)
+    tokens_of: dict[int, D.DenseTokens | None] = {}  # patch-grid side → the labelled tokens (one labelling a grid)
     key = F.selection_key(root, idx)
     counts = dict(zip(*np.unique(y, return_counts=True), strict=True))
     evaluation: dict[str, Any] = {
@@ -207,6 +259,7 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         "warnings": warnings,
     }
     feats: dict[str, np.ndarray] = {}
+    dense: dict[str, tuple[D.DenseTokens, np.ndarray]] = {}
     for m in models:
         entry: dict[str, Any] = {**m.as_dict()}
         evaluation["models"][m.role] = entry
@@ -215,15 +268,32 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
             fm = F.open_model(m.path, threads=cfg.num_threads, device=cfg.device, precision=precision)
             entry["hash"], entry["backend"] = fm.hash, fm.backend
             entry["health"] = F.health(fm, images)
+            s = cfg.stain
+            entry["health"]["stain_invariance"] = F.stain_invariance(fm, stain_tiles, s.scale_sigma, s.shift_sigma,
+                                                                     s.seed)  # fmt: skip
             if len(idx):
-                path = F.cache_path(cache, fm, key, precision)
+                tokens = None
+                if want_dense:
+                    side = _grid_side(fm, images[0])
+                    if side is not None and side not in tokens_of:
+                        found = D.dense_tokens(root, ds, str(cfg.annotations), idx, side,
+                                               cfg.probe.dense_tokens_per_tile, cfg.exclude_classes)  # fmt: skip
+                        tokens_of[side] = found if (found.positions >= 0).any() else None
+                    tokens = tokens_of.get(side) if side is not None else None
+                positions = tokens.positions if tokens is not None else None
+                mkey = F.tokens_key(key, positions)
+                path = F.cache_path(cache, fm, mkey, precision)
                 if embed_job is not None and not path.is_file():
-                    embed_job(fm, path, idx)
-                feats[m.role] = F.represent(
-                    F.embed(fm, ds, idx, cache, key, cfg.batch_size, precision=precision,
-                            loader_threads=cfg.loader_threads, prefetch_batches=cfg.prefetch_batches),
-                    cfg.probe.features,
-                )  # fmt: skip
+                    if positions is None:
+                        embed_job(fm, path, idx)
+                    else:
+                        embed_job(fm, path, idx, tokens=positions)
+                raw = F.embed(fm, ds, idx, cache, mkey, cfg.batch_size, precision=precision,
+                              loader_threads=cfg.loader_threads, prefetch_batches=cfg.prefetch_batches,
+                              tokens=positions)  # fmt: skip
+                feats[m.role] = F.represent(raw, cfg.probe.features)
+                if tokens is not None:
+                    dense[m.role] = (tokens, raw["dense"])
         except Exception as err:
             if m.role == "candidate" or isinstance(err, TorchrunFailed):  # a job's failure is not the model's
                 raise
@@ -257,6 +327,7 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         for role, x in feats.items():
             evaluation["models"][role]["probes"], predictions[role] = _score_model(cfg, x, y, cv, boot, draws)
         evaluation["comparisons"] = _comparisons(y, predictions, boot)
+        _dense_probe(cfg, dense, groups, cv, evaluation)
         sites = _table(cfg.sites, "sites")
         if sites:
             evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
@@ -319,8 +390,10 @@ def _site_predictability(
 
 def _flat_metrics(model: dict[str, Any]) -> dict[str, float]:
     flat = {f"health.{k}": float(v) for k, v in model.get("health", {}).items()}
-    for probe in ("knn", "linear"):
+    for probe in ("knn", "linear", "dense"):
         for metric, v in model.get("probes", {}).get(probe, {}).items():
+            if not isinstance(v, dict) or "value" not in v:
+                continue  # the dense probe's counts and chosen Cs
             flat[f"{probe}.{metric}"] = float(v["value"])
     return flat
 

@@ -52,6 +52,15 @@ def cache_path(cache: Path, model: FeatureModel, key: str, precision: str = "fp3
     return cache / f"features-{tag}-{key}.npz"
 
 
+def tokens_key(key: str, tokens: np.ndarray | None) -> str:
+    """The selection key of tiles `key` plus the patch tokens kept of each (`tokens`, (N, K), -1: none): a cache
+    file holds the dense tokens exactly when its name says which, so a cache written before the dense probe (or
+    for other tokens) is never read for them; it is recomputed instead."""
+    if tokens is None:
+        return key
+    return f"{key}-d{hashlib.sha256(np.ascontiguousarray(tokens, np.int64).tobytes()).hexdigest()[:10]}"
+
+
 def compute(
     model: FeatureModel,
     ds: Any,
@@ -60,25 +69,37 @@ def compute(
     loader_threads: int = 0,
     prefetch_batches: int = 2,
     progress: Callable[[int], None] | None = None,
+    tokens: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """{"cls": (N, D), "mean_patch": (N, D)} float32 of the tiles `indices` of `ds` (a `TileDataset`), in order:
-    `loader_threads` threads read and `prepare` up to `prefetch_batches` batches ahead of `model.infer`."""
+    `loader_threads` threads read and `prepare` up to `prefetch_batches` batches ahead of `model.infer`. With
+    `tokens` (N, K) also "dense" (N, K, D): those patch tokens of each tile (zeros where -1), from the same pass."""
     batches = [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)]
-    cls_parts, mean_parts = [], []
+    parts: dict[str, list[np.ndarray]] = {"cls": [], "mean_patch": [], "dense": []}
+    done = 0
+    keep = tokens is not None
     for batch, prepared in read_ahead(batches, TileReader(ds, model.prepare), loader_threads, prefetch_batches):
-        cls, mean, _ = model.infer(prepared, False)  # type: ignore[misc]
-        cls_parts.append(cls)
-        mean_parts.append(mean)
+        cls, mean, patch = model.infer(prepared, keep)  # type: ignore[misc]
+        parts["cls"].append(cls)
+        parts["mean_patch"].append(mean)
+        if keep:
+            assert patch is not None and tokens is not None
+            pick = tokens[done : done + len(batch)]
+            if pick.size and pick.max() >= patch.shape[1]:
+                raise ValueError(f"token {pick.max()} asked of a model with {patch.shape[1]} patch tokens")
+            dense = np.take_along_axis(patch, np.maximum(pick, 0)[..., None], axis=1)
+            parts["dense"].append(np.where(pick[..., None] >= 0, dense, 0).astype(np.float32))
+        done += len(batch)
         if progress is not None:
             progress(len(batch))
     if not batches:
         return {name: np.zeros((0, 0), np.float32) for name in FEATURES}
-    return {"cls": np.concatenate(cls_parts), "mean_patch": np.concatenate(mean_parts)}
+    return {k: np.concatenate(v) for k, v in parts.items() if v}
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
     with np.load(path) as done:
-        return {k: done[k] for k in FEATURES}
+        return {k: done[k] for k in (*FEATURES, "dense") if k in done.files}
 
 
 def save(path: Path, features: dict[str, np.ndarray]) -> None:
@@ -99,13 +120,14 @@ def embed(
     precision: str = "fp32",
     loader_threads: int = 0,
     prefetch_batches: int = 2,
+    tokens: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """`compute`, from the cache when present (`cache_path`), else computed and cached; `precision`: the one the
-    model was opened with."""
+    model was opened with; `key`: `tokens_key` of the tiles and `tokens` when dense tokens are asked for."""
     path = cache_path(cache, model, key, precision)
     if path.is_file():
         return load(path)
-    out = compute(model, ds, indices, batch_size, loader_threads, prefetch_batches, progress)
+    out = compute(model, ds, indices, batch_size, loader_threads, prefetch_batches, progress, tokens)
     save(path, out)
     return out
 
@@ -135,5 +157,32 @@ def health(model: FeatureModel, images: np.ndarray) -> dict[str, float]:
     return scores
 
 
+def stain_invariance(model: FeatureModel, tiles: np.ndarray, scale_sigma: float, shift_sigma: float,
+                     seed: int) -> float:  # fmt: skip
+    """Top-1 retrieval accuracy of stain-perturbed tiles among the originals (cosine on CLS): each uint8 tile
+    (N, T, T, 3) is re-stained by `hed_jitter` (the training augmentation's stain step) with its own fixed scale
+    U(1 ± `scale_sigma`) and shift U(± `shift_sigma`) from a generator seeded with `seed`, and counts as found
+    when its original is the most similar of all originals. Label-free: 1.0 means the stain shift never moves
+    a tile's feature closer to another tile than to itself. Ties (identical tiles) count as found, within float
+    rounding, so a zero perturbation scores 1.0 exactly."""
+    from dinov3_core.data.photometric import hed_jitter
+
+    rng = np.random.default_rng(seed)
+    n = len(tiles)
+    scale = torch.from_numpy(rng.uniform(1 - scale_sigma, 1 + scale_sigma, (n, 3)).astype(np.float32))
+    shift = torch.from_numpy(rng.uniform(-shift_sigma, shift_sigma, (n, 3)).astype(np.float32))
+    rgb = torch.from_numpy(tiles.astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+    perturbed = (hed_jitter(rgb, scale, shift).permute(0, 2, 3, 1).numpy() * 255.0).astype(np.float32)
+    # `normalise` scales by 1/255 again; a float input keeps the perturbation unquantised
+    a = l2_normalise(model.run(normalise(perturbed))[0])
+    b = l2_normalise(model.run(normalise(tiles))[0])
+    sim = a @ b.T
+    return float((np.diag(sim) >= sim.max(axis=1) - 1e-5).mean())
+
+
+def l2_normalise(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
 __all__ = ["FEATURES", "cache_path", "compute", "embed", "health", "load", "normalise", "open_model", "precision_of",
-           "represent", "save", "selection_key"]  # fmt: skip
+           "represent", "save", "selection_key", "stain_invariance", "tokens_key"]  # fmt: skip

@@ -12,7 +12,8 @@ The rule, in order (the first that applies decides, and its reason is recorded):
    interval of non-zero width; otherwise not promoted, the reason saying how many more slides to annotate.
    `gate.allow_point_estimate=true` is the explicit opt-in to decide on less (recorded in the reason and in
    `evaluation.json`'s `evidence`): with one slide the interval is a point, and noise weights have won on one slide;
-5. a candidate below the baseline on the primary metric is not promoted;
+5. a candidate below the baseline on the primary metric is not promoted (a primary metric that was not measured,
+   e.g. `dense.miou` without polygons, promotes nothing);
 6. with a champion: promoted when the lower 95 % bound of the paired difference (candidate − champion) on the
    primary metric exceeds `gate.margin`;
 7. the first model of a registry: promoted when that bound against the baseline exceeds `gate.margin`.
@@ -115,6 +116,13 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     if champion is None and vs_baseline is None:
         return verdict(False, "first model of the registry, but no baseline to beat (set baseline=<weights>|init)")
     against = "champion" if champion is not None else "baseline"
+    if _primary(models, "candidate", metric) is None or metric not in comparisons.get(f"candidate_vs_{against}", {}):
+        # dense.*: no labelled patch tokens (a CSV of tiles has no polygons) or another patch grid than the other
+        # model's; auroc: more than two classes. Nothing measured is nothing promoted.
+        why = ("the dense probe needs GeoJSON polygons and the same patch grid" if metric.startswith("dense.")
+               else "AUROC needs two classes" if metric.endswith(".auroc") else "see the warnings")  # fmt: skip
+        return verdict(False, f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
+                              f"({why}); nothing promoted")  # fmt: skip
     diff = comparisons[f"candidate_vs_{against}"][metric]
     evidence.update(comparison=f"candidate_vs_{against}", metric=metric,
                     interval={k: diff[k] for k in ("value", "ci_low", "ci_high")})  # fmt: skip

@@ -48,16 +48,15 @@ def markdown(evaluation: dict[str, Any]) -> str:
                   f"interval over the {len(split.get('test_groups', []))} test {unit}s].", ""]  # fmt: skip
     else:
         lines += ["No annotations: label-free health only.", ""]
-    head = (
-        "| model | kNN bal. acc | linear bal. acc | linear macro-F1 | few-shot kNN | CLS eff. rank | dense agreement |"
-    )
-    lines += [head, "|---|---|---|---|---|---|---|"]
+    head = ("| model | kNN bal. acc | linear bal. acc | linear macro-F1 | few-shot kNN | dense bal. acc | dense mIoU "
+            "| CLS eff. rank | dense agreement | stain invariance |")  # fmt: skip
+    lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for role in ROLES:
         m = evaluation["models"].get(role)
         if m is None:
             continue
         if m.get("error"):
-            lines.append(f"| {role} | not evaluated: {m['error'][:80]} | | | | | |")
+            lines.append(f"| {role} | not evaluated: {m['error'][:80]} | | | | | | | | |")
             continue
         probes, health = m.get("probes", {}), m.get("health", {})
         few = probes.get("few_shot", {})
@@ -67,13 +66,25 @@ def markdown(evaluation: dict[str, Any]) -> str:
             f"| {role} | {_ci(probes.get('knn', {}).get('balanced_accuracy'))} "
             f"| {_ci(probes.get('linear', {}).get('balanced_accuracy'))} "
             f"| {_ci(probes.get('linear', {}).get('macro_f1'))} | {few_text} "
-            f"| {health.get('cls_effective_rank', math.nan):.3f} | {health.get('dense_agreement', math.nan):.3f} |"
+            f"| {_ci(probes.get('dense', {}).get('balanced_accuracy'))} | {_ci(probes.get('dense', {}).get('miou'))} "
+            f"| {health.get('cls_effective_rank', math.nan):.3f} | {health.get('dense_agreement', math.nan):.3f} "
+            f"| {health.get('stain_invariance', math.nan):.3f} |"
+        )
+    counts = next((m["probes"]["dense"]["counts"] for m in evaluation["models"].values()
+                   if "dense" in m.get("probes", {})), None)  # fmt: skip
+    if counts:
+        lines.append(
+            f"\nDense probe: {counts['tokens']} labelled patch tokens ({counts['grid']} grid, at most "
+            f"{counts['tokens_per_tile']} per tile, none within half a token of a class boundary) of "
+            f"{counts['tiles_with_tokens']} tiles, the tile probe's folds; mIoU from the pooled confusion "
+            "matrix. Stain invariance: share of HED-jittered tiles whose CLS retrieves their original."
         )
     for name, diffs in evaluation.get("comparisons", {}).items():
-        d = diffs.get("linear.balanced_accuracy")
-        if d:
-            lines.append(f"\n{name.replace('_', ' ')}: linear bal. acc {d['value']:+.3f} "
-                         f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")  # fmt: skip
+        shown = [f"{label} {d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+                 for key, label in (("linear.balanced_accuracy", "linear bal. acc"), ("dense.miou", "dense mIoU"))
+                 if (d := diffs.get(key))]  # fmt: skip
+        if shown:
+            lines.append(f"\n{name.replace('_', ' ')}: {'; '.join(shown)}")
     if evaluation.get("site_predictability"):
         sp = ", ".join(f"{k} {v:.3f}" for k, v in evaluation["site_predictability"].items())
         lines.append(f"\nSite predictability (kNN bal. acc, lower is better): {sp}")

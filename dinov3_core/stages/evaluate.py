@@ -21,12 +21,16 @@ protocol:
   and is scored by a kNN (k=20, cosine, temperature-weighted), a linear probe (logistic regression, C
   chosen on a validation split of each fold's training slides) and few-shot kNN (1-16 tiles per class);
   balanced accuracy and macro-F1 (AUROC for two classes) of the pooled predictions, with bootstrap 95 %
-  intervals over all test slides. Label-free health (CLS effective rank, dense consistency) is reported
-  for every model, annotations or not.
+  intervals over all test slides. Dense probe: patch tokens labelled by the polygon under their centre
+  (none within half a token of a class boundary; at most probe.dense_tokens_per_tile=16 per tile, from
+  the same embedding pass) get the linear probe on the same folds: balanced accuracy and mIoU, with
+  intervals. Label-free health (CLS effective rank, dense consistency, stain invariance: top-1 retrieval
+  of HED-jittered tiles among the originals, stain.*) is reported for every model, annotations or not.
 
 gate:
   The candidate becomes <register_name>@champion when the lower 95 % bound of its paired difference to
-  the champion on gate.primary_metric (default linear.balanced_accuracy) exceeds gate.margin, it is not
+  the champion on gate.primary_metric (default linear.balanced_accuracy; dense.miou for the dense
+  probe) exceeds gate.margin, it is not
   below the baseline, and its features did not collapse. The first model must beat the baseline.
   Evidence first: the interval must come from at least gate.min_test_slides (3) slides or patients and
   have non-zero width; gate.allow_point_estimate=true opts into deciding on less (recorded).
