@@ -157,3 +157,25 @@ def read_json(path: Path) -> dict[str, Any]:
 def sqlite_uri(directory: Path) -> str:
     """An MLflow tracking URI: a SQLite database `mlflow.db` in `directory`."""
     return f"sqlite:///{directory / 'mlflow.db'}"
+
+
+def eval_backbone(root: Path, arch: str, *, colour_blind: bool = False) -> Path:
+    """A seeded `arch` backbone at inference settings saved as `root/backbone.pth` with its `config.yaml` (what
+    convert writes); `colour_blind`: the patch embedding made blind to mean colour (a worse model on stains)."""
+    import torch
+    import yaml
+
+    from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
+    from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
+
+    torch.manual_seed(0)
+    model = build_backbone(arch, **INFERENCE_OVERRIDES).eval()
+    if colour_blind:
+        with torch.no_grad():
+            w = model.patch_embed.proj.weight
+            w -= w.mean(dim=(2, 3), keepdim=True)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(
+        yaml.safe_dump({"arch": arch, "backbone_kwargs": backbone_kwargs(arch, **INFERENCE_OVERRIDES)})
+    )
+    return save_backbone(model, root / "backbone.pth")

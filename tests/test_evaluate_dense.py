@@ -16,32 +16,17 @@ from typing import Any
 import numpy as np
 import pytest
 import shapely
-import torch
-import yaml
 
 from dinov3_core.config import load_config
 from dinov3_core.runner import run_stage
-from tests.helpers import tile_store
+from tests.helpers import eval_backbone, tile_store
 
 ARCH = "vit_test"
 NAME = "wsidino-backbone-dense"
 
 
 def backbone(root: Path, colour_blind: bool) -> Path:
-    from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
-    from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
-
-    torch.manual_seed(0)
-    model = build_backbone(ARCH, **INFERENCE_OVERRIDES).eval()
-    if colour_blind:
-        with torch.no_grad():
-            w = model.patch_embed.proj.weight
-            w -= w.mean(dim=(2, 3), keepdim=True)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(
-        yaml.safe_dump({"arch": ARCH, "backbone_kwargs": backbone_kwargs(ARCH, **INFERENCE_OVERRIDES)})
-    )
-    return save_backbone(model, root / "backbone.pth")
+    return eval_backbone(root, ARCH, colour_blind=colour_blind)
 
 
 def export(weights: Path, uri: str) -> tuple[Path, str]:
