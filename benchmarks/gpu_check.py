@@ -1,0 +1,473 @@
+"""The GPU path in one run: correctness tests, training and extraction throughput, memory estimate vs measured.
+
+    python benchmarks/gpu_check.py --output DIR              # on a machine with one NVIDIA GPU (≤ 8 minutes)
+    python benchmarks/gpu_check.py --dry-run --output DIR    # the same code on CPU with tiny shapes (CI runs it)
+    make gpu-check                                           # the first line, into bench-output/gpu-check
+
+Writes DIR/gpu_check.json and DIR/gpu_check.md after every section, so a run stopped by its time limit still
+leaves what it measured. Each section runs in its own subprocess with the time that is left (`--budget-s`); what
+does not fit is reported as skipped, never silently dropped. Sections, most important first:
+
+1. deps: the core's Python packages (no Prefect or MLflow on this path: checked), with what is missing named;
+2. env: device, driver, torch / CUDA / NCCL versions and the measured bf16 matmul rate (the MFU yardstick);
+3. tests: `pytest -m gpu tests/test_gpu.py` (bf16 vs fp32 step, NCCL, FSDP2, torch.compile, activation
+   checkpointing, fused AdamW, bit-exact checkpoint resume, pinned-memory extraction, the memory watch);
+4. store: a real tile store (sample slides → the tile stage, 224 px at 0.5 µm/px) for the next two;
+5. train: the shipped `vit{s,b,l}16-continued` recipes at the official crops (2×224² + 8×96²) with 4,096-prototype
+   heads, bf16, compile on and off, the micro-batch the memory estimator picks (`train.batch_size_per_gpu=auto`):
+   img/s, step time, MFU (FLOPs counted from the model: `dinov3_core.train.flops`), peak memory vs the estimate;
+6. extract: a ViT-B/16 over the store (JPEG decode included) in bf16 and fp16, and the model alone.
+
+Without internet on the GPU machine, the packages it lacks travel as wheels: docs/gpu-check.md has the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+# Import name → distribution, for the message that names what is missing.
+CORE_PACKAGES = {
+    "torch": "torch", "numpy": "numpy", "zarr": "zarr", "numcodecs": "numcodecs", "donfig": "donfig",
+    "google_crc32c": "google-crc32c", "omegaconf": "omegaconf", "imagecodecs": "imagecodecs",
+    "simplejpeg": "simplejpeg", "tifffile": "tifffile", "openslide": "openslide-python (+ openslide-bin)",
+    "PIL": "pillow", "scipy": "scipy", "shapely": "shapely", "yaml": "pyyaml", "psutil": "psutil", "tqdm": "tqdm",
+    "pytest": "pytest",
+}  # fmt: skip
+ORCHESTRATION = ("prefect", "mlflow")
+# Dense bf16 tensor-core peak of the data sheets (TFLOP/s), for MFU against the spec beside the measured matmul.
+SPEC_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+
+
+# ----------------------------------------------------------------------------------------------- sections (children)
+
+
+def section_deps(p: dict[str, Any]) -> dict[str, Any]:
+    missing = [f"{name} ({dist})" for name, dist in CORE_PACKAGES.items() if importlib.util.find_spec(name) is None]
+    versions = {}
+    for name in CORE_PACKAGES:
+        if importlib.util.find_spec(name) is not None:
+            with contextlib.suppress(Exception):
+                versions[name] = getattr(__import__(name), "__version__", "?")
+    leaked: list[str] = []
+    if not missing:  # the core's training and extraction path must not pull the orchestration stack in
+        import dinov3_core.extract.extract
+        import dinov3_core.train.loop
+        import dinov3_core.train.pretrain  # noqa: F401
+
+        leaked = sorted({m.split(".")[0] for m in sys.modules} & set(ORCHESTRATION))
+    return {"missing": missing, "versions": versions, "orchestration_imported": leaked}
+
+
+def section_env(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cuda_available": torch.cuda.is_available(), "cpu_cores": os.cpu_count()}  # fmt: skip
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, sm_count=props.multi_processor_count, memory_gib=props.total_memory / GIB,
+                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    capability=f"{props.major}.{props.minor}")  # fmt: skip
+        with contextlib.suppress(Exception):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)  # fmt: skip
+            info["nvidia_smi"] = smi.stdout.strip()
+        info["bf16_matmul_tflops"] = matmul_tflops("cuda", 8192, 20)
+        info["spec_bf16_tflops"] = next((v for k, v in SPEC_BF16_TFLOPS.items() if k in props.name), None)
+    else:
+        info.update(device=f"CPU ({platform.processor() or platform.machine()})")
+        info["bf16_matmul_tflops"] = matmul_tflops("cpu", 512, 3)
+        info["spec_bf16_tflops"] = None
+    return info
+
+
+def matmul_tflops(device: str, n: int, iters: int) -> float:
+    """A square bf16 matrix product's rate: what the chip reaches on the work a ViT is made of."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def section_tests(p: dict[str, Any]) -> dict[str, Any]:
+    junit = Path(p["work"]) / "gpu-tests.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if p["dry_run"]:
+        env["WSIDINO_GPU_TESTS_ON_CPU"] = "1"  # the same tests on CPU, tiny shapes (tests/test_gpu.py)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
+           "-o", "addopts=", "tests/test_gpu.py"]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=p["timeout_s"])
+    result: dict[str, Any] = {"seconds": time.perf_counter() - start, "returncode": proc.returncode,
+                              "summary": (proc.stdout.strip().splitlines() or [""])[-1], "tests": []}  # fmt: skip
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    outcome, message = child.tag, (child.get("message") or "")[:400]
+            result["tests"].append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
+                                    "message": message})  # fmt: skip
+    if proc.returncode not in (0, 5):  # 5: nothing collected
+        result["output_tail"] = proc.stdout[-3000:] + proc.stderr[-2000:]
+    return result
+
+
+def section_store(p: dict[str, Any]) -> dict[str, Any]:
+    from dinov3_core.config import load_config
+    from dinov3_core.data.tile_dataset import TileDataset
+    from dinov3_core.tiling.config import TileConfig
+    from dinov3_core.tiling.engine import run_tile
+    from wsidino_dev.sample_slides import make_sample_slides
+
+    root = Path(p["work"]) / "store"
+    store = root / "tiles.zarr"
+    start = time.perf_counter()
+    if not (store / "manifest.json").exists():
+        slides = make_sample_slides(root / "slides", p["preset"], negatives=False)
+        values = {"input": str(root / "slides"), "output": str(store), "tile_size": p["tile_size"],
+                  "stride": p["stride"], "mpp": 0.5, "progress": False, "tracking.enabled": False}  # fmt: skip
+        run_tile(load_config(TileConfig, None, values))
+        del slides
+    tiles = len(TileDataset(store, image_format="numpy"))
+    return {"path": str(store), "tiles": tiles, "tile_size": p["tile_size"], "seconds": time.perf_counter() - start}
+
+
+def section_train(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from dinov3_core.config import load_config
+    from dinov3_core.train import config as C
+    from dinov3_core.train.flops import step_flops_per_image
+    from dinov3_core.train.memory import memory_budget_bytes, model_shape, plan_batch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # only asks the driver: no context yet
+    out = Path(p["work"]) / f"train-{p['name']}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: a rerun would resume (and time nothing)
+    values = {
+        "data.stores": [p["store"]], "output_dir": str(out), "tracking.enabled": False,
+        "train.global_batch_size": p["global_batch"], "train.batch_size_per_gpu": "auto",
+        "train.compile": p["compile"], "train.stop_at": p["iterations"], "train.epoch_length": p["iterations"],
+        "train.log_period": 1, "optim.epochs": 1, "optim.warmup_epochs": 0, "optim.freeze_last_layer_epochs": 0,
+        "teacher.warmup_teacher_temp_epochs": 0, "checkpointing.period": 10**6,
+        "evaluation.eval_period_iterations": 0, "health.policy": "off", "health.probe_tiles": 0,
+        **p["overrides"],
+    }  # fmt: skip
+    cfg = load_config(C.PretrainConfig, p["recipe"], values, stage="pretrain")
+    argv = [sys.executable, "-m", "dinov3_core.train", "--config", p["recipe"],
+            *(f"{k}={json.dumps(v)}" for k, v in values.items())]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=p["timeout_s"])
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"training exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (out / "training_metrics.json").read_text().splitlines()]
+    # After the run: this process's CUDA context and the FLOP count's model would otherwise take the run's memory.
+    budget = memory_budget_bytes(cfg, device, 1)
+    plan = plan_batch(cfg, model_shape(cfg), world_size=1, budget_bytes=budget, device_type=device.type,
+                      tile_size=p["tile_size"])  # fmt: skip
+    flops = step_flops_per_image(cfg, device)
+    warm = p["warmup_iterations"]
+    timed = [r for r in rows if r["iteration"] >= warm] or rows
+    step = statistics.median(r["iter_time"] for r in timed)
+    images_per_s = cfg.train.global_batch_size / step
+    peak_mb = max(r["peak_memory_mb"] for r in rows)
+    est = plan.estimate.total
+    return {
+        "arch": cfg.student.arch, "compile": p["compile"],
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "precision": "bf16" if device.type == "cuda" else "fp32", "global_batch": cfg.train.global_batch_size,
+        "micro_batch": plan.micro_batch, "accumulation_steps": plan.accumulation_steps,
+        "crops": f"{cfg.crops.n_global_crops}x{cfg.crops.global_size}+{cfg.crops.n_local_crops}x{cfg.crops.local_size}",
+        "prototypes": cfg.heads.dino.n_prototypes, "images_per_s": images_per_s, "step_s": step,
+        "data_s": statistics.median(r["data_time"] for r in timed), "first_iteration_s": rows[0]["iter_time"],
+        "gflop_per_image": flops / 1e9, "achieved_tflops": flops * images_per_s / 1e12,
+        "peak_allocated_gib": peak_mb / 1024, "estimated_gib": est / GIB,
+        "estimate_error": (est / GIB - peak_mb / 1024) / (peak_mb / 1024), "estimate": plan.estimate.describe(),
+        "iterations": len(rows), "timed_iterations": len(timed), "wall_s": wall,
+    }  # fmt: skip
+
+
+def section_extract(p: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import yaml
+
+    from dinov3_core.config import load_config
+    from dinov3_core.extract.config import ExtractConfig
+    from dinov3_core.extract.extract import run_extract
+    from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
+    from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = Path(p["work"]) / "extract"
+    shutil.rmtree(root, ignore_errors=True)  # a finished output is skipped by run_extract: time a fresh one
+    torch.manual_seed(0)
+    model = build_backbone(p["arch"], **INFERENCE_OVERRIDES).eval()
+    weights = save_backbone(model, root / "model" / "backbone.pth")
+    (root / "model" / "config.yaml").write_text(
+        yaml.safe_dump({"arch": p["arch"], "backbone_kwargs": backbone_kwargs(p["arch"], **INFERENCE_OVERRIDES)})
+    )
+    rows = []
+    for precision in p["precisions"]:
+        best = None
+        for repeat in range(p["repeats"]):  # the first run also pays CUDA context and kernel selection
+            values = {"store": p["store"], "model": str(weights), "output": str(root / f"{precision}-{repeat}.zarr"),
+                      "device": device, "precision": precision, "batch_size": p["batch_size"],
+                      "loader_threads": p["loader_threads"], "prefetch_batches": p["prefetch_batches"],
+                      "pca_map": False, "progress": False, "tracking.enabled": False}  # fmt: skip
+            result = run_extract(load_config(ExtractConfig, None, values))
+            if best is None or result.tiles_per_s > best.tiles_per_s:
+                best = result
+        assert best is not None
+        rows.append({"arch": p["arch"], "precision": precision,
+                     "what": "run_extract (read + JPEG decode + model + write)",
+                     "tiles": best.tiles, "seconds": best.seconds, "tiles_per_s": best.tiles_per_s})  # fmt: skip
+        alone = model_only(model, device, precision, p["batch_size"], p["tile_size"], p["model_iters"])
+        rows.append({"arch": p["arch"], "precision": precision, "what": "model only (random batch on the device)",
+                     **alone})  # fmt: skip
+    return {"rows": rows}
+
+
+def model_only(model: Any, device: str, precision: str, batch: int, size: int, iters: int) -> dict[str, Any]:
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    model = model.to(device)
+    x = torch.randn(batch, 3, size, size, device=device)
+    with torch.inference_mode(), torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+        for _ in range(2):
+            model(x)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            model(x)
+        sync(device)
+    seconds = time.perf_counter() - start
+    return {"tiles": batch * iters, "seconds": seconds, "tiles_per_s": batch * iters / seconds}
+
+
+SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "deps": section_deps, "env": section_env, "tests": section_tests, "store": section_store,
+    "train": section_train, "extract": section_extract,
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------- the plan
+
+
+def train_cases(dry_run: bool) -> list[dict[str, Any]]:
+    """Most telling first: ViT-L as the recipe ships it (compile on), then eager, then ViT-B and ViT-S."""
+    if dry_run:
+        tiny = {"recipe": "tiny", "global_batch": 8, "iterations": 4, "warmup_iterations": 2, "tile_size": 64,
+                "overrides": {"train.device": "cpu", "train.num_threads": 2}}  # fmt: skip
+        return [{**tiny, "name": "tiny-compile", "compile": True}, {**tiny, "name": "tiny-eager", "compile": False}]
+    official = {"heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096, "student.pretrained_weights": None,
+                "data.num_workers": 10}  # fmt: skip
+    cases = []
+    for arch, batch in (("vitl16", 256), ("vitb16", 256), ("vits16", 512)):
+        for compile_ in (True, False):
+            cases.append({"name": f"{arch}-{'compile' if compile_ else 'eager'}", "recipe": f"{arch}-continued",
+                          "global_batch": batch, "iterations": 12, "warmup_iterations": 4, "tile_size": 224,
+                          "compile": compile_, "overrides": official})  # fmt: skip
+    order = ["vitl16-compile", "vitl16-eager", "vitb16-compile", "vits16-compile", "vitb16-eager", "vits16-eager"]
+    return sorted(cases, key=lambda c: order.index(c["name"]))
+
+
+def plan(dry_run: bool) -> list[tuple[str, str, dict[str, Any], float]]:
+    """(label, section, params, most seconds it may take)."""
+    store = ({"preset": "test", "tile_size": 64, "stride": 64} if dry_run
+             else {"preset": "demo", "tile_size": 224, "stride": 56})  # fmt: skip
+    extract = ({"arch": "vit_test", "precisions": ["bf16"], "batch_size": 64, "loader_threads": 2,
+                "prefetch_batches": 2, "repeats": 1, "model_iters": 2, "tile_size": 64} if dry_run
+               else {"arch": "vit_base", "precisions": ["bf16", "fp16"], "batch_size": 512, "loader_threads": 12,
+                     "prefetch_batches": 4, "repeats": 2, "model_iters": 10, "tile_size": 224})  # fmt: skip
+    steps: list[tuple[str, str, dict[str, Any], float]] = [
+        ("deps", "deps", {}, 120),
+        ("env", "env", {}, 120),
+        ("tests", "tests", {}, 240 if dry_run else 180),
+        ("store", "store", store, 240),
+    ]
+    cases = train_cases(dry_run)
+    steps.append((f"train {cases[0]['name']}", "train", cases[0], 150 if dry_run else 210))  # compile warm-up
+    steps.append(("extract", "extract", extract, 120))
+    steps += [(f"train {c['name']}", "train", c, 150) for c in cases[1:]]
+    return steps
+
+
+# ------------------------------------------------------------------------------------------------------ the parent
+
+
+def run_child(section: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = Path(f.name)
+    cmd = [sys.executable, __file__, "--child", section, "--params", json.dumps(params), "--result", str(result_path)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr or b""
+        text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"status": "timeout", "seconds": timeout, "error": f"stopped after {timeout:.0f} s: {text[-1500:]}"}
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0 or not result_path.stat().st_size:
+        return {"status": "failed", "seconds": seconds, "error": proc.stderr[-4000:] or f"exit {proc.returncode}"}
+    result = json.loads(result_path.read_text())
+    result_path.unlink()
+    return {"status": "ok", "seconds": seconds, "result": result}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default=os.environ.get("OUT") or "bench-output/gpu-check")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: proves the code, not the GPU")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole check's time (default 8 minutes)")
+    parser.add_argument("--only", help="comma-separated labels or sections to run (default: all)")
+    parser.add_argument("--work", help="scratch directory (default: a temporary one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--params", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = SECTIONS[args.child](json.loads(args.params))
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+
+    deadline = time.monotonic() + args.budget_s
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-check-"))
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
+                              "budget_s": args.budget_s, "sections": []}  # fmt: skip
+    only = set(args.only.split(",")) if args.only else None
+    store: str | None = None
+    blocked: str | None = None
+    for label, section, params, cap in plan(args.dry_run):
+        if only and label not in only and section not in only and section not in ("deps", "store"):
+            continue
+        left = deadline - time.monotonic()
+        entry: dict[str, Any] = {"label": label, "section": section}
+        if blocked and section not in ("env",):
+            entry.update(status="skipped", error=blocked)
+        elif section in ("train", "extract") and store is None:
+            entry.update(status="skipped", error="no tile store (the store section did not finish)")
+        elif left < 20:
+            entry.update(status="skipped", error=f"out of time ({args.budget_s:.0f} s budget)")
+        else:
+            timeout = min(cap, left)
+            params = {**params, "work": str(work), "dry_run": args.dry_run, "timeout_s": timeout - 10,
+                      **({"store": store} if store else {})}  # fmt: skip
+            print(f"[gpu-check] {label} (≤ {timeout:.0f} s) …", file=sys.stderr, flush=True)
+            entry.update(run_child(section, params, timeout))
+            detail = f"\n{entry['error'][-1500:]}" if entry["status"] != "ok" else ""
+            print(f"[gpu-check] {label}: {entry['status']} in {entry['seconds']:.0f} s{detail}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        if section == "deps" and entry.get("status") == "ok" and entry["result"]["missing"]:
+            blocked = ("missing packages: " + ", ".join(entry["result"]["missing"]) +
+                       " — bring them as wheels (docs/gpu-check.md, 'A machine without internet')")  # fmt: skip
+        if section == "store" and entry.get("status") == "ok":
+            store = entry["result"]["path"]
+        report["sections"].append(entry)
+        write_report(report, out)
+    print(markdown(report))
+    failed = [e["label"] for e in report["sections"] if e.get("status") in ("failed", "timeout")]
+    tests = next((e for e in report["sections"] if e["section"] == "tests" and e.get("status") == "ok"), None)
+    if tests and tests["result"]["returncode"] not in (0, 5):
+        failed.append("tests")
+    if failed:
+        print(f"gpu-check: not clean: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed or blocked else 0
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    by = {e["label"]: e for e in report["sections"]}
+    env = by.get("env", {}).get("result", {})
+    lines = [f"# GPU check, {report['date']}{' (dry run: CPU, tiny shapes)' if report['dry_run'] else ''}", ""]
+    if env:
+        lines += [f"Device: **{env.get('device')}** ({env.get('nvidia_smi', '')}); torch {env.get('torch')}, CUDA "
+                  f"{env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}, {env.get('cpu_cores')} "
+                  f"CPU cores. bf16 matmul (8192³): **{env.get('bf16_matmul_tflops', 0):.0f} TFLOP/s** measured, "
+                  f"{env.get('spec_bf16_tflops') or '–'} on the data sheet.", ""]  # fmt: skip
+    lines += ["| section | status | seconds | note |", "|---|---|---|---|"]
+    for e in report["sections"]:
+        note = (e.get("error") or "").strip().splitlines()[-1:] or [""]
+        lines.append(f"| {e['label']} | {e.get('status')} | {e.get('seconds', 0):.0f} | {note[0][:160]} |")
+    deps = by.get("deps", {}).get("result")
+    if deps:
+        lines += ["", f"Packages missing: {', '.join(deps['missing']) or 'none'}; Prefect/MLflow imported by the "
+                  f"core path: {', '.join(deps['orchestration_imported']) or 'no'}."]  # fmt: skip
+    tests = by.get("tests", {}).get("result")
+    if tests:
+        lines += ["", f"## GPU tests: {tests['summary']}", "", "| test | outcome | s | message |", "|---|---|---|---|"]
+        lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} | {t['message'][:200]} |"
+                  for t in tests["tests"]]  # fmt: skip
+    peak = env.get("bf16_matmul_tflops") or 0
+    spec = env.get("spec_bf16_tflops")
+    train = [e["result"] for e in report["sections"] if e["section"] == "train" and e.get("status") == "ok"]
+    if train:
+        lines += ["", "## Training (one GPU, `train.batch_size_per_gpu=auto`)", "",
+                  "| arch | compile | act. ckpt | crops | global batch | micro × accum | img/s | step s | data s | "
+                  "GFLOP/img | TFLOP/s | MFU (spec) | MFU (matmul) | peak GiB | estimated GiB | est. error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in train:
+            mfu_spec = f"{100 * r['achieved_tflops'] / spec:.0f} %" if spec else "–"
+            mfu_mm = f"{100 * r['achieved_tflops'] / peak:.0f} %" if peak else "–"
+            lines.append(
+                f"| {r['arch']} | {'on' if r['compile'] else 'off'} "
+                f"| {'on' if r['activation_checkpointing'] else 'off'} "
+                f"| {r['crops']} | {r['global_batch']} | {r['micro_batch']} × {r['accumulation_steps']} "
+                f"| {r['images_per_s']:.1f} | {r['step_s']:.3f} | {r['data_s']:.3f} | {r['gflop_per_image']:.1f} "
+                f"| {r['achieved_tflops']:.1f} | {mfu_spec} | {mfu_mm} | {r['peak_allocated_gib']:.2f} "
+                f"| {r['estimated_gib']:.2f} | {100 * r['estimate_error']:+.0f} % |"
+            )  # fmt: skip
+    ext = by.get("extract", {}).get("result")
+    if ext:
+        lines += ["", "## Extraction", "", "| arch | precision | what | tiles | tiles/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['precision']} | {r['what']} | {r['tiles']} | {r['tiles_per_s']:.0f} |"
+                  for r in ext["rows"]]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
