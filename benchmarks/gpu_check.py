@@ -227,6 +227,7 @@ def section_extract(p: dict[str, Any]) -> dict[str, Any]:
     import yaml
 
     from dinov3_core.config import load_config
+    from dinov3_core.data.tile_dataset import TileDataset
     from dinov3_core.extract.config import ExtractConfig
     from dinov3_core.extract.extract import run_extract
     from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
@@ -241,48 +242,120 @@ def section_extract(p: dict[str, Any]) -> dict[str, Any]:
     (root / "model" / "config.yaml").write_text(
         yaml.safe_dump({"arch": p["arch"], "backbone_kwargs": backbone_kwargs(p["arch"], **INFERENCE_OVERRIDES)})
     )
+    ds = TileDataset(Path(p["store"]), image_format="numpy")
+    smallest = min(zip(ds.tile_counts, ds.slide_ids, strict=True))[1]
     rows = []
-    for precision in p["precisions"]:
-        best = None
-        for repeat in range(p["repeats"]):  # the first run also pays CUDA context and kernel selection
-            values = {"store": p["store"], "model": str(weights), "output": str(root / f"{precision}-{repeat}.zarr"),
+    for precision, compiled in p["variants"]:
+
+        def extract(tag: str, slide_ids: list[str] | None, precision: str = precision, compiled: bool = compiled
+                    ) -> Any:  # fmt: skip
+            name = f"{precision}{'-compile' if compiled else ''}-{tag}"
+            values = {"store": p["store"], "model": str(weights), "output": str(root / f"{name}.zarr"),
                       "device": device, "precision": precision, "batch_size": p["batch_size"],
                       "loader_threads": p["loader_threads"], "prefetch_batches": p["prefetch_batches"],
-                      "pca_map": False, "progress": False, "tracking.enabled": False}  # fmt: skip
-            result = run_extract(load_config(ExtractConfig, None, values))
-            if best is None or result.tiles_per_s > best.tiles_per_s:
-                best = result
-        assert best is not None
-        rows.append({"arch": p["arch"], "precision": precision,
-                     "what": "run_extract (read + JPEG decode + model + write)",
-                     "tiles": best.tiles, "seconds": best.seconds, "tiles_per_s": best.tiles_per_s})  # fmt: skip
-        alone = model_only(model, device, precision, p["batch_size"], p["tile_size"], p["model_iters"])
-        rows.append({"arch": p["arch"], "precision": precision, "what": "model only (random batch on the device)",
-                     **alone})  # fmt: skip
+                      "slide_ids": slide_ids, "pca_map": False, "progress": False, "tracking.enabled": False,
+                      **({"compile": True} if compiled else {})}  # fmt: skip
+            return run_extract(load_config(ExtractConfig, None, values))
+
+        # A first run over the smallest slide pays CUDA start-up, kernel selection and (compile) Inductor's
+        # warm-up, whose cache the timed run over the whole store then reuses.
+        warm = extract("warm-up", [smallest])
+        best = extract("timed", None)
+        rows.append({"arch": p["arch"], "precision": precision, "compile": compiled,
+                     "what": "run_extract (read + JPEG decode + model + write)", "tiles": best.tiles,
+                     "seconds": best.seconds, "tiles_per_s": best.tiles_per_s, "warm_up_s": warm.seconds})  # fmt: skip
+        alone = model_only(model, device, precision, compiled, p["batch_size"], p["tile_size"], p["model_iters"])
+        rows.append({"arch": p["arch"], "precision": precision, "compile": compiled,
+                     "what": "model only (random batch on the device)", **alone})  # fmt: skip
     return {"rows": rows}
 
 
-def model_only(model: Any, device: str, precision: str, batch: int, size: int, iters: int) -> dict[str, Any]:
+def model_only(model: Any, device: str, precision: str, compiled: bool, batch: int, size: int, iters: int
+               ) -> dict[str, Any]:  # fmt: skip
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     model = model.to(device)
+    run = torch.compile(model, dynamic=False) if compiled else model
     x = torch.randn(batch, 3, size, size, device=device)
     with torch.inference_mode(), torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
-        for _ in range(2):
-            model(x)
+        for _ in range(3):
+            run(x)
         sync(device)
         start = time.perf_counter()
         for _ in range(iters):
-            model(x)
+            run(x)
         sync(device)
     seconds = time.perf_counter() - start
     return {"tiles": batch * iters, "seconds": seconds, "tiles_per_s": batch * iters / seconds}
 
 
+def section_profile(p: dict[str, Any]) -> dict[str, Any]:
+    """Where a training step's GPU time goes (eager, bf16): the kernels, grouped into matmul / attention / other."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dinov3_core.config import load_config
+    from dinov3_core.data.augment import MultiCrops
+    from dinov3_core.data.masking import IBOTMaskSampler
+    from dinov3_core.train import config as C
+    from dinov3_core.train.distributed import DistEnv
+    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, build_ssl_model
+    from dinov3_core.train.step import forward_backward
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = load_config(C.PretrainConfig, p["recipe"], {"data.stores": ["unused"], "output_dir": "unused",
+                                                      **p["overrides"]}, stage="pretrain")  # fmt: skip
+    torch.manual_seed(0)
+    model = build_ssl_model(cfg).model.to(device).train()
+    b, c = p["micro_batch"], cfg.crops
+    crops = MultiCrops(torch.randn(c.n_global_crops, b, 3, c.global_size, c.global_size, device=device),
+                       torch.randn(c.n_local_crops, b, 3, c.local_size, c.local_size, device=device))  # fmt: skip
+    masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(b, c.n_global_crops)
+    masks = type(masks).from_masks(masks.masks.to(device), c.n_global_crops)
+    env = DistEnv(device=device)
+
+    def step() -> None:
+        forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
+                         teacher_temp=0.07, koleo_base=0, bf16=cuda)  # fmt: skip
+        model.student.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    sync(device.type)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        sync(device.type)
+    events = [e for e in prof.key_averages() if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else
+                                                                   torch.autograd.DeviceType.CPU)]  # fmt: skip
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) or 1.0
+
+    def kind(name: str) -> str:
+        n = name.lower()
+        if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
+            return "attention"
+        if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "mm", "linear", "conv")):
+            return "matmul"
+        return "element-wise / reductions / copies"
+
+    groups: dict[str, float] = {}
+    for e in events:
+        groups[kind(e.key)] = groups.get(kind(e.key), 0.0) + getattr(e, attr)
+    top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]
+    return {
+        "arch": cfg.student.arch, "micro_batch": b, "step_ms": total / 2 / 1e3,
+        "groups": {k: v / total for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top": [{"kernel": e.key[:110], "share": getattr(e, attr) / total, "calls": e.count} for e in top],
+    }  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "deps": section_deps, "env": section_env, "tests": section_tests, "store": section_store,
-    "train": section_train, "extract": section_extract,
+    "train": section_train, "extract": section_extract, "profile": section_profile,
 }  # fmt: skip
 
 
@@ -290,64 +363,81 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 
 def train_cases(dry_run: bool) -> list[dict[str, Any]]:
-    """Most telling first: ViT-L as the recipe ships it (compile on), then eager, then ViT-B and ViT-S."""
+    """Most telling first: ViT-L compiled without and with activation checkpointing (the recipes ship it on for
+    one GPU), then ViT-B and ViT-S compiled, then eager."""
     if dry_run:
         tiny = {"recipe": "tiny", "global_batch": 8, "iterations": 4, "warmup_iterations": 2, "tile_size": 64,
                 "overrides": {"train.device": "cpu", "train.num_threads": 2}}  # fmt: skip
         return [{**tiny, "name": "tiny-compile", "compile": True}, {**tiny, "name": "tiny-eager", "compile": False}]
     official = {"heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096, "student.pretrained_weights": None,
                 "data.num_workers": 10}  # fmt: skip
-    cases = []
+    cases = {}
     for arch, batch in (("vitl16", 256), ("vitb16", 256), ("vits16", 512)):
         for compile_ in (True, False):
-            cases.append({"name": f"{arch}-{'compile' if compile_ else 'eager'}", "recipe": f"{arch}-continued",
-                          "global_batch": batch, "iterations": 12, "warmup_iterations": 4, "tile_size": 224,
-                          "compile": compile_, "overrides": official})  # fmt: skip
-    order = ["vitl16-compile", "vitl16-eager", "vitb16-compile", "vits16-compile", "vitb16-eager", "vits16-eager"]
-    return sorted(cases, key=lambda c: order.index(c["name"]))
+            for ac in (True, False):
+                name = f"{arch}-{'compile' if compile_ else 'eager'}{'' if ac else '-noac'}"
+                cases[name] = {"name": name, "recipe": f"{arch}-continued", "global_batch": batch, "iterations": 10,
+                               "warmup_iterations": 4, "tile_size": 224, "compile": compile_,
+                               "overrides": {**official, "train.activation_checkpointing": ac}}  # fmt: skip
+    order = ["vitl16-compile-noac", "vitl16-compile", "vitb16-compile-noac", "vits16-compile-noac", "vitl16-eager",
+             "vitb16-eager-noac", "vits16-eager-noac"]  # fmt: skip
+    return [cases[n] for n in order]
 
 
 def plan(dry_run: bool) -> list[tuple[str, str, dict[str, Any], float]]:
-    """(label, section, params, most seconds it may take)."""
-    store = ({"preset": "test", "tile_size": 64, "stride": 64} if dry_run
-             else {"preset": "demo", "tile_size": 224, "stride": 56})  # fmt: skip
-    extract = ({"arch": "vit_test", "precisions": ["bf16"], "batch_size": 64, "loader_threads": 2,
-                "prefetch_batches": 2, "repeats": 1, "model_iters": 2, "tile_size": 64} if dry_run
-               else {"arch": "vit_base", "precisions": ["bf16", "fp16"], "batch_size": 512, "loader_threads": 12,
-                     "prefetch_batches": 4, "repeats": 2, "model_iters": 10, "tile_size": 224})  # fmt: skip
-    steps: list[tuple[str, str, dict[str, Any], float]] = [
-        ("deps", "deps", {}, 120),
-        ("env", "env", {}, 120),
-        ("tests", "tests", {}, 240 if dry_run else 180),
-        ("store", "store", store, 240),
-    ]
+    """(label, section, params, most seconds it may take). The store is built in the background from the start."""
+    extract = ({"arch": "vit_test", "batch_size": 64, "loader_threads": 2, "prefetch_batches": 2, "model_iters": 2,
+                "tile_size": 64, "variants": [["bf16", False], ["bf16", True]]} if dry_run
+               else {"arch": "vit_base", "batch_size": 512, "loader_threads": 12, "prefetch_batches": 4,
+                     "model_iters": 10, "tile_size": 224,
+                     "variants": [["bf16", False], ["bf16", True], ["fp16", True]]})  # fmt: skip
+    profile = ({"recipe": "tiny", "micro_batch": 4, "overrides": {}} if dry_run
+               else {"recipe": "vitl16-continued", "micro_batch": 32,
+                     "overrides": {"heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096,
+                                   "student.pretrained_weights": None}})  # fmt: skip
     cases = train_cases(dry_run)
-    steps.append((f"train {cases[0]['name']}", "train", cases[0], 150 if dry_run else 210))  # compile warm-up
-    steps.append(("extract", "extract", extract, 120))
-    steps += [(f"train {c['name']}", "train", c, 150) for c in cases[1:]]
-    return steps
+    first = 150 if dry_run else 170  # compile warm-up included
+    return [
+        ("deps", "deps", {}, 120), ("env", "env", {}, 120), ("tests", "tests", {}, 240 if dry_run else 130),
+        (f"train {cases[0]['name']}", "train", cases[0], first), ("extract", "extract", extract, 150),
+        ("profile", "profile", profile, 90),
+        *((f"train {c['name']}", "train", c, 150) for c in cases[1:]),
+    ]  # fmt: skip
+
+
+def store_params(dry_run: bool) -> dict[str, Any]:
+    return ({"preset": "test", "tile_size": 64, "stride": 64} if dry_run
+            else {"preset": "demo", "tile_size": 224, "stride": 56})  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ the parent
 
 
-def run_child(section: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_path = Path(f.name)
-    cmd = [sys.executable, __file__, "--child", section, "--params", json.dumps(params), "--result", str(result_path)]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = e.stderr or b""
-        text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return {"status": "timeout", "seconds": timeout, "error": f"stopped after {timeout:.0f} s: {text[-1500:]}"}
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0 or not result_path.stat().st_size:
-        return {"status": "failed", "seconds": seconds, "error": proc.stderr[-4000:] or f"exit {proc.returncode}"}
-    result = json.loads(result_path.read_text())
-    result_path.unlink()
-    return {"status": "ok", "seconds": seconds, "result": result}
+class Child:
+    """One section in its own process (a crash or a hung CUDA call ends that section only)."""
+
+    def __init__(self, section: str, params: dict[str, Any]) -> None:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            self.result_path = Path(f.name)
+        cmd = [sys.executable, __file__, "--child", section, "--params", json.dumps(params), "--result",
+               str(self.result_path)]  # fmt: skip
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait(self, timeout: float) -> dict[str, Any]:
+        try:
+            _, stderr = self.proc.communicate(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, stderr = self.proc.communicate()
+            return {"status": "timeout", "seconds": time.perf_counter() - self.start,
+                    "error": f"stopped after {timeout:.0f} s: {stderr[-1500:]}"}  # fmt: skip
+        seconds = time.perf_counter() - self.start
+        if self.proc.returncode != 0 or not self.result_path.stat().st_size:
+            return {"status": "failed", "seconds": seconds, "error": stderr[-4000:] or f"exit {self.proc.returncode}"}
+        result = json.loads(self.result_path.read_text())
+        self.result_path.unlink()
+        return {"status": "ok", "seconds": seconds, "result": result}
 
 
 def main() -> int:
@@ -373,14 +463,35 @@ def main() -> int:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
                               "budget_s": args.budget_s, "sections": []}  # fmt: skip
     only = set(args.only.split(",")) if args.only else None
+    common = {"work": str(work), "dry_run": args.dry_run}
+    store_child: Child | None = None
     store: str | None = None
     blocked: str | None = None
+
+    def log(msg: str) -> None:
+        print(f"[gpu-check] {msg}", file=sys.stderr, flush=True)
+
+    def finish(entry: dict[str, Any]) -> None:
+        if entry.get("status") not in (None, "ok", "skipped"):
+            log(f"{entry['label']}: {entry['status']}\n{entry.get('error', '')[-1500:]}")
+        report["sections"].append(entry)
+        write_report(report, out)
+
     for label, section, params, cap in plan(args.dry_run):
-        if only and label not in only and section not in only and section not in ("deps", "store"):
+        if only and label not in only and section not in only and section != "deps":
             continue
-        left = deadline - time.monotonic()
         entry: dict[str, Any] = {"label": label, "section": section}
-        if blocked and section not in ("env",):
+        if section in ("train", "extract") and store is None and store_child is not None and not blocked:
+            # The tile store, built on the CPU cores while the GPU tests ran.
+            store_entry = {"label": "store", "section": "store",
+                           **store_child.wait(deadline - time.monotonic() - 20)}  # fmt: skip
+            store_child = None
+            if store_entry["status"] == "ok":
+                store = store_entry["result"]["path"]
+            log(f"store: {store_entry['status']} after {store_entry['seconds']:.0f} s")
+            finish(store_entry)
+        left = deadline - time.monotonic()
+        if blocked and section != "env":
             entry.update(status="skipped", error=blocked)
         elif section in ("train", "extract") and store is None:
             entry.update(status="skipped", error="no tile store (the store section did not finish)")
@@ -388,20 +499,19 @@ def main() -> int:
             entry.update(status="skipped", error=f"out of time ({args.budget_s:.0f} s budget)")
         else:
             timeout = min(cap, left)
-            params = {**params, "work": str(work), "dry_run": args.dry_run, "timeout_s": timeout - 10,
-                      **({"store": store} if store else {})}  # fmt: skip
-            print(f"[gpu-check] {label} (≤ {timeout:.0f} s) …", file=sys.stderr, flush=True)
-            entry.update(run_child(section, params, timeout))
-            detail = f"\n{entry['error'][-1500:]}" if entry["status"] != "ok" else ""
-            print(f"[gpu-check] {label}: {entry['status']} in {entry['seconds']:.0f} s{detail}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-        if section == "deps" and entry.get("status") == "ok" and entry["result"]["missing"]:
-            blocked = ("missing packages: " + ", ".join(entry["result"]["missing"]) +
-                       " — bring them as wheels (docs/gpu-check.md, 'A machine without internet')")  # fmt: skip
-        if section == "store" and entry.get("status") == "ok":
-            store = entry["result"]["path"]
-        report["sections"].append(entry)
-        write_report(report, out)
+            log(f"{label} (≤ {timeout:.0f} s) …")
+            child = Child(section, {**params, **common, "timeout_s": timeout - 10, "store": store})
+            entry.update(child.wait(timeout))
+            log(f"{label}: {entry['status']} in {entry['seconds']:.0f} s")
+        if section == "deps" and entry.get("status") == "ok":
+            if entry["result"]["missing"]:
+                blocked = ("missing packages: " + ", ".join(entry["result"]["missing"]) +
+                           " — bring them as wheels (docs/gpu-check.md, 'A machine without internet')")  # fmt: skip
+            else:
+                store_child = Child("store", {**store_params(args.dry_run), **common})
+        finish(entry)
+    if store_child is not None:  # nothing needed it
+        store_child.proc.kill()
     print(markdown(report))
     failed = [e["label"] for e in report["sections"] if e.get("status") in ("failed", "timeout")]
     tests = next((e for e in report["sections"] if e["section"] == "tests" and e.get("status") == "ok"), None)
@@ -463,9 +573,17 @@ def markdown(report: dict[str, Any]) -> str:
             )  # fmt: skip
     ext = by.get("extract", {}).get("result")
     if ext:
-        lines += ["", "## Extraction", "", "| arch | precision | what | tiles | tiles/s |", "|---|---|---|---|---|"]
-        lines += [f"| {r['arch']} | {r['precision']} | {r['what']} | {r['tiles']} | {r['tiles_per_s']:.0f} |"
-                  for r in ext["rows"]]  # fmt: skip
+        lines += ["", "## Extraction", "", "| arch | precision | compile | what | tiles | tiles/s |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['arch']} | {r['precision']} | {'on' if r.get('compile') else 'off'} | {r['what']} "
+                  f"| {r['tiles']} | {r['tiles_per_s']:.0f} |" for r in ext["rows"]]  # fmt: skip
+    prof = by.get("profile", {}).get("result")
+    if prof:
+        shares = ", ".join(f"{k} {100 * v:.0f} %" for k, v in prof["groups"].items())
+        lines += ["", f"## Profile: one {prof['arch']} training step, eager bf16, micro-batch {prof['micro_batch']}",
+                  "", f"Device time {prof['step_ms']:.0f} ms per step: {shares}.", "",
+                  "| kernel | share | calls |", "|---|---|---|"]  # fmt: skip
+        lines += [f"| `{t['kernel']}` | {100 * t['share']:.1f} % | {t['calls']} |" for t in prof["top"]]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
   (adapters + heads) or `student.freeze_blocks` (frozen ones get neither gradients nor optimizer state).
 * activations of one micro-batch image: Σ_crops tokens × depth' × (17.3·D + 125·heads) saved elements per
   token and block (measured with saved-tensor hooks on this backbone: 19.3·D per token-block for ViT-S), or
-  ≈ (D + 125·heads) with activation checkpointing plus one block recomputed; heads: per DINO row
+  D with activation checkpointing (each block's input) plus one block recomputed; heads: per DINO row
   4·hidden + 3·bottleneck + 2·K, DINO rows = S_g + S_l per image, iBOT rows = expected masked patches.
   Elements are 4 bytes in fp32 and 2.5 on average in bf16 (norms and softmax stay fp32). depth' = the blocks
   backward reaches: depth − K when blocks < K and everything before them are frozen (freeze_blocks with

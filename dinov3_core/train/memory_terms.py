@@ -92,8 +92,11 @@ def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, ch
     tokens = sum(tokens_per_image(cfg, shape))
     per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
     depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
-    if checkpointing:  # block inputs kept, one block's activations recomputed at a time
-        return tokens * (depth * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) + per_token_block)
+    if checkpointing:
+        # Only each block's input (D per token) is kept; attention statistics and RoPE tables belong to the one
+        # block recomputed at a time. Counting them for every block put ViT-L/16 at 55.6 GiB where an H100
+        # measured 31.0 (2026-11-26, micro-batch 256, bf16; docs/benchmarks.md); without them: 31.6.
+        return tokens * (depth * shape.embed_dim + per_token_block)
     return tokens * depth * per_token_block
 
 
