@@ -8,7 +8,7 @@ DEMO_DIR ?= demo-output
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: slurm venv test lint format demo bench clean serve browser
+.PHONY: slurm venv test lint format demo bench gpu-check clean serve browser
 
 # Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
 $(STAMP): pyproject.toml
@@ -54,6 +54,10 @@ slurm:
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py --output bench-output
+
+# One GPU: its tests, training and extraction throughput, memory estimate vs measured (docs/gpu-check.md).
+gpu-check: venv
+	$(BIN)/python benchmarks/gpu_check.py --output bench-output/gpu-check
 
 clean:
 	rm -rf $(DEMO_DIR) bench-output .pytest_cache .ruff_cache

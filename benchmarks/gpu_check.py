@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -60,12 +60,15 @@ SPEC_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, 
 
 
 def section_deps(p: dict[str, Any]) -> dict[str, Any]:
-    missing = [f"{name} ({dist})" for name, dist in CORE_PACKAGES.items() if importlib.util.find_spec(name) is None]
-    versions = {}
-    for name in CORE_PACKAGES:
-        if importlib.util.find_spec(name) is not None:
-            with contextlib.suppress(Exception):
-                versions[name] = getattr(__import__(name), "__version__", "?")
+    missing: list[str] = []
+    versions: dict[str, str] = {}
+    for name, dist in CORE_PACKAGES.items():
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as e:  # absent, or there but not importable (another ABI's wheel, a library it lacks)
+            absent = isinstance(e, ModuleNotFoundError) and e.name == name
+            why = "" if absent else f": {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            missing.append(f"{name} ({dist}){why}")
     leaked: list[str] = []
     if not missing:  # the core's training and extraction path must not pull the orchestration stack in
         import dinov3_core.extract.extract
@@ -422,7 +425,8 @@ class Child:
         cmd = [sys.executable, __file__, "--child", section, "--params", json.dumps(params), "--result",
                str(self.result_path)]  # fmt: skip
         self.start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait(self, timeout: float) -> dict[str, Any]:
         try:
