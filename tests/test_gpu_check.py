@@ -73,10 +73,10 @@ def test_the_deps_section_names_what_is_missing_or_broken(tmp_path: Path) -> Non
     (site / "sitecustomize.py").write_text(
         "import sys\n\nsys.modules['simplejpeg'] = sys.modules['openslide_bin'] = None\n"
     )
-    code, report, md = gpu_check(tmp_path, "deps", pythonpath=(site,), timeout=100)
+    code, report, md = gpu_check(tmp_path, "deps,extract", pythonpath=(site,), timeout=100)
 
     assert code == 1  # not clean: what follows cannot run
-    deps, store = report["sections"]
+    deps, extract = report["sections"]
     assert deps["status"] == "ok", deps
     missing = deps["result"]["missing"]
     assert missing[0] == "simplejpeg (simplejpeg)", missing  # absent: named, no error text
@@ -86,10 +86,10 @@ def test_the_deps_section_names_what_is_missing_or_broken(tmp_path: Path) -> Non
         assert len(missing) == 2, missing
         assert missing[1].startswith("openslide (openslide-python (+ openslide-bin)): ModuleNotFoundError: "), missing
     assert "torch" in deps["result"]["versions"] and "simplejpeg" not in deps["result"]["versions"]
-    # The tile store (and so training and extraction) is skipped, saying why and where the wheels are described.
-    assert store["section"] == "store" and store["status"] == "skipped"
-    assert "missing packages: simplejpeg (simplejpeg), openslide (" in store["error"]
-    assert "docs/gpu-check.md" in store["error"]
+    # What needs them (the tile store, training, extraction) is skipped, saying why and where the wheels are.
+    assert extract["section"] == "extract" and extract["status"] == "skipped"
+    assert "missing packages: simplejpeg (simplejpeg), openslide (" in extract["error"]
+    assert "docs/gpu-check.md" in extract["error"]
     assert "Packages missing: simplejpeg (simplejpeg), openslide (" in md
 
 
