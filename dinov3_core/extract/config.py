@@ -38,6 +38,11 @@ class ExtractConfig:
     device: str | None = None  # torch backend: null → cuda when available, else cpu (ORT: `providers`)
     # torch backend: bf16 / fp16 autocast (for GPUs; docs/benchmarks.md has the features' difference from fp32)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # torch backend (.pth / .safetensors): torch.compile the backbone (Inductor, static shapes). Inductor fuses the
+    # element-wise work between the matmuls (RoPE, LayerScale, residual adds, LayerNorm) that eager runs as separate
+    # kernels. Costs a warm-up of tens of seconds per process, so it pays on cohorts, not on a handful of tiles.
+    # Every batch runs with batch_size rows (a slide's last, smaller batch is padded), so nothing recompiles.
+    compile: bool = False
     # Rows per zarr chunk of cls / mean_patch. In a job of several ranks a slide larger than an even share of the
     # tiles is split into row ranges starting at multiples of this (of lcm(chunk_rows, batch_size) with
     # patch_tokens), so no chunk has two writers.
@@ -52,6 +57,13 @@ class ExtractConfig:
         require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")
         require(self.num_shards >= 1, "num_shards", f"must be >= 1, got {self.num_shards}")
+        onnx = self.backend == "onnx" or (self.backend == "auto" and str(self.model).lower().endswith(".onnx"))
+        require(
+            not (self.compile and onnx),
+            "compile",
+            f"applies to .pth / .safetensors models (torch backend) only, not to the ONNX model {self.model}; "
+            "drop compile=true, or give the backbone.pth",
+        )
         require(self.chunk_rows >= 1, "chunk_rows", f"must be >= 1, got {self.chunk_rows}")
         require(
             0 <= self.shard_index < self.num_shards,

@@ -241,7 +241,8 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
     try:
         device, device_id = rank_device(cfg.device, team)
         try:
-            model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id)
+            model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id,
+                               compile=cfg.compile, batch_size=cfg.batch_size)  # fmt: skip
         except torch.OutOfMemoryError as err:
             raise ExtractError(f"model {cfg.model} does not fit on {device}{_device_memory(device)} "
                                f"({str(err)[:300]}); use a GPU with more memory") from None  # fmt: skip

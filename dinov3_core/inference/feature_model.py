@@ -7,6 +7,10 @@ Two ways in, same features:
   `run`; with PyTorch on CUDA `prepare` pins the uint8 tiles and `infer` copies them without blocking and normalises
   on the GPU (a quarter of the bytes of float32 over PCIe, and the arithmetic off the CPU), and the patch-token mean
   is taken on the GPU so the (N, P, D) tokens are copied back only when they are stored.
+
+`compile=True` (PyTorch): the backbone runs through `torch.compile(dynamic=False)` (Inductor fuses the element-wise
+work between the matmuls); every forward then has the same number of rows (`batch_size`, else the largest batch
+seen): a smaller batch is padded with zero images and their rows dropped, so a slide's last batch does not recompile.
 """
 
 from __future__ import annotations
@@ -89,9 +93,10 @@ def torch_device(device: str | None) -> torch.device:
 
 def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: list[str] | None = None,
                threads: int = 0, device: str | None = "cpu", precision: str = "fp32",
-               device_id: int = 0) -> FeatureModel:  # fmt: skip
+               device_id: int = 0, compile: bool = False, batch_size: int | None = None) -> FeatureModel:  # fmt: skip
     """`device` (PyTorch): None → CUDA when available; `precision` "bf16" / "fp16": PyTorch autocast (ONNX: export
-    fp16); `device_id`: the GPU of ONNX Runtime's CUDA provider (one per rank of a job)."""
+    fp16); `device_id`: the GPU of ONNX Runtime's CUDA provider (one per rank of a job); `compile` (PyTorch):
+    `torch.compile` the backbone, every forward padded to `batch_size` rows (None: the largest batch seen)."""
     p = Path(path)
     if not p.is_file():
         raise ExtractError(f"model file {p} not found; give a model.onnx (export) or backbone.pth (convert)")
@@ -100,9 +105,12 @@ def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: l
     if backend == "onnx":
         if precision != "fp32":
             raise ExtractError(f"precision={precision} is for the torch backend; for ONNX export with fp16=true")
+        if compile:
+            raise ExtractError(f"compile=true applies to .pth / .safetensors models (torch backend) only, not to the "
+                               f"ONNX model {p}; drop compile=true, or give the backbone.pth")  # fmt: skip
         return _onnx_model(p, providers, threads, device_id)
     if backend == "torch":
-        return _torch_model(p, torch_device(device), precision)
+        return _torch_model(p, torch_device(device), precision, compile, batch_size)
     raise ExtractError(f"backend={backend!r}: use auto, onnx or torch")
 
 
@@ -153,9 +161,10 @@ def bound_runner(session: Any, device: str, device_id: int = 0) -> Callable[[np.
     return run
 
 
-def _torch_model(p: Path, device: torch.device, precision: str) -> FeatureModel:
+def _torch_model(p: Path, device: torch.device, precision: str, compile: bool = False,
+                 batch_size: int | None = None) -> FeatureModel:  # fmt: skip
     model = BackboneFeatures(load_backbone(p, device=str(device))).eval()
-    runner = TorchRunner(model, device, AUTOCAST[precision])
+    runner = TorchRunner(model, device, AUTOCAST[precision], compile, batch_size)
     fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device}"], model.backbone.patch_size,
                       device=device)  # fmt: skip
     if device.type == "cuda":  # CPU keeps numpy's normalise and mean: the features stay what they were
@@ -168,21 +177,33 @@ AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # prec
 
 class TorchRunner:
     """The PyTorch backbone on `device`; `*_uint8`: tiles shipped as uint8 (pinned on CUDA), normalised there.
-    `autocast`: run the blocks in that dtype (bf16 / fp16 autocast); the features come back as float32."""
+    `autocast`: run the blocks in that dtype (bf16 / fp16 autocast); the features come back as float32.
+    `compile`: `torch.compile(model, dynamic=False)`, each forward padded to `rows` rows (`batch_size`, else the
+    largest batch so far) so that one graph serves every batch; the padded rows are dropped from the outputs."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, autocast: torch.dtype | None = None) -> None:
-        self.model, self.device, self.autocast = model, device, autocast
+    def __init__(self, model: torch.nn.Module, device: torch.device, autocast: torch.dtype | None = None,
+                 compile: bool = False, batch_size: int | None = None) -> None:  # fmt: skip
+        self.device, self.autocast, self.compiled = device, autocast, compile
+        self.model: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        self.model = torch.compile(model, dynamic=False) if compile else model  # type: ignore[assignment]
+        self.rows = batch_size  # compiled: the rows of every forward (None: set by the first batch)
         self.mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
 
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.autocast or torch.bfloat16
+        dtype, n = self.autocast or torch.bfloat16, x.shape[0]
         with torch.inference_mode(), torch.autocast(self.device.type, dtype, enabled=self.autocast is not None):
+            if self.compiled:
+                self.rows = max(self.rows or 0, n)  # a larger batch than `batch_size` compiles once more
+                if n < self.rows:  # images are independent: zero images beside them leave their features as they are
+                    x = torch.cat([x, x.new_zeros((self.rows - n, *x.shape[1:]))])
             cls, patch = self.model(x)
-        return cls.float(), patch.float()
+        return cls[:n].float(), patch[:n].float()
 
     def run(self, x: np.ndarray) -> Features:
-        cls, patch = self._forward(torch.from_numpy(x).to(self.device))
+        with torch.inference_mode():  # an inference tensor, like the padded batch: one compiled graph takes both
+            t = torch.from_numpy(x).to(self.device)
+        cls, patch = self._forward(t)
         return cls.cpu().numpy(), patch.cpu().numpy()
 
     def prepare_uint8(self, tiles: np.ndarray) -> torch.Tensor:
