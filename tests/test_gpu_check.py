@@ -59,8 +59,8 @@ def test_the_dry_run_measures_training_and_extraction(tmp_path: Path) -> None:
     assert all(r["tiles_per_s"] > 0 and r["tiles"] > 0 for r in extract), extract
 
     assert "## Training (one GPU" in md and "| arch | compile | act. ckpt |" in md
-    assert "## Extraction" in md and "| arch | precision | what | tiles | tiles/s |" in md
-    assert md.count("| vit_test | bf16 |") == 2  # the extraction rows: whole stage and model alone
+    assert "## Extraction" in md and "| arch | precision | compile | what | tiles | tiles/s |" in md
+    assert md.count("| vit_test | bf16 |") == 4  # extraction: whole stage and model alone, eager and compiled
 
 
 @pytest.mark.timeout(120)
