@@ -187,12 +187,12 @@ def test_world_of_one_all_reduce(device, world_of_one) -> None:
     assert parts[0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 def test_two_processes_all_reduce_and_fsdp2_on_one_device(device) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [*cmd, str(DIST_SCRIPTS / "gpu_collectives.py")], cwd=REPO, env=env, capture_output=True, text=True, timeout=200
+        [*cmd, str(DIST_SCRIPTS / "gpu_collectives.py")], cwd=REPO, env=env, capture_output=True, text=True, timeout=90
     )
     text = proc.stdout + proc.stderr
     if proc.returncode != 0 and "Duplicate GPU detected" in text:
@@ -262,37 +262,6 @@ def test_compiled_backbone_matches_eager(device) -> None:
         torch.testing.assert_close(per_block(x), ref, rtol=1e-4, atol=1e-4)
         if device.type == "cuda":  # the whole model too (on the CPU: tests/test_models.py, marked slow)
             torch.testing.assert_close(torch.compile(model)(x), ref, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.timeout(400)
-def test_compiled_training_step_matches_eager(device, tmp_path) -> None:
-    from dinov3_core.train.distributed import DistEnv
-    from dinov3_core.train.step import forward_backward
-
-    cfg = tiny_cfg(tmp_path)
-    model = ssl_model(cfg, device)
-    crops, masks = step_inputs(cfg, device)
-    env = DistEnv(device=device)
-    ref_losses, ref_grads = run_step(model, env, crops, masks)
-    # Graph capture first (Dynamo + AOT autograd, eager kernels): graph breaks allowed (data-dependent mask indices,
-    # .item()); then Inductor's kernels. fp32: aot_eager runs eager's kernels → 1e-5 relative; Inductor fuses and
-    # reorders reductions (Sinkhorn's normalisations, layer norms) → 1e-4 relative on the losses; gradients through
-    # 2 blocks and 3-layer heads: 1e-3 relative, 1e-5 absolute.
-    for backend, rel in (("aot_eager", 1e-5), ("inductor", 1e-4)):
-        torch._dynamo.reset()
-        compiled = torch.compile(forward_backward, backend=backend)
-        try:
-            losses, grads = run_step(model, env, crops, masks, step=compiled)
-        except torch._inductor.exc.InductorError as err:
-            # Seen with torch 2.13 on the CPU: lowering the student's forward_loss fails on an aten.copy_ into an
-            # expanded tensor. A known gap (the project compiles per block: train.compile), reported, not hidden.
-            if "refers to a single memory location" in str(err):
-                pytest.xfail(f"Inductor cannot compile the whole training step: {str(err).splitlines()[0][:200]}")
-            raise
-        for key, ref in ref_losses.items():
-            assert losses[key] == pytest.approx(ref, rel=rel, abs=1e-6), (backend, key)
-        for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-5, msg=f"{backend} {name}")
 
 
 # ------------------------------------------------------------------------------- 5. activation checkpointing
@@ -516,3 +485,37 @@ def test_memory_watch_sees_gpu_allocations_and_pressure(device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     default = pressure_limits(budget_bytes=0, explicit_budget=False, device=device, local_world_size=1, threshold=1.0)
     assert default.device_mb == pytest.approx(0.95 * total / MIB)
+
+
+# ------------------------------------------- 4b. the whole step compiled (last: the slowest to compile on a GPU)
+
+
+@pytest.mark.timeout(400)
+def test_compiled_training_step_matches_eager(device, tmp_path) -> None:
+    from dinov3_core.train.distributed import DistEnv
+    from dinov3_core.train.step import forward_backward
+
+    cfg = tiny_cfg(tmp_path)
+    model = ssl_model(cfg, device)
+    crops, masks = step_inputs(cfg, device)
+    env = DistEnv(device=device)
+    ref_losses, ref_grads = run_step(model, env, crops, masks)
+    # Graph capture first (Dynamo + AOT autograd, eager kernels): graph breaks allowed (data-dependent mask indices,
+    # .item()); then Inductor's kernels. fp32: aot_eager runs eager's kernels → 1e-5 relative; Inductor fuses and
+    # reorders reductions (Sinkhorn's normalisations, layer norms) → 1e-4 relative on the losses; gradients through
+    # 2 blocks and 3-layer heads: 1e-3 relative, 1e-5 absolute.
+    for backend, rel in (("aot_eager", 1e-5), ("inductor", 1e-4)):
+        torch._dynamo.reset()
+        compiled = torch.compile(forward_backward, backend=backend)
+        try:
+            losses, grads = run_step(model, env, crops, masks, step=compiled)
+        except torch._inductor.exc.InductorError as err:
+            # Seen with torch 2.13 on the CPU: lowering the student's forward_loss fails on an aten.copy_ into an
+            # expanded tensor. A known gap (the project compiles per block: train.compile), reported, not hidden.
+            if "refers to a single memory location" in str(err):
+                pytest.xfail(f"Inductor cannot compile the whole training step: {str(err).splitlines()[0][:200]}")
+            raise
+        for key, ref in ref_losses.items():
+            assert losses[key] == pytest.approx(ref, rel=rel, abs=1e-6), (backend, key)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-5, msg=f"{backend} {name}")

@@ -17,7 +17,7 @@ from dinov3_core.models import DINOHead, backbone_kwargs, build_backbone
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import choose_device
 from dinov3_core.train.memory import estimate_memory, measure_activation_bytes, model_shape, plan_batch
-from dinov3_core.train.memory_terms import backbone_activation_elements, head_row_elements
+from dinov3_core.train.memory_terms import backbone_activation_bytes, head_row_elements
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
 from dinov3_core.train.ssl_model import build_ssl_model
@@ -166,7 +166,7 @@ def test_activation_estimate_matches_measured_saved_tensors(arch: str, global_si
     masks[::2, : patches // 3] = True
     xs = [torch.randn(2 * b, 3, global_size, global_size), torch.randn(2 * b, 3, local_size, local_size)]
     measured = measure_activation_bytes(backbone, lambda: backbone(xs, masks=[masks, None], is_training=True))
-    estimated = 4 * b * backbone_activation_elements(cfg, shape, checkpointing=False)
+    estimated = b * backbone_activation_bytes(cfg, shape, bf16=False, checkpointing=False)
     assert 0.85 < estimated / measured < 1.3, (estimated, measured)
 
     head = DINOHead(shape.embed_dim, **C.head_kwargs(cfg.heads.dino))

@@ -9,13 +9,15 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
   gradients are kept between micro-batches), AdamW 8T/W; EMA teacher 4P/W, or 4T in one process (it shares the
   student's frozen weights there). T = trainable parameters: all of P by default, fewer with `student.lora`
   (adapters + heads) or `student.freeze_blocks` (frozen ones get neither gradients nor optimizer state).
-* activations of one micro-batch image: Σ_crops tokens × depth' × (17.3·D + 125·heads) saved elements per
-  token and block (measured with saved-tensor hooks on this backbone: 19.3·D per token-block for ViT-S), or
-  D with activation checkpointing (each block's input) plus one block recomputed; heads: per DINO row
-  4·hidden + 3·bottleneck + 2·K, DINO rows = S_g + S_l per image, iBOT rows = expected masked patches.
-  Elements are 4 bytes in fp32 and 2.5 on average in bf16 (norms and softmax stay fp32). depth' = the blocks
-  backward reaches: depth − K when blocks < K and everything before them are frozen (freeze_blocks with
-  freeze_patch_embed, or LoRA from block K), else depth. LoRA's own r-wide activations are left out (r ≪ D).
+* activations of one micro-batch image: Σ_crops tokens × depth' × what a block saves per token. On CPU (fp32):
+  4 bytes × (17.3·D + 125·heads), measured with saved-tensor hooks (19.3·D per token-block for ViT-S); with
+  activation checkpointing each block's input (4·D) plus one block recomputed. On CUDA in bf16, fit to measured
+  peaks of ViT-L/16 on an H100: 32·D bytes per token-block (flash attention keeps no per-head matrix), 3·D with
+  checkpointing plus one block recomputed. Heads: per DINO row 4·hidden + 3·bottleneck + 2·K elements, DINO
+  rows = S_g + S_l per image, iBOT rows = expected masked patches; 4 bytes in fp32, 2.5 on average in bf16.
+  depth' = the blocks backward reaches: depth − K when blocks < K and everything before them are frozen
+  (freeze_blocks with freeze_patch_embed, or LoRA from block K), else depth. LoRA's own r-wide activations are
+  left out (r ≪ D).
 * step buffers (whole rank step, whatever the micro-batch): crops, uint8 tiles, teacher logits and Sinkhorn
   targets (fp32, ×2 for the transient), KoLeo features.
 * loader workers (host budget only): a Python+torch process each plus its prefetched step batches.

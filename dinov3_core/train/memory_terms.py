@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 from dinov3_core.train import config as C
 
-PER_TOKEN_D = 17.3  # saved elements per token, per block, per embedding dim (fit on vit_test / vit_small)
-PER_TOKEN_HEAD = 125.0  # … plus per attention head (softmax statistics, RoPE tables)
+# fp32 (CPU): elements a block saves for backward per token, per embedding dim, plus per attention head (the
+# attention probabilities of CPU's attention kernels, RoPE tables); fit with saved-tensor hooks on vit_test/vit_small.
+PER_TOKEN_D = 17.3
+PER_TOKEN_HEAD = 125.0
+# bf16 on CUDA, in bytes: measured peaks of ViT-L/16 on an H100 (2026-11-26, official crops, docs/benchmarks.md).
+# Flash attention keeps O(1) per head and token (no per-head term); without checkpointing a block keeps 32 bytes per
+# token and embedding dim (47.6 GiB measured at micro-batch 64, estimate 48.2); a checkpointed block's input costs
+# 3 bytes per element (the fp32 residual stream and bf16 copies; 31.0 GiB measured at micro-batch 256, estimate 31.6).
+CUDA_BF16_BLOCK_BYTES_PER_D = 32.0
+CUDA_BF16_CHECKPOINTED_INPUT_BYTES = 3.0
 HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
 SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
 GIB = 2**30
@@ -87,17 +95,21 @@ def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
     return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
 
 
-def backbone_activation_elements(cfg: C.PretrainConfig, shape: ModelShape, *, checkpointing: bool) -> float:
-    """Elements the student backbone saves for backward per image (all its crops)."""
+def block_bytes_per_token(shape: ModelShape, *, bf16: bool) -> tuple[float, float]:
+    """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input)."""
+    if bf16:
+        return CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
+    return 4.0 * (PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads), 4.0 * shape.embed_dim
+
+
+def backbone_activation_bytes(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
+    """Bytes the student backbone saves for backward per image (all its crops)."""
     tokens = sum(tokens_per_image(cfg, shape))
-    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16)
     depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
-    if checkpointing:
-        # Only each block's input (D per token) is kept; attention statistics and RoPE tables belong to the one
-        # block recomputed at a time. Counting them for every block put ViT-L/16 at 55.6 GiB where an H100
-        # measured 31.0 (2026-11-26, micro-batch 256, bf16; docs/benchmarks.md); without them: 31.6.
-        return tokens * (depth * shape.embed_dim + per_token_block)
-    return tokens * depth * per_token_block
+    if checkpointing:  # each block's input is kept; one block's activations are recomputed at a time
+        return tokens * (depth * checkpointed_input + block)
+    return tokens * depth * block
 
 
 def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
@@ -107,9 +119,8 @@ def head_row_elements(shape: ModelShape, n_prototypes: int) -> float:
 
 def activation_bytes_per_image(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
     """Saved activations of one image (all its crops) in the student forward, plus its head rows."""
-    elem = 2.5 if bf16 else 4.0
-    backbone = backbone_activation_elements(cfg, shape, checkpointing=checkpointing)
-    return (backbone + head_activation_elements(cfg, shape)) * elem
+    backbone = backbone_activation_bytes(cfg, shape, bf16=bf16, checkpointing=checkpointing)
+    return backbone + head_activation_elements(cfg, shape) * (2.5 if bf16 else 4.0)  # norms, softmax stay fp32
 
 
 def head_activation_elements(cfg: C.PretrainConfig, shape: ModelShape) -> float:

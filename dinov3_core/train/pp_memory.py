@@ -30,11 +30,10 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.train import config as C
 from dinov3_core.train.memory_terms import (
     GIB,
-    PER_TOKEN_D,
-    PER_TOKEN_HEAD,
     SAFETY,
     MemoryEstimate,
     ModelShape,
+    block_bytes_per_token,
     crop_bytes,
     head_activation_elements,
     loader_bytes,
@@ -87,7 +86,7 @@ def pp_stage_estimates(
     n_mb = pipeline_microbatches(p, micro_batch)
     grads_unsharded = dp > 1 and (step_batch > micro_batch or n_mb > 1)
     tokens = sum(tokens_per_image(cfg, shape))
-    per_token_block = PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads
+    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16)
     first_trained = shape.depth - shape.trained_depth  # frozen leading blocks save nothing
     ranges = split_blocks(p, shape.depth)
     estimates = []
@@ -98,11 +97,11 @@ def pp_stage_estimates(
         images = images_in_flight(cfg, micro_batch, s)
         trained = sum(i >= first_trained for i in blocks)
         if cfg.train.activation_checkpointing:
-            recompute = per_token_block * micro_batch / n_mb if trained else 0.0
-            backbone = tokens * (trained * (shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads) * images + recompute)
+            recompute = block * micro_batch / n_mb if trained else 0.0
+            backbone = tokens * (trained * checkpointed_input * images + recompute)
         else:
-            backbone = tokens * trained * per_token_block * images
-        heads = head_activation_elements(cfg, shape) * images if last else 0.0
+            backbone = tokens * trained * block * images
+        heads = head_activation_elements(cfg, shape) * elem * images if last else 0.0
         if last:
             tokens_global = 1 + (cfg.crops.global_size // shape.patch_size) ** 2
             teacher_out = 4 * cfg.crops.n_global_crops * step_batch * tokens_global * shape.embed_dim
@@ -115,7 +114,7 @@ def pp_stage_estimates(
                 grads=int(4 * trainable / (1 if grads_unsharded else dp)),
                 optimizer=int(8 * trainable / dp),
                 teacher=int(4 * params / dp),  # the teacher's same stage, nothing shared with the student
-                activations=int(SAFETY * (backbone + heads) * elem),
+                activations=int(SAFETY * (backbone + heads)),
                 step_buffers=int(buffers),
                 loader=int(loader_bytes(cfg, step_batch, tile_size)) if device_type == "cpu" else 0,
                 workspace=int(1.5 * GIB) if device_type == "cuda" else int(0.5 * GIB),

@@ -77,6 +77,7 @@ def main() -> None:
     }
     sys.stdout.write(json.dumps(result) + "\n")  # one write: the ranks share torchrun's stdout
     sys.stdout.flush()
+    dist.barrier()  # no rank tears its group down while the other still talks to it (seen: SIGABRT at exit)
     dist.destroy_process_group()
 
 
