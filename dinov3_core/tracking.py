@@ -355,8 +355,14 @@ def artifact_location(uri: str) -> str | None:
     return None  # a tracking server decides
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, token usage); this one says "model
+# training", so it opens on the runs table.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def ensure_experiment(name: str, uri: str) -> str:
-    """Select the experiment, creating it with an explicit artifact location the first time."""
+    """Select the experiment, creating it with an explicit artifact location and the model-training kind the first
+    time (an existing experiment without a kind gets it too)."""
     import mlflow
 
     ensure_store(uri)
@@ -364,8 +370,15 @@ def ensure_experiment(name: str, uri: str) -> str:
     if experiment is None:
         # Another process may create it at the same moment; then set_experiment below finds theirs.
         with contextlib.suppress(mlflow.exceptions.MlflowException):
-            mlflow.create_experiment(name, artifact_location=artifact_location(uri))
-    return mlflow.set_experiment(name).experiment_id
+            mlflow.create_experiment(name, artifact_location=artifact_location(uri),
+                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})  # fmt: skip
+    selected = mlflow.set_experiment(name)
+    if EXPERIMENT_KIND_TAG not in selected.tags:  # created before wsidino set it, or by someone else
+        with contextlib.suppress(mlflow.exceptions.MlflowException):
+            mlflow.MlflowClient(tracking_uri=uri).set_experiment_tag(
+                selected.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
+            )
+    return selected.experiment_id
 
 
 @contextlib.contextmanager

@@ -162,3 +162,24 @@ def test_an_empty_store_file_is_made_in_place(tmp_path: Path) -> None:
     made = python("-c", CREATE_AND_LOG, str(db), cwd=tmp_path)
     assert made.returncode == 0, made.stderr[-3000:]
     assert logged_runs(db) == [("FINISHED", "m")]
+
+
+def test_experiments_are_of_the_model_training_kind(tmp_path: Path) -> None:
+    """MLflow 3 opens an experiment without `mlflow.experimentKind` in its GenAI view: ours say model training, also
+    one created earlier without the tag."""
+    import mlflow
+
+    from dinov3_core import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    with tracking.stage_run(tracking.TrackingConfig(uri=uri, experiment="fresh"), "run", {"p": 1}):
+        pass
+    tracking.ensure_store(uri)
+    old = client.create_experiment("older", artifact_location=(tmp_path / "art").as_uri())
+    assert "mlflow.experimentKind" not in client.get_experiment(old).tags
+    with tracking.stage_run(tracking.TrackingConfig(uri=uri, experiment="older"), "run", {"p": 1}):
+        pass
+    for name in ("fresh", "older"):
+        tags = client.get_experiment_by_name(name).tags
+        assert tags.get("mlflow.experimentKind") == "custom_model_development", (name, tags)
