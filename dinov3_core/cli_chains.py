@@ -73,8 +73,8 @@ stages:
 
 configs (configs/pipeline/; hardware and run times: docs/hardware.md):
   cpu            the demo and smoke path (tiny ViT, minutes on a laptop; not a model to deploy)
-  vits16-1gpu    continued pretraining of released ViT-S/16 weights on one GPU (24 GB)
-  vitb16-1gpu    ViT-B/16 on one GPU (40 GB or more)      vitl16-1gpu   ViT-L/16 on one 80 GB GPU
+  vits16-1gpu    continued pretraining of released ViT-S/16 weights on one GPU (24 GB or more)
+  vitb16-1gpu    ViT-B/16 on one GPU (24 GB or more)      vitl16-1gpu   ViT-L/16 on one GPU (24 GB or more)
   vitb16, vitl16 one node of 8 GPUs (--nproc-per-node 8)
 
 examples:

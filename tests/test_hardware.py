@@ -47,3 +47,26 @@ def test_a_base_loop_and_an_unknown_base_are_named(tmp_path: Path) -> None:
     b.write_text("base: cpu\ntrain: {epoch_length: 7}\n")
     cfg = load_config(C.PretrainConfig, a, REQUIRED, stage="pretrain")
     assert (cfg.optim.epochs, cfg.train.epoch_length, cfg.student.arch) == (3, 7, "vit_test")
+
+
+def test_the_pipeline_help_states_the_gpu_sizes_of_the_hardware_table() -> None:
+    """`wsidino pipeline --help` names the smallest GPU each one-GPU recipe fits: the planner's table must agree
+    (it said 40 GB for vitb16-1gpu while the table fitted it in 24 GB)."""
+    import importlib.util
+    import re
+
+    from dinov3_core.cli_chains import PIPELINE_EPILOG
+    from dinov3_core.train.memory import model_shape
+
+    spec = importlib.util.spec_from_file_location("make_hardware_table", REPO / "docs" / "make_hardware_table.py")
+    assert spec and spec.loader
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)  # the generator of docs/hardware.md's table
+
+    stated = dict(re.findall(r"(vi[tl]\w16-1gpu)\s+[^()]*\((\d+) GB or more\)", PIPELINE_EPILOG))
+    assert sorted(stated) == ["vitb16-1gpu", "vitl16-1gpu", "vits16-1gpu"], PIPELINE_EPILOG
+    for recipe, gb in stated.items():
+        cfg = load_config(C.PretrainConfig, recipe, REQUIRED, stage="pretrain")
+        shape = model_shape(cfg)
+        fits = [size for size in table.GPU_GB if table.cell(cfg, shape, 1, size) != "does not fit"]
+        assert fits and int(gb) == fits[0], (recipe, gb, fits)
