@@ -27,6 +27,11 @@ class ExtractConfig:
     num_shards: int = 1
     shard_index: int = 0  # … of which this is one: it takes slides shard_index, shard_index + num_shards, …
     pca_map: bool = True  # pca.png per slide
+    # "both": also one `<slide>.h5` per slide in `<output stem>_h5/` (features.zarr → features_h5/), in the layout
+    # TRIDENT and CLAM write and attention-MIL code reads: `features` (N, D) float32 (the CLS token), `coords` (N, 2)
+    # level-0 x, y with patch_size / patch_size_level0 / magnification attributes (docs/stages.md, "extract"). The
+    # zarr store is always written: it is the stage's record of which slides are done, with which model.
+    format: Literal["zarr", "both"] = "zarr"
     pca_max_side: int = 768  # px of the PCA map's long side
     providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
     num_threads: int = 0  # torch / ORT intra-op threads; 0 → torch's default, ORT: the cores this process may use

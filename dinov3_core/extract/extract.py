@@ -43,6 +43,8 @@ from dinov3_core.extract.feature_store import (
     ATTRS_KEY,
     SlideArrays,
     commit_slide,
+    export_h5,
+    h5_dir,
     init_output,
     is_extracted,
     pictures_dir,
@@ -220,7 +222,12 @@ def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Tea
     align = math.lcm(cfg.chunk_rows, cfg.batch_size) if cfg.patch_tokens else cfg.chunk_rows
     plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
     _stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
-    return plan, [s for s in mine if s not in todo]
+    skipped = [s for s in mine if s not in todo]
+    if cfg.format == "both":  # extracted before .h5 files were asked for: written from the store
+        for s in skipped:
+            if not (h5_dir(out) / f"{ds.slide_ids[s]}.h5").is_file():
+                export_h5(out, ds.slide_ids[s], ds.slide_attrs(s), int(ds.tile_size))
+    return plan, skipped
 
 
 def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None,

@@ -37,6 +37,52 @@ def pictures_dir(output: str | os.PathLike[str]) -> Path:
     return out.with_suffix("") if out.suffix == ".zarr" else out.parent / f"{out.name}.pictures"
 
 
+def h5_dir(output: str | os.PathLike[str]) -> Path:
+    """Where `format=both` writes the per-slide .h5 files: beside the store (features.zarr → features_h5/)."""
+    out = Path(output)
+    return out.parent / f"{out.stem if out.suffix == '.zarr' else out.name}_h5"
+
+
+def write_h5(path: Path, slide_id: str, features: np.ndarray, coords: np.ndarray, tile_attrs: dict[str, Any],
+             tile_size: int, model: dict[str, Any]) -> None:  # fmt: skip
+    """One slide's features as TRIDENT / CLAM write them (h5py reads them as those tools do), written to a temporary
+    name and renamed, so a half-written file never has the final name."""
+    import h5py
+
+    mpp = tile_attrs.get("mpp_effective") or tile_attrs.get("mpp_requested")
+    level0_mpp = tile_attrs.get("level0_mpp")
+    stride = tile_attrs.get("stride") or tile_size
+    coord_attrs = {
+        "name": slide_id,
+        "patch_size": int(tile_size),  # px at the tiles' µm/px
+        "patch_size_level0": int(tile_attrs.get("tile_size_level0") or tile_size),  # px at the slide's level 0
+        "patch_level": int(tile_attrs.get("level_used") or 0),
+        "overlap": int(tile_size - stride),
+        "mpp": float(mpp) if mpp else -1.0,
+        # Magnification by the usual convention 10 / (µm/px): 0.5 µm/px is 20×; -1 when the slide has no µm/px.
+        "target_magnification": round(10.0 / mpp, 2) if mpp else -1,
+        "level0_magnification": round(10.0 / level0_mpp, 2) if level0_mpp else -1,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.incoming")
+    with h5py.File(partial, "w") as f:
+        f.create_dataset("features", data=np.asarray(features, dtype=np.float32))
+        c = f.create_dataset("coords", data=np.asarray(coords, dtype=np.int64))
+        c.attrs.update(coord_attrs)
+        f.attrs.update({"slide_id": slide_id, "created": ts.utc_now(), **model})
+    os.replace(partial, path)
+
+
+def export_h5(out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: int) -> Path:
+    """The .h5 of a committed slide, from the feature store (a slide extracted before `format=both` was asked)."""
+    group = zarr.open_group(str(out / "slides" / slide_id), mode="r")
+    attrs = group.attrs.asdict().get(ATTRS_KEY, {})
+    path = h5_dir(out) / f"{slide_id}.h5"
+    write_h5(path, slide_id, np.asarray(group["cls"][:]), np.asarray(group["coords"][:]), tile_attrs, tile_size,
+             {k: attrs[k] for k in ("model_path", "model_hash", "precision") if k in attrs})  # fmt: skip
+    return path
+
+
 def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str) -> bool:
     """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
     was re-tiled under the same id has another source fingerprint: its features are stale)."""
@@ -208,6 +254,9 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         "created": ts.utc_now(),
         "complete": True,
     }
+    if getattr(cfg, "format", "zarr") == "both":  # before the commit: a committed slide always has its .h5
+        about = {"model_path": str(model.path.resolve()), "model_hash": model.hash, "precision": cfg.precision}
+        write_h5(h5_dir(out) / f"{slide_id}.h5", slide_id, cls_all, coords, tile_attrs, int(ds.tile_size), about)
     final = out / "slides" / slide_id
     if final.exists():
         shutil.rmtree(final)  # extracted with another model: replaced
@@ -223,10 +272,13 @@ __all__ = [
     "SlideArrays",
     "check_output",
     "commit_slide",
+    "export_h5",
+    "h5_dir",
     "init_output",
     "is_extracted",
     "pca_rgb",
     "pictures_dir",
     "staging",
+    "write_h5",
     "write_pca_png",
 ]
