@@ -55,3 +55,34 @@ def test_a_store_extracted_without_h5_gets_its_files_without_rerunning(stage_ext
     for slide_id in first.extracted:
         features, _, _ = read_like_mil_tools(h5_dir(out) / f"{slide_id}.h5")
         np.testing.assert_array_equal(features, zarr.open_group(str(out / "slides" / slide_id))["cls"][:])
+
+
+def test_qupath_geojson_has_every_tile_as_a_classified_detection(stage_extract_store, converted, tmp_path) -> None:
+    """The file QuPath imports: one square detection per tile at its level-0 position, classified by cluster, with
+    measurements; read back with the project's QuPath GeoJSON reader (the one the evaluate stage uses)."""
+    import json
+
+    from dinov3_core.evaluate.geojson import read_geojson
+    from dinov3_core.extract.feature_store import pictures_dir
+
+    out = tmp_path / "features.zarr"
+    run_extract(cfg(store=str(stage_extract_store), model=str(converted), output=str(out), qupath=True,
+                    qupath_clusters=3))  # fmt: skip
+    ds = TileDataset(stage_extract_store, image_format="numpy")
+    for s, slide_id in enumerate(ds.slide_ids):
+        path = pictures_dir(out) / slide_id / "tiles.geojson"
+        doc = json.loads(path.read_text())
+        coords, size = ds.slide_coords(s), ds.slide_attrs(s)["tile_size_level0"]
+        assert doc["type"] == "FeatureCollection" and len(doc["features"]) == len(coords)
+        first = doc["features"][0]
+        assert first["properties"]["objectType"] == "detection"
+        x, y = coords[0]
+        assert first["geometry"]["coordinates"][0][0] == [x, y] and first["geometry"]["coordinates"][0][2] == [
+            x + size, y + size]  # fmt: skip
+        measured = {k for f in doc["features"] for k in f["properties"]["measurements"]}
+        assert measured == {"PC1 (0-1 in slide)", "PC2 (0-1 in slide)", "PC3 (0-1 in slide)", "cluster"}
+        read = read_geojson(path)
+        classes = [name for name, _ in read.shapes]
+        assert sorted(set(classes)) == ["cluster 1", "cluster 2", "cluster 3"] and len(classes) == len(coords)
+        assert not read.skipped and read.repaired == 0
+        assert read.shapes[0][1].area == size * size

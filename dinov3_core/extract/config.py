@@ -32,6 +32,10 @@ class ExtractConfig:
     # level-0 x, y with patch_size / patch_size_level0 / magnification attributes (docs/stages.md, "extract"). The
     # zarr store is always written: it is the stage's record of which slides are done, with which model.
     format: Literal["zarr", "both"] = "zarr"
+    # Also `features/<slide>/tiles.geojson` for QuPath (File > Import objects): every tile a detection classified by
+    # its k-means cluster among the slide's tiles (`qupath_clusters`), with PC1-3 and the cluster as measurements.
+    qupath: bool = False
+    qupath_clusters: int = 8
     pca_max_side: int = 768  # px of the PCA map's long side
     providers: list[str] | None = None  # ORT providers; null → CUDA when available, then CPU
     num_threads: int = 0  # torch / ORT intra-op threads; 0 → torch's default, ORT: the cores this process may use
@@ -58,6 +62,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(1 <= self.qupath_clusters <= 12, "qupath_clusters", f"must be 1 to 12, got {self.qupath_clusters}")
         require(self.loader_threads >= 0, "loader_threads", f"must be >= 0 (0: serial), got {self.loader_threads}")
         require(self.prefetch_batches >= 1, "prefetch_batches", f"must be >= 1, got {self.prefetch_batches}")
         require(self.num_threads >= 0, "num_threads", f"must be >= 0 (0: default), got {self.num_threads}")

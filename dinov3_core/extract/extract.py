@@ -39,12 +39,12 @@ from dinov3_core import events, tracking
 from dinov3_core.config import to_dict
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.extract.config import ExtractConfig
+from dinov3_core.extract.exports import h5_dir
 from dinov3_core.extract.feature_store import (
     ATTRS_KEY,
     SlideArrays,
     commit_slide,
     export_h5,
-    h5_dir,
     init_output,
     is_extracted,
     pictures_dir,

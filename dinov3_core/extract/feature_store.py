@@ -21,6 +21,7 @@ import zarr
 from PIL import Image, ImageDraw
 
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from dinov3_core.extract.exports import cluster_tiles, h5_dir, write_h5, write_qupath_tiles
 from dinov3_core.inference.feature_model import ExtractError
 from dinov3_core.manifest import MANIFEST_NAME
 from dinov3_core.tiling import store as ts
@@ -35,42 +36,6 @@ def pictures_dir(output: str | os.PathLike[str]) -> Path:
     holds other files makes zarr warn, and copies of the store drag them along). features.zarr → features/."""
     out = Path(output)
     return out.with_suffix("") if out.suffix == ".zarr" else out.parent / f"{out.name}.pictures"
-
-
-def h5_dir(output: str | os.PathLike[str]) -> Path:
-    """Where `format=both` writes the per-slide .h5 files: beside the store (features.zarr → features_h5/)."""
-    out = Path(output)
-    return out.parent / f"{out.stem if out.suffix == '.zarr' else out.name}_h5"
-
-
-def write_h5(path: Path, slide_id: str, features: np.ndarray, coords: np.ndarray, tile_attrs: dict[str, Any],
-             tile_size: int, model: dict[str, Any]) -> None:  # fmt: skip
-    """One slide's features as TRIDENT / CLAM write them (h5py reads them as those tools do), written to a temporary
-    name and renamed, so a half-written file never has the final name."""
-    import h5py
-
-    mpp = tile_attrs.get("mpp_effective") or tile_attrs.get("mpp_requested")
-    level0_mpp = tile_attrs.get("level0_mpp")
-    stride = tile_attrs.get("stride") or tile_size
-    coord_attrs = {
-        "name": slide_id,
-        "patch_size": int(tile_size),  # px at the tiles' µm/px
-        "patch_size_level0": int(tile_attrs.get("tile_size_level0") or tile_size),  # px at the slide's level 0
-        "patch_level": int(tile_attrs.get("level_used") or 0),
-        "overlap": int(tile_size - stride),
-        "mpp": float(mpp) if mpp else -1.0,
-        # Magnification by the usual convention 10 / (µm/px): 0.5 µm/px is 20×; -1 when the slide has no µm/px.
-        "target_magnification": round(10.0 / mpp, 2) if mpp else -1,
-        "level0_magnification": round(10.0 / level0_mpp, 2) if level0_mpp else -1,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.incoming")
-    with h5py.File(partial, "w") as f:
-        f.create_dataset("features", data=np.asarray(features, dtype=np.float32))
-        c = f.create_dataset("coords", data=np.asarray(coords, dtype=np.int64))
-        c.attrs.update(coord_attrs)
-        f.attrs.update({"slide_id": slide_id, "created": ts.utc_now(), **model})
-    os.replace(partial, path)
 
 
 def export_h5(out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: int) -> Path:
@@ -257,6 +222,15 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
     if getattr(cfg, "format", "zarr") == "both":  # before the commit: a committed slide always has its .h5
         about = {"model_path": str(model.path.resolve()), "model_hash": model.hash, "precision": cfg.precision}
         write_h5(h5_dir(out) / f"{slide_id}.h5", slide_id, cls_all, coords, tile_attrs, int(ds.tile_size), about)
+    if getattr(cfg, "qupath", False):
+        rgb, _ = pca_rgb(cls_all)
+        labels = cluster_tiles(cls_all, cfg.qupath_clusters)
+        classes = [f"cluster {i + 1}" for i in range(int(labels.max()) + 1)]
+        measures = {"PC1 (0-1 in slide)": rgb[:, 0], "PC2 (0-1 in slide)": rgb[:, 1], "PC3 (0-1 in slide)": rgb[:, 2],
+                    "cluster": labels + 1}  # fmt: skip
+        tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
+        write_qupath_tiles(pictures_dir(out) / slide_id / "tiles.geojson", coords, tile_level0, classes, labels,
+                           measures)  # fmt: skip
     final = out / "slides" / slide_id
     if final.exists():
         shutil.rmtree(final)  # extracted with another model: replaced
@@ -273,12 +247,10 @@ __all__ = [
     "check_output",
     "commit_slide",
     "export_h5",
-    "h5_dir",
     "init_output",
     "is_extracted",
     "pca_rgb",
     "pictures_dir",
     "staging",
-    "write_h5",
     "write_pca_png",
 ]
