@@ -137,6 +137,20 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     assert out.manifest.summary["champion_model"] == str(setup["better"])
     for picture in ("confusion_candidate.png", "embedding_candidate.png", "evaluation.md"):
         assert (setup["root"] / "eval-better" / picture).is_file()
+    # The probe's out-of-fold predictions as QuPath detections, one file per annotated slide, read back with the
+    # reader of QuPath exports: every annotated tile once, classified by its predicted class.
+    from dinov3_core.evaluate.geojson import read_geojson
+
+    files = sorted((setup["root"] / "eval-better" / "qupath").glob("*.geojson"))
+    assert [f.stem for f in files] == split["test_groups"] and ev["qupath"].endswith("qupath")
+    shapes = [shape for f in files for shape in read_geojson(f).shapes]
+    assert len(shapes) == ev["labelled_tiles"] and {c for c, _ in shapes} <= set(ev["classes"])
+    doc = json.loads(files[0].read_text())
+    measured = doc["features"][0]["properties"]["measurements"]
+    assert {"confidence", "correct"} <= set(measured) and 0 <= measured["confidence"] <= 1
+    correct = np.mean([f["properties"]["measurements"]["correct"] for p in files
+                       for f in json.loads(p.read_text())["features"]])  # fmt: skip
+    assert correct > 0.5  # the better model's probe is right on most tiles (its balanced accuracy is > 0.5)
     from mlflow import MlflowClient
 
     tags = MlflowClient(setup["uri"]).get_model_version(NAME, version_of(setup["better"])).tags

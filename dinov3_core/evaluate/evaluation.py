@@ -37,6 +37,7 @@ from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
 from dinov3_core.evaluate.labels import label_tiles
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
 from dinov3_core.launch import TorchrunFailed
+from dinov3_core.qupath import write_qupath_tiles
 from dinov3_core.tiling import store as ts
 
 logger = logging.getLogger(__name__)
@@ -332,6 +333,7 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         if sites:
             evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
         report.save_pictures(out, y, feats, predictions)
+        evaluation["qupath"] = _qupath_predictions(out, ds, idx, y, predictions["candidate"]["linear"])
     decision = G.decide(cfg, evaluation)
     cand_metrics = _flat_metrics(evaluation["models"]["candidate"])
     decision = G.apply(cfg, decision, candidate.version, cand_metrics)
@@ -344,6 +346,26 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     (out / "evaluation.md").write_text(table)
     _log_mlflow(cfg, evaluation, out)
     return EvaluateResult(out, evaluation, decision, table, time.perf_counter() - start, warnings)
+
+
+def _qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarray, pred: P.Predictions) -> str:
+    """The candidate's linear-probe predictions on the annotated tiles, one GeoJSON per slide for QuPath: each tile a
+    detection classified by its predicted class, with the confidence and the annotated class as measurements. Every
+    prediction comes from a probe fitted on other slides' tiles (the cross-validation folds), as the metrics do."""
+    folder = out / "qupath"
+    slide_of, row_of = ds.locate_many(idx)
+    classes = [str(c) for c in pred.classes]
+    predicted = pred.scores.argmax(1)
+    truth = np.searchsorted(pred.classes, y)
+    for s in np.unique(slide_of):
+        here = np.flatnonzero(slide_of == s)
+        coords = ds.slide_coords(int(s))[row_of[here]]
+        size = float(ds.slide_attrs(int(s)).get("tile_size_level0") or ds.tile_size)
+        measures = {"confidence": pred.scores[here, predicted[here]], "correct": predicted[here] == truth[here]}
+        measures |= {f"p({c})": pred.scores[here, k] for k, c in enumerate(classes)}
+        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here],
+                           measures)  # fmt: skip
+    return str(folder)
 
 
 def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], boot: P.Bootstrap) -> dict[str, Any]:

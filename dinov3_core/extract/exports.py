@@ -1,10 +1,9 @@
 """Features in other tools' formats, written beside the feature store: per-slide `.h5` for MIL code (TRIDENT / CLAM
-layout) and per-slide GeoJSON of the tiles for QuPath. Each file is written under a temporary name and renamed, so a
+layout); QuPath's GeoJSON is `dinov3_core.qupath`. Each file is written under a temporary name and renamed, so a
 half-written file never has the final name."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,6 @@ from typing import Any
 import numpy as np
 
 from dinov3_core.tiling import store as ts
-
-# Distinct colours for up to 12 clusters (Tableau 10 + 2), as QuPath draws classes.
-PALETTE = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 128), (128, 128, 0))  # fmt: skip
 
 
 def h5_dir(output: str | os.PathLike[str]) -> Path:
@@ -54,31 +49,6 @@ def write_h5(path: Path, slide_id: str, features: np.ndarray, coords: np.ndarray
     os.replace(partial, path)
 
 
-def write_qupath_tiles(path: Path, coords: np.ndarray, tile_level0: float, classes: list[str],
-                       labels: np.ndarray, measurements: dict[str, np.ndarray]) -> None:  # fmt: skip
-    """Tiles as QuPath detections (File > Import objects, or drag the file onto the slide): one square per tile at
-    its level-0 coordinates, classified `classes[labels[i]]` (its colour from `PALETTE`), with `measurements`
-    (name → one value per tile) in QuPath's measurement list."""
-    size = float(tile_level0)
-    features = []
-    for i, (x, y) in enumerate(np.asarray(coords, dtype=np.float64)):
-        ring = [[x, y], [x + size, y], [x + size, y + size], [x, y + size], [x, y]]
-        label = int(labels[i])
-        features.append({
-            "type": "Feature",
-            "geometry": {"type": "Polygon", "coordinates": [ring]},
-            "properties": {
-                "objectType": "detection",
-                "classification": {"name": classes[label], "color": list(PALETTE[label % len(PALETTE)])},
-                "measurements": {name: round(float(values[i]), 6) for name, values in measurements.items()},
-            },
-        })  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.incoming")
-    partial.write_text(json.dumps({"type": "FeatureCollection", "features": features}))
-    os.replace(partial, path)
-
-
 def cluster_tiles(features: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     """k-means cluster of each tile's CLS feature within its slide (ids are not comparable across slides)."""
     from sklearn.cluster import KMeans
@@ -87,4 +57,4 @@ def cluster_tiles(features: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     return KMeans(n_clusters=k, n_init=3, random_state=seed).fit_predict(np.asarray(features, dtype=np.float64))
 
 
-__all__ = ["PALETTE", "cluster_tiles", "h5_dir", "write_h5", "write_qupath_tiles"]
+__all__ = ["cluster_tiles", "h5_dir", "write_h5"]

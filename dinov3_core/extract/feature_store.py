@@ -21,9 +21,10 @@ import zarr
 from PIL import Image, ImageDraw
 
 from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from dinov3_core.extract.exports import cluster_tiles, h5_dir, write_h5, write_qupath_tiles
+from dinov3_core.extract.exports import cluster_tiles, h5_dir, write_h5
 from dinov3_core.inference.feature_model import ExtractError
 from dinov3_core.manifest import MANIFEST_NAME
+from dinov3_core.qupath import write_qupath_tiles
 from dinov3_core.tiling import store as ts
 
 ATTRS_KEY = "wsidino_features"
