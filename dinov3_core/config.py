@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import importlib.resources
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,14 +51,24 @@ def require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(message, key=key)
 
 
+def packaged_config_dir() -> Path:
+    """The named configs that ship with wsidino: `dinov3_core/configs/`, package data found through
+    `importlib.resources`, so the same directory is read from a checkout, an editable install and an installed wheel."""
+    root = importlib.resources.files("dinov3_core") / "configs"
+    # A regular (unzipped) install: a directory on disk. The loaders below open files by path.
+    return Path(str(root))
+
+
 def config_dir() -> Path:
-    """The `configs/` directory: `$WSIDINO_CONFIG_DIR`, else the one beside the installed source tree."""
+    """The directory of named configs (`<dir>/<stage>/<name>.yaml`): `$WSIDINO_CONFIG_DIR` (a lab's own recipes),
+    else the packaged `dinov3_core/configs/` (`packaged_config_dir`). Every lookup of a named config goes through
+    here."""
     env = os.environ.get(CONFIG_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "configs"
+    return Path(env) if env else packaged_config_dir()
 
 
 def resolve_config_path(stage: str, name_or_path: str | os.PathLike[str] | None) -> Path | None:
-    """A config given as a file path, or as a name under `configs/<stage>/<name>.yaml`."""
+    """A config given as a file path, or as a name: `<config_dir()>/<stage>/<name>.yaml`."""
     if name_or_path is None or str(name_or_path) == "":
         return None
     path = Path(name_or_path)
@@ -298,7 +309,8 @@ def load_config(
     *,
     stage: str | None = None,
 ) -> T:
-    """Build a typed config: schema defaults ← YAML (a path or a name under `configs/<stage>/`) ← overrides."""
+    """Build a typed config: schema defaults ← YAML (a path, or a name under `dinov3_core/configs/<stage>/`:
+    `resolve_config_path`) ← overrides."""
     base = OmegaConf.structured(schema)
     path = resolve_config_path(stage or "", config) if config is not None else None
     if path is not None:
@@ -410,6 +422,7 @@ __all__ = [
     "flatten",
     "load_config",
     "load_yaml",
+    "packaged_config_dir",
     "parse_overrides",
     "require",
     "resolve_config_path",

@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     stage = get_stage(args.stage)
     load_config(stage.schema(), args.config, args.overrides, stage=args.stage)  # fails early
     name = args.name or f"wsidino-{args.stage}"
-    # The pods resolve the named config and overrides themselves (configs/ is in the image): nothing is written
-    # here, and the manifest reads as the command it runs.
+    # The pods resolve the named config and overrides themselves (dinov3_core/configs/ is in the image): nothing is
+    # written here, and the manifest reads as the command it runs.
     job = TorchrunJob(module=stage.job_module, args=["--config", args.config, *args.overrides],
                       nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
                       env=dict(item.split("=", 1) for item in args.env))  # fmt: skip

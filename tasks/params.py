@@ -84,7 +84,7 @@ class StageOptions(BaseModel):
 
     config: str | None = Field(
         None, title="Named config or YAML",
-        description="A name under configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
+        description="A name under dinov3_core/configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
         "Empty: the built-in defaults.",
         json_schema_extra=ui(0),
     )  # fmt: skip

@@ -136,3 +136,23 @@ def test_a_run_says_what_it_sets_on_top_of_its_named_config() -> None:
 
 
 REQUIRED_PRETRAIN = {"data.stores": ["t.zarr"], "output_dir": "run"}
+
+
+def test_named_configs_are_package_data_unless_the_environment_names_a_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped configs live in the package (a wheel carries them, tests/test_wheel.py); $WSIDINO_CONFIG_DIR
+    replaces them with a lab's own directory of `<stage>/<name>.yaml` files."""
+    import dinov3_core
+    from dinov3_core.config import CONFIG_DIR_ENV, config_dir, packaged_config_dir, resolve_config_path
+
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    assert config_dir() == packaged_config_dir() == Path(dinov3_core.__file__).resolve().parent / "configs"
+    assert resolve_config_path("pretrain", "tiny") == packaged_config_dir() / "pretrain" / "tiny.yaml"
+    (tmp_path / "tile").mkdir()
+    (tmp_path / "tile" / "lab.yaml").write_text("tile_size: 256\n")
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
+    assert config_dir() == tmp_path
+    assert resolve_config_path("tile", "lab") == tmp_path / "tile" / "lab.yaml"
+    with pytest.raises(ConfigError, match="no config named 'default' for stage 'tile'; available: lab"):
+        resolve_config_path("tile", "default")

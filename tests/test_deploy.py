@@ -22,6 +22,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from dinov3_core.config import packaged_config_dir
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.workdir import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
@@ -111,7 +112,7 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
     """(stage, config name) of every named config in a parameter object (retrain: its cycle config and the
     stage configs that one names)."""
     if isinstance(params, RetrainParams):
-        cycle = yaml.safe_load((REPO / "configs" / "retrain" / f"{params.config}.yaml").read_text())
+        cycle = yaml.safe_load((packaged_config_dir() / "retrain" / f"{params.config}.yaml").read_text())
         named = [(stage, choice["config"]) for stage, choice in cycle.items() if isinstance(choice, dict)
                  and choice.get("config")]  # fmt: skip
         return [("retrain", params.config), *named]
@@ -161,7 +162,9 @@ def test_deployment_params_are_complete_and_valid(deployments: dict[str, dict[st
     deployment = deployments[name]
     params = check_params(deployment, deployment["parameters"], f"deployment {name}")
     for stage, config in stage_configs(params):
-        assert (REPO / "configs" / stage / f"{config}.yaml").is_file(), f"{name}: no configs/{stage}/{config}.yaml"
+        assert (packaged_config_dir() / stage / f"{config}.yaml").is_file(), (
+            f"{name}: no dinov3_core/configs/{stage}/{config}.yaml"
+        )
 
 
 def test_gpu_deployments(deployments: dict[str, dict[str, Any]]) -> None:

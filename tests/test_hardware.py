@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dinov3_core.config import ConfigError, load_config
+from dinov3_core.config import ConfigError, load_config, packaged_config_dir
 from dinov3_core.train import config as C
 from tests.helpers import REPO
 
 REQUIRED = {"student.pretrained_weights": "released.pth", "data.stores": ["tiles.zarr"], "output_dir": "run"}
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs" / "pretrain").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in (packaged_config_dir() / "pretrain").glob("*.yaml")))
 def test_every_pretrain_recipe_resolves(name: str) -> None:
     cfg = load_config(C.PretrainConfig, name, REQUIRED, stage="pretrain")
     assert cfg.optim.epochs * cfg.train.epoch_length > 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from dinov3_core.config import packaged_config_dir
 from dinov3_core.train.health import HEALTH_FILE, TrainingInertError, warmups_end
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
@@ -118,7 +119,7 @@ def test_schedules_that_cannot_work_for_the_run_length(tmp_path: Path) -> None:
     assert schedule_warnings(fitted, stop_iteration=1000) == []
 
 
-SHIPPED = sorted((Path(__file__).parents[1] / "configs").glob("*/*.yaml"))
+SHIPPED = sorted(packaged_config_dir().glob("*/*.yaml"))
 
 
 @pytest.mark.parametrize("path", [p for p in SHIPPED if p.parent.name in ("pretrain", "gram")], ids=lambda p: p.stem)
