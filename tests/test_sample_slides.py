@@ -534,3 +534,20 @@ def test_stain_draws_are_deterministic_varied_and_read_as_tissue() -> None:
     assert len({d.hematoxylin for d in draws}) == len(draws)  # and hues
     assert all(d.pen_like_share() <= texture.MAX_PEN_LIKE for d in draws)
     assert texture.SlideStain(hematoxylin_amount=texture.FALLBACK_HEMATOXYLIN).pen_like_share() <= texture.MAX_PEN_LIKE
+
+
+def test_heldout_preset_is_stained_outside_the_drawn_range() -> None:
+    """The "heldout" slide's stain (paler hematoxylin, stronger eosin than any draw) still reads as tissue, and it
+    changes only the colours: the same stream plans the same tissue, classes and pen mark as a drawn stain."""
+    from wsidino_dev.sample_slides import presets, texture
+
+    stain = presets.HELDOUT_STAIN
+    assert [s.stain for s in PRESETS["heldout"]] == [stain] and stain.pen_like_share() <= texture.MAX_PEN_LIKE
+    assert np.log(stain.hematoxylin_amount) < texture.HEMATOXYLIN_AMOUNT[0]
+    assert np.log(stain.eosin_amount) > texture.EOSIN_AMOUNT[1]
+    fixed = TissueCanvas.plan(512, 768, rng=np.random.default_rng(3), stain=stain)
+    drawn = TissueCanvas.plan(512, 768, rng=np.random.default_rng(3))
+    np.testing.assert_array_equal(fixed.labels(0, 512), drawn.labels(0, 512))
+    a, b = fixed.to_array().astype(np.float32), drawn.to_array().astype(np.float32)
+    tissue = _tissue_mask(fixed.to_array())
+    assert np.abs(a - b)[tissue].mean() > 5  # grey levels

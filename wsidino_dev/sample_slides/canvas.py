@@ -153,11 +153,13 @@ class TissueCanvas:
         pen_mark: bool = True,
         pen_color: Literal["blue", "green", "black"] | None = None,
         tissue_fraction: tuple[float, float] = (0.25, 0.4),
+        stain: SlideStain | None = None,
     ) -> TissueCanvas:
         """Draw the layout: glass tint and vignetting, tissue sections, stain density, one pen stroke.
 
         `mpp` sets the texture scale (the source images are taken as `TEXTURE_MPP` µm/px), so slides at different
-        µm/px show cells of the same physical size. `tissue_fraction` is the target range of tissue area.
+        µm/px show cells of the same physical size. `tissue_fraction` is the target range of tissue area. `stain`:
+        this slide's H&E instead of a drawn one (the draw is still made, so the rest of the slide does not change).
         """
         if height < 64 or width < 64:
             raise ValueError(f"canvas must be at least 64×64 px, got {height}×{width}")
@@ -181,7 +183,8 @@ class TissueCanvas:
             # This slide's H&E (stain strength and hue, as between labs and staining runs) and the scanner's
             # colour cast, shared by all its pieces. The stain comes from a child stream (`spawn` leaves `rng`
             # where it was): how a slide is stained never moves its tissue, classes or pen mark.
-            stain = SlideStain.draw(rng.spawn(1)[0])
+            drawn = SlideStain.draw(rng.spawn(1)[0])
+            stain = drawn if stain is None else stain
             atlas, atlas_mean = tissue_atlas(int(rng.integers(ATLAS_VARIANTS)), TEXTURE_MPP / mpp, stain)
             slide_tint = rng.uniform(0.96, 1.04, 3) * rng.uniform(0.95, 1.03)
             fields = []

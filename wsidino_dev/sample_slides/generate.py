@@ -61,10 +61,11 @@ def _canvas(spec: SlideSpec, rng: np.random.Generator) -> TissueCanvas:
         tissue=spec.content == "tissue",
         pen_mark=spec.content == "tissue",
         pen_color=spec.pen_color,
+        stain=spec.stain,
     )
 
 
-def sample_canvas(preset: Literal["demo", "test"], name: str, *, seed: int = 0) -> TissueCanvas:
+def sample_canvas(preset: Literal["demo", "test", "heldout"], name: str, *, seed: int = 0) -> TissueCanvas:
     """The canvas behind a preset's image file, for comparing what a reader returns with the source pixels."""
     for index, spec in enumerate(PRESETS[preset]):
         if spec.name == name and spec.kind != "text":
@@ -144,7 +145,7 @@ def _sample_set(
 
 def make_sample_slides(
     out_dir: str | Path,
-    preset: Literal["demo", "test"] = "demo",
+    preset: Literal["demo", "test", "heldout"] = "demo",
     *,
     seed: int = 0,
     negatives: bool = True,
@@ -154,7 +155,9 @@ def make_sample_slides(
     "demo": a 16384×16384 SVS at 0.25 µm/px (AppMag 40, 4 levels), an 8192×6144 SVS at 0.5 µm/px
     (AppMag 20), a 6144×8192 zlib generic TIFF at 0.25 µm/px (5 levels). "test": the same slides at a
     quarter of the size per side (≥ 3 levels each). Negatives: ``no_mpp.tiff``, ``truncated.svs``,
-    ``not_a_slide.svs``, ``no_tissue.svs``. Each good slide's class annotations go to
+    ``not_a_slide.svs``, ``no_tissue.svs``. "heldout": one 4096×3072 SVS at 0.5 µm/px stained outside the range
+    the other slides' stains are drawn from (`presets.HELDOUT_STAIN`): a test slide from a lab no training slide
+    comes from. Each good slide's class annotations go to
     ``annotations/<slide stem>.geojson``. Files are byte-for-byte deterministic for a seed.
 
     Idempotent: ``sample_slides.json`` (written last, after every file was written under a temporary name

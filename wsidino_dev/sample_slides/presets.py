@@ -1,4 +1,4 @@
-"""The files of each preset ("demo", "test"): good slides first, then the negative cases, in a fixed order.
+"""The files of each preset ("demo", "test", "heldout"): good slides first, then the negative cases, in a fixed order.
 
 A file's index in its preset seeds its random stream (`generate.make_sample_slides`): append, never reorder.
 """
@@ -7,6 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
+
+from wsidino_dev.sample_slides.texture import EOSIN_AMOUNT, HEMATOXYLIN_AMOUNT, SlideStain
+
+# The "heldout" slide's stain: paler hematoxylin and stronger eosin than any drawn stain (amounts e^-0.6 and e^0.7,
+# outside texture.HEMATOXYLIN_AMOUNT and EOSIN_AMOUNT), as from an over-eosinated lab no training slide comes from.
+HELDOUT_STAIN = SlideStain(hematoxylin_amount=float(np.exp(-0.6)), eosin_amount=float(np.exp(0.7)))
+assert HELDOUT_STAIN.hematoxylin_amount < np.exp(HEMATOXYLIN_AMOUNT[0]) and HELDOUT_STAIN.eosin_amount > np.exp(
+    EOSIN_AMOUNT[1]
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,7 @@ class SlideSpec:
     pen_color: Literal["blue", "green", "black"] | None = None
     negative: str | None = None  # key in SampleSet.negatives
     expect: str = ""  # how readers should behave, recorded in the marker for humans
+    stain: SlideStain | None = None  # None: drawn per slide (`SlideStain.draw`)
 
 
 def _preset(big: bool) -> list[SlideSpec]:
@@ -51,4 +63,9 @@ def _preset(big: bool) -> list[SlideSpec]:
     ]  # fmt: skip
 
 
-PRESETS: dict[str, list[SlideSpec]] = {"demo": _preset(big=True), "test": _preset(big=False)}
+# One annotated slide whose stain no "demo" or "test" slide has: a held-out-lab test slide (benchmarks/adaptation.py).
+# Its index 0 shares the demo's first slide's random stream: make it with another seed for different tissue.
+HELDOUT = [SlideSpec("tissue_heldout_stain.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green",
+                     stain=HELDOUT_STAIN)]  # fmt: skip
+
+PRESETS: dict[str, list[SlideSpec]] = {"demo": _preset(big=True), "test": _preset(big=False), "heldout": HELDOUT}
