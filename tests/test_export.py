@@ -139,3 +139,15 @@ def test_the_parity_gate_is_relative_to_the_output_scale(converted, tmp_path) ->
     assert min(scales) > 1e3 and result.max_rel_error < 1e-5 < result.max_abs_error / 1e3
     with pytest.raises(WsidinoError, match="parity_rtol=0"):
         run_export(load_config(ExportConfig, "default", {**values, "parity_rtol": 0.0}, stage="export"))
+
+
+def test_a_long_model_card_is_cut_at_a_section_for_the_registry() -> None:
+    from dinov3_core.stages.versions import registry_description
+
+    card = "# Model\n\nintro\n\n## Training\n" + "| a | b |\n" * 300 + "\n## Evaluation\n" + "| c | d |\n" * 300
+    short = registry_description(card, limit=5000)
+    assert len(short) <= 5000 and short.startswith("# Model\n\nintro\n\n## Training\n")
+    assert "## Evaluation" not in short and "| c | d |" not in short and short.endswith("beside the model file._\n")
+    assert registry_description("# small card\n") == "# small card\n"
+    one_section = "# Model\n" + "| a | b |\n" * 1000  # no section boundary: cut at a line, never inside one
+    assert registry_description(one_section).split("\n\n_The registry")[0].endswith("| a | b |")

@@ -16,7 +16,21 @@ def describe_version(cfg: Any, name: str, version: str | None, card: Path | None
     from mlflow import MlflowClient  # deferred: mlflow costs ~2 s at import
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
-    client.update_model_version(name, str(version), description=card.read_text()[:5000])
+    client.update_model_version(name, str(version), description=registry_description(card.read_text(), card.name))
+
+
+DESCRIPTION_LIMIT = 5000  # characters MLflow's SQL registry stores for a version's description
+
+
+def registry_description(card: str, name: str = "MODEL_CARD.md", limit: int = DESCRIPTION_LIMIT) -> str:
+    """The card as it fits the registry: whole, or cut before the first section that does not fit (never inside a
+    table or a sentence), with a line saying where the full card is."""
+    if len(card) <= limit:
+        return card
+    note = f"\n\n_The registry keeps {limit:,} characters: the full card is {name} beside the model file._\n"
+    room = limit - len(note)
+    cut = card.rfind("\n## ", 0, room)
+    return card[: cut if cut > 0 else card.rfind("\n", 0, room)].rstrip() + note
 
 
 def lineage_tags(lineage: dict[str, str]) -> dict[str, str]:
