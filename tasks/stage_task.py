@@ -33,6 +33,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from dinov3_core import tracking
 from dinov3_core.config import load_config
@@ -159,6 +161,7 @@ class _TrainingArtifacts:
         self.latest: dict[str, Any] = {}
         self.probe: dict[str, Any] = {}
         self.progress_id: Any = None
+        self.health_id: Any = None
         self.percent = -1.0
         self.read_at = self.markdown_at = 0.0
 
@@ -226,7 +229,12 @@ class _TrainingArtifacts:
             rows.append(f"| probe measured at | iteration {p['iteration']} |")
         head = [f"# {self.stage}: is it learning?", "", verdict or "Training: the verdict comes at the end.", ""]
         text = "\n".join([*head, "| figure | latest |", "|---|---|", *rows]) + "\n"
-        create_markdown_artifact(text, key=f"{self.stage}-health", description=f"{self.stage}: training health")
+        if self.health_id is None:  # one artifact per stage, updated in place: not a new version per checkpoint
+            self.health_id = create_markdown_artifact(text, key=f"{self.stage}-health",
+                                                      description=f"{self.stage}: training health")  # fmt: skip
+        else:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.health_id, ArtifactUpdate(data=text))
 
 
 def _fmt(value: Any) -> str:

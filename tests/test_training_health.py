@@ -317,6 +317,8 @@ def test_prefect_flow_follows_the_run_and_ends_with_the_verdict(
     with get_client(sync_client=True) as client:
         flow_run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
         found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=flow_run))
+    # One health table per stage, updated in place (the flow run's timeline showed one per checkpoint).
+    assert [a.key for a in found].count("pretrain-health") == 1, [a.key for a in found]
     latest = {a.key: a for a in sorted(found, key=lambda a: a.created) if a.key}
     assert latest["pretrain-progress"].type == "progress" and float(latest["pretrain-progress"].data) == 100.0
     table = latest["pretrain-health"].data
