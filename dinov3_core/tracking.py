@@ -336,8 +336,12 @@ def terminated_after(client: Any, run_id: str) -> Iterator[None]:
 def run_ui_url(cfg: TrackingConfig, run_id: str | None) -> str | None:
     """The run's page in the MLflow UI when tracking goes to a server (http/https); None for a local store, whose
     UI address this process cannot know."""
-    uri = tracking_uri(cfg)
-    if not run_id or not uri.startswith(("http://", "https://")):
+    return ui_url(tracking_uri(cfg), run_id)
+
+
+def ui_url(uri: str | None, run_id: str | None) -> str | None:
+    """`run_ui_url` for a tracking URI."""
+    if not run_id or not uri or not uri.startswith(("http://", "https://")):
         return None
     from mlflow import MlflowClient
 

@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from dinov3_core import tracking
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.workdir import run_pipeline
 from tasks.chain_params import PipelineParams
@@ -58,12 +59,20 @@ def pipeline_flow(params: PipelineParams) -> Any:
 def _markdown(summary: dict[str, Any]) -> str:
     lines = ["# Pipeline", "", f"Work directory: `{summary['workdir']}`", ""]
     lines += ["| stage | status | MLflow run | health (training stages) |", "|---|---|---|---|"]
+    uri = summary.get("tracking_uri")
     for stage, o in summary["stages"].items():
         health = (o.get("summary") or {}).get("health", "")  # pretrain / gram: learning, or not and why
-        lines.append(f"| {stage} | {o.get('status')} | `{o.get('mlflow_run_id')}` | {health} |")
+        lines.append(f"| {stage} | {o.get('status')} | {_run_link(uri, o.get('mlflow_run_id'))} | {health} |")
     lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in summary["paths"].items()]]
-    lines += ["", f"MLflow pipeline run: `{summary['mlflow_run_id']}` ({summary.get('tracking_uri')})"]
+    lines += ["", f"MLflow pipeline run: {_run_link(uri, summary['mlflow_run_id'])} ({uri})"]
     return "\n".join(lines) + "\n"
+
+
+def _run_link(uri: str | None, run_id: str | None) -> str:
+    """A link to the run's MLflow page when tracking goes to a server; the id otherwise (a local store has no UI
+    address this process knows)."""
+    url = tracking.ui_url(uri, run_id)
+    return f"[{run_id}]({url})" if url else f"`{run_id}`"
 
 
 if __name__ == "__main__":
