@@ -189,10 +189,12 @@ class IncomingSlide:
     tag: str  # makes the folder unique per attempt
     n_tiles: int
     tiles_per_shard: int
+    sub: str = ""  # a further µm/px level's group inside the slide's (`levels/<k>`); "" for the slide's own arrays
     path: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", incoming_dir(self.root, self.slide_id, self.tag))  # checked once, here
+        path = incoming_dir(self.root, self.slide_id, self.tag)  # checked once, here
+        object.__setattr__(self, "path", path / self.sub if self.sub else path)
 
     def tiles_array(self) -> zarr.Array:
         return zarr.open_array(str(self.path / "tiles"), mode="r+")
@@ -233,9 +235,18 @@ def begin_slide(
     compression_level: int = 3,
     jpeg_quality: int = 90,
     columns: Mapping[str, np.ndarray] | None = None,
+    level_of: IncomingSlide | None = None,
+    sub: str = "",
 ) -> IncomingSlide:
-    """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns."""
-    slide = IncomingSlide(root, slide_id, uuid.uuid4().hex[:8], n_tiles, max(1, min(tiles_per_shard, max(n_tiles, 1))))
+    """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns; with `level_of`
+    (the slide's own incoming group) and `sub`, a further µm/px level's group inside it instead."""
+    tag = uuid.uuid4().hex[:8] if level_of is None else level_of.tag
+    shard = max(1, min(tiles_per_shard, max(n_tiles, 1)))
+    slide = IncomingSlide(root, slide_id, tag, n_tiles, shard, sub if level_of is not None else "")
+    if level_of is not None:
+        parent = slide.path.parent
+        if not (parent / "zarr.json").is_file():  # zarr v3 wants every group on the way down
+            zarr.open_group(str(parent), mode="w", zarr_format=3)
     group = zarr.open_group(str(slide.path), mode="w", zarr_format=3)
     shard = slide.tiles_per_shard
     group.create_array(
@@ -290,6 +301,11 @@ def commit_slide(incoming: IncomingSlide, attrs: Mapping[str, Any]) -> Path:
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
     return final
+
+
+def set_group_attrs(path: Path, attrs: Mapping[str, Any]) -> None:
+    """The `wsidino` attributes of a group inside a slide being written (a further µm/px level's)."""
+    zarr.open_group(str(path), mode="r+").attrs[ATTRS_KEY] = dict(attrs)
 
 
 def abandon_slide(incoming: IncomingSlide) -> None:
