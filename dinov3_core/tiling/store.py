@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,6 +168,40 @@ def complete_slide_ids(root: str | os.PathLike[str]) -> list[str]:
 def read_slide_attrs(root: str | os.PathLike[str], slide_id: str) -> dict[str, Any]:
     meta = json.loads((slide_dir(root, slide_id) / "zarr.json").read_text())
     return dict(meta.get("attributes", {}).get(ATTRS_KEY, {}))
+
+
+def slide_levels(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A slide's µm/px levels, the first first: each with `path` (its group inside the slide's, "" for the first),
+    `mpp_requested`, `mpp_effective`, `tile_count` … A single-level slide has no `levels` attribute: its one level
+    is read from the slide's own attributes."""
+    if attrs.get("levels"):
+        return [dict(level) for level in attrs["levels"]]
+    keys = ("mpp_requested", "mpp_effective", "level_used", "level_mpp", "read_size", "tile_size", "stride",
+            "tile_size_level0", "stride_level0", "reader", "tile_count")  # fmt: skip
+    return [{"index": 0, "path": "", **{k: attrs.get(k) for k in keys}}]
+
+
+def find_level(attrs: Mapping[str, Any], mpp: float) -> dict[str, Any] | None:
+    """The slide's level tiled for `mpp` µm/px (as `tile.mpp` asked for it), or None."""
+    for level in slide_levels(attrs):
+        asked = level.get("mpp_requested")
+        if asked is not None and abs(float(asked) - float(mpp)) <= 1e-6 * max(abs(float(mpp)), 1e-12):
+            return level
+    return None
+
+
+def format_mpps(values: Iterable[float]) -> str:
+    return ", ".join(f"{v:g}" for v in sorted(set(values))) or "none"
+
+
+def missing_level(root: Path, slide_id: str, attrs: Mapping[str, Any], mpp: float, key: str) -> TileStoreError:
+    """The error for a slide that holds no tiles at `mpp` µm/px: names the level, the levels it has and the fix."""
+    have = [float(lv["mpp_requested"]) for lv in slide_levels(attrs) if lv.get("mpp_requested") is not None]
+    return TileStoreError(
+        f"{key}={mpp:g}: slide {slide_id!r} in tile store {root} has no level at {mpp:g} µm/px (its levels: "
+        f"{format_mpps(have)} µm/px); set {key} to one of those, or tile the store again with that level in "
+        "tile.mpp (e.g. mpp=[" + ", ".join(f"{v:g}" for v in [*have, mpp]) + "])"
+    )
 
 
 def _tile_codecs(compressor: Compressor, level: int, jpeg_quality: int) -> dict[str, Any]:
