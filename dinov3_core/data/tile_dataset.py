@@ -232,9 +232,19 @@ class TileDataset(Dataset[TileSample]):
         return self.stores[int(self._index.slide_store[self._index.check_slide(slide_index)])]
 
     def slide_attrs(self, slide_index: int) -> dict[str, Any]:
-        """The slide's `wsidino` attributes (docs/tile-store.md), read from the store."""
+        """The slide's `wsidino` attributes (docs/tile-store.md), read from the store; for a further µm/px level
+        (`mpp`), with that level's provenance (`mpp_effective`, `tile_size_level0`, `tile_count` …) over the first's."""
         s = self._index.check_slide(slide_index)
-        return ts.read_slide_attrs(self.slide_store(s), self.slide_ids[s])
+        attrs = ts.read_slide_attrs(self.slide_store(s), self.slide_ids[s])
+        level = ts.find_level(attrs, self.mpp) if self.mpp is not None else None
+        if level is not None:
+            attrs.update({k: v for k, v in level.items() if k not in ("index", "path")})
+        return attrs
+
+    @property
+    def mpp(self) -> float | None:
+        """The µm/px level this dataset reads (None: each slide's first)."""
+        return self._index.mpp
 
     def slide_coords(self, slide_index: int) -> np.ndarray:
         """(tile_counts[s], 2) int64 level-0 (x, y) of the slide's tiles in this dataset, in index order."""
