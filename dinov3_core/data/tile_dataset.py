@@ -238,7 +238,7 @@ class TileDataset(Dataset[TileSample]):
         attrs = ts.read_slide_attrs(self.slide_store(s), self.slide_ids[s])
         level = ts.find_level(attrs, self.mpp) if self.mpp is not None else None
         if level is not None:
-            attrs.update({k: v for k, v in level.items() if k not in ("index", "path")})
+            attrs.update({k: v for k, v in level.items() if k != "path"})  # `index`: which level
         return attrs
 
     @property
