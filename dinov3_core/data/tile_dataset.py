@@ -79,6 +79,9 @@ class TileDataset(Dataset[TileSample]):
         preload_coords: load every tile's coords up front (8 bytes per tile) instead of per slide on demand.
         coords_cache_mb: per-process budget of the on-demand coords cache.
         reader: ``"auto"`` (direct shard-file reads for the writer's layout, zarr otherwise) or ``"zarr"``.
+        mpp: the µm/px level to read of a store tiled at several (`tile.mpp` a list; matched against the µm/px
+            each level was asked for); None: every slide's first level (the only one of a single-level store).
+            A slide without that level raises `TileStoreError` naming the levels it has.
 
     Slides without tiles (none stored, or none left after filtering) are left out of the index, so every
     ``slide_index`` has at least one tile. ``.incoming/`` (slides being written, crash debris) is never read.
@@ -99,6 +102,7 @@ class TileDataset(Dataset[TileSample]):
         preload_coords: bool = False,
         coords_cache_mb: float = DEFAULT_COORDS_CACHE_MB,
         reader: ReaderMode = "auto",
+        mpp: float | None = None,
     ) -> None:
         if image_format not in ("torch", "numpy"):
             raise ValueError(f"image_format must be 'torch' or 'numpy', got {image_format!r}")
@@ -111,7 +115,7 @@ class TileDataset(Dataset[TileSample]):
         self.reader: ReaderMode = reader
         self.min_tissue_fraction = min_tissue_fraction
         self.coords_cache_bytes = int(coords_cache_mb * 2**20)
-        self._index = TileIndex(stores, slide_ids=slide_ids, min_tissue_fraction=min_tissue_fraction)
+        self._index = TileIndex(stores, slide_ids=slide_ids, min_tissue_fraction=min_tissue_fraction, mpp=mpp)
         self._reset_process_state()
         self._coords: np.ndarray | None = self._load_all_coords() if preload_coords else None
 
@@ -228,9 +232,19 @@ class TileDataset(Dataset[TileSample]):
         return self.stores[int(self._index.slide_store[self._index.check_slide(slide_index)])]
 
     def slide_attrs(self, slide_index: int) -> dict[str, Any]:
-        """The slide's `wsidino` attributes (docs/tile-store.md), read from the store."""
+        """The slide's `wsidino` attributes (docs/tile-store.md), read from the store; for a further µm/px level
+        (`mpp`), with that level's provenance (`mpp_effective`, `tile_size_level0`, `tile_count` …) over the first's."""
         s = self._index.check_slide(slide_index)
-        return ts.read_slide_attrs(self.slide_store(s), self.slide_ids[s])
+        attrs = ts.read_slide_attrs(self.slide_store(s), self.slide_ids[s])
+        level = ts.find_level(attrs, self.mpp) if self.mpp is not None else None
+        if level is not None:
+            attrs.update({k: v for k, v in level.items() if k != "path"})  # `index`: which level
+        return attrs
+
+    @property
+    def mpp(self) -> float | None:
+        """The µm/px level this dataset reads (None: each slide's first)."""
+        return self._index.mpp
 
     def slide_coords(self, slide_index: int) -> np.ndarray:
         """(tile_counts[s], 2) int64 level-0 (x, y) of the slide's tiles in this dataset, in index order."""

@@ -41,6 +41,7 @@ class SlideEntry:
     slide_id: str
     n_tiles: int
     tile_size: int
+    path: str = ""  # the level's group inside the slide's ("": the first µm/px level, the slide's own arrays)
 
 
 class TileIndex:
@@ -57,9 +58,11 @@ class TileIndex:
         *,
         slide_ids: Iterable[str] | None = None,
         min_tissue_fraction: float | None = None,
+        mpp: float | None = None,
     ) -> None:
         self.stores: tuple[Path, ...] = store_paths(stores)
-        entries = [e for i, root in enumerate(self.stores) for e in scan_store(i, root)]
+        self.mpp = mpp  # the µm/px level read (None: each slide's first level, the only one of most stores)
+        entries = [e for i, root in enumerate(self.stores) for e in scan_store(i, root, mpp)]
         entries = select_slides(entries, slide_ids, self.stores)
         self.tile_size: int = common_tile_size(entries, self.stores)
 
@@ -72,6 +75,7 @@ class TileIndex:
         counts = counts[keep]
 
         self.slide_ids: list[str] = [e.slide_id for e in entries]
+        self.level_paths: list[str] = [e.path for e in entries]  # per slide: "" or "levels/<k>"
         self.tile_counts: np.ndarray = counts
         self.slide_store = np.array([e.store for e in entries], dtype=np.int32)
         self.offsets = np.zeros(len(entries) + 1, dtype=np.int64)
@@ -122,7 +126,9 @@ class TileIndex:
         return int(self.offsets[slide_index]), int(self.offsets[slide_index + 1])
 
     def slide_path(self, slide_index: int) -> Path:
-        return ts.slide_dir(self.stores[int(self.slide_store[slide_index])], self.slide_ids[slide_index])
+        """The group holding the slide's arrays at this index's µm/px level."""
+        root = ts.slide_dir(self.stores[int(self.slide_store[slide_index])], self.slide_ids[slide_index])
+        return root / self.level_paths[slide_index] if self.level_paths[slide_index] else root
 
     def locate(self, index: int) -> tuple[int, int]:
         """(slide_index, tile_index) of a global index; tile_index is the row in the slide's store arrays."""
@@ -181,7 +187,7 @@ def kept_rows(entries: list[SlideEntry], stores: Sequence[Path], threshold: floa
             parts.append(np.empty(0, dtype=np.int32))
             continue
         try:
-            path = ts.slide_dir(stores[e.store], e.slide_id) / "tissue_fraction"
+            path = ts.slide_dir(stores[e.store], e.slide_id) / e.path / "tissue_fraction"
             fraction = zarr.open_array(str(path), mode="r")[...]
         except FileNotFoundError:
             raise ts.TileStoreError(
@@ -207,8 +213,9 @@ def array_shape(root: Path, slide_id: str, name: str) -> tuple[int, ...]:
         ) from None
 
 
-def scan_store(store_index: int, root: Path) -> list[SlideEntry]:
-    """The committed slides of a store and their tile counts; raises for a missing, corrupt or empty store."""
+def scan_store(store_index: int, root: Path, mpp: float | None = None) -> list[SlideEntry]:
+    """The committed slides of a store and their tile counts (at the `mpp` µm/px level; None: the first); raises
+    for a missing, corrupt or empty store, and for a slide without that level."""
     if not root.exists():
         raise ts.TileStoreError(f"tile store {root} does not exist; run `wsidino tile` to create it")
     ts.check_store(root)
@@ -221,22 +228,29 @@ def scan_store(store_index: int, root: Path) -> list[SlideEntry]:
                 f"slide {slide_id!r} in tile store {root} has unreadable metadata ({err}); "
                 "delete the slide's folder and re-run `wsidino tile`"
             ) from None
-        shape = array_shape(root, slide_id, "tiles")
+        sub, expected = "", attrs.get("tile_count")
+        if mpp is not None:
+            level = ts.find_level(attrs, mpp)
+            if level is None:
+                raise ts.missing_level(root, slide_id, attrs, mpp, "mpp")
+            sub, expected = level.get("path") or "", level.get("tile_count")
+        prefix = f"{sub}/" if sub else ""
+        shape = array_shape(root, slide_id, f"{prefix}tiles")
         # A slide without tiles is skipped whatever its columns look like (it may have none at all).
-        n_coords = array_shape(root, slide_id, "coords")[0] if shape and shape[0] else 0
+        n_coords = array_shape(root, slide_id, f"{prefix}coords")[0] if shape and shape[0] else 0
         problem = None
         if not attrs.get("complete"):
             problem = "is not marked complete"
         elif len(shape) != 4 or shape[1] != shape[2] or shape[3] != 3:
             problem = f"has a tiles array of shape {shape}, expected (N, T, T, 3)"
-        elif n_coords != shape[0] or attrs.get("tile_count", shape[0]) != shape[0]:
-            problem = f"has {shape[0]} tiles but {n_coords} coords and tile_count {attrs.get('tile_count')}"
+        elif n_coords != shape[0] or (expected if expected is not None else shape[0]) != shape[0]:
+            problem = f"has {shape[0]} tiles but {n_coords} coords and tile_count {expected}"
         if problem:
             raise ts.TileStoreError(
                 f"slide {slide_id!r} in tile store {root} {problem}; delete the slide's folder and re-run "
                 "`wsidino tile`"
             )
-        entries.append(SlideEntry(store_index, slide_id, shape[0], shape[1]))
+        entries.append(SlideEntry(store_index, slide_id, shape[0], shape[1], sub))
     if sum(e.n_tiles for e in entries) == 0:
         raise ts.TileStoreError(f"empty tile store {root}: {empty_reason(root, len(entries))}")
     return entries

@@ -112,6 +112,9 @@ class EvaluateConfig:
     output: str = MISSING  # evaluation directory: evaluation.json, pictures, feature cache
     # A folder of QuPath <slide_id>.geojson exports, or a CSV slide_id,x,y,label; null: label-free health only.
     annotations: str | None = None
+    # The µm/px level of the tile store to evaluate on (a store tiled at several, `tile.mpp` a list); null: the first.
+    # Recorded in evaluation.json; the feature cache tells levels apart.
+    mpp: float | None = None
     min_overlap: float = 0.0  # share of a tile's area its class's polygons must cover (0: centre inside is enough)
     exclude_classes: list[str] = field(default_factory=list)  # annotation classes left out (e.g. "Ignore*")
     patients: str | None = None  # CSV slide_id,patient_id: split by patient instead of slide

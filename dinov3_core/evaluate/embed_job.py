@@ -63,6 +63,7 @@ class EmbedSpec:
     device: str | None = None  # torch backend; None → cuda:LOCAL_RANK when there are GPUs, else cpu
     precision: str = "fp32"
     tokens: str | None = None  # a .npy (N, K) of the patch tokens kept per tile for the dense probe; None: none
+    mpp: float | None = None  # the tile store's µm/px level (None: the first)
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> EmbedSpec:
@@ -91,7 +92,7 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
         if model.hash != spec.model_hash:
             raise EvaluateError(f"model {spec.model} changed while the evaluation ran (hash {model.hash}, expected "
                                 f"{spec.model_hash}); rerun the evaluation")  # fmt: skip
-        ds = TileDataset(spec.store, image_format="numpy")
+        ds = TileDataset(spec.store, image_format="numpy", mpp=spec.mpp)
         out = F.compute(model, ds, share, spec.batch_size, spec.loader_threads, spec.prefetch_batches, tokens=tokens)
         part = parts_dir(output) / f"part-{team.rank:05d}.npz"
         part.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +154,7 @@ def launch_embedding(
     spec = EmbedSpec(str(Path(cfg.store).resolve()), str(model.path.resolve()), model.hash, str(ids.resolve()),
                      str(output.resolve()), cfg.batch_size, cfg.num_threads, cfg.loader_threads,
                      cfg.prefetch_batches, cfg.device, precision_of(model.path, cfg.precision),
-                     str(token_file.resolve()) if token_file else None)  # fmt: skip
+                     str(token_file.resolve()) if token_file else None, cfg.mpp)  # fmt: skip
     spec_path = write_text_atomic(jobs / f"{output.stem}.json", json.dumps(asdict(spec), indent=1))
     job = TorchrunJob(
         module=MODULE,

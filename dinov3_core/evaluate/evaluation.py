@@ -218,7 +218,7 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     out, warnings = Path(cfg.output), []
     cache = out / "cache"
     root = ts.check_store(cfg.store)
-    ds = TileDataset(root, image_format="numpy")
+    ds = TileDataset(root, image_format="numpy", mpp=cfg.mpp)  # a missing level: TileStoreError naming the levels
     candidate = candidate_model(cfg)
     if not candidate.path.is_file():
         raise EvaluateError(f"candidate={candidate.path}: no such model file; give a model.onnx or backbone.pth")
@@ -247,10 +247,11 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     stain_tiles = tiles[_evenly(len(tiles), cfg.stain.tiles)]
     want_dense = bool(len(idx) and cfg.probe.dense_tokens_per_tile and cfg.annotations)
     tokens_of: dict[int, D.DenseTokens | None] = {}  # patch-grid side → the labelled tokens (one labelling a grid)
-    key = F.selection_key(root, idx)
+    key = F.selection_key(root, idx, cfg.mpp)
     counts = dict(zip(*np.unique(y, return_counts=True), strict=True))
     evaluation: dict[str, Any] = {
         "store": str(root),
+        "mpp": cfg.mpp if cfg.mpp is not None else (ds.slide_attrs(0).get("mpp_requested") if ds.slide_ids else None),
         "labelled_tiles": len(idx),
         "labels": label_info,
         "classes": {str(c): int(n) for c, n in counts.items()},

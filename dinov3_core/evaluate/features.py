@@ -30,12 +30,14 @@ from dinov3_core.inference.loader import TileReader, read_ahead
 FEATURES = ("cls", "mean_patch")
 
 
-def selection_key(store: Path, indices: np.ndarray) -> str:
-    """Which tiles: the store's manifest content and the global indices."""
+def selection_key(store: Path, indices: np.ndarray, mpp: float | None = None) -> str:
+    """Which tiles: the store's manifest content, the µm/px level read (None: the first) and the global indices."""
     h = hashlib.sha256()
     manifest = store / "manifest.json"
     if manifest.is_file():
         h.update(manifest.read_bytes())
+    if mpp is not None:  # the first level keeps the key it had before stores had levels
+        h.update(f"mpp={float(mpp)!r}".encode())
     h.update(np.ascontiguousarray(indices, np.int64).tobytes())
     return h.hexdigest()[:16]
 

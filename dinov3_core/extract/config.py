@@ -22,6 +22,9 @@ class ExtractConfig:
     batch_size: int = 64
     patch_tokens: bool = False  # also store every patch token (N, n_patches, D) as `patch`
     slide_ids: list[str] | None = None  # null: every slide of the store
+    # The µm/px level of the tile store to read, as `tile.mpp` listed it (a store tiled at several); null: the first
+    # (the only one of most stores). Recorded in each slide's attributes and the run record.
+    mpp: float | None = None
     # Independent processes writing one store (e.g. array jobs of a scheduler; for GPUs of one job prefer
     # `wsidino extract --nproc-per-node N`, which also splits large slides): this many processes …
     num_shards: int = 1
@@ -74,6 +77,7 @@ class ExtractConfig:
             f"applies to .pth / .safetensors models (torch backend) only, not to the ONNX model {self.model}; "
             "drop compile=true, or give the backbone.pth",
         )
+        require(self.mpp is None or self.mpp > 0, "mpp", f"must be a positive µm/px or null, got {self.mpp}")
         require(self.chunk_rows >= 1, "chunk_rows", f"must be >= 1, got {self.chunk_rows}")
         require(
             0 <= self.shard_index < self.num_shards,

@@ -85,12 +85,13 @@ class ExtractResult:
     model_hash: str
     backend: str
     ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: tiles, seconds, tiles_per_s, device
+    mpp: float | None = None  # the tile store level read (µm/px as tiled; `mpp`, or the store's first level)
 
 
 def _open_dataset(cfg: ExtractConfig) -> Any:
     root = ts.check_store(cfg.store)  # TileStoreError (a WsidinoError) names the store and what to do
     try:
-        return TileDataset(root, slide_ids=cfg.slide_ids, image_format="numpy")
+        return TileDataset(root, slide_ids=cfg.slide_ids, image_format="numpy", mpp=cfg.mpp)
     except (ValueError, KeyError, OSError) as err:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
 
@@ -218,7 +219,8 @@ def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Tea
     init_output(out, cfg.store)
     mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
     fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
-    todo = [s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision)]
+    todo = [s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision,
+                                                cfg.mpp)]  # fmt: skip
     align = math.lcm(cfg.chunk_rows, cfg.batch_size) if cfg.patch_tokens else cfg.chunk_rows
     plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
     _stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
@@ -313,6 +315,7 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         model_hash=model.hash,
         backend=model.backend,
         ranks=ranks,
+        mpp=cfg.mpp if cfg.mpp is not None else ds.slide_attrs(0).get("mpp_requested"),
     )
     if team.is_main:
         _write_run_record(cfg, result)

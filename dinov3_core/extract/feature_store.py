@@ -49,9 +49,12 @@ def export_h5(out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: i
     return path
 
 
-def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str) -> bool:
+def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str,
+                 mpp: float | None = None) -> bool:  # fmt: skip
     """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
-    was re-tiled under the same id has another source fingerprint: its features are stale)."""
+    was re-tiled under the same id has another source fingerprint: its features are stale), at the `mpp` µm/px
+    level of its tile store (the level as tiled, `mpp_requested`; features from before levels were recorded
+    count as the first level's: pass None for it)."""
     meta = out / "slides" / slide_id / "zarr.json"
     if not meta.is_file():
         return False
@@ -64,6 +67,7 @@ def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: 
         and attrs.get("model_hash") == model_hash
         and attrs.get("source_fingerprint") == source_fingerprint
         and attrs.get("precision", "fp32") == precision
+        and (attrs.get("mpp_requested") == mpp or (mpp is None and attrs.get("tile_level_index", 0) == 0))
     )
 
 
@@ -215,6 +219,10 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         "source_fingerprint": tile_attrs.get("source_fingerprint"),
         "tile_size": int(ds.tile_size),
         "tile_size_level0": tile_attrs.get("tile_size_level0"),
+        # The magnification these features hold: the tile store level read (`mpp`; its first unless asked).
+        "mpp_requested": tile_attrs.get("mpp_requested"),
+        "mpp_effective": tile_attrs.get("mpp_effective"),
+        "tile_level_index": tile_attrs.get("index", 0),
         "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
         "pca_explained_variance": ratio,
         "created": ts.utc_now(),

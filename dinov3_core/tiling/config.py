@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from omegaconf import MISSING
 
@@ -55,7 +55,10 @@ class TileConfig:
 
     input: str = MISSING  # a directory, a glob, or a single slide file
     output: str = MISSING  # the tile store directory (…/tiles.zarr)
-    mpp: float = 0.5  # target µm/px of every tile
+    # Target µm/px of every tile, or a list of them: [0.5, 1.0, 2.0] cuts every slide at each (same tissue mask and
+    # tile size); the first is stored where a single-level store keeps its tiles, the others under
+    # slides/<id>/levels/<k>/ (docs/tile-store.md). A plain number (or a one-element list) is a single-level store.
+    mpp: Any = 0.5
     mpp_tolerance: float = 0.05  # relative: a pyramid level within ±5 % of the target is read without resizing
     mpp_overrides: str | None = None  # CSV with columns slide,mpp (slide = file name or stem)
     mpp_by_slide: dict[str, float] = field(default_factory=dict)  # the same in the config; wins over the CSV
@@ -84,8 +87,13 @@ class TileConfig:
     progress: bool = True
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    @property
+    def mpp_levels(self) -> list[float]:
+        """The target µm/px of every level, the first one first."""
+        return [float(m) for m in self.mpp] if isinstance(self.mpp, list) else [float(self.mpp)]
+
     def __post_init__(self) -> None:
-        require(self.mpp > 0, "mpp", f"must be positive, got {self.mpp}")
+        self.mpp = _check_mpp(self.mpp)
         bad = {k: v for k, v in self.mpp_by_slide.items() if not v > 0}
         require(not bad, "mpp_by_slide", f"values must be positive µm/px, got {bad}")
         require(self.tile_size >= 16, "tile_size", f"must be >= 16, got {self.tile_size}")
@@ -93,3 +101,15 @@ class TileConfig:
         require(1 <= self.jpeg_quality <= 100, "jpeg_quality", f"must be in 1..100, got {self.jpeg_quality}")
         for key in ("tiles_per_shard", "workers"):
             require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+
+
+def _check_mpp(mpp: Any) -> float | list[float]:
+    """`mpp` as a float (one level: today's store exactly) or a list of distinct positive floats (several)."""
+    values = list(mpp) if isinstance(mpp, list | tuple) else [mpp]
+    require(bool(values), "mpp", "must be a positive µm/px or a non-empty list of them, got []")
+    for v in values:
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+        require(ok, "mpp", f"must be a positive µm/px or a list of them, got {mpp!r}")
+    floats = [float(v) for v in values]
+    require(len(set(floats)) == len(floats), "mpp", f"lists a µm/px twice: {floats}")
+    return floats[0] if len(floats) == 1 else floats

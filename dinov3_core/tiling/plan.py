@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,42 @@ from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, Unsupp
 class SlideTask:
     slide_id: str
     path: Path
+
+
+@dataclass
+class LevelPlan:
+    """One further µm/px of a slide (`TileConfig.mpp` a list): its read plan and kept tiles, from the first level's
+    tissue mask. Stored under `slides/<id>/levels/<index>/` (docs/tile-store.md)."""
+
+    index: int  # 1, 2, …: position in `TileConfig.mpp_levels`
+    read: slide_io.ReadPlan
+    reader: str
+    coords: np.ndarray
+    tissue_fraction: np.ndarray
+    pen_fraction: np.ndarray
+    blur_score: np.ndarray
+    dropped_count: int
+    candidate_count: int
+
+    @property
+    def n_tiles(self) -> int:
+        return len(self.coords)
+
+    @property
+    def path(self) -> str:
+        """The level's group, relative to the slide's."""
+        return f"{LEVELS}/{self.index}"
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {
+            "coords": self.coords,
+            "tissue_fraction": self.tissue_fraction,
+            "pen_fraction": self.pen_fraction,
+            "blur_score": self.blur_score,
+        }
+
+
+LEVELS = "levels"  # the group of a slide's further levels
 
 
 @dataclass
@@ -49,6 +85,7 @@ class SlidePlan:
     pen_mask: np.ndarray
     thresholds: dict[str, float]
     seconds: float
+    levels: list[LevelPlan] = field(default_factory=list)  # the further µm/px of `TileConfig.mpp` (a list)
 
     @property
     def n_tiles(self) -> int:
@@ -131,7 +168,9 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
     try:
         size, fingerprint = slide_io.file_fingerprint(task.path)
         info = slide_io.describe_slide(slide, task.path, overrides, cfg.default_mpp)
-        read = slide_io.plan_read(info, cfg.mpp, cfg.tile_size, cfg.stride, cfg.mpp_tolerance)
+        levels = cfg.mpp_levels
+        reads = [slide_io.plan_read(info, m, cfg.tile_size, cfg.stride, cfg.mpp_tolerance) for m in levels]
+        read = reads[0]
         thumb_mpp = tissue.mask_mpp(info.width * info.mpp, info.height * info.mpp, cfg.tissue)
         thumb, thumb_scale = slide_io.read_downsampled(slide, info, thumb_mpp)
         pen = tissue.pen_mask(thumb)
@@ -141,35 +180,41 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
             qc_image, qc_scale = slide_io.read_downsampled(slide, info, qc_mpp)
         else:
             qc_image, qc_scale = thumb, thumb_scale
-        grid = tissue.grid_coords(info.width, info.height, read.tile_size_level0, read.stride_level0)
-        fraction = tissue.fraction_per_tile(mask, grid, read.tile_size_level0, thumb_scale)
-        enough = fraction >= cfg.tissue.min_tissue_fraction
-        grid, fraction = grid[enough], fraction[enough]
-        if len(grid) == 0:
-            raise slide_io.SlideError(
-                f"{task.path}: no tissue found ({mask.mean():.1%} of the thumbnail is tissue, no tile reaches "
-                f"tissue.min_tissue_fraction={cfg.tissue.min_tissue_fraction}); if the slide has tissue, lower "
-                "tissue.min_tissue_fraction or tissue.min_saturation"
-            )
-        pen_fraction = tissue.fraction_per_tile(pen, grid, read.tile_size_level0, thumb_scale)
+        blur_read = None
         if cfg.filters.blur_filter:  # reading the slide at blur_mpp costs more than the rest of planning
-            blur_img, blur_scale = slide_io.read_downsampled(slide, info, cfg.filters.blur_mpp)
-            blur = tissue.blur_scores(blur_img, grid, read.tile_size_level0, blur_scale)
-        else:
-            blur = np.full(len(grid), np.nan, dtype=np.float32)
+            blur_read = slide_io.read_downsampled(slide, info, cfg.filters.blur_mpp)
     finally:
         slide.close()
+    # Every level's grid is cut from the same tissue mask (and pen mask, blur picture).
+    grids = [_level_grid(info, r, mask, pen, thumb_scale, blur_read, cfg) for r in reads]
+    grid, fraction, pen_fraction, blur, keep = grids[0]
+    if len(grid) == 0:
+        raise slide_io.SlideError(
+            f"{task.path}: no tissue found ({mask.mean():.1%} of the thumbnail is tissue, no tile reaches "
+            f"tissue.min_tissue_fraction={cfg.tissue.min_tissue_fraction}); if the slide has tissue, lower "
+            "tissue.min_tissue_fraction or tissue.min_saturation"
+        )
     reader = choose_reader(task.path, info, read, cfg)
-    keep = np.ones(len(grid), dtype=bool)
-    if cfg.filters.pen_filter:
-        keep &= pen_fraction <= cfg.filters.pen_max_fraction
-    if cfg.filters.blur_filter:
-        keep &= blur >= cfg.filters.blur_min_score
     if not keep.any():
         raise slide_io.SlideError(
             f"{task.path}: the QC filters dropped all {len(grid)} tissue tiles (pen_filter={cfg.filters.pen_filter}, "
             f"blur_filter={cfg.filters.blur_filter}); check the QC picture or relax filters.*"
         )
+    extra = [
+        LevelPlan(
+            index=k,
+            read=r,
+            reader=choose_reader(task.path, info, r, cfg),
+            coords=g[kp],
+            tissue_fraction=f[kp],
+            pen_fraction=pf[kp],
+            blur_score=b[kp],
+            dropped_count=int((~kp).sum()),
+            candidate_count=len(g),
+        )
+        for k, (r, (g, f, pf, b, kp)) in enumerate(zip(reads, grids, strict=True))
+        if k > 0
+    ]
     mpp_override = slide_io.override_for(task.path, overrides)
     return SlidePlan(
         task=task,
@@ -193,7 +238,40 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         pen_mask=pen,
         thresholds=thresholds,
         seconds=time.perf_counter() - start,
+        levels=extra,
     )
+
+
+def _level_grid(
+    info: slide_io.SlideInfo,
+    read: slide_io.ReadPlan,
+    mask: np.ndarray,
+    pen: np.ndarray,
+    thumb_scale: float,
+    blur_read: tuple[np.ndarray, float] | None,
+    cfg: TileConfig,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One level's tissue tiles: (grid, tissue fraction, pen fraction, blur score, kept by the QC filters)."""
+    from dinov3_core.tiling import tissue
+
+    grid = tissue.grid_coords(info.width, info.height, read.tile_size_level0, read.stride_level0)
+    fraction = tissue.fraction_per_tile(mask, grid, read.tile_size_level0, thumb_scale)
+    enough = fraction >= cfg.tissue.min_tissue_fraction
+    grid, fraction = grid[enough], fraction[enough]
+    if len(grid) == 0:
+        empty = np.empty(0, dtype=np.float32)
+        return grid, fraction, empty, empty, np.zeros(0, dtype=bool)
+    pen_fraction = tissue.fraction_per_tile(pen, grid, read.tile_size_level0, thumb_scale)
+    if blur_read is not None:
+        blur = tissue.blur_scores(blur_read[0], grid, read.tile_size_level0, blur_read[1])
+    else:
+        blur = np.full(len(grid), np.nan, dtype=np.float32)
+    keep = np.ones(len(grid), dtype=bool)
+    if cfg.filters.pen_filter:
+        keep &= pen_fraction <= cfg.filters.pen_max_fraction
+    if cfg.filters.blur_filter:
+        keep &= blur >= cfg.filters.blur_min_score
+    return grid, fraction, pen_fraction, blur, keep
 
 
 def slide_attrs(plan: SlidePlan, cfg: TileConfig) -> dict[str, Any]:
@@ -232,4 +310,47 @@ def slide_attrs(plan: SlidePlan, cfg: TileConfig) -> dict[str, Any]:
         "compressor": cfg.compressor,
         "params_hash": plan.params_hash,
         "plan_seconds": round(plan.seconds, 3),
+        # Several µm/px (`mpp` a list): every level's provenance, the first one's (group "") repeating the keys
+        # above. Absent in a single-level store, whose attributes stay exactly what they were.
+        **({"levels": [first_level_attrs(plan)] + [level_attrs(lv) for lv in plan.levels]} if plan.levels else {}),
+    }
+
+
+def _read_attrs(read: slide_io.ReadPlan) -> dict[str, Any]:
+    return {
+        "mpp_requested": read.mpp_requested,
+        "mpp_effective": read.mpp_effective,
+        "level_used": read.level,
+        "level_mpp": read.level_mpp,
+        "read_size": read.read_size,
+        "tile_size": read.tile_size,
+        "stride": read.stride,
+        "tile_size_level0": read.tile_size_level0,
+        "stride_level0": read.stride_level0,
+    }
+
+
+def first_level_attrs(plan: SlidePlan) -> dict[str, Any]:
+    """The first level's entry of a multi-level slide's `levels` attribute: its arrays are the slide group's own."""
+    return {
+        "index": 0,
+        "path": "",
+        **_read_attrs(plan.read),
+        "reader": plan.reader,
+        "tile_count": plan.n_tiles,
+        "candidate_count": plan.candidate_count,
+        "dropped_by_filters": len(plan.dropped_coords),
+    }
+
+
+def level_attrs(level: LevelPlan) -> dict[str, Any]:
+    """A further level's provenance: its entry in the slide's `levels` attribute and its own group's attributes."""
+    return {
+        "index": level.index,
+        "path": level.path,
+        **_read_attrs(level.read),
+        "reader": level.reader,
+        "tile_count": level.n_tiles,
+        "candidate_count": level.candidate_count,
+        "dropped_by_filters": level.dropped_count,
     }

@@ -114,32 +114,42 @@ def duplicate_outcome(repeat: Repeat) -> SlideOutcome:
 
 
 def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:
-    """Create the slide's group under `.incoming/` and cut its tiles into shard-aligned write units."""
-    incoming = ts.begin_slide(
-        root,
-        plan.task.slide_id,
-        n_tiles=plan.n_tiles,
-        tile_size=cfg.tile_size,
-        tiles_per_shard=cfg.tiles_per_shard,
-        compressor=cfg.compressor,
-        compression_level=cfg.compression_level,
-        jpeg_quality=cfg.jpeg_quality,
-        columns=plan.columns(),
-    )
-    units = [
+    """Create the slide's group under `.incoming/` (and a group inside it for each further µm/px level) and cut
+    every level's tiles into shard-aligned write units."""
+    codec = {"compressor": cfg.compressor, "compression_level": cfg.compression_level, "jpeg_quality": cfg.jpeg_quality}
+    incoming = ts.begin_slide(root, plan.task.slide_id, n_tiles=plan.n_tiles, tile_size=cfg.tile_size,
+                              tiles_per_shard=cfg.tiles_per_shard, columns=plan.columns(), **codec)  # fmt: skip
+    units = _units(incoming, plan, plan.read, plan.reader, plan.coords)
+    for level in plan.levels:
+        into = ts.begin_slide(root, plan.task.slide_id, n_tiles=level.n_tiles, tile_size=cfg.tile_size,
+                              tiles_per_shard=cfg.tiles_per_shard, columns=level.columns(), level_of=incoming,
+                              sub=level.path, **codec)  # fmt: skip
+        units += _units(into, plan, level.read, level.reader, level.coords, record_stain=False)
+    return incoming, units
+
+
+def _units(
+    incoming: ts.IncomingSlide,
+    plan: SlidePlan,
+    read: Any,
+    reader: str,
+    coords: Any,
+    record_stain: bool = True,
+) -> list[WriteUnit]:
+    return [
         WriteUnit(
             incoming=incoming,
             source=plan.task.path,
-            read=plan.read,
-            reader=plan.reader,
-            level_size=plan.info.level_dimensions[plan.read.level],
-            level_downsample=plan.info.level_downsamples[plan.read.level],
+            read=read,
+            reader=reader,
+            level_size=plan.info.level_dimensions[read.level],
+            level_downsample=plan.info.level_downsamples[read.level],
             start=a,
-            coords=plan.coords[a:b],
+            coords=coords[a:b],
+            record_stain=record_stain,
         )
         for a, b in incoming.shard_ranges(SHARDS_PER_UNIT)
     ]
-    return incoming, units
 
 
 def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> None:
@@ -162,7 +172,13 @@ def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> Non
 def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:
     """The atomic commit of the slide into `slides/` (its QC pictures drawn by `draw_qc` before)."""
     stain_attrs = stain.slide_stain_attrs(stain.pop_slide_sums(incoming.path))  # the units' sums, pooled
-    final = ts.commit_slide(incoming, {**slide_attrs(plan, cfg), **stain_attrs})
+    attrs = {**slide_attrs(plan, cfg), **stain_attrs}
+    for entry in attrs.get("levels", [])[1:]:  # further µm/px levels: their bytes, and their provenance on their group
+        stored = ts.stored_bytes(incoming.path / entry["path"] / "tiles")
+        entry.update(bytes_stored=stored, bytes_per_tile=round(stored / entry["tile_count"], 1) if entry["tile_count"]
+                     else 0.0)  # fmt: skip
+        ts.set_group_attrs(incoming.path / entry["path"], entry)
+    final = ts.commit_slide(incoming, attrs)
     attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)
     return SlideOutcome(
         slide_id=plan.task.slide_id,

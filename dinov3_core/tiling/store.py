@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -170,6 +170,40 @@ def read_slide_attrs(root: str | os.PathLike[str], slide_id: str) -> dict[str, A
     return dict(meta.get("attributes", {}).get(ATTRS_KEY, {}))
 
 
+def slide_levels(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A slide's µm/px levels, the first first: each with `path` (its group inside the slide's, "" for the first),
+    `mpp_requested`, `mpp_effective`, `tile_count` … A single-level slide has no `levels` attribute: its one level
+    is read from the slide's own attributes."""
+    if attrs.get("levels"):
+        return [dict(level) for level in attrs["levels"]]
+    keys = ("mpp_requested", "mpp_effective", "level_used", "level_mpp", "read_size", "tile_size", "stride",
+            "tile_size_level0", "stride_level0", "reader", "tile_count")  # fmt: skip
+    return [{"index": 0, "path": "", **{k: attrs.get(k) for k in keys}}]
+
+
+def find_level(attrs: Mapping[str, Any], mpp: float) -> dict[str, Any] | None:
+    """The slide's level tiled for `mpp` µm/px (as `tile.mpp` asked for it), or None."""
+    for level in slide_levels(attrs):
+        asked = level.get("mpp_requested")
+        if asked is not None and abs(float(asked) - float(mpp)) <= 1e-6 * max(abs(float(mpp)), 1e-12):
+            return level
+    return None
+
+
+def format_mpps(values: Iterable[float]) -> str:
+    return ", ".join(f"{v:g}" for v in sorted(set(values))) or "none"
+
+
+def missing_level(root: Path, slide_id: str, attrs: Mapping[str, Any], mpp: float, key: str) -> TileStoreError:
+    """The error for a slide that holds no tiles at `mpp` µm/px: names the level, the levels it has and the fix."""
+    have = [float(lv["mpp_requested"]) for lv in slide_levels(attrs) if lv.get("mpp_requested") is not None]
+    return TileStoreError(
+        f"{key}={mpp:g}: slide {slide_id!r} in tile store {root} has no level at {mpp:g} µm/px (its levels: "
+        f"{format_mpps(have)} µm/px); set {key} to one of those, or tile the store again with that level in "
+        "tile.mpp (e.g. mpp=[" + ", ".join(f"{v:g}" for v in [*have, mpp]) + "])"
+    )
+
+
 def _tile_codecs(compressor: Compressor, level: int, jpeg_quality: int) -> dict[str, Any]:
     if compressor == "zstd":
         return {"compressors": zarr.codecs.ZstdCodec(level=level)}
@@ -189,10 +223,12 @@ class IncomingSlide:
     tag: str  # makes the folder unique per attempt
     n_tiles: int
     tiles_per_shard: int
+    sub: str = ""  # a further µm/px level's group inside the slide's (`levels/<k>`); "" for the slide's own arrays
     path: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", incoming_dir(self.root, self.slide_id, self.tag))  # checked once, here
+        path = incoming_dir(self.root, self.slide_id, self.tag)  # checked once, here
+        object.__setattr__(self, "path", path / self.sub if self.sub else path)
 
     def tiles_array(self) -> zarr.Array:
         return zarr.open_array(str(self.path / "tiles"), mode="r+")
@@ -233,9 +269,18 @@ def begin_slide(
     compression_level: int = 3,
     jpeg_quality: int = 90,
     columns: Mapping[str, np.ndarray] | None = None,
+    level_of: IncomingSlide | None = None,
+    sub: str = "",
 ) -> IncomingSlide:
-    """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns."""
-    slide = IncomingSlide(root, slide_id, uuid.uuid4().hex[:8], n_tiles, max(1, min(tiles_per_shard, max(n_tiles, 1))))
+    """Create the slide's group under `.incoming/` with pre-sized arrays and the per-tile columns; with `level_of`
+    (the slide's own incoming group) and `sub`, a further µm/px level's group inside it instead."""
+    tag = uuid.uuid4().hex[:8] if level_of is None else level_of.tag
+    shard = max(1, min(tiles_per_shard, max(n_tiles, 1)))
+    slide = IncomingSlide(root, slide_id, tag, n_tiles, shard, sub if level_of is not None else "")
+    if level_of is not None:
+        parent = slide.path.parent
+        if not (parent / "zarr.json").is_file():  # zarr v3 wants every group on the way down
+            zarr.open_group(str(parent), mode="w", zarr_format=3)
     group = zarr.open_group(str(slide.path), mode="w", zarr_format=3)
     shard = slide.tiles_per_shard
     group.create_array(
@@ -290,6 +335,11 @@ def commit_slide(incoming: IncomingSlide, attrs: Mapping[str, Any]) -> Path:
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
     return final
+
+
+def set_group_attrs(path: Path, attrs: Mapping[str, Any]) -> None:
+    """The `wsidino` attributes of a group inside a slide being written (a further µm/px level's)."""
+    zarr.open_group(str(path), mode="r+").attrs[ATTRS_KEY] = dict(attrs)
 
 
 def abandon_slide(incoming: IncomingSlide) -> None:

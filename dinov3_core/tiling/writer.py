@@ -28,7 +28,7 @@ _MAX_OPEN = 1  # units of one slide run back to back; keeping more open only hol
 _LOCAL = threading.local()
 
 
-def _open_readers() -> OrderedDict[tuple[str, str, int], RegionReader]:
+def _open_readers() -> OrderedDict[tuple[str, str, int, int], RegionReader]:
     if not hasattr(_LOCAL, "readers"):
         _LOCAL.readers = OrderedDict()
     return _LOCAL.readers
@@ -97,11 +97,12 @@ class WriteUnit:
     level_downsample: float
     start: int
     coords: np.ndarray  # (n, 2) level-0 coords of tiles start … start + n
+    record_stain: bool = True  # record stain sums (the first µm/px level only: the slide's stain statistics)
 
 
 def _region_reader(unit: WriteUnit) -> RegionReader:
     """Keep recently used readers open per process so their decoded-tile caches carry across units."""
-    key = (str(unit.source), unit.reader, unit.read.level)
+    key = (str(unit.source), unit.reader, unit.read.level, unit.read.whole_reduction)
     readers = _open_readers()
     if key in readers:
         readers.move_to_end(key)
@@ -182,7 +183,8 @@ def write_unit(unit: WriteUnit) -> tuple[str, int, float, int]:
     tiles = read_tiles(_region_reader(unit), unit.read, unit.coords)
     unit.incoming.write_tiles(unit.start, tiles)
     # The slide's stain statistics come from the tiles in hand: no second read at commit (docs/tile-store.md).
-    stain.save_unit_sums(unit.incoming.path, unit.start, stain.tile_lab_sums(tiles))
+    if unit.record_stain:
+        stain.save_unit_sums(unit.incoming.path, unit.start, stain.tile_lab_sums(tiles))
     slide_id = unit.incoming.slide_id
     events.emit("tile.shard_written", store=str(unit.incoming.root), slide_id=slide_id,
                 start=unit.start, tiles=len(tiles))  # fmt: skip

@@ -35,6 +35,31 @@ class DataConfig:
     num_workers: int = 2  # DataLoader processes per rank (0: read in the training process)
     prefetch_factor: int = 2  # step batches each worker reads ahead
     multiprocessing_context: str | None = None  # null: torch's default (fork on Linux)
+    # Stores tiled at several µm/px (`tile.mpp` a list): sample tiles across those levels with these weights, e.g.
+    # {0.5: 0.5, 1.0: 0.3, 2.0: 0.2} (µm/px as tiled → share of the samples; normalised). null: the first level only.
+    mpp_weights: Any = None
+
+    def __post_init__(self) -> None:
+        self.mpp_weights = check_mpp_weights(self.mpp_weights)
+
+
+def check_mpp_weights(weights: Any) -> dict[float, float] | None:
+    """`data.mpp_weights` as {µm/px: weight} with float keys, weights >= 0 summing to more than 0."""
+    if weights is None:
+        return None
+    require(isinstance(weights, dict) and bool(weights), "mpp_weights",
+            f"must map µm/px to a weight, e.g. {{0.5: 0.7, 1.0: 0.3}}, or be null; got {weights!r}")  # fmt: skip
+    out: dict[float, float] = {}
+    for key, value in weights.items():
+        try:
+            mpp, weight = float(key), float(value)
+        except (TypeError, ValueError):
+            mpp, weight = float("nan"), float("nan")
+        require(mpp > 0 and weight >= 0, "mpp_weights",
+                f"needs positive µm/px keys and weights >= 0, got {key!r}: {value!r}")  # fmt: skip
+        out[mpp] = weight
+    require(sum(out.values()) > 0, "mpp_weights", f"needs a positive weight, got {weights!r}")
+    return out
 
 
 @dataclass

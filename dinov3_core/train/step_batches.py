@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from dinov3_core.data import TileDataset
 from dinov3_core.data.augment import MultiCropAugmentation, MultiCrops
 from dinov3_core.data.masking import IBOTMaskSampler, MaskingGenerator
+from dinov3_core.data.tile_levels import LevelTiles
 from dinov3_core.train.sampler import StepKey, StepSampler
 
 # Independent random streams derived from the one configured seed.
@@ -89,7 +90,9 @@ def rank_masks(
 class StepTileSource(Dataset[StepBatch]):
     """`dataset[step_key]` → `StepBatch`: batched tile reads plus the step's masks (runs in loader workers)."""
 
-    def __init__(self, tiles: TileDataset, masks: IBOTMaskSampler, *, seed: int, n_global_crops: int) -> None:
+    def __init__(
+        self, tiles: TileDataset | LevelTiles, masks: IBOTMaskSampler, *, seed: int, n_global_crops: int
+    ) -> None:
         self.tiles = tiles
         self.masks = masks
         self.seed = seed

@@ -19,14 +19,16 @@ import torch
 from dinov3_core import config as core_config
 from dinov3_core.data import TileDataset
 from dinov3_core.data.masking import IBOTMaskSampler
+from dinov3_core.data.tile_levels import LevelTiles
 from dinov3_core.errors import WsidinoError
+from dinov3_core.tiling import store as ts
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train.distributed import DistEnv
 from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
 from dinov3_core.train.memory_terms import GIB
 from dinov3_core.train.replan import RunPlan
-from dinov3_core.train.sampler import SamplerState, StepSampler, check_dataset_size
+from dinov3_core.train.sampler import LevelMix, SamplerState, StepSampler, check_dataset_size
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.step_batches import StepTileSource, build_loader
 
@@ -36,6 +38,7 @@ __all__ = [
     "checkpoint_to_resume",
     "describe_start",
     "load_training_state",
+    "open_levels",
     "open_tiles",
     "plan_from_checkpoint",
     "resolve_batch",
@@ -56,6 +59,35 @@ def open_tiles(cfg: C.PretrainConfig, slide_ids: list[str] | None = None) -> Til
         )
     except ValueError as err:  # unknown slide ids, nothing left after filtering, duplicate stores
         raise WsidinoError(f"data.stores / data.slide_ids / data.min_tissue_fraction: {err}") from None
+
+
+def open_levels(cfg: C.PretrainConfig, tiles: TileDataset) -> tuple[LevelTiles, LevelMix] | None:
+    """`data.mpp_weights`: the weighted µm/px levels of the training slides (those of `tiles`) and the stream that
+    mixes them; None without weights (the first level only, as `tiles`)."""
+    weights = {m: w for m, w in (cfg.data.mpp_weights or {}).items() if w > 0}
+    if not weights:
+        return None
+    have = sorted({float(lv["mpp_requested"]) for s in range(len(tiles.slide_ids))
+                   for lv in ts.slide_levels(tiles.slide_attrs(s)) if lv.get("mpp_requested") is not None})  # fmt: skip
+    for mpp in weights:
+        if not any(abs(mpp - h) <= 1e-6 * mpp for h in have):
+            near = min(have, key=lambda h: abs(h - mpp)) if have else None
+            hint = f"; did you mean {near:g}?" if near is not None else ""
+            raise core_config.ConfigError(
+                f"{mpp:g} µm/px is not a level of the tile store(s) {', '.join(map(str, tiles.stores))} (levels: "
+                f"{ts.format_mpps(have)} µm/px){hint} Tile them with that level in tile.mpp, or drop it",
+                key="data.mpp_weights",
+            )
+    try:
+        keep = cfg.data.min_tissue_fraction
+        datasets = [TileDataset(cfg.data.stores, slide_ids=tiles.slide_ids, min_tissue_fraction=keep, mpp=m)
+                    for m in weights]  # fmt: skip
+    except ts.TileStoreError as err:  # a slide lacking one of the levels (a store of mixed tilings)
+        raise core_config.ConfigError(str(err), key="data.mpp_weights") from None
+    except ValueError as err:
+        raise WsidinoError(f"data.mpp_weights: {err}") from None
+    levels = LevelTiles(datasets, list(weights))
+    return levels, LevelMix(levels.sizes, list(weights.values()), seed=cfg.train.seed)
 
 
 def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_size: int) -> BatchPlan:
@@ -197,8 +229,9 @@ def build_step_loader(
 ) -> tuple[StepSampler, Any]:
     """This rank's step sampler and the DataLoader of its `StepBatch`es, from `start_iteration` on, read by
     `num_workers` processes `prefetch_factor` steps ahead (the memory watch may lower both mid-run)."""
+    mixed = open_levels(cfg, tiles)  # data.mpp_weights: tiles of several µm/px levels, drawn by weight
     sampler = StepSampler(
-        len(tiles),
+        len(tiles),  # the sampler state's unit (a checkpoint's dataset_size); the level mix draws its own indices
         global_batch,
         rank=env.dp_rank,  # the processes of one pipeline read the same images
         world_size=env.dp_size,
@@ -206,12 +239,15 @@ def build_step_loader(
         start_iteration=start_iteration,
         start_sample=start_sample,
         stop_iteration=stop_iteration,
+        levels=mixed[1] if mixed else None,
     )
     n_patches = cfg.crops.global_size // patch_size
     masks = IBOTMaskSampler(
         n_patches, mask_ratio=tuple(cfg.crops.mask_ratio), mask_probability=cfg.crops.mask_probability
     )
-    source = StepTileSource(tiles, masks, seed=cfg.train.seed, n_global_crops=cfg.crops.n_global_crops)
+    source = StepTileSource(
+        mixed[0] if mixed else tiles, masks, seed=cfg.train.seed, n_global_crops=cfg.crops.n_global_crops
+    )
     loader = build_loader(
         source,
         sampler,
