@@ -209,3 +209,45 @@ def test_extract_at_the_second_level_records_it(stores, converted, tmp_path) -> 
     assert again.extracted == [SLIDE] and again.mpp == 0.5
     with pytest.raises(WsidinoError, match=r"no level at 4 µm/px \(its levels: 0.5, 1 µm/px\)"):
         run_extract(cfg(store=str(stores["two"]), model=str(converted), output=str(out), mpp=4.0))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pretrain_run_trains_on_both_levels_and_resumes(stores, tmp_path) -> None:
+    """The training loop itself over a two-level store with weights: it runs, its batches hold tiles of both levels
+    (the loader's step indices fall in both halves of the concatenated dataset), and a resumed run ends where an
+    uninterrupted one does."""
+    import json
+
+    import torch
+
+    from dinov3_core.train.pretrain import run_pretrain
+    from dinov3_core.train.trainer_setup import open_levels, open_tiles
+
+    run = {"data.mpp_weights": {0.5: 0.5, 1.0: 0.5}, "train.batch_size_per_gpu": 8, "checkpointing.period": 2,
+           "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    with helpers.torch_threads():
+        run_pretrain(helpers.pretrain_config(stores["two"], straight, **run, **{"train.stop_at": 4}))
+        run_pretrain(helpers.pretrain_config(stores["two"], resumed, **run, **{"train.stop_at": 2}))
+        run_pretrain(helpers.pretrain_config(stores["two"], resumed, **run, **{"train.stop_at": 4}))
+    lines = [json.loads(x) for x in (straight / "training_metrics.json").read_text().splitlines() if x.strip()]
+    assert [r["iteration"] for r in lines if "event" not in r] == [0, 1, 2, 3]
+
+    cfg = helpers.pretrain_config(stores["two"], straight, **run)
+    tiles = open_tiles(cfg)
+    _, mix = open_levels(cfg, tiles)
+    drawn = mix.stream(0, 4 * 8)  # the 4 steps of 8 images the run trained on
+    assert (drawn < len(tiles)).any() and (drawn >= len(tiles)).any()
+
+    want = helpers.flat_tensors(helpers.load_dcp(straight / "ckpt" / "3"))
+    got = helpers.flat_tensors(helpers.load_dcp(resumed / "ckpt" / "3"))
+    assert want.keys() == got.keys() and any(k.startswith("model.student.") for k in want)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ[:10]
+    # … and the mix is what the loop trained on: the first level alone ends elsewhere.
+    first_only = tmp_path / "first-only"
+    with helpers.torch_threads():
+        run_pretrain(helpers.pretrain_config(stores["two"], first_only, **{**run, "data.mpp_weights": None},
+                                             **{"train.stop_at": 4}))  # fmt: skip
+    other = helpers.flat_tensors(helpers.load_dcp(first_only / "ckpt" / "3"))
+    assert any(not torch.equal(want[k], other[k]) for k in want if k.startswith("model.student."))
