@@ -272,3 +272,39 @@ def test_extract_config_rejects_bad_values(key, value) -> None:
 def test_bf16_is_refused_for_onnx(exported, stage_extract_store, tmp_path) -> None:
     with pytest.raises(WsidinoError, match="precision=bf16 is for the torch backend"):
         run_extract(cfg(store=stage_extract_store, model=exported.path, output=tmp_path / "f.zarr", precision="bf16"))
+
+
+def test_pca_map_is_drawn_over_the_faded_slide(stage_extract_store, tmp_path) -> None:
+    """The map's background is the tile store's QC thumbnail of the slide, faded, at the tiles' coordinates: tissue
+    (darker) under the tiles, glass around; white where the store has no thumbnail."""
+    from PIL import Image
+
+    from dinov3_core.extract.feature_store import faded_thumbnail, write_pca_png
+    from dinov3_core.tiling import store as ts
+
+    ds = TileDataset(stage_extract_store, image_format="numpy")
+    sid = ds.slide_ids[0]
+    coords, attrs = ds.slide_coords(0), ds.slide_attrs(0)
+    tile0, size = float(attrs["tile_size_level0"]), (attrs["level0_width"], attrs["level0_height"])
+    thumbnail = ts.slide_dir(stage_extract_store, sid) / "qc_thumbnail.png"
+    features = np.random.default_rng(0).normal(size=(len(coords), 16)).astype(np.float32)
+    write_pca_png(tmp_path / "over.png", coords, features, tile0, 256, sid, thumbnail, size)
+    write_pca_png(tmp_path / "white.png", coords, features, tile0, 256, sid, tmp_path / "none.png", size)
+    over, white = np.asarray(Image.open(tmp_path / "over.png")), np.asarray(Image.open(tmp_path / "white.png"))
+    scale = 256 / (float((coords.max(0) - coords.min(0)).max()) + tile0)
+    side = max(1, round(tile0 * scale))
+    xy = np.round((coords - coords.min(0)) * scale).astype(int)
+    map_h, map_w = int(xy[:, 1].max()) + side, int(xy[:, 0].max()) + side
+    tiles = np.zeros((map_h, map_w), bool)
+    for x, y in xy:
+        tiles[y : y + side, x : x + side] = True
+    background = faded_thumbnail(thumbnail, size, coords.min(0), scale, (map_w, map_h))
+    assert background is not None
+    area_over, area_white = over[14 : 14 + map_h, :map_w], white[14 : 14 + map_h, :map_w]
+    np.testing.assert_array_equal(area_over[tiles], area_white[tiles])  # the tiles: the same PCA colours
+    np.testing.assert_array_equal(area_over[~tiles], background[~tiles])  # around them: the faded slide
+    assert (area_white[~tiles] == 255).all() and (area_over[~tiles] < 250).any()
+    assert background.min() >= 255 - 0.35 * 255 - 1, "faded: nothing darker than 35 % of black"
+    # Aligned: what lies under the tiles is tissue, darker than the rest of the faded slide.
+    grey = background.astype(float).mean(axis=-1)
+    assert grey[tiles].mean() < grey[~tiles].mean() - 5

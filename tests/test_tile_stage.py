@@ -365,8 +365,53 @@ def test_qc_picture_shows_tiles(tiled, sample_slides):
     drawing, legend = picture[:-18], picture[-18:]
     blue = (drawing[..., 0] == 30) & (drawing[..., 1] == 90) & (drawing[..., 2] == 255)
     assert blue.sum() > 100, "kept-tile outlines are drawn"
-    for colour in ((0, 200, 0), (255, 0, 255), (30, 90, 255), (255, 140, 0)):  # a swatch per legend entry
+    for colour in ((0, 200, 0), (255, 0, 255), (30, 90, 255)):  # a swatch per legend entry
         assert (legend == colour).all(axis=-1).sum() >= 100, colour
+    assert not (legend == (255, 140, 0)).all(axis=-1).any(), "no filter on, nothing dropped: no orange entry"
+
+
+@pytest.mark.parametrize("pen_filter", [False, True])
+def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, pen_filter):
+    from dinov3_core.tiling import qc
+    from dinov3_core.tiling.plan import SlideTask, plan_slide
+
+    slide = by_name(sample_slides, "tissue_40x.svs")
+    filters = {"filters.pen_filter": True, "filters.pen_max_fraction": 0.05} if pen_filter else {}
+    cfg = tile_config(slide, slide.parent / "unused.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
+    plan = plan_slide(SlideTask(slide.stem, slide), cfg, {})
+    picture, entries = qc.draw_qc_picture(plan.qc_image, plan.qc_scale, plan.tissue_mask, plan.pen_mask,
+                                          plan.coords, plan.dropped_coords, plan.read.tile_size_level0,
+                                          pen_filter=pen_filter)  # fmt: skip
+    drawing, legend = np.asarray(picture)[:-18], np.asarray(picture)[-18:]
+    outlines = (qc.TISSUE_CONTOUR, qc.TILE_OUTLINE, qc.DROPPED_OUTLINE)
+    drawn = {c for c in outlines if (drawing == c).all(axis=-1).any()}
+    listed = {colour for _, colour in entries}
+    assert listed - {qc.PEN_TINT} == drawn
+    assert (qc.DROPPED_OUTLINE in drawn) == pen_filter, "only the pen filter drops tiles of this slide"
+    assert (qc.PEN_TINT in listed) == bool(plan.pen_mask.any()) and plan.pen_mask.any()
+    for colour in (*outlines, qc.PEN_TINT):  # a swatch for each listed colour, none for the others
+        assert ((legend == colour).all(axis=-1).sum() >= 100) == (colour in listed), colour
+    pen_entry = {colour: label for label, colour in entries}[qc.PEN_TINT]
+    assert pen_entry.endswith(f"pen filter {'on' if pen_filter else 'off'})")
+
+
+def test_pen_mask_takes_marker_ink_not_hematoxylin():
+    """Ink over glass and over tissue is pen; dense violet nuclei (b ≈ r ≫ g) and eosin are not: they were taken for
+    blue ink, which cut holes in the tissue mask of small slides (fine thumbnails) with the pen filter off."""
+    from dinov3_core.tiling.tissue import pen_mask
+    from wsidino_dev.sample_slides.canvas import GLASS_RGB, INK_RGB
+
+    glass, pink, violet = np.array(GLASS_RGB), np.array([200.0, 120, 170]), np.array([110.0, 60, 150])
+    ink = [np.array(rgb, float) for rgb in INK_RGB.values()]
+    inked = [a * i + (1 - a) * glass for i in ink for a in (0.8, 0.9)]  # over glass, streaky
+    inked += [i * under / 255 for i in ink for under in (pink, violet)]  # over tissue: ink and stain both absorb
+    tissue = [(57, 21, 57), (115, 69, 118), (77, 40, 120), pink, violet, (230, 150, 190), glass]
+
+    def blocks(colours) -> np.ndarray:  # 4×4 px per colour: the mask opens away single pixels
+        return np.repeat(np.asarray(colours, float)[None, :, None, :], 4, axis=2).repeat(4, axis=0).reshape(4, -1, 3)
+
+    assert pen_mask(blocks(inked).astype(np.uint8)).reshape(4, -1, 4).all(axis=(0, 2)).tolist() == [True] * len(inked)
+    assert not pen_mask(blocks(tissue).astype(np.uint8)).any()
 
 
 def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash(tmp_path):

@@ -333,7 +333,8 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         sites = _table(cfg.sites, "sites")
         if sites:
             evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
-        report.save_pictures(out, y, feats, predictions)
+        names = {role: str(evaluation["models"][role].get("description") or "") for role in feats}
+        report.save_pictures(out, y, feats, predictions, names)
         evaluation["qupath"] = _qupath_predictions(out, ds, idx, y, predictions["candidate"]["linear"])
     decision = G.decide(cfg, evaluation)
     cand_metrics = _flat_metrics(evaluation["models"]["candidate"])

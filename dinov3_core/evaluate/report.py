@@ -106,40 +106,94 @@ def markdown(evaluation: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def normalised_confusion(y: np.ndarray, predicted: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row-normalised, counts): entry [i, j] is the share of the tiles of true class `classes[i]` predicted as
+    `classes[j]`, so each row with tiles sums to 1 (its recall on the diagonal); a class without tiles is a row of 0."""
+    index = {c: k for k, c in enumerate(classes.tolist())}
+    counts = np.zeros((len(classes), len(classes)), np.int64)
+    np.add.at(counts, ([index[c] for c in y.tolist()], [index[c] for c in predicted.tolist()]), 1)
+    totals = counts.sum(axis=1, keepdims=True)
+    return counts / np.maximum(totals, 1), counts
+
+
+def short_label(name: object, width: int = 14) -> str:
+    """A class name for an axis: wrapped at spaces to `width` characters a line, at most 2 lines (… if cut)."""
+    import textwrap
+
+    lines = textwrap.wrap(str(name), width) or [""]
+    if len(lines) > 2:
+        lines = [lines[0], lines[1][: width - 1] + "…"]
+    return "\n".join(lines)
+
+
+def plot_confusion(path: Path, y: np.ndarray, predicted: np.ndarray, classes: np.ndarray, title: str) -> np.ndarray:
+    """The row-normalised confusion matrix (each true class sums to 1; the tile counts in small print under each
+    share), wrapped and rotated class names, a colour bar, `title` on top; returns the normalised matrix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share, counts = normalised_confusion(y, predicted, classes)
+    n = len(classes)
+    side = max(4.5, 1.0 + 0.75 * n)
+    fig, ax = plt.subplots(figsize=(side + 1.2, side))
+    image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
+    small = n > 8
+    for i in range(n):
+        for j in range(n):
+            colour = "white" if share[i, j] > 0.6 else "black"
+            ax.text(j, i - 0.12, f"{share[i, j]:.2f}", ha="center", va="center", color=colour,
+                    fontsize=6 if small else 9)  # fmt: skip
+            ax.text(j, i + 0.25, f"n={counts[i, j]}", ha="center", va="center", color=colour,
+                    fontsize=4.5 if small else 6)  # fmt: skip
+    labels = [short_label(c) for c in classes]
+    ax.set_xticks(range(n), labels, rotation=40, ha="right", rotation_mode="anchor", fontsize=7)
+    ax.set_yticks(range(n), [f"{lab} (n={t})" for lab, t in zip(labels, counts.sum(1), strict=True)], fontsize=7)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class (tiles)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return share
+
+
 def save_pictures(
-    out: Path, y: np.ndarray, feats: dict[str, np.ndarray], preds: dict[str, dict[str, P.Predictions]]
+    out: Path,
+    y: np.ndarray,
+    feats: dict[str, np.ndarray],
+    preds: dict[str, dict[str, P.Predictions]],
+    names: dict[str, str] | None = None,
 ) -> None:
-    """Per model: the linear probe's confusion matrix (every labelled tile, each predicted by the fold that held
-    its slide out), and a 2-D PCA map of all labelled tiles coloured by class."""
+    """Per model (`names`: role → what the model is, for the titles): the linear probe's row-normalised confusion
+    matrix (every labelled tile, each predicted by the fold that held its slide out), and a 2-D PCA map of all
+    labelled tiles coloured by class."""
     # deferred: scikit-learn costs ~1 s at import, paid only by the probes
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from sklearn.decomposition import PCA
-    from sklearn.metrics import ConfusionMatrixDisplay
 
     out.mkdir(parents=True, exist_ok=True)
     classes = np.unique(y)
+    names = names or {}
     for role, x in feats.items():
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        ConfusionMatrixDisplay.from_predictions(
-            y, preds[role]["linear"].predicted, labels=classes, ax=ax, colorbar=False, xticks_rotation=30
-        )
-        ax.set_title(f"{role}: linear probe, held-out slides")
-        fig.tight_layout()
-        fig.savefig(out / f"confusion_{role}.png", dpi=110)
-        plt.close(fig)
+        model = f"{role} ({names[role]})" if names.get(role) else role
+        title = f"{model}\nlinear probe on held-out slides, rows normalised"
+        plot_confusion(out / f"confusion_{role}.png", y, preds[role]["linear"].predicted, classes, title)
         xy = PCA(n_components=2, random_state=0).fit_transform(P.l2_normalise(x))
         fig, ax = plt.subplots(figsize=(4.5, 4))
         for k, c in enumerate(classes):
             sel = y == c
             ax.scatter(xy[sel, 0], xy[sel, 1], s=8, alpha=0.7, color=plt.get_cmap("tab10")(k % 10), label=f"{c}")
-        ax.set_title(f"{role}: PCA of tile features")
+        ax.set_title(f"{model}: PCA of tile features", fontsize=9)
         ax.legend(fontsize=7, markerscale=2)
         fig.tight_layout()
         fig.savefig(out / f"embedding_{role}.png", dpi=110)
         plt.close(fig)
 
 
-__all__ = ["markdown", "save_pictures", "write_json"]
+__all__ = ["markdown", "normalised_confusion", "plot_confusion", "save_pictures", "short_label", "write_json"]

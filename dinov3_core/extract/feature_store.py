@@ -158,22 +158,63 @@ def pca_rgb(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rgb, np.pad(ratio, (0, 3 - k))
 
 
+PCA_BACKGROUND_FADE = 0.35  # share of the slide thumbnail left under the PCA map (the rest is white)
+QC_LEGEND_PX = 18  # the white strip under the tile stage's QC picture (dinov3_core/tiling/qc.py: with_legend)
+
+
+def faded_thumbnail(
+    thumbnail: Path, level0_size: tuple[int, int], origin: np.ndarray, scale: float, size: tuple[int, int]
+) -> np.ndarray | None:
+    """The tile store's QC thumbnail of the slide under a PCA map: the level-0 box from `origin` (x, y) that the map
+    covers at `scale` map px per level-0 px, resized to `size` (width, height), faded towards white. None when the
+    picture is missing or unreadable (the map is then drawn on white)."""
+    try:
+        with Image.open(thumbnail) as im:
+            drawing = im.convert("RGB")
+    except (OSError, ValueError):
+        return None
+    width, height = drawing.width, drawing.height - QC_LEGEND_PX  # the legend strip is no part of the slide
+    q = height / level0_size[1]  # thumbnail px per level-0 px (its width may be padded for a wide legend)
+    if height <= 0 or q <= 0 or round(level0_size[0] * q) > width + 1:
+        return None
+    box = (origin[0] * q, origin[1] * q, (origin[0] + size[0] / scale) * q, (origin[1] + size[1] / scale) * q)
+    region = drawing.crop(tuple(float(v) for v in box)).resize(size, Image.Resampling.BILINEAR)
+    rgb = np.asarray(region, np.float32)
+    return np.round(255.0 - PCA_BACKGROUND_FADE * (255.0 - rgb)).astype(np.uint8)
+
+
 def write_pca_png(
-    path: Path, coords: np.ndarray, features: np.ndarray, tile_level0: float, max_side: int, title: str = ""
+    path: Path,
+    coords: np.ndarray,
+    features: np.ndarray,
+    tile_level0: float,
+    max_side: int,
+    title: str = "",
+    thumbnail: Path | None = None,
+    level0_size: tuple[int, int] | None = None,
 ) -> list[float]:
     """Tiles at their level-0 coords, scaled so the map's long side is `max_side` px, coloured by the first 3 PCs;
-    `title` (slide, model) on top, what the colours mean and the explained variance below."""
+    `title` (slide, model) on top, what the colours mean and the explained variance below. Under the tiles, the tile
+    store's QC `thumbnail` of the slide (level-0 size `level0_size`), faded, when there is one; else white."""
     rgb, ratio = pca_rgb(features)
-    extent = float((coords.max(0) - coords.min(0)).max()) + tile_level0
+    origin = coords.min(0)
+    extent = float((coords.max(0) - origin).max()) + tile_level0
     scale = max_side / extent
     side = max(1, round(tile_level0 * scale))
-    xy = np.round((coords - coords.min(0)) * scale).astype(int)
+    xy = np.round((coords - origin) * scale).astype(int)
     legend = "colour = CLS features' principal components 1/2/3 as R/G/B; variance explained " + "/".join(
         f"{100 * r:.0f}%" for r in ratio
     )
-    width = max(int(xy[:, 0].max()) + side, 7 * len(legend), 7 * len(title))
-    height = int(xy[:, 1].max()) + side + 28
+    map_w, map_h = int(xy[:, 0].max()) + side, int(xy[:, 1].max()) + side
+    background = None
+    if thumbnail is not None and level0_size is not None:
+        background = faded_thumbnail(thumbnail, level0_size, origin, scale, (map_w, map_h))
+        legend += "" if background is None else "; the slide faded beneath"
+    width = max(map_w, 7 * len(legend), 7 * len(title))
+    height = map_h + 28
     canvas = np.full((height, width, 3), 255, np.uint8)
+    if background is not None:
+        canvas[14 : 14 + map_h, :map_w] = background
     for (x, y), c in zip(xy, (rgb * 255).astype(np.uint8), strict=True):
         canvas[14 + y : 14 + y + side, x : x + side] = c
     image = Image.fromarray(canvas)
@@ -205,7 +246,10 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
         title = f"{slide_id}: {n} tiles, model {model.path.name} ({model.hash[:8]})"
         picture.parent.mkdir(parents=True, exist_ok=True)
-        ratio = write_pca_png(staged, coords, cls_all, tile_level0, cfg.pca_max_side, title)
+        thumbnail = ts.slide_dir(ds.slide_store(s), slide_id) / "qc_thumbnail.png"
+        size = (tile_attrs.get("level0_width"), tile_attrs.get("level0_height"))
+        level0_size = (int(size[0]), int(size[1])) if all(size) else None
+        ratio = write_pca_png(staged, coords, cls_all, tile_level0, cfg.pca_max_side, title, thumbnail, level0_size)
     group.attrs[ATTRS_KEY] = {
         **FORMAT,
         "slide_id": slide_id,

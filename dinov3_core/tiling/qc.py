@@ -26,6 +26,14 @@ LEGEND = (("tissue contour", TISSUE_CONTOUR), ("pen ink", PEN_TINT), ("kept tile
           ("dropped by a QC filter", DROPPED_OUTLINE))  # fmt: skip
 
 
+def pen_label(pen_filter: bool | None) -> str:
+    """The pen entry of the legend: ink is never tissue (the tissue mask cuts it out); the pen filter, when on, also
+    drops the tiles more than `filters.pen_max_fraction` inked."""
+    if pen_filter is None:
+        return "pen ink (not tissue)"
+    return f"pen ink (not tissue; pen filter {'on' if pen_filter else 'off'})"
+
+
 def with_legend(picture: Image.Image, entries: tuple[tuple[str, tuple[int, int, int]], ...]) -> Image.Image:
     """The picture with a white strip below it: a colour swatch and a label per entry."""
     width = max(picture.width, sum(24 + 7 * len(label) for label, _ in entries))
@@ -53,12 +61,34 @@ def save_qc_pictures(
     tile_level0: int,
     max_side: int = 1024,
     title: str = "",
+    pen_filter: bool | None = None,
 ) -> dict[str, str]:
-    """Draw the tiling over `image` (`image_scale` level-0 px per px) and save it with the tissue mask.
-
-    Tissue contour green, pen ink magenta, kept tiles blue, tiles dropped by QC filters orange.
-    """
+    """Draw the tiling over `image` (`image_scale` level-0 px per px) and save it with the tissue mask."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    picture, _ = draw_qc_picture(
+        image, image_scale, tissue, pen, kept_coords, dropped_coords, tile_level0, max_side, title, pen_filter
+    )
+    thumb_path = out_dir / QC_PICTURES["thumbnail"]
+    mask_path = out_dir / QC_PICTURES["mask"]
+    picture.save(thumb_path, optimize=False)
+    Image.fromarray(tissue.astype(np.uint8) * 255).save(mask_path)
+    return {"thumbnail": thumb_path.name, "mask": mask_path.name}
+
+
+def draw_qc_picture(
+    image: np.ndarray,
+    image_scale: float,
+    tissue: np.ndarray,
+    pen: np.ndarray,
+    kept_coords: np.ndarray,
+    dropped_coords: np.ndarray,
+    tile_level0: int,
+    max_side: int = 1024,
+    title: str = "",
+    pen_filter: bool | None = None,
+) -> tuple[Image.Image, tuple[tuple[str, tuple[int, int, int]], ...]]:
+    """The QC picture and its legend entries: tissue contour green, pen ink tinted magenta, kept tiles blue, tiles
+    dropped by QC filters orange; the legend names only what is drawn on this slide."""
     img, factor = _fit(image, max_side)
     overlay = np.asarray(img).copy()
     nearest = Image.Resampling.NEAREST
@@ -78,9 +108,9 @@ def save_qc_pictures(
     if title:
         draw.rectangle((0, 0, min(picture.width, 8 * len(title) + 8), 14), fill=(255, 255, 255))
         draw.text((4, 1), title, fill=(0, 0, 0))
-    picture = with_legend(picture, LEGEND)
-    thumb_path = out_dir / QC_PICTURES["thumbnail"]
-    mask_path = out_dir / QC_PICTURES["mask"]
-    picture.save(thumb_path, optimize=False)
-    Image.fromarray(tissue.astype(np.uint8) * 255).save(mask_path)
-    return {"thumbnail": thumb_path.name, "mask": mask_path.name}
+    drawn = {TISSUE_CONTOUR: contour.any(), PEN_TINT: small_pen.any(), TILE_OUTLINE: len(kept_coords) > 0,
+             DROPPED_OUTLINE: len(dropped_coords) > 0}  # fmt: skip
+    entries = tuple(
+        (pen_label(pen_filter) if colour == PEN_TINT else label, colour) for label, colour in LEGEND if drawn[colour]
+    )
+    return with_legend(picture, entries), entries

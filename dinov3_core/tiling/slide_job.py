@@ -166,6 +166,7 @@ def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> Non
         plan.read.tile_size_level0,
         max_side=cfg.qc_thumbnail_px,
         title=f"{plan.task.slide_id}: {plan.n_tiles} tiles @ {plan.read.mpp_effective:.3f} um/px",
+        pen_filter=cfg.filters.pen_filter,
     )
 
 

@@ -340,7 +340,15 @@ class Trainer:
                                                                    "verdict": result.health}) + "\n")  # fmt: skip
         result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time
         if env.is_main:
-            result.loss_curve = M.plot_loss_curve(self.metrics.path, self.output_dir / M.LOSS_CURVE_FILE, self.stage)
+            result.loss_curve = M.plot_loss_curve(
+                self.metrics.path,
+                self.output_dir / M.LOSS_CURVE_FILE,
+                self.stage,
+                run_name=f"{self.output_dir.parent.name}/{self.output_dir.name}",
+                n_prototypes=self.cfg.heads.dino.n_prototypes,
+                min_gap=self.cfg.health.min_gap,
+                min_effective_rank=self.cfg.health.min_effective_rank,
+            )
         return result
 
     # ------------------------------------------------------------------------------------------ memory

@@ -197,9 +197,45 @@ def truncate_metrics(path: Path, before_iteration: int) -> None:
 LOSS_TERMS = ("total_loss", "dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "gram_loss")
 
 
-def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain") -> Path | None:
-    """Loss terms against iteration and the learning rate (matplotlib, Agg), titled with the stage and the run
-    directory. None when there is nothing to plot."""
+def health_series(metrics_path: Path, n_prototypes: int | None = None) -> dict[str, tuple[list[int], list[float]]]:
+    """The "is it learning?" signals of a run's metrics file (docs/stages.md), each as (iterations, values), only
+    where they were logged: ``dino_gap`` = ln K − DINO global-crop loss (from the lines' own `dino_gap`, or from
+    `dino_global_loss` and `n_prototypes` K for files that lack it), ``teacher_entropy`` (a fraction of ln K),
+    ``agreement``, and the probe's ``effective_rank`` (eval checkpoints only)."""
+    rows = [r for r in read_metrics(metrics_path) if "event" not in r]
+    ln_k = math.log(n_prototypes) if n_prototypes else None
+
+    def gap(r: dict[str, Any]) -> float | None:
+        if isinstance(r.get("dino_gap"), (int, float)):
+            return float(r["dino_gap"])
+        loss = r.get("dino_global_loss")
+        return ln_k - float(loss) if ln_k is not None and isinstance(loss, (int, float)) else None
+
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for key, get in (("dino_gap", gap), *((k, lambda r, k=k: r.get(k)) for k in HEALTH_SIGNALS[1:])):
+        points = [(int(r["iteration"]), float(v)) for r in rows if isinstance(v := get(r), (int, float))]
+        points = [(i, v) for i, v in points if math.isfinite(v)]
+        if points:
+            out[key] = ([i for i, _ in points], [v for _, v in points])
+    return out
+
+
+HEALTH_SIGNALS = ("dino_gap", "teacher_entropy", "agreement", "effective_rank")
+
+
+def plot_loss_curve(
+    metrics_path: Path,
+    out_path: Path,
+    stage: str = "pretrain",
+    run_name: str | None = None,
+    n_prototypes: int | None = None,
+    min_gap: float | None = None,
+    min_effective_rank: float | None = None,
+) -> Path | None:
+    """Loss terms and the learning rate against iteration (matplotlib, Agg), and under them the run's health: the
+    DINO loss's gap to ln K with the `health.min_gap` it must reach, the teacher's normalised entropy (and the
+    student/teacher agreement, chance 1/K), the probe's effective rank with its `health.min_effective_rank` alarm.
+    Titled with the stage and `run_name` (default: the run directory and its parent). None when nothing to plot."""
     rows = [r for r in read_metrics(metrics_path) if "event" not in r]  # event lines: memory re-plans
     if not rows:
         return None
@@ -209,7 +245,11 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    run = run_name or f"{metrics_path.parent.parent.name}/{metrics_path.parent.name}".lstrip("/")
+    fig = plt.figure(figsize=(13, 7.5))
+    grid = fig.add_gridspec(2, 3)
+    ax_loss, ax_lr = fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2])
+    ax_gap, ax_ent, ax_rank = (fig.add_subplot(grid[1, k]) for k in range(3))
     iterations = [r["iteration"] for r in rows]
     for key in LOSS_TERMS:  # gram_loss: the gram stage's own
         values = [r.get(key) for r in rows]
@@ -217,12 +257,45 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, stage: str = "pretrain")
             ax_loss.plot(iterations, [math.nan if v is None else v for v in values], label=key)
     ax_loss.set_xlabel("iteration")
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title(f"{stage} losses: {metrics_path.parent.name}")
+    ax_loss.set_title("losses")
     ax_loss.legend(fontsize=8)
     ax_lr.plot(iterations, [r.get("lr") for r in rows], label="lr")
     ax_lr.set_xlabel("iteration")
     ax_lr.set_ylabel("learning rate")
-    ax_lr.set_title(f"{stage} learning-rate schedule")
+    ax_lr.set_title("learning-rate schedule")
+
+    series = health_series(metrics_path, n_prototypes)
+    none = "not logged by this run"
+    if "dino_gap" in series:
+        ax_gap.plot(*series["dino_gap"], color="tab:blue", lw=0.8, label="ln K − DINO loss (global crops)")
+    ax_gap.axhline(0.0, color="grey", lw=0.8, ls=":", label="0: nothing learnt")
+    if min_gap is not None:
+        ax_gap.axhline(min_gap, color="tab:red", ls="--", lw=1, label=f"health.min_gap {min_gap:g}")
+    ax_gap.set_title("DINO loss below ln K (nats)" + ("" if "dino_gap" in series else f": {none}"))
+    ax_gap.set_xlabel("iteration")
+    ax_gap.legend(fontsize=7)
+    for key, label, colour in (("teacher_entropy", "teacher entropy / ln K (1: uniform)", "tab:purple"),
+                               ("agreement", "student–teacher agreement", "tab:green")):  # fmt: skip
+        if key in series:
+            ax_ent.plot(*series[key], color=colour, lw=0.8, label=label)
+    if n_prototypes and "agreement" in series:
+        ax_ent.axhline(1 / n_prototypes, color="tab:green", ls=":", lw=0.8, label=f"chance 1/K (K={n_prototypes})")
+    ax_ent.set_ylim(0, 1.05)
+    ax_ent.set_title("teacher targets" + ("" if "teacher_entropy" in series else f": {none}"))
+    ax_ent.set_xlabel("iteration")
+    if ax_ent.get_legend_handles_labels()[0]:
+        ax_ent.legend(fontsize=7)
+    if "effective_rank" in series:
+        ax_rank.plot(*series["effective_rank"], "o-", color="tab:orange", label="probe tiles, teacher CLS")
+    if min_effective_rank is not None:
+        ax_rank.axhline(min_effective_rank, color="tab:red", ls="--", lw=1,
+                        label=f"collapse alarm: health.min_effective_rank {min_effective_rank:g}")  # fmt: skip
+    ax_rank.set_ylim(0, 1.05)
+    ax_rank.set_title("effective rank at eval checkpoints" + ("" if "effective_rank" in series else f": {none}"))
+    ax_rank.set_xlabel("iteration")
+    if ax_rank.get_legend_handles_labels()[0]:
+        ax_rank.legend(fontsize=7)
+    fig.suptitle(f"{stage} run {run}: losses (top), is it learning? (bottom; docs/stages.md)")
     fig.tight_layout()
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp, dpi=100)
