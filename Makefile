@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q "$(UV_PIN)" \
 		|| echo "uv could not be installed: pip installs $(LOCK) instead" >&2
 	if test -x $(BIN)/uv; then $(BIN)/uv pip sync -q --compile-bytecode --python $(BIN)/python $(LOCK); \
-	else $(BIN)/python -m pip install -q --require-hashes -r $(LOCK); fi
+	else $(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK); fi
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
