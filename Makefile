@@ -8,16 +8,47 @@ DEMO_DIR ?= demo-output
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: slurm venv test lint format demo bench gpu-check clean serve browser
+.PHONY: slurm venv lock lock-check test lint format demo bench gpu-check clean serve browser
 
-# Reinstall only when pyproject.toml changes; `pip install -e` keeps source edits live.
-$(STAMP): pyproject.toml
+# The whole environment, transitive packages included, is pinned in $(LOCK) (`make lock` writes it from pyproject.toml;
+# docs/reference/pins.md#the-lock-file). Re-sync only when pyproject.toml or the lock changes; `pip install -e` keeps
+# source edits live. uv (pinned in the dev extra) installs the lock; where uv cannot be installed, pip does.
+LOCK := requirements.lock
+UV_PIN := $(shell sed -n 's/^ *"\(uv==[^"]*\)".*/\1/p' pyproject.toml)
+# Where the CPU torch wheel (torch==2.13.0+cpu) lies on this kind of machine; `make lock` records it in the lock.
+TORCH_WHEELS ?= /opt/wheels
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --find-links $(TORCH_WHEELS) --emit-find-links --generate-hashes \
+	--custom-compile-command "make lock" --quiet
+
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q "$(UV_PIN)" \
+		|| echo "uv could not be installed: pip installs $(LOCK) instead" >&2
+	if test -x $(BIN)/uv; then $(BIN)/uv pip sync -q --compile-bytecode --python $(BIN)/python $(LOCK); \
+	else $(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK); fi
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+$(BIN)/uv:
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(UV_PIN)"
+
+# Re-resolve pyproject.toml into $(LOCK), keeping every locked version that still fits (LOCK_ARGS=--upgrade moves
+# everything to the newest releases; LOCK_ARGS="--upgrade-package NAME" one package). Then `make venv` syncs to it.
+lock: $(BIN)/uv
+	$(UV_COMPILE) $(LOCK_ARGS) -o $(LOCK)
+
+# Fails when $(LOCK) no longer matches pyproject.toml (a pin changed without `make lock`). Needs the package index.
+lock-check: venv
+	@cp $(LOCK) $(VENV)/lock-check.txt
+	@$(UV_COMPILE) -o $(VENV)/lock-check.txt
+	@grep -E '^[^ #]' $(LOCK) > $(VENV)/lock-pins.old; grep -E '^[^ #]' $(VENV)/lock-check.txt > $(VENV)/lock-pins.new
+	@diff -u $(VENV)/lock-pins.old $(VENV)/lock-pins.new \
+		|| { echo "$(LOCK) does not match pyproject.toml: run 'make lock' and commit the lock" >&2; exit 1; }
+	@echo "$(LOCK) matches pyproject.toml"
 
 lint: venv
 	$(BIN)/ruff check .
