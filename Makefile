@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q "$(UV_PIN)" \
 		|| echo "uv could not be installed: pip installs $(LOCK) instead" >&2
-	if test -x $(BIN)/uv; then $(BIN)/uv pip sync -q --compile-bytecode --python $(BIN)/python $(LOCK); \
-	else $(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK); fi
+	if test -x $(BIN)/uv && $(BIN)/uv pip sync -q --compile-bytecode --python $(BIN)/python $(LOCK); then :; \
+	elif $(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK); then :; \
+	else echo "WARNING: $(LOCK) could not be installed here (is the CPU torch wheel in $(TORCH_WHEELS)?):" \
+		"pip resolves pyproject.toml instead" >&2; $(BIN)/python -m pip install -q -e ".[dev]"; fi
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
