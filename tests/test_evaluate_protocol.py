@@ -245,3 +245,14 @@ def test_fast_metrics_equal_scikit_learn(n_classes: int) -> None:
             expect["auroc"] = roc_auc_score(y[idx] == classes[1], scores[idx, 1])
         for name, value in expect.items():
             assert P.score(y, p, P.METRICS[name], idx) == pytest.approx(value, abs=1e-12), (name, trial)
+
+
+def test_the_linear_probe_keeps_the_middle_c_when_validation_holds_a_whole_class() -> None:
+    """A small fold can put every tile of a class in its validation slides: C cannot be chosen on them then (the
+    rest has one class), so the probe keeps the middle C and fits the whole fold (it raised in scikit-learn)."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 1, (20, 4)), rng.normal(3, 1, (10, 4))])
+    y = np.array(["a"] * 20 + ["b"] * 10)
+    val = np.arange(20, 30)  # every "b" is a validation tile
+    order, proba, c = P.linear_probe(x, y, val, x[:3], [0.1, 1.0, 10.0], seed=0)
+    assert list(order) == ["a", "b"] and c == 1.0 and proba.shape == (3, 2)

@@ -3,7 +3,6 @@ what a machine lacks. Its `tests` section is left out: the GPU tests run in this
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -94,10 +93,12 @@ def test_the_deps_section_names_what_is_missing_or_broken(tmp_path: Path) -> Non
 
 
 def system_openslide() -> bool:
-    for name in ("libopenslide.so.1", "libopenslide.so.0"):  # what openslide-python tries without openslide-bin
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            pass
-    return False
+    """Whether a fresh process finds a system libopenslide (what openslide-python tries without openslide-bin). In a
+    fresh process: in this one an earlier test may have loaded openslide-bin's copy, which the name then finds."""
+    probe = (
+        "import ctypes, sys\n"
+        "for n in ('libopenslide.so.1', 'libopenslide.so.0'):\n"
+        "    try:\n        ctypes.CDLL(n)\n        sys.exit(0)\n    except OSError:\n        pass\n"
+        "sys.exit(1)"
+    )
+    return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0

@@ -58,7 +58,11 @@ def pipeline_parameters(slides: Path, workdir: Path, tracking: MlflowTracking) -
         "slides": str(slides),
         "workdir": str(workdir),
         "config": "cpu",
-        "overrides": ["pretrain.config=tiny", *(f"{s}.{o}" for s, items in stage_overrides.items() for o in items)],
+        "overrides": [
+            "pretrain.config=tiny",
+            "gram.config=tiny",
+            *(f"{s}.{o}" for s, items in stage_overrides.items() for o in items),
+        ],
         "launch": {"nproc_per_node": 2, "retries": 1},
         "tracking": {"tracking_uri": tracking.uri, "experiment": tracking.experiment},
     }

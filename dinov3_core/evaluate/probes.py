@@ -232,8 +232,10 @@ def linear_probe(
         return scaler, model
 
     chosen = float(cs[len(cs) // 2])
-    if len(val_pos) and len(cs) > 1:
-        fit_pos = np.setdiff1d(np.arange(len(train)), val_pos)
+    fit_pos = np.setdiff1d(np.arange(len(train)), val_pos)
+    # C is chosen on the validation tiles only when the rest still has two classes to separate (a small fold can put
+    # all of a class in its validation slides); otherwise the middle C, fitted on the whole fold.
+    if len(val_pos) and len(cs) > 1 and len(np.unique(train_y[fit_pos])) > 1:
         best = -1.0
         for c in cs:
             scaler, model = fit(train[fit_pos], train_y[fit_pos], c)

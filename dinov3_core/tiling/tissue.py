@@ -8,15 +8,9 @@ from skimage import filters, morphology
 
 from dinov3_core.tiling.config import TissueConfig
 
-# Marker ink is blue or green (hue between green and blue: green at least as high as red) and saturated, or black
-# (dark grey; over tissue, very dark). H&E never has green above red (hematoxylin is violet: blue and red high, green
-# low), so the hue test, not the saturation, is what keeps dense nuclei out: at a fine thumbnail (small slides get
-# ~1 µm/px) violet nuclei reach 0.5 saturation and 0.2 value, and were taken for ink.
-PEN_MIN_SATURATION = 0.3
-PEN_GREEN_OVER_RED = -0.03  # g − r (in [0, 1]) of coloured ink is at least this
-PEN_GREY_MAX_VALUE = 0.36  # black ink over glass: darker than this and unsaturated …
-PEN_GREY_MAX_SATURATION = 0.15
-PEN_BLACK_MAX_VALUE = 0.18  # … over tissue: tinted by the stain beneath, but darker than any nucleus
+# Pen ink is strongly saturated blue/green or near-black; hematoxylin and DAB stay under ~0.35 saturation.
+PEN_MIN_SATURATION = 0.45
+PEN_BLACK_MAX_VALUE = 0.2
 
 
 def hsv_saturation_value(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,15 +90,15 @@ def mask_mpp(width_um: float, height_um: float, cfg: TissueConfig) -> float:
 
 
 def pen_mask(thumb: np.ndarray) -> np.ndarray:
-    """Pixels that look like marker ink: saturated blue/green, dark grey, or near-black."""
+    """Pixels that look like marker ink: saturated blue/green, or near-black."""
     rgb = thumb.astype(np.float32) / 255.0
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
     vmax = rgb.max(axis=-1)
     vmin = rgb.min(axis=-1)
     sat = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0)
-    blue_or_green = (np.maximum(g, b) > r) & (g - r >= PEN_GREEN_OVER_RED)
+    blue_or_green = ((b >= r) & (b >= g - 0.05)) | ((g > r) & (g >= b))
     coloured_ink = blue_or_green & (sat >= PEN_MIN_SATURATION)
-    black_ink = ((vmax <= PEN_GREY_MAX_VALUE) & (sat <= PEN_GREY_MAX_SATURATION)) | (vmax <= PEN_BLACK_MAX_VALUE)
+    black_ink = vmax <= PEN_BLACK_MAX_VALUE
     return ndimage.binary_opening(coloured_ink | black_ink, structure=np.ones((2, 2), bool))
 
 
