@@ -24,8 +24,20 @@ class SlideTask:
     path: Path
 
 
+class TileColumns:
+    """The per-tile arrays a level's group holds, by name (a slide's first level and each further one)."""
+
+    coords: np.ndarray
+    tissue_fraction: np.ndarray
+    pen_fraction: np.ndarray
+    blur_score: np.ndarray
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ("coords", "tissue_fraction", "pen_fraction", "blur_score")}
+
+
 @dataclass
-class LevelPlan:
+class LevelPlan(TileColumns):
     """One further µm/px of a slide (`TileConfig.mpp` a list): its read plan and kept tiles, from the first level's
     tissue mask. Stored under `slides/<id>/levels/<index>/` (docs/tile-store.md)."""
 
@@ -48,20 +60,12 @@ class LevelPlan:
         """The level's group, relative to the slide's."""
         return f"{LEVELS}/{self.index}"
 
-    def columns(self) -> dict[str, np.ndarray]:
-        return {
-            "coords": self.coords,
-            "tissue_fraction": self.tissue_fraction,
-            "pen_fraction": self.pen_fraction,
-            "blur_score": self.blur_score,
-        }
-
 
 LEVELS = "levels"  # the group of a slide's further levels
 
 
 @dataclass
-class SlidePlan:
+class SlidePlan(TileColumns):
     """Everything needed to write a slide's tiles; small enough to pass between processes."""
 
     task: SlideTask
@@ -90,14 +94,6 @@ class SlidePlan:
     @property
     def n_tiles(self) -> int:
         return len(self.coords)
-
-    def columns(self) -> dict[str, np.ndarray]:
-        return {
-            "coords": self.coords,
-            "tissue_fraction": self.tissue_fraction,
-            "pen_fraction": self.pen_fraction,
-            "blur_score": self.blur_score,
-        }
 
 
 def tiling_params(cfg: TileConfig) -> dict[str, Any]:
