@@ -152,12 +152,14 @@ def section_tests(p: dict[str, Any]) -> dict[str, Any]:
                               "summary": (text.strip().splitlines() or [""])[-1], "tests": []}  # fmt: skip
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
-            outcome, message = "passed", ""
+            outcome, message, detail = "passed", "", ""
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     outcome, message = child.tag, (child.get("message") or "")[:400]
+                    # The traceback's end names the cause; the report keeps it whole enough to fix from.
+                    detail = (child.text or "")[-6000:] if child.tag != "skipped" else ""
             result["tests"].append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                                    "message": message})  # fmt: skip
+                                    "message": message, "detail": detail})  # fmt: skip
     else:  # stopped: the verbose lines say what finished, and the last test started without an outcome is the one
         for line in text.splitlines():
             if line.startswith("tests/test_gpu.py::"):

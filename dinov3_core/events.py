@@ -11,6 +11,8 @@ Events and their fields:
 
 * ``stage.start``: stage, output (the stage's output directory), training (a torchrun stage: emitted by the runner
   before the job starts, not by its ranks);
+* ``train.step``: stage, output_dir, iteration, micro_batch, rank (every rank, before the step's forward; a
+  listener raising `torch.OutOfMemoryError` here is a device running out of memory at that micro-batch);
 * ``train.checkpoint``: stage, output_dir, iteration, rank (every rank, after the DCP checkpoint is complete);
 * ``tile.shard_written``: store, slide_id, start, tiles (in the worker process that wrote the shard);
 * ``extract.batch``: output, slide_id, start (first row), rank (before the model runs on a batch, in every rank).

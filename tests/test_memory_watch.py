@@ -265,3 +265,45 @@ def test_a_budget_below_the_model_itself_is_refused_before_anything_is_written(s
     with pytest.raises(ConfigError, match=r"train.memory_budget_gb=0.001 GiB is smaller than the model itself"):
         run_pretrain(pretrain_config(small_tile_store, out, **{"train.memory_budget_gb": 0.001}))
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------ out of device memory mid-step
+
+
+def test_a_step_out_of_device_memory_is_retried_smaller_to_the_same_parameters(
+    small_tile_store, tmp_path, monkeypatch
+) -> None:
+    """A device that only fits micro-batches of 2 (`wsidino_dev.faults`: `pretrain:oom>2` raises the
+    `torch.OutOfMemoryError` CUDA raises, before the step's forward): the first step is retried at 4, then 2, and
+    the run ends with the parameters of one that was planned at 2 from the start. Nothing fits at all: the run
+    stops naming the rungs it took and that no checkpoint exists yet."""
+    from wsidino_dev import faults
+
+    common = {"train.stop_at": 3, "checkpointing.period": 3, "evaluation.eval_period_iterations": 0,
+              "health.probe_tiles": 0, "train.batch_size_per_gpu": 8}  # fmt: skip
+    reference = run_pretrain(pretrain_config(small_tile_store, tmp_path / "planned", **common))
+    for key, value in faults.environment("pretrain:oom>2").items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "oom"
+    result = run_pretrain(pretrain_config(small_tile_store, out, **common))
+    rows = read_metrics(out / "training_metrics.json")
+    replans = [r for r in rows if r.get("event") == "memory_replan"]
+    assert [(r["iteration"], r["before"]["micro_batch"], r["after"]["micro_batch"]) for r in replans] == [
+        (0, 8, 4),
+        (0, 4, 2),
+    ]
+    assert all("out of device memory in iteration 0" in r["why"] and "injected" in r["why"] for r in replans)
+    assert [r["iteration"] for r in rows if "event" not in r] == [0, 1, 2]  # no step lost or repeated
+    assert result.micro_batch == 2 and result.memory_replans == 2  # planned at 8, ran at 2
+    got = load_dcp(out / "ckpt" / "2")["model"]
+    ref = load_dcp(tmp_path / "planned" / "ckpt" / "2")["model"]
+    assert reference.end_iteration == result.end_iteration == 3
+    assert max_diff(got, ref, "student.") < 1e-5 and max_diff(got, ref, "teacher.") < 1e-5
+
+    monkeypatch.setenv(faults.ENV, "pretrain:oom>0")
+    with pytest.raises(Exception, match="does not fit its memory") as info:
+        run_pretrain(pretrain_config(small_tile_store, tmp_path / "never", **common))
+    message = str(info.value)
+    assert "out of device memory in iteration 0" in message and "micro-batch 1 × 8" in message
+    assert "No checkpoint yet" in message
+    assert not (tmp_path / "never" / "ckpt" / "0").exists()  # a step that never ran is never saved

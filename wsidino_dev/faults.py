@@ -5,6 +5,9 @@ checkpoint of that iteration (or its first checkpoint), on rank 0 only, as a cra
 as it starts. A marker file in the stage's output directory records that the fault fired, so the retry (or
 rerun) succeeds.
 
+`<stage>:oom>N` is a device that is too small: every step of that training stage whose micro-batch is above N
+raises `torch.OutOfMemoryError` before its forward, on every rank, as CUDA would.
+
 The ML core knows nothing of this module: `environment("pretrain@1,export")` returns the variables that make
 `dinov3_core.events` call `on_event` here (`WSIDINO_HOOKS`) together with the fault list; set them on the
 process that runs the stage (a Prefect worker, the CLI) and every torchrun rank inherits them.
@@ -36,11 +39,27 @@ def on_event(event: str, **fields: Any) -> None:
         maybe_fail(fields["stage"], fields["output"])
     elif event == "train.checkpoint" and fields.get("rank", 0) == 0:
         maybe_fail(fields["stage"], fields["output_dir"], fields["iteration"])
+    elif event == "train.step":
+        maybe_out_of_memory(fields["stage"], fields["micro_batch"])
+
+
+def maybe_out_of_memory(stage: str, micro_batch: int) -> None:
+    """Raise `torch.OutOfMemoryError` when `$WSIDINO_FAULT` holds `<stage>:oom>N` and `micro_batch` > N."""
+    for spec in filter(None, (s.strip() for s in os.environ.get(ENV, "").split(","))):
+        name, _, limit = spec.partition(":oom>")
+        if name == stage and limit and micro_batch > int(limit):
+            import torch  # only a training process gets here, and it has torch already
+
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (injected: {ENV}={spec}, micro-batch {micro_batch} > {limit})"
+            )
 
 
 def maybe_fail(stage: str, marker_dir: str | os.PathLike[str], iteration: int | None = None) -> None:
     """Raise `InjectedFault` once when `$WSIDINO_FAULT` names this stage (and this iteration, when given)."""
     for spec in filter(None, (s.strip() for s in os.environ.get(ENV, "").split(","))):
+        if ":oom>" in spec:
+            continue  # a memory fault (maybe_out_of_memory), not a crash
         name, _, at = spec.partition("@")
         if name != stage or (at and (iteration is None or int(at) != iteration)):
             continue

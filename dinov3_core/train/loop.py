@@ -43,7 +43,7 @@ from dinov3_core.train.health import (
     schedule_summary,
     schedule_warnings,
 )
-from dinov3_core.train.memory_watch import MemoryWindow, Pressure, release_freed_memory
+from dinov3_core.train.memory_watch import MemoryWindow, Pressure, device_peak_bytes, release_freed_memory
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules, clip_gradients
 from dinov3_core.train.pp import Pipeline, clip_gradients_pp
 from dinov3_core.train.replan import RunPlan, next_plan, out_of_memory, start_watch
@@ -285,7 +285,7 @@ class Trainer:
                 data_time = time.perf_counter() - start
                 if batch.iteration != iteration:  # the sampler and the loop must never drift apart
                     raise RuntimeError(f"loader returned iteration {batch.iteration}, expected {iteration}")
-                values = self.train_step(iteration, batch)
+                values = self.step_within_memory(iteration, batch, on_metrics)
                 values.update(no_information_gaps(values, cfg))
                 iter_time = time.perf_counter() - start  # the probe below is not training throughput
                 last = iteration == self.stop_iteration - 1
@@ -353,16 +353,42 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ memory
 
-    def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None) -> bool:
+    def step_within_memory(self, iteration: int, batch: StepBatch, on_metrics: Any = None) -> dict[str, float]:
+        """`train_step`; when the device runs out of memory in a one-process run, the next rung of the re-plan
+        ladder (smaller micro-batch, then activation checkpointing) and the same step again. The batch planner's
+        estimate is a model: this is what keeps `batch_size_per_gpu=auto` from ending a run on its first step.
+        The retried step is the same step (same samples, same augmentation and RNG draws); only its micro-batch
+        split differs. With several processes an out-of-memory error stops the run as before: the others are
+        inside a collective and cannot take the same decision."""
+        while True:
+            try:
+                return self.train_step(iteration, batch)
+            except torch.OutOfMemoryError as err:
+                if self.env.distributed:
+                    raise
+                self.optimizer.zero_grad(set_to_none=True)
+                first_line = (str(err).strip().splitlines() or [""])[0][:200]
+                why = f"out of device memory in iteration {iteration} ({first_line})"
+                del err  # its traceback holds the failed step's tensors
+                release_freed_memory()
+                self.replan(iteration, "device", why, on_metrics=on_metrics, step_done=False)
+
+    def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None,
+               step_done: bool = True) -> bool:  # fmt: skip
         """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
-        must be rebuilt. With nothing left: checkpoint, then stop with what to change."""
+        must be rebuilt. With nothing left: checkpoint (`step_done`: the step completed, else the last checkpoint
+        is the state), then stop with what to change."""
         step = next_plan(self.run_plan, pressure, micro_ok=self.micro_batch_ok)
         if step is None:
-            saved = self.save(iteration) if not self.nonfinite_streak else ckpt.latest_checkpoint(self.ckpt_root)
+            done = step_done and not self.nonfinite_streak
+            saved = self.save(iteration) if done else ckpt.latest_checkpoint(self.ckpt_root)
             raise out_of_memory(self.cfg, self.run_plan, why, saved)
         self.memory_replans += 1
         self.set_run_plan(step.after)
         release_freed_memory()  # same iteration on every rank, like the scheduled collections
+        # A high-water-mark reset keeps what is reserved at that moment: reset now, after the old plan's cache went
+        # back, so the next window judges the new plan rather than counting the old one's peak once more.
+        device_peak_bytes(self.env.device)
         event = step.event(iteration, why) | M.batch_fields(
             self.global_batch, self.micro_batch, self.accumulation_steps
         )
@@ -423,6 +449,8 @@ class Trainer:
             group_size=cfg.crops.rng_group_size,
         )
         masks = IBOTMasks.from_masks(batch.masks.to(env.device, non_blocking=True), cfg.crops.n_global_crops)
+        events.emit("train.step", stage=self.stage, output_dir=str(self.output_dir), iteration=iteration,
+                    micro_batch=self.micro_batch, rank=env.rank)  # fmt: skip
         koleo_base = env.dp_rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
         keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names)
         loss_sum = forward_backward(model, self.pipeline, env, crops, masks, keys=keys, n_micro=n_micro,

@@ -11,11 +11,14 @@ from dinov3_core.train import config as C
 # attention probabilities of CPU's attention kernels, RoPE tables); fit with saved-tensor hooks on vit_test/vit_small.
 PER_TOKEN_D = 17.3
 PER_TOKEN_HEAD = 125.0
-# bf16 on CUDA, in bytes: measured peaks of ViT-L/16 on an H100 (2026-11-26, official crops, docs/benchmarks.md).
-# Flash attention keeps O(1) per head and token (no per-head term); without checkpointing a block keeps 32 bytes per
-# token and embedding dim (47.6 GiB measured at micro-batch 64, estimate 48.2); a checkpointed block's input costs
-# 3 bytes per element (the fp32 residual stream and bf16 copies; 31.0 GiB measured at micro-batch 256, estimate 31.6).
-CUDA_BF16_BLOCK_BYTES_PER_D = 32.0
+# bf16 on CUDA, in bytes: measured peaks on an H100 (2026-11-26, official crops, docs/benchmarks.md). Flash attention
+# keeps O(1) per head and token (no per-head term). Without checkpointing a block keeps 39.7 bytes per token and
+# embedding dim of the samples its branches run on: stochastic depth runs them on a (1 - drop_path_rate) subset of
+# the batch (ViT-L/16, rate 0.2: 47.6 GiB measured at micro-batch 64; ViT-B/16, rate 0.1: 71.5 GiB at 256; a fit of
+# both to within 1 %, where a constant per dim without the subset was off by 10 % on ViT-B and let ViT-S/16 at 512
+# run out of memory). A checkpointed block's input costs 3 bytes per element (the fp32 residual stream and bf16
+# copies; ViT-L/16, 31.0 GiB at micro-batch 256).
+CUDA_BF16_BLOCK_BYTES_PER_D = 39.7
 CUDA_BF16_CHECKPOINTED_INPUT_BYTES = 3.0
 HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
 SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
@@ -95,17 +98,20 @@ def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
     return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
 
 
-def block_bytes_per_token(shape: ModelShape, *, bf16: bool) -> tuple[float, float]:
-    """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input)."""
+def block_bytes_per_token(shape: ModelShape, *, bf16: bool, drop_path: float = 0.0) -> tuple[float, float]:
+    """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input).
+    `drop_path`: the student's stochastic-depth rate (its branches see that much less of the batch); the CPU
+    constants were fit without it and keep the whole batch, which over-estimates (the safe side)."""
     if bf16:
-        return CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
+        block = CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim * (1.0 - drop_path)
+        return block, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
     return 4.0 * (PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads), 4.0 * shape.embed_dim
 
 
 def backbone_activation_bytes(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
     """Bytes the student backbone saves for backward per image (all its crops)."""
     tokens = sum(tokens_per_image(cfg, shape))
-    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16)
+    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16, drop_path=cfg.student.drop_path_rate)
     depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
     if checkpointing:  # each block's input is kept; one block's activations are recomputed at a time
         return tokens * (depth * checkpointed_input + block)

@@ -106,7 +106,9 @@ def out_of_memory(cfg: C.PretrainConfig, plan: RunPlan, why: str, saved: Path | 
     return MemoryPressureError(
         f"training does not fit its memory: {why}, already at {plan.describe()}. Limit: train.memory_budget_gb="
         f"{budget if budget is not None else 'null (the machine)'} × train.memory_watch_threshold="
-        f"{cfg.train.memory_watch_threshold}. State saved in {saved}; to resume, free memory (other programs), raise "
+        f"{cfg.train.memory_watch_threshold}. "
+        f"{f'State saved in {saved}; to resume' if saved is not None else 'No checkpoint yet; to start'}, "
+        "free memory (other programs), raise "
         "train.memory_budget_gb, train fewer weights (student.lora.rank, student.freeze_blocks), use smaller crops "
         "(crops.global_size, crops.local_size, crops.n_local_crops) or heads (heads.*.n_prototypes), or more "
         "processes; then rerun"
