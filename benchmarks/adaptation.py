@@ -63,6 +63,8 @@ GRAM_SHARE = 0.2  # dinov3_core/configs/gram/cpu.yaml: the gram phase is 20 % of
 NO_AUG = {"crops.hed_p": 0.0, "crops.stain_norm_p": 0.0}
 HED = {"crops.hed_p": 0.5, "crops.stain_norm_p": 0.0}
 HED_RETARGET = {"crops.hed_p": 0.5, "crops.stain_norm_p": 0.5}
+MULTI_MPP = {"data.mpp_weights": {0.5: 0.5, 1.0: 0.5}}
+ROWS = ("init", "hed", "gram", "noaug", "retarget", "multimpp")
 
 
 def log(msg: str) -> None:
@@ -76,8 +78,21 @@ def tile(slides: list[Path], store: Path) -> None:
         run_tile(load_config(TileConfig, None, values))
 
 
-def stores(root: Path, preset: str) -> tuple[Path, Path, Path]:
-    """(training store, evaluation store = training slides + the held-out-stain slide, annotations)."""
+def multi_mpp_store(root: Path, slides: list[Path]) -> Path:
+    """The training slides cut at 0.5 and 1.0 µm/px into one store (96 px tiles at both: the second level sees
+    four times the area per tile). Evaluation stays at 0.5 µm/px, the store's first level."""
+    store = root / "train-multi.zarr"
+    if not store.exists():
+        for slide in slides:
+            values = {"input": str(slide), "output": str(store), "tile_size": 96, "stride": 96, "mpp": [0.5, 1.0],
+                      "progress": False, "tracking.enabled": False}  # fmt: skip
+            run_tile(load_config(TileConfig, None, values))
+    return store
+
+
+def stores(root: Path, preset: str) -> tuple[Path, Path, Path, list[Path]]:
+    """(training store, evaluation store = training slides + the held-out-stain slide, annotations, the training
+    slides)."""
     train = make_sample_slides(root / "slides", preset, negatives=False)  # type: ignore[arg-type]
     held = make_sample_slides(root / "heldout", "heldout", seed=1, negatives=False)
     annotations = root / "annotations"
@@ -90,7 +105,7 @@ def stores(root: Path, preset: str) -> tuple[Path, Path, Path]:
     if not eval_store.exists():
         shutil.copytree(train_store, eval_store)
         tile(held.slides, eval_store)
-    return train_store, eval_store, annotations
+    return train_store, eval_store, annotations, list(train.slides)
 
 
 def schedule(iterations: int) -> dict[str, Any]:
@@ -201,10 +216,15 @@ def main() -> None:
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--workdir", default=None, help="keep the slides, stores and runs here (default: a temp dir)")
     parser.add_argument("--table", help="only print the table of an adaptation.json")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"which rows (default all: {','.join(ROWS)})")
     args = parser.parse_args()
     if args.table:
         print_table(Path(args.table))
         return
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(ROWS)}")
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,7 +236,7 @@ def main() -> None:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        train_store, eval_store, annotations = stores(root, "test" if args.quick else "demo")
+        train_store, eval_store, annotations, train_slides = stores(root, "test" if args.quick else "demo")
         log(f"stores: {time.perf_counter() - start:.0f} s")
         seconds: dict[str, float] = {}
         results: dict[str, Any] = {}
@@ -233,22 +253,30 @@ def main() -> None:
                 json.dumps({"environment": env, "seconds": seconds, "results": results}, indent=2, default=float) + "\n"
             )
 
-        done("init (starting backbone)", init_backbone(root / "init"), "0")
-        hed = root / "hed"
-        seconds["pretrain N"] = pretrain(train_store, hed / "pretrain", n, HED)
-        done("pretrain, HED jitter (cpu recipe)", convert(hed / "pretrain", hed / "model"), f"{n}")
-        short = root / "gram"
-        seconds["pretrain N − G"] = pretrain(train_store, short / "pretrain", n - g, HED)
-        seconds["gram G"] = gram(train_store, short / "pretrain", short / "gram", "cpu", g if args.quick else None)
-        log(f"pretrain {n - g} + gram {g}: {seconds['pretrain N − G'] + seconds['gram G']:.0f} s")
-        done("pretrain + gram, HED jitter", convert(short / "gram", short / "model"), f"{n - g} + {g}")
-        # The demo's old gram stage (gram/tiny.yaml: 10 iterations of 8) on the same pretraining run.
-        seconds["gram tiny (old demo)"] = gram(train_store, short / "pretrain", short / "gram-tiny", "tiny", None)
+        if "init" in rows:
+            done("init (starting backbone)", init_backbone(root / "init"), "0")
+        if "hed" in rows:
+            hed = root / "hed"
+            seconds["pretrain N"] = pretrain(train_store, hed / "pretrain", n, HED)
+            done("pretrain, HED jitter (cpu recipe)", convert(hed / "pretrain", hed / "model"), f"{n}")
+        if "gram" in rows:
+            short = root / "gram"
+            seconds["pretrain N − G"] = pretrain(train_store, short / "pretrain", n - g, HED)
+            seconds["gram G"] = gram(train_store, short / "pretrain", short / "gram", "cpu", g if args.quick else None)
+            log(f"pretrain {n - g} + gram {g}: {seconds['pretrain N − G'] + seconds['gram G']:.0f} s")
+            done("pretrain + gram, HED jitter", convert(short / "gram", short / "model"), f"{n - g} + {g}")
         for name, slug, aug in (("pretrain, no stain augmentation", "noaug", NO_AUG),
                                 ("pretrain, HED jitter + re-targeting", "retarget", HED_RETARGET)):  # fmt: skip
+            if slug not in rows:
+                continue
             run = root / slug
             seconds[f"pretrain N, {slug}"] = pretrain(train_store, run / "pretrain", n, aug)
             done(name, convert(run / "pretrain", run / "model"), f"{n}")
+        if "multimpp" in rows:  # the same slides cut at 0.5 and 1.0 µm/px, half the samples from each
+            multi = root / "multimpp"
+            store = multi_mpp_store(root, train_slides)
+            seconds["pretrain N, multimpp"] = pretrain(store, multi / "pretrain", n, {**HED, **MULTI_MPP})
+            done("pretrain, HED jitter, 0.5 + 1.0 µm/px", convert(multi / "pretrain", multi / "model"), f"{n}")
     print_table(out / "adaptation.json")
 
 
