@@ -32,6 +32,7 @@ SCRIPTS = [
     "small_machine.py",
     "pipeline_parallel.py",
     "stain_aug.py",
+    "machine_limits.py",
 ]
 
 

@@ -1,0 +1,311 @@
+"""Each CPU hot path against this machine's own limit: the measured matmul peak, then GFLOP/s and % of that peak for
+the training step, torch extraction (eager and compiled) and ONNX Runtime extraction, with where each one's time goes.
+
+    python benchmarks/machine_limits.py --output bench-output           # several minutes on 2 cores
+    python benchmarks/machine_limits.py --quick --output bench-output   # smoke run, about a minute
+
+* **peak**: fp32 `torch.mm` of square matrices (2048, `--quick` 1024) on all of torch's threads, the best of the
+  repeats: what the BLAS reaches here. bf16 too where the CPU has bf16 matrix instructions (AVX512-BF16 / AMX).
+* **extract**: the ViT-S/16 backbone (`vit_small`, `--quick`: `vit_test`) on 224 px tiles, batch 16, the way the
+  extract stage runs it: torch eager (`inference_mode`), torch compiled (Inductor; warm-up reported separately) and
+  ONNX Runtime on the model the export stage writes (`run_export`, fp32, default graph optimisations).
+* **train**: one `step.forward_backward` plus AdamW of the `cpu` recipe (vit_test) and of ViT-S/16 at the shapes of
+  the issue's upstream comparison (2 × 112² + 8 × 48² crops, 4,096 prototypes, batch 8), eager and with
+  `train.compile` (each block compiled).
+
+FLOPs are counted from the model (`FlopCounterMode`: matrix products and attention; a multiply-add is 2), never
+assumed. Variants of one path run interleaved, round after round, in one process, and the table shows the median
+and the spread (min–max) over rounds: on a shared box the ratios hold better than the absolute figures. Each path's
+profile (`torch.profiler`, CPU self time) gives its top operators.
+
+Output: a markdown table on stdout and `<output>/machine_limits.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+Step = Callable[[], None]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+# ----------------------------------------------------------------------------------------------------- peak
+
+
+def matmul_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
+    """Best GFLOP/s of n×n×n matrix products (2n³ FLOPs each)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # first call: BLAS set-up
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def has_bf16_matmul() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags or capability == "AVX512_BF16"
+
+
+# -------------------------------------------------------------------------------------------------- timing
+
+
+def interleaved(steps: dict[str, Step], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Seconds per call of each step, `per_round` calls per round, the steps alternating round after round."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():  # lazy set-up (oneDNN primitives, allocator) stays out of the timed rounds
+        step()
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            times[name].append((time.perf_counter() - start) / per_round)
+    return times
+
+
+def top_ops(step: Step, calls: int = 2, n: int = 8) -> list[dict[str, Any]]:
+    """The operators taking the most CPU self time over `calls` calls of `step`."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+    events = list(prof.key_averages())
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    return [{"op": e.key[:60], "share": e.self_cpu_time_total / total, "calls": e.count // calls} for e in top]
+
+
+def counted_flops(step: Step) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(counter.get_total_flops())
+
+
+def row(path: str, variant: str, seconds: list[float], flops: float, peak: float, items: int, unit: str,
+        **extra: Any) -> dict[str, Any]:  # fmt: skip
+    median = statistics.median(seconds)
+    gflops = flops / median / 1e9
+    return {"path": path, "variant": variant, "items_per_s": items / median, "unit": unit,
+            "spread": [items / max(seconds), items / min(seconds)], "gflops": gflops,
+            "percent_of_peak": 100 * gflops / peak, "seconds": seconds, **extra}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ extract
+
+
+def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Path) -> list[dict[str, Any]]:
+    import numpy as np
+    import onnxruntime as ort
+
+    from dinov3_core.config import load_config
+    from dinov3_core.export.config import ExportConfig
+    from dinov3_core.export.onnx_export import run_export
+    from dinov3_core.inference.backbone import BackboneFeatures
+    from dinov3_core.models import build_backbone, save_backbone
+
+    torch.manual_seed(0)
+    backbone = build_backbone(arch).eval()
+    weights = save_backbone(backbone, workdir / f"{arch}.pth")
+    onnx = workdir / f"{arch}.onnx"
+    run_export(load_config(ExportConfig, None, {"weights": str(weights), "output": str(onnx),
+                                                "tracking.enabled": False}))  # fmt: skip
+    model = BackboneFeatures(backbone, pooled=False).eval()
+    x = torch.randn(batch, 3, 224, 224)
+    compiled = torch.compile(model, dynamic=False)
+    session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x.numpy()}
+
+    def eager() -> None:
+        with torch.inference_mode():
+            model(x)
+
+    def inductor() -> None:
+        with torch.inference_mode():
+            compiled(x)
+
+    def onnxruntime() -> None:
+        session.run(None, feed)
+
+    def eager_bf16() -> None:  # extract's precision=bf16: CPU autocast (AMX / AVX512-BF16 matrix units where present)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+
+    def inductor_bf16() -> None:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled_bf16(x)
+
+    compiled_bf16 = torch.compile(model, dynamic=False)
+    start = time.perf_counter()
+    inductor_bf16()
+    warmup_bf16 = time.perf_counter() - start
+
+    start = time.perf_counter()
+    inductor()
+    warmup = time.perf_counter() - start
+    with torch.inference_mode():  # the same features: the compiled and ORT models are the eager one
+        want = model(x)[0]
+        got = {"compiled": compiled(x)[0], "onnxruntime": torch.from_numpy(np.asarray(session.run(None, feed)[0]))}
+    agree = {k: float((v - want).abs().max() / want.abs().max()) for k, v in got.items()}
+    flops = counted_flops(eager)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got["bf16"] = model(x)[0].float()
+    agree["bf16"] = float((got["bf16"] - want).abs().max() / want.abs().max())
+    steps = {"torch eager": eager, "torch compiled (Inductor)": inductor, "ONNX Runtime": onnxruntime,
+             "torch eager, bf16 autocast": eager_bf16, "torch compiled, bf16 autocast": inductor_bf16}  # fmt: skip
+    times = interleaved(steps, rounds, 2)
+    rows = [row("extract", name, t, flops, peak, batch, "tiles/s") for name, t in times.items()]
+    rows[1]["compile_warmup_s"], rows[4]["compile_warmup_s"] = warmup, warmup_bf16
+    rows[3]["max_rel_diff_vs_eager"] = agree["bf16"]
+    for r, name in zip(rows[1:3], ("compiled", "onnxruntime"), strict=True):
+        r["max_rel_diff_vs_eager"] = agree[name]
+    for r, step in zip(rows, steps.values(), strict=True):
+        r["top_ops"] = top_ops(step)
+    for r in rows:
+        r["arch"] = arch
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- train
+
+
+def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: int, peak: float) -> list[dict[str, Any]]:
+    from dinov3_core.config import load_config
+    from dinov3_core.data.augment import MultiCrops
+    from dinov3_core.data.masking import IBOTMaskSampler
+    from dinov3_core.models.parallel import compile_blocks
+    from dinov3_core.train import config as C
+    from dinov3_core.train.distributed import DistEnv
+    from dinov3_core.train.optim import build_optimizer
+    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, build_ssl_model
+    from dinov3_core.train.step import forward_backward
+
+    cfg = load_config(C.PretrainConfig, recipe, {"data.stores": ["unused"], "output_dir": "unused", **overrides},
+                      stage="pretrain")  # fmt: skip
+    c = cfg.crops
+    env = DistEnv(device=torch.device("cpu"))
+    torch.manual_seed(0)
+    crops = MultiCrops(torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
+                       torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
+
+    def build(compiled: bool) -> Step:
+        torch.manual_seed(0)
+        model = build_ssl_model(cfg).model.train()
+        if compiled:
+            compile_blocks(model.student["backbone"])
+            compile_blocks(model.teacher["backbone"])
+        optimizer = build_optimizer(model.student, cfg)
+        masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(batch, c.n_global_crops)
+
+        def step() -> None:
+            forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
+                             teacher_temp=0.07, koleo_base=0, bf16=False)  # fmt: skip
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    eager = build(False)
+    flops = counted_flops(eager)
+    inductor = build(True)
+    start = time.perf_counter()
+    inductor()
+    warmup = time.perf_counter() - start
+    eager()
+    steps = {"eager": eager, "compiled blocks (train.compile)": inductor}
+    times = interleaved(steps, rounds, 1)
+    rows = [row("train step", name, t, flops, peak, batch, "img/s", arch=cfg.student.arch,
+                recipe=recipe) for name, t in times.items()]  # fmt: skip
+    rows[1]["compile_warmup_s"] = warmup
+    for r, step in zip(rows, steps.values(), strict=True):
+        r["top_ops"] = top_ops(step)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", default="bench-output")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--only", default="peak,extract,train", help="comma-separated: peak, extract, train")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rounds = args.rounds or (3 if args.quick else 7)
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "quick": args.quick, "rounds": rounds, "load_average_start": load_average()}  # fmt: skip
+    n = 1024 if args.quick else 2048
+    peaks = {"fp32": matmul_peak(n, torch.float32, 5 if args.quick else 10)}
+    if has_bf16_matmul():
+        peaks["bf16"] = matmul_peak(n, torch.bfloat16, 5 if args.quick else 10)
+    log(f"matmul peak: {peaks}")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if "extract" in only:
+            rows += section_extract("vit_test" if args.quick else "vit_small", 16, rounds, peaks["fp32"], Path(tmp))
+            log("extract: done")
+    if "train" in only:
+        rows += section_train("cpu", {}, 8 if args.quick else 32, rounds, peaks["fp32"])
+        log("train cpu: done")
+        if not args.quick:
+            vits = {"student.arch": "vit_small", "student.pretrained_weights": None, "crops.global_size": 112,
+                    "crops.local_size": 48, "crops.n_local_crops": 8, "heads.dino.n_prototypes": 4096,
+                    "heads.ibot.n_prototypes": 4096}  # fmt: skip
+            rows += section_train("cpu", vits, 8, rounds, peaks["fp32"])
+            log("train vit_small: done")
+    env["load_average_end"] = load_average()
+    doc = {"environment": env, "matmul_peak_gflops": peaks, "rows": rows}
+    (out / "machine_limits.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print_table(doc)
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    env, peaks = doc["environment"], doc["matmul_peak_gflops"]
+    print(f"\n## machine limits (torch {env['torch']}, {env['threads']} threads, {env['cpu_capability']}; load "
+          f"{env['load_average_start']:.1f} → {env['load_average_end']:.1f})\n")  # fmt: skip
+    print("matmul peak: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()) + "\n")
+    head = "| path | model | variant | throughput (median, min–max) | GFLOP/s | % of fp32 peak | warm-up s | top ops |"
+    print(head)
+    print("|---|---|---|---|---:|---:|---:|---|")
+    for r in doc["rows"]:
+        lo, hi = r["spread"]
+        ops = ", ".join(f"{o['op']} {100 * o['share']:.0f} %" for o in r["top_ops"][:4])
+        warm = f"{r['compile_warmup_s']:.0f}" if "compile_warmup_s" in r else ""
+        print(f"| {r['path']} | {r.get('arch', '')} | {r['variant']} | {r['items_per_s']:.1f} {r['unit']} "
+              f"({lo:.1f}–{hi:.1f}) | {r['gflops']:.0f} | {r['percent_of_peak']:.0f} | {warm} | {ops} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
