@@ -263,11 +263,15 @@ def apply_rope(q: Tensor, k: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
     """
     sin, cos = rope
     prefix = q.shape[-2] - sin.shape[-2]
+    if prefix:
+        # The prefix rows rotate by angle 0 (sin 0, cos 1: x·1 + rot(x)·0 = x, exactly), so q and k are rotated
+        # whole: padding the [N, head_dim] tables is cheap, where slicing the patches out and joining the prefix
+        # back copied all of q and k in every block (and again in backward).
+        sin = F.pad(sin, (0, 0, prefix, 0), value=0.0)
+        cos = F.pad(cos, (0, 0, prefix, 0), value=1.0)
 
     def rotate(t: Tensor) -> Tensor:
-        t_rope = t.to(sin.dtype)
-        patches = rope_apply(t_rope[:, :, prefix:], sin, cos)
-        return torch.cat([t_rope[:, :, :prefix], patches], dim=-2).to(t.dtype)
+        return rope_apply(t.to(sin.dtype), sin, cos).to(t.dtype)
 
     return rotate(q), rotate(k)
 
