@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    TypeAdapter,
+    model_validator,
+)
 
 from dinov3_core.config import ConfigError, parse_overrides
 from dinov3_core.forms import ui
@@ -22,10 +31,7 @@ from tasks.launch_slurm import SlurmSettings
 
 Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
 
-BACKEND_DESCRIPTION = (
-    "local: torchrun on the worker's host. slurm: sbatch from the worker. kubernetes: an Indexed Job applied with "
-    "kubectl. On a cluster the rendezvous is on the job's first node: no endpoint needed."
-)
+BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes above."
 CLUSTER_SECTIONS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings}  # backend → its own form section
 
 
@@ -37,7 +43,8 @@ def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
     - the other backends' sections may be present (`{"backend": "local", "slurm": {...}}`: the single launch
       model's complete payloads), so the server passes them on to `_from_single_model`, which drops them when they
       only restate the defaults and names them otherwise; unknown keys are still refused. The form draws only
-      `properties`: these sections do not appear in it.
+      `properties`: these sections do not appear in it;
+    - its `backend` is offered as the one value it can have.
     """
     others = [section for section in CLUSTER_SECTIONS if section != backend]
 
@@ -45,6 +52,8 @@ def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
         if backend != "local":
             schema["required"] = sorted({*schema.get("required", []), "backend"})
         schema["patternProperties"] = {f"^({'|'.join(others)})$": {"type": "object"}}
+        # The tag as a one-choice list: the form draws a `const` alone as a text box one could type another into.
+        schema["properties"]["backend"]["enum"] = [backend]
 
     return extra
 
@@ -116,8 +125,22 @@ def _from_single_model(value: Any) -> Any:
     return value
 
 
+class _AnyOf:
+    """The union's variants as `anyOf` (pydantic writes `oneOf`): Prefect's V1 UI draws only an `anyOf` as a
+    variant selector (a `oneOf` becomes a JSON editor there), the V2 UI either. The same payloads validate: the
+    variants exclude each other by their `backend` constant."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = dict(handler(core_schema))
+        schema["anyOf"] = schema.pop("oneOf")
+        return schema
+
+
 LaunchParams = Annotated[
-    LocalLaunch | SlurmLaunch | KubernetesLaunch, Field(discriminator="backend"), BeforeValidator(_from_single_model)
+    LocalLaunch | SlurmLaunch | KubernetesLaunch,
+    Field(discriminator="backend"),
+    BeforeValidator(_from_single_model),
+    _AnyOf(),
 ]
 """How a stage's torchrun job is launched from Prefect, one of: on the worker's host (`LocalLaunch`), as one job of
 the SLURM cluster the worker can submit to (`SlurmLaunch`: one sbatch job, one torchrun per node;

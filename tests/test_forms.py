@@ -82,14 +82,15 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
     model = definitions[schema["properties"]["params"]["$ref"].rsplit("/", 1)[1]]
     launch = model["properties"]["launch"]
     assert launch["discriminator"]["propertyName"] == "backend"
-    variants = [ref["$ref"].rsplit("/", 1)[1] for ref in launch["oneOf"]]
+    # anyOf, not pydantic's oneOf: the V1 UI draws only an anyOf as a selector (V2 either).
+    variants = [ref["$ref"].rsplit("/", 1)[1] for ref in launch["anyOf"]]
     assert variants == ["LocalLaunch", "SlurmLaunch", "KubernetesLaunch"]
     assert sorted(launch["discriminator"]["mapping"]) == ["kubernetes", "local", "slurm"]
     sections = {name: set(definitions[name]["properties"]) & {"slurm", "kubernetes"} for name in variants}
     assert sections == {"LocalLaunch": set(), "SlurmLaunch": {"slurm"}, "KubernetesLaunch": {"kubernetes"}}
-    for name in variants:  # one constant tag each, what the form's selector switches on
+    for name in variants:  # one constant tag each, what the form's selector switches on, offered as its one choice
         backend = definitions[name]["properties"]["backend"]
-        assert backend["const"] == backend["default"] and backend["type"] == "string"
+        assert [backend["const"]] == [backend["default"]] == backend["enum"] and backend["type"] == "string"
     # On a CPU run the form shows the torchrun settings and nothing of a cluster.
     local = definitions["LocalLaunch"]["properties"]
     assert sorted(local, key=lambda k: local[k]["position"]) == [
