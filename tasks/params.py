@@ -39,7 +39,8 @@ def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
     """The JSON schema of one backend's launch model, as the server validates a run's payload with it:
 
     - a cluster backend's `backend` is required there (pydantic gives each model its own tag as default), so a
-      payload without one matches the local model alone, as it always meant local (`oneOf` wants exactly one);
+      payload without one matches the local model alone, as it always meant local (the form too shows the variant
+      its value matches);
     - the other backends' sections may be present (`{"backend": "local", "slurm": {...}}`: the single launch
       model's complete payloads), so the server passes them on to `_from_single_model`, which drops them when they
       only restate the defaults and names them otherwise; unknown keys are still refused. The form draws only
@@ -74,6 +75,8 @@ class LocalLaunch(LaunchSettings):
 
 
 class _ClusterLaunch(LaunchSettings):
+    """What SLURM and Kubernetes launches share: the cluster places the nodes, so no rendezvous endpoint is asked."""
+
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> _ClusterLaunch:  # the job's first node is the rendezvous: none to give
         return self

@@ -550,6 +550,19 @@ def test_serve_registration_on_a_real_server(prefect_api: str, tmp_path: Path) -
     assert launch["discriminator"]["propertyName"] == "backend"
 
 
+def test_the_screenshots_short_run_is_a_valid_pipeline(tmp_path: Path) -> None:
+    """`python -m wsidino_dev screenshots` runs the CPU pipeline with `SHORT_RUN` added: every key must exist."""
+    from wsidino_dev.screenshots import SHORT_RUN
+
+    params = serve.demo_pipeline_params(tmp_path)
+    params = PipelineParams.model_validate({**params, "overrides": [*params["overrides"], *SHORT_RUN]})
+    cfg = load_pipeline_config(params.config, params.config_values())
+    assert cfg.pretrain.config == cfg.gram.config == "tiny"
+    for stage in STAGES:  # each stage's config loads, every override key checked against its dataclass
+        stage_config(cfg, stage)
+    assert stage_config(cfg, "pretrain").train.stop_at == stage_config(cfg, "gram").train.stop_at == 4
+
+
 def test_makefile_serve_target() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^serve: venv\n\t\$\(BIN\)/python -m wsidino_dev serve \$\(SERVE_ARGS\)$", makefile, re.MULTILINE)

@@ -5,9 +5,12 @@
 
 In a temporary serve directory it starts what `make serve` starts for a CPU box (a Prefect server with its UI, the
 `wsidino-cpu` pool's deployments pointed at sample slides, a process worker; no MLflow server: the run logs into
-its work directory's mlflow.db), runs `pipeline/pipeline` to completion (about 5 minutes on 2 cores), and has
-headless Chromium (Debian's `chromium`, `make browser`) render both pages. The PNGs are reduced to a 256-colour
-palette, which keeps a UI page (flat colours, text) under 300 KB. Everything it started is stopped at the end.
+its work directory's mlflow.db), runs `pipeline/pipeline` to completion, and has headless Chromium (Debian's
+`chromium`, `make browser`) render both pages: the UI's default (V2) pages, under /v2. The run is the whole chain
+with its training cut short (`SHORT_RUN`: the tiny configs, 4 iterations, small tiles; a few minutes on 2 cores;
+`--full` runs the deployment's own parameters, the `cpu` recipe: 1000 iterations, an hour on a busy 2-core box).
+The PNGs are reduced to a 256-colour palette, which keeps a UI page (flat colours, text) under 300 KB. Everything
+it started is stopped at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ from wsidino_dev.serve.deployments import (
 from wsidino_dev.serve.servers import start_prefect_server, start_sample_slides, start_worker, wait_prefect_server
 
 OUT_DIR = REPO_ROOT / "docs" / "images"
+_TRAIN = ["config=tiny", "train.global_batch_size=8", "train.batch_size_per_gpu=4", "optim.warmup_epochs=0",
+          "optim.freeze_last_layer_epochs=0", "train.stop_at=4", "checkpointing.period=2",
+          "evaluation.eval_period_iterations=2"]  # fmt: skip
+# Pipeline overrides of the shortened run: every stage, training cut to 4 iterations (what tests/test_pipeline_flow.py
+# runs), so the picture shows a complete run without the cpu recipe's hour of training.
+SHORT_RUN = [
+    "tile.tile_size=64", "tile.mpp=2.0", "tile.workers=1",
+    *(f"{stage}.{item}" for stage in ("pretrain", "gram") for item in _TRAIN),
+    "export.parity_sizes=[32]", "export.parity_batches=[2]",
+]  # fmt: skip
 FORM_PNG = "prefect-pipeline-form.png"
 RUN_PNG = "prefect-run.png"
 
@@ -75,7 +88,7 @@ def wait_final(api_url: str, flow_run_id: object, timeout: float) -> str:
     raise ServeError(f"flow run {flow_run_id} did not finish within {timeout:.0f} s")
 
 
-def take(out_dir: Path, serve_dir: Path, port: int, form_only: bool, run_timeout: float) -> list[Path]:
+def take(out_dir: Path, serve_dir: Path, port: int, form_only: bool, full: bool, run_timeout: float) -> list[Path]:
     """Start the servers, register, shoot the form, run the pipeline, shoot its page; stop everything."""
     from prefect.client.orchestration import SyncPrefectClient
 
@@ -91,21 +104,24 @@ def take(out_dir: Path, serve_dir: Path, port: int, form_only: bool, run_timeout
         wait_prefect_server(prefect)
         api = prefect.extra["api_url"]
         ensure_work_pools(api, (CPU_POOL,))
-        register_deployments(api, serve_dir, demo_params=demo_pipeline_params(serve_dir), pools=(CPU_POOL,))
+        params = demo_pipeline_params(serve_dir)
+        register_deployments(api, serve_dir, demo_params=params, pools=(CPU_POOL,))
         with SyncPrefectClient(api) as client:
             deployment = client.read_deployment_by_name(f"{DEMO_FLOW}/{DEMO_DEPLOYMENT}")
-        shots = [screenshot(f"{prefect.url}/deployments/deployment/{deployment.id}/run", out_dir / FORM_PNG,
-                            (1280, 2300))]  # fmt: skip
+        ui = f"{prefect.url}/v2"  # a deep link without /v2 is served by the V1 UI
+        shots = [screenshot(f"{ui}/deployments/deployment/{deployment.id}/run", out_dir / FORM_PNG, (1280, 2300))]
         if form_only:
             return shots
         children.append(start_worker(api, serve_dir, None, CPU_POOL))
+        if not full:
+            params = {**params, "overrides": [*params["overrides"], *SHORT_RUN]}
         with SyncPrefectClient(api) as client:
-            run = client.create_flow_run_from_deployment(deployment.id)
+            run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
         final = wait_final(api, run.id, run_timeout)
         if final != "Completed":
             raise ServeError(f"the pipeline run ended {final}; logs under {serve_dir / 'logs'}")
         time.sleep(5.0)  # the run's last log lines reach the API in batches, after it has finished
-        shots.append(screenshot(f"{prefect.url}/runs/flow-run/{run.id}", out_dir / RUN_PNG, (1400, 1000)))
+        shots.append(screenshot(f"{ui}/runs/flow-run/{run.id}", out_dir / RUN_PNG, (1400, 1000)))
         return shots
     finally:
         stop_all(children)
@@ -117,6 +133,7 @@ def build_parser(prog: str = "python -m wsidino_dev.screenshots", add_help: bool
     parser.add_argument("--serve-dir", type=Path, default=None, help="state directory (default: a temporary one)")
     parser.add_argument("--prefect-port", type=int, default=4290, help="the Prefect server's port (default 4290)")
     parser.add_argument("--form-only", action="store_true", help="only the run form: no pipeline run")
+    parser.add_argument("--full", action="store_true", help="run the cpu recipe as deployed, not the short run")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds the pipeline run may take")
     return parser
 
@@ -125,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="wsidino-screenshots-") as tmp:
         serve_dir = (args.serve_dir or Path(tmp)).resolve()
         try:
-            for path in take(args.out.resolve(), serve_dir, args.prefect_port, args.form_only, args.run_timeout):
+            for path in take(
+                args.out.resolve(), serve_dir, args.prefect_port, args.form_only, args.full, args.run_timeout
+            ):
                 print(f"{path}  ({path.stat().st_size // 1024} KB)")
         except (ServeError, subprocess.CalledProcessError) as err:
             print(f"screenshots: {err}", file=sys.stderr)
