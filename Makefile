@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each creates or updates .venv itself.
-# `make serve`: local Prefect + MLflow servers and a worker with every deployment (deploy/README.md); Ctrl-C stops.
+# `make serve`: local Prefect + MLflow servers, a CPU worker and its deployments (deploy/README.md); Ctrl-C stops.
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin

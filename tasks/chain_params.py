@@ -9,8 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dinov3_core.forms import ui
 from dinov3_core.stages import STAGE_NAMES, StageName
-from tasks.params import LaunchParams, Override, TrackingParams, merge_values, ui
+from tasks.params import LaunchParams, LocalLaunch, Override, TrackingParams, merge_values
 
 
 class PipelineParams(BaseModel):
@@ -64,7 +65,7 @@ class PipelineParams(BaseModel):
         "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
         json_schema_extra=ui(8),
     )  # fmt: skip
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(9))
+    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(9))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
 
     @model_validator(mode="after")
@@ -120,7 +121,7 @@ class RetrainParams(BaseModel):
         False, title="Train even if nothing changed", description="trigger.force: train this cycle regardless.",
         json_schema_extra=ui(5),
     )  # fmt: skip
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Training launch", json_schema_extra=ui(6))
+    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(6))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
 
     def config_values(self) -> dict[str, Any]:

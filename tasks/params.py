@@ -1,54 +1,155 @@
 """Flow parameters as pydantic models: what the Prefect UI renders as forms.
 
 Each form names only the required paths, a config name and `key=value` overrides (plus the launch settings of
-training stages, `dinov3_core.launch.training.LaunchSettings`): every config field is declared once, in its
-stage's dataclass, and `dinov3_core.config.load_config` checks every key against it (naming the closest valid key
-on a typo) and validates its values. So a bound can never differ between a form and the stage.
+training stages, `LaunchParams`: `dinov3_core.launch.training.LaunchSettings` and the chosen backend's section):
+every config field is declared once, in its stage's dataclass, and `dinov3_core.config.load_config` checks every
+key against it (naming the closest valid key on a typo) and validates its values. So a bound can never differ
+between a form and the stage. Optional fields render as plain inputs, empty meaning None (`dinov3_core.forms`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    TypeAdapter,
+    model_validator,
+)
 
 from dinov3_core.config import ConfigError, parse_overrides
+from dinov3_core.forms import ui
 from dinov3_core.launch.training import LaunchSettings
 from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
 
 Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
 
+BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes above."
+CLUSTER_SECTIONS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings}  # backend → its own form section
 
-class LaunchParams(LaunchSettings):
-    """How a stage's torchrun job is launched from Prefect: on the worker's host (`local`), as one job of the SLURM
-    cluster the worker can submit to (`slurm`: one sbatch job, one torchrun per node; tasks.launch_slurm), or as a
-    Kubernetes Indexed Job (`kubernetes`: one pod per node; tasks.launch_k8s)."""
 
-    model_config = ConfigDict(extra="forbid", title="Launch")
+def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
+    """The JSON schema of one backend's launch model, as the server validates a run's payload with it:
 
-    backend: Literal["local", "slurm", "kubernetes"] = Field(
-        "local", title="Backend",
-        description="local: torchrun on the worker's host. slurm: sbatch from the worker. kubernetes: an Indexed "
-        "Job applied with kubectl. On a cluster the rendezvous is on the job's first node: no endpoint needed.",
-        json_schema_extra={"position": 7},
-    )  # fmt: skip
-    slurm: SlurmSettings = Field(default_factory=SlurmSettings, title="SLURM", json_schema_extra={"position": 8})
-    kubernetes: KubernetesSettings = Field(
-        default_factory=KubernetesSettings, title="Kubernetes", json_schema_extra={"position": 9}
-    )
+    - a cluster backend's `backend` is required there (pydantic gives each model its own tag as default), so a
+      payload without one matches the local model alone, as it always meant local (the form too shows the variant
+      its value matches);
+    - the other backends' sections may be present (`{"backend": "local", "slurm": {...}}`: the single launch
+      model's complete payloads), so the server passes them on to `_from_single_model`, which drops them when they
+      only restate the defaults and names them otherwise; unknown keys are still refused. The form draws only
+      `properties`: these sections do not appear in it;
+    - its `backend` is offered as the one value it can have.
+    """
+    others = [section for section in CLUSTER_SECTIONS if section != backend]
+
+    def extra(schema: dict[str, Any]) -> None:
+        if backend != "local":
+            schema["required"] = sorted({*schema.get("required", []), "backend"})
+        schema["patternProperties"] = {f"^({'|'.join(others)})$": {"type": "object"}}
+        # The tag as a one-choice list: the form draws a `const` alone as a text box one could type another into.
+        schema["properties"]["backend"]["enum"] = [backend]
+
+    return extra
+
+
+class LocalLaunch(LaunchSettings):
+    """torchrun on the worker's host (GPU slots of `gpu_slots` held while it runs)."""
+
+    model_config = ConfigDict(extra="forbid", title="Local (this host)", json_schema_extra=_variant_schema("local"))
+
+    backend: Literal["local"] = Field("local", title="Backend", description=BACKEND_DESCRIPTION,
+                                      json_schema_extra=ui(7))  # fmt: skip
 
     @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> LaunchParams:  # on a cluster the job finds its first node itself
-        if self.nnodes > 1 and not self.rdzv_endpoint and self.backend == "local":
+    def _multi_node_needs_endpoint(self) -> LocalLaunch:  # replaces LaunchSettings' check, naming the alternative
+        if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous), or a cluster backend")
         return self
 
 
-def ui(position: int) -> dict[str, Any]:
-    """Field order in the Prefect UI form (inside a model it is otherwise defaults-first alphabetical)."""
-    return {"position": position}
+class _ClusterLaunch(LaunchSettings):
+    """What SLURM and Kubernetes launches share: the cluster places the nodes, so no rendezvous endpoint is asked."""
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> _ClusterLaunch:  # the job's first node is the rendezvous: none to give
+        return self
+
+
+class SlurmLaunch(_ClusterLaunch):
+    """One sbatch job of `nnodes` nodes, one torchrun per node (tasks.launch_slurm)."""
+
+    model_config = ConfigDict(extra="forbid", title="SLURM", json_schema_extra=_variant_schema("slurm"))
+
+    backend: Literal["slurm"] = Field("slurm", title="Backend", description=BACKEND_DESCRIPTION,
+                                      json_schema_extra=ui(7))  # fmt: skip
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings, title="SLURM", json_schema_extra=ui(8))
+
+
+class KubernetesLaunch(_ClusterLaunch):
+    """A Kubernetes Indexed Job, one pod per node (tasks.launch_k8s)."""
+
+    model_config = ConfigDict(extra="forbid", title="Kubernetes", json_schema_extra=_variant_schema("kubernetes"))
+
+    backend: Literal["kubernetes"] = Field("kubernetes", title="Backend", description=BACKEND_DESCRIPTION,
+                                           json_schema_extra=ui(7))  # fmt: skip
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings, title="Kubernetes",
+                                           json_schema_extra=ui(8))  # fmt: skip
+
+
+def _from_single_model(value: Any) -> Any:
+    """A launch payload → the union's shape: no `backend` means local (as it always did); the section of a backend
+    not chosen, which payloads of the single launch model (one `slurm` and one `kubernetes` section always
+    present) carried, is dropped when it only restates its defaults and is an error naming it otherwise."""
+    if not isinstance(value, dict):
+        return value
+    value = {"backend": "local", **value}
+    for key, section in CLUSTER_SECTIONS.items():
+        if key not in value or key == value["backend"]:
+            continue
+        given = value.pop(key)
+        try:
+            unused = section.model_validate(given) == section()
+        except ValueError:
+            unused = False
+        if not unused:
+            raise ValueError(
+                f"launch.{key} is set but launch.backend is {value['backend']!r}: each backend now carries only "
+                f'its own section ({{"backend": "slurm", "slurm": {{...}}}}, {{"backend": "kubernetes", '
+                f'"kubernetes": {{...}}}}, or {{"backend": "local"}} with neither); set backend to {key!r} or '
+                f"remove {key!r}"
+            )
+    return value
+
+
+class _AnyOf:
+    """The union's variants as `anyOf` (pydantic writes `oneOf`): Prefect's V1 UI draws only an `anyOf` as a
+    variant selector (a `oneOf` becomes a JSON editor there), the V2 UI either. The same payloads validate: the
+    variants exclude each other by their `backend` constant."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = dict(handler(core_schema))
+        schema["anyOf"] = schema.pop("oneOf")
+        return schema
+
+
+LaunchParams = Annotated[
+    LocalLaunch | SlurmLaunch | KubernetesLaunch,
+    Field(discriminator="backend"),
+    BeforeValidator(_from_single_model),
+    _AnyOf(),
+]
+"""How a stage's torchrun job is launched from Prefect, one of: on the worker's host (`LocalLaunch`), as one job of
+the SLURM cluster the worker can submit to (`SlurmLaunch`: one sbatch job, one torchrun per node;
+tasks.launch_slurm), or as a Kubernetes Indexed Job (`KubernetesLaunch`: one pod per node; tasks.launch_k8s). A
+union on `backend`, so the form offers the backend first and then only that backend's fields."""
+LAUNCH = TypeAdapter(LaunchParams)  # LAUNCH.validate_python({...}): a launch payload → its backend's model
 
 
 class TrackingParams(BaseModel):
@@ -206,7 +307,7 @@ class PretrainParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
     )
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(4))
+    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Launch", json_schema_extra=ui(4))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
     force: bool = Field(
         False, title="Force", description="Run even when the stage manifest says the outputs are up to date.",
@@ -248,7 +349,7 @@ class GramParams(BaseModel):
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
     )
-    launch: LaunchParams = Field(default_factory=LaunchParams, title="Launch", json_schema_extra=ui(5))
+    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Launch", json_schema_extra=ui(5))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
     force: bool = Field(False, title="Force", json_schema_extra=ui(7))
 
@@ -340,7 +441,7 @@ class EvaluateParams(BaseModel):
         json_schema_extra=ui(4),
     )  # fmt: skip
     launch: LaunchParams = Field(
-        default_factory=LaunchParams, title="Launch",
+        default_factory=LocalLaunch, title="Launch",
         description="More than one process (one per GPU): each model's labelled tiles are embedded by a torchrun "
         "job, split over the ranks; probes and the gate run once, in the flow.",
         json_schema_extra=ui(5),
@@ -368,7 +469,7 @@ class ExtractParams(BaseModel):
                         json_schema_extra=ui(2))  # fmt: skip
     stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
     launch: LaunchParams = Field(
-        default_factory=LaunchParams, title="Launch",
+        default_factory=LocalLaunch, title="Launch",
         description="More than one process (one per GPU): a torchrun job; slides and large slides' tile ranges "
         "are split over the ranks.",
         json_schema_extra=ui(4),
@@ -382,15 +483,19 @@ class ExtractParams(BaseModel):
 
 
 __all__ = [
+    "LAUNCH",
     "ConvertParams",
     "DaskParams",
     "EvaluateParams",
     "ExportParams",
     "ExtractParams",
     "GramParams",
+    "KubernetesLaunch",
     "LaunchParams",
+    "LocalLaunch",
     "Override",
     "PretrainParams",
+    "SlurmLaunch",
     "StageOptions",
     "TileParams",
     "TrackingParams",

@@ -46,6 +46,7 @@ from dinov3_core.stages import RunHooks, Stage, get_stage
 from dinov3_core.stages.evaluate import EvaluateSummary
 from tasks.launch_k8s import KubernetesRunner
 from tasks.launch_slurm import SlurmRunner
+from tasks.params import KubernetesLaunch, SlurmLaunch
 from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
 
 
@@ -277,7 +278,7 @@ def run_stage_task(
         summary; a flow returns its `as_dict()`.
     """
     logger = get_run_logger()
-    backend = getattr(launch, "backend", "local")
+    run_job = cluster_runner(launch)
     spec = get_stage(stage)
     tile = _TileArtifacts(str(cfg.output)) if spec.progress_bar else None  # slides as they are tiled
     extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if spec.job_log is not None else None
@@ -288,8 +289,8 @@ def run_stage_task(
         tags=prefect_run_tags(stage),
         run_name=mlflow_run_name(stage),
         # On a cluster its scheduler places the job and counts its GPUs: no Prefect GPU slots are held for it.
-        hold_resources=gpu_slots if backend == "local" else None,
-        run_job=cluster_runner(launch),
+        hold_resources=gpu_slots if run_job is None else None,
+        run_job=run_job,
         progress=(tile or extract).progress if (tile or extract) else None,
         on_slide=tile.on_slide if tile else None,
         run_groups=run_groups,
@@ -321,12 +322,12 @@ def is_retriable(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def cluster_runner(launch: Any) -> Callable[..., None] | None:
-    """What runs a stage's torchrun job for `launch.backend`: None (local torchrun), SLURM or Kubernetes."""
-    backend = getattr(launch, "backend", "local")
-    if backend == "slurm":
+def cluster_runner(launch: LaunchSettings | None) -> Callable[..., None] | None:
+    """What runs a stage's torchrun job for the launch's backend: SLURM, Kubernetes, or None: torchrun here (a
+    `LocalLaunch`, or the plain `LaunchSettings` of a caller outside the forms)."""
+    if isinstance(launch, SlurmLaunch):
         return SlurmRunner(launch.slurm)
-    if backend == "kubernetes":
+    if isinstance(launch, KubernetesLaunch):
         return KubernetesRunner(launch.kubernetes)
     return None
 

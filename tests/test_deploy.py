@@ -1,7 +1,7 @@
 """Deployment files: prefect.yaml parameters against the flow models, job templates, sbatch scripts, `make serve`.
 
-Nothing here runs a flow or a server: the checks read the files and use the real models, Prefect's templating,
-docker-py's argument handling and bash.
+Nothing here runs a flow: the checks read the files and use the real models, Prefect's templating, docker-py's
+argument handling and bash; one registers `make serve`'s deployments on the session's Prefect server.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
@@ -28,12 +28,15 @@ from dinov3_core.pipeline.workdir import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
 from tasks.chain_params import PipelineParams, RetrainParams
 from tasks.params import (
+    LAUNCH,
     ConvertParams,
     EvaluateParams,
     ExportParams,
     ExtractParams,
     GramParams,
+    KubernetesLaunch,
     PretrainParams,
+    SlurmLaunch,
     StageOptions,
     TileParams,
 )
@@ -81,18 +84,32 @@ def model_for(deployment: dict[str, Any]) -> type[BaseModel]:
     return FLOWS[function][1]
 
 
+def nested_model(annotation: Any, discriminator: Any, value: Any) -> type[BaseModel] | None:
+    """The model a field's value is an object of: its own type, or in a union on a tag (the launch's `backend`)
+    the member whose tag the value names (the first, local, when it names none)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    if not members or not isinstance(discriminator, str) or not isinstance(value, dict):
+        return None
+    tag = value.get(discriminator, next(m.model_fields[discriminator].default for m in members))
+    return next((m for m in members if m.model_fields[discriminator].default == tag), None)
+
+
 def missing_fields(model: type[BaseModel], values: Any, where: str) -> list[str]:
-    """Fields of `model` (recursively through nested models) that `values` does not spell out."""
+    """Fields of `model` (recursively through nested models) that `values` does not spell out; an optional field
+    left empty is left out (the server refuses a null when it registers a deployment)."""
     if not isinstance(values, dict):
         return [f"{where} is not an object"]
     missing = []
     for name, info in model.model_fields.items():
         if name not in values:
-            missing.append(f"{where}.{name}")
+            if info.default is not None or info.default_factory is not None:
+                missing.append(f"{where}.{name}")
             continue
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and values[name] is not None:
-            missing += missing_fields(annotation, values[name], f"{where}.{name}")
+        nested = nested_model(info.annotation, info.discriminator, values[name])
+        if nested is not None and values[name] is not None:
+            missing += missing_fields(nested, values[name], f"{where}.{name}")
     return missing
 
 
@@ -221,10 +238,21 @@ def test_gpu_deployments_say_they_need_a_gpu_worker(deployments: dict[str, dict[
 def test_the_slurm_pipeline_submits_its_jobs_to_slurm(deployments: dict[str, dict[str, Any]]) -> None:
     params = PipelineParams.model_validate(deployments["pipeline-slurm"]["parameters"]["params"])
     launch = params.launch
-    assert launch.backend == "slurm" and launch.nnodes == 2 and launch.rdzv_endpoint is None  # the script finds it
+    assert isinstance(launch, SlurmLaunch) and launch.backend == "slurm"
+    assert launch.nnodes == 2 and launch.rdzv_endpoint is None  # the script finds it
     assert launch.slurm.gpus_per_node == launch.nproc_per_node == 8 and launch.gpu_slots is None
     with pytest.raises(ValueError, match="rdzv_endpoint"):  # a local multi-node launch still needs its endpoint
-        type(launch).model_validate({**launch.model_dump(), "backend": "local"})
+        LAUNCH.validate_python({**launch.model_dump(exclude={"slurm"}), "backend": "local"})
+
+
+def test_deployment_launches_carry_only_their_backends_section(deployments: dict[str, dict[str, Any]]) -> None:
+    """prefect.yaml is in the union's shape: a local launch has no slurm/kubernetes section to fill in."""
+    launches = {name: d["parameters"]["params"]["launch"] for name, d in deployments.items()
+                if "launch" in d["parameters"]["params"]}  # fmt: skip
+    assert len(launches) >= 8
+    for name, launch in launches.items():
+        own = {"local": set(), "slurm": {"slurm"}, "kubernetes": {"kubernetes"}}[launch["backend"]]
+        assert set(launch) & {"slurm", "kubernetes"} == own, name
 
 
 def test_retrain_deployments(deployments: dict[str, dict[str, Any]]) -> None:
@@ -344,10 +372,10 @@ def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: 
     from dinov3_core.errors import WsidinoError
     from dinov3_core.launch.training import stage_job
     from tasks.launch_k8s import KubernetesRunner, dns_name, render
-    from tasks.params import LaunchParams as FormLaunch
     from tests.helpers import pretrain_config
 
-    launch = FormLaunch(nproc_per_node=4, nnodes=3, backend="kubernetes")
+    launch = LAUNCH.validate_python({"backend": "kubernetes", "nproc_per_node": 4, "nnodes": 3})
+    assert isinstance(launch, KubernetesLaunch)
     cfg = pretrain_config(tmp_path / "tiles.zarr", tmp_path / "run")
     job = stage_job("pretrain", cfg, launch, env={"MLFLOW_RUN_ID": "r1"})
     service, manifest = render(job, launch.kubernetes, name=dns_name("wsidino-pretrain-RUN_1"))
@@ -475,6 +503,64 @@ def test_dev_command_line_serve_takes_the_serve_options(monkeypatch: pytest.Monk
     assert args.func is cmd_serve
     assert (args.prefect_port, args.mlflow_port, args.gpu_worker) == (4301, 5000, True)
     assert args.serve_dir == REPO / ".wsidino-serve" and args.sample_preset == "test"
+
+
+def test_serve_registers_only_the_deployments_of_pools_it_runs_a_worker_for() -> None:
+    """On a CPU box no deployment waits "Not Ready" for a GPU or SLURM worker that never comes."""
+    assert set(serve.deployments_on(serve.served_pools())) == CPU_DEPLOYMENTS
+    assert set(serve.deployments_on(serve.served_pools(gpu_worker=True))) == CPU_DEPLOYMENTS | GPU_DEPLOYMENTS
+    everything = CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS
+    assert set(serve.deployments_on(serve.served_pools(all_deployments=True))) == everything
+    args = serve.build_parser().parse_args([])
+    assert (args.gpu_worker, args.all_deployments) == (False, False)
+    assert serve.build_parser().parse_args(["--all-deployments"]).all_deployments
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serve_registration_on_a_real_server(prefect_api: str, tmp_path: Path) -> None:
+    """`make serve`'s registration against the session's Prefect server: the CPU pool's deployments with
+    prefect.yaml's parameters (the server checks them against the stored schema), the demo's parameters, and an
+    earlier session's GPU deployment removed unless it has flow runs (deleting it would delete them)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    serve.ensure_work_pools(prefect_api, serve.served_pools())
+    with get_client(sync_client=True) as client:  # an earlier session's GPU deployments, one with a flow run
+        client.create_work_pool(WorkPoolCreate(name=serve.GPU_POOL, type="process"), overwrite=True)
+        for flow_name in ("pretrain", "gram"):
+            stale = client.create_deployment(flow_id=client.create_flow_from_name(flow_name), name=flow_name,
+                                             work_pool_name=serve.GPU_POOL)  # fmt: skip
+        run = client.create_flow_run_from_deployment(stale)
+    registration = serve.register_deployments(
+        prefect_api, tmp_path, demo_params=serve.demo_pipeline_params(tmp_path), pools=serve.served_pools()
+    )
+    log = registration.log.read_text()[-3000:]
+    assert registration.skipped == {}, log
+    assert (registration.removed, registration.kept) == (["pretrain/pretrain"], ["gram/gram"])
+    names = {full.split("/", 1)[1] for full in registration.deployments}
+    assert names >= CPU_DEPLOYMENTS and not names & (GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS) - {"gram"}, (names, log)
+    with get_client(sync_client=True) as client:
+        pipeline = client.read_deployment_by_name("pipeline/pipeline")
+        assert client.read_flow_run(run.id).deployment_id == stale  # kept, with its run
+        client.delete_deployment(stale)
+    assert pipeline.parameters == {"params": serve.demo_pipeline_params(tmp_path)}
+    assert pipeline.enforce_parameter_schema and pipeline.work_pool_name == serve.CPU_POOL
+    launch = pipeline.parameter_openapi_schema["definitions"]["PipelineParams"]["properties"]["launch"]
+    assert launch["discriminator"]["propertyName"] == "backend"
+
+
+def test_the_screenshots_short_run_is_a_valid_pipeline(tmp_path: Path) -> None:
+    """`python -m wsidino_dev screenshots` runs the CPU pipeline with `SHORT_RUN` added: every key must exist."""
+    from wsidino_dev.screenshots import SHORT_RUN
+
+    params = serve.demo_pipeline_params(tmp_path)
+    params = PipelineParams.model_validate({**params, "overrides": [*params["overrides"], *SHORT_RUN]})
+    cfg = load_pipeline_config(params.config, params.config_values())
+    assert cfg.pretrain.config == cfg.gram.config == "tiny"
+    for stage in STAGES:  # each stage's config loads, every override key checked against its dataclass
+        stage_config(cfg, stage)
+    assert stage_config(cfg, "pretrain").train.stop_at == stage_config(cfg, "gram").train.stop_at == 4
 
 
 def test_makefile_serve_target() -> None:

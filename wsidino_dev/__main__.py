@@ -2,6 +2,7 @@
 
 * ``samples OUT_DIR [--preset demo|test] [--seed N] [--no-negatives]``: write sample slides and their annotations.
 * ``serve [--prefect-port N] [--mlflow-port M] [--serve-dir DIR] ...``: what `make serve` runs (`wsidino_dev.serve`).
+* ``screenshots [--out DIR] [--form-only]``: the Prefect UI pictures of the docs (`wsidino_dev.screenshots`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def cmd_samples(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from wsidino_dev.serve.cli import run
+
+    return run(args)
+
+
+def cmd_screenshots(args: argparse.Namespace) -> int:
+    from wsidino_dev.screenshots import run
 
     return run(args)
 
@@ -57,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
     )
     serve.set_defaults(func=cmd_serve)
+
+    from wsidino_dev.screenshots import build_parser as screenshots_parser
+
+    screenshots = sub.add_parser(
+        "screenshots",
+        parents=[screenshots_parser(add_help=False)],
+        help="the Prefect UI pictures of the docs: the pipeline's run form and a finished run (needs chromium)",
+    )
+    screenshots.set_defaults(func=cmd_screenshots)
     return parser
 
 

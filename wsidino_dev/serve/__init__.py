@@ -9,9 +9,11 @@ On 127.0.0.1 it starts, each in its own process group with its log under `<serve
 2. an MLflow server (default port 5000): runs in `<serve dir>/mlflow.db`, artifacts served from
    `<serve dir>/mlartifacts`;
 
-then creates the `wsidino-cpu` and `wsidino-gpu` process work pools and the `gpu-slots` global concurrency
-limit (one slot per local GPU, at least 1), registers the deployments of `deploy/prefect.yaml` from the
-repository root (`prefect --no-prompt deploy --all`), points the CPU `pipeline/pipeline` deployment at sample
+then creates the process work pools it serves (`wsidino-cpu`; `wsidino-gpu` too with `--gpu-worker`; every pool
+with `--all-deployments`) and the `gpu-slots` global concurrency limit (one slot per local GPU, at least 1),
+registers the deployments of `deploy/prefect.yaml` on those pools from the repository root (`prefect --no-prompt
+deploy --name ...`; an earlier session's deployments on other pools are deleted, so the UI shows none "Not
+Ready" for want of a worker), points the CPU `pipeline/pipeline` deployment at sample
 slides written to `<serve dir>/slides` (`python -m wsidino_dev samples`; its default `params`, complete, are also
 written to `<serve dir>/pipeline-params.json`), and starts a process worker on `wsidino-cpu` whose flow runs log
 to the MLflow server. It prints both UI addresses and waits; Ctrl-C (SIGINT) or SIGTERM stops the worker and both
@@ -61,11 +63,13 @@ from wsidino_dev.serve.deployments import (
     count_local_gpus,
     demo_pipeline_params,
     demo_retrain_params,
+    deployments_on,
     ensure_gpu_slots,
     ensure_work_pools,
     entrypoint_path,
     load_deployment_specs,
     register_deployments,
+    served_pools,
 )
 from wsidino_dev.serve.servers import (
     DEFAULT_MLFLOW_PORT,
@@ -110,6 +114,7 @@ __all__ = [
     "count_local_gpus",
     "demo_pipeline_params",
     "demo_retrain_params",
+    "deployments_on",
     "ensure_gpu_slots",
     "ensure_work_pools",
     "entrypoint_path",
@@ -121,6 +126,7 @@ __all__ = [
     "reap_orphans",
     "register_deployments",
     "run",
+    "served_pools",
     "spawn",
     "start_mlflow_server",
     "start_prefect_server",

@@ -33,6 +33,7 @@ from wsidino_dev.serve.deployments import (
     ensure_gpu_slots,
     ensure_work_pools,
     register_deployments,
+    served_pools,
 )
 from wsidino_dev.serve.servers import (
     DEFAULT_MLFLOW_PORT,
@@ -96,7 +97,15 @@ def build_parser(prog: str = "python -m wsidino_dev.serve", add_help: bool = Tru
         "--worker-limit", type=int, default=None, help="flow runs the CPU worker runs at once (default: no limit)"
     )
     parser.add_argument(
-        "--gpu-worker", action="store_true", help="also start a process worker on wsidino-gpu (on a GPU host)"
+        "--gpu-worker",
+        action="store_true",
+        help="also start a process worker on wsidino-gpu and register the GPU deployments (on a GPU host)",
+    )
+    parser.add_argument(
+        "--all-deployments",
+        action="store_true",
+        help="register every deployment, also those whose pool (wsidino-gpu, wsidino-slurm) no worker here polls: "
+        "for workers on other hosts (default: only the pools this command starts workers for)",
     )
     parser.add_argument(
         "--sample-preset",
@@ -149,18 +158,30 @@ def run(args: argparse.Namespace) -> int:
         wait_prefect_server(prefect, args.timeout)
         print(f"serve: Prefect server up at {prefect.url}", flush=True)
         api = prefect.extra["api_url"]
-        ensure_work_pools(api)
+        pools = served_pools(args.gpu_worker, args.all_deployments)
+        ensure_work_pools(api, pools)
         size = ensure_gpu_slots(api, args.gpu_slots)
-        print(f"serve: work pools {CPU_POOL}, {GPU_POOL}; concurrency limit {GPU_SLOTS_LIMIT}={size}", flush=True)
+        print(f"serve: work pools {', '.join(pools)}; concurrency limit {GPU_SLOTS_LIMIT}={size}", flush=True)
         if slides is not None:
             wait_exit(slides)
             children.remove(slides)
         print("serve: registering deployments (prefect deploy)...", flush=True)
         registration = register_deployments(
-            api, serve_dir, demo_params=demo_pipeline_params(serve_dir), retrain_params=demo_retrain_params(serve_dir)
+            api,
+            serve_dir,
+            demo_params=demo_pipeline_params(serve_dir),
+            retrain_params=demo_retrain_params(serve_dir),
+            pools=pools,
         )
         for name, why in registration.skipped.items():
             print(f"serve: WARNING: deployment {name!r} not registered: {why}", file=sys.stderr, flush=True)
+        if registration.removed:
+            print(f"serve: removed {', '.join(registration.removed)} (an earlier session's; no worker here polls "
+                  "their pools)", flush=True)  # fmt: skip
+        for name in registration.kept:
+            print(f"serve: {name} stays registered although no worker here polls its pool (shown \"Not Ready\"): "
+                  f"it has flow runs, which deleting it would delete; `prefect deployment delete '{name}'` if they "
+                  "can go", flush=True)  # fmt: skip
         wait_mlflow_server(mlflow, args.timeout)
         print(f"serve: MLflow server up at {mlflow.url}", flush=True)
         # Each child is in `children` before anything waits on it, so Ctrl-C at any point stops it.
@@ -192,14 +213,20 @@ def run(args: argparse.Namespace) -> int:
                 f"  (other parameters: edit a copy of {_display(registration.demo_params_file)} and add "
                 "--params FILE; it replaces the whole params object)",
             ]
-        if not args.gpu_worker:
-            gpu = [d for d in registration.deployments if d.split("/")[1] in GPU_DEPLOYMENTS]
+        gpu = [d for d in registration.deployments if d.split("/")[1] in GPU_DEPLOYMENTS]
+        if not args.gpu_worker and gpu:
             lines += [
                 "",
                 f'GPU deployments ({", ".join(gpu)}) wait for a worker on pool {GPU_POOL} (shown "Not Ready"',
                 "until one polls): on a GPU host that sees this server, run",
                 f"  PREFECT_API_URL={api} prefect worker start --pool {GPU_POOL}",
-                "  or here, on a GPU machine: make serve SERVE_ARGS=--gpu-worker (docs/hardware.md: which recipe fits)",
+            ]
+        elif not args.gpu_worker:
+            lines += [
+                "",
+                f"GPU and SLURM deployments are not registered: no worker here polls {GPU_POOL} or {SLURM_POOL}.",
+                "  On a GPU machine: make serve SERVE_ARGS=--gpu-worker (docs/hardware.md: which recipe fits);",
+                "  for workers on other hosts: make serve SERVE_ARGS=--all-deployments (deploy/README.md)",
             ]
         slurm = [d for d in registration.deployments if d.split("/")[1] in SLURM_DEPLOYMENTS]
         if slurm:

@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,20 @@ def load_deployment_specs(prefect_file: Path = PREFECT_FILE) -> list[dict[str, A
     return list(yaml.safe_load(prefect_file.read_text())["deployments"])
 
 
+def served_pools(gpu_worker: bool = False, all_deployments: bool = False) -> tuple[str, ...]:
+    """The work pools whose deployments `make serve` registers: those it starts a worker for (CPU, and GPU with
+    `--gpu-worker`), or every pool with `--all-deployments` (workers on other hosts). A deployment whose pool no
+    worker polls is shown "Not Ready" in the UI and its runs wait forever."""
+    if all_deployments:
+        return (CPU_POOL, GPU_POOL, SLURM_POOL)
+    return (CPU_POOL, GPU_POOL) if gpu_worker else (CPU_POOL,)
+
+
+def deployments_on(pools: Sequence[str], prefect_file: Path = PREFECT_FILE) -> list[str]:
+    """Names (in prefect.yaml) of the deployments whose work pool is one of `pools`."""
+    return [s["name"] for s in load_deployment_specs(prefect_file) if s["work_pool"]["name"] in pools]
+
+
 def entrypoint_path(spec: dict[str, Any]) -> Path:
     return REPO_ROOT / spec["entrypoint"].split(":", 1)[0]
 
@@ -144,6 +158,10 @@ class Registration:
     log: Path
     demo_params_file: Path | None = None
     retrain_params_file: Path | None = None
+    # Earlier sessions' deployments on pools not served now: deleted when they have no flow runs, else kept (the
+    # server deletes a deployment's runs with it).
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
 
 
 def _deploy(serve_dir: Path, api_url: str, args: Sequence[str], prefect_file: Path, log: Path) -> bool:
@@ -163,8 +181,12 @@ def register_deployments(
     prefect_file: Path = PREFECT_FILE,
     demo_params: dict[str, Any] | None = None,
     retrain_params: dict[str, Any] | None = None,
+    pools: Sequence[str] = (CPU_POOL,),
 ) -> Registration:
-    """`prefect --no-prompt deploy --all --prefect-file deploy/prefect.yaml`, run in the repository root.
+    """`prefect --no-prompt deploy --prefect-file deploy/prefect.yaml --name ...` for the deployments on `pools`
+    (`served_pools`), run in the repository root. Deployments of this prefect.yaml already on the server but on
+    another pool (an earlier session's, e.g. with `--gpu-worker`) are deleted, so none is left "Not Ready", unless
+    they have flow runs: the server would delete those with them, so they are kept and named in the result.
 
     Deployments whose entrypoint file does not exist are skipped (named in the result); if the batch fails
     (a flow module that does not import), each deployment is retried alone and the failures are skipped.
@@ -173,21 +195,36 @@ def register_deployments(
     """
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     log = serve_dir / "logs" / "deploy.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    specs = load_deployment_specs(prefect_file)
+    all_specs = load_deployment_specs(prefect_file)
+    specs = [s for s in all_specs if s["work_pool"]["name"] in pools]
     skipped = {s["name"]: f"{s['entrypoint']}: no such file yet" for s in specs if not entrypoint_path(s).exists()}
     names = [s["name"] for s in specs if s["name"] not in skipped]
     if not names:
-        raise ServeError(f"no deployment of {prefect_file} has an existing entrypoint")
-    batch = ["--all"] if not skipped else [arg for name in names for arg in ("--name", name)]
-    if not _deploy(serve_dir, api_url, batch, prefect_file, log):
+        raise ServeError(f"no deployment of {prefect_file} on pools {', '.join(pools)} has an existing entrypoint")
+    if not _deploy(serve_dir, api_url, [arg for name in names for arg in ("--name", name)], prefect_file, log):
         for name in names:
             if not _deploy(serve_dir, api_url, ["--name", name], prefect_file, log):
                 skipped[name] = f"`prefect deploy` failed (see {log})"
+    unserved = {s["name"] for s in all_specs if s["work_pool"]["name"] not in pools}
+    removed, kept = [], []
     with SyncPrefectClient(api_url) as client:
         flows = {f.id: f.name for f in client.read_flows()}
+        for deployment in client.read_deployments():
+            if deployment.name not in unserved or deployment.work_pool_name in pools:
+                continue
+            full_name = f"{flows.get(deployment.flow_id, '?')}/{deployment.name}"
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])), limit=1
+            )
+            if runs:
+                kept.append(full_name)
+            else:
+                client.delete_deployment(deployment.id)
+                removed.append(full_name)
         registered = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
         files: dict[str, Path | None] = {}
         for flow_name, name, params in ((DEMO_FLOW, DEMO_DEPLOYMENT, demo_params),
@@ -202,4 +239,5 @@ def register_deployments(
     if not registered:
         raise ServeError(f"no deployment was registered; see {log}")
     return Registration(deployments=registered, skipped=skipped, log=log, demo_params_file=files[DEMO_DEPLOYMENT],
-                        retrain_params_file=files[RETRAIN_DEPLOYMENT])  # fmt: skip
+                        retrain_params_file=files[RETRAIN_DEPLOYMENT], removed=sorted(removed),
+                        kept=sorted(kept))  # fmt: skip
