@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dinov3_core.forms import ui
 from dinov3_core.stages import STAGE_NAMES, StageName
-from tasks.params import LaunchParams, LocalLaunch, Override, TrackingParams, merge_values
+from tasks.launch_params import LaunchParams, LocalLaunch
+from tasks.params import Override, TrackingParams, merge_values
 
 
 class PipelineParams(BaseModel):

@@ -45,8 +45,8 @@ from dinov3_core.runner import StageOutcome, run_stage
 from dinov3_core.stages import RunHooks, Stage, get_stage
 from dinov3_core.stages.evaluate import EvaluateSummary
 from tasks.launch_k8s import KubernetesRunner
+from tasks.launch_params import KubernetesLaunch, SlurmLaunch
 from tasks.launch_slurm import SlurmRunner
-from tasks.params import KubernetesLaunch, SlurmLaunch
 from tasks.tracking import current_pipeline_run, mlflow_run_name, nested_under, prefect_run_tags
 
 

@@ -27,16 +27,14 @@ from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.workdir import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
 from tasks.chain_params import PipelineParams, RetrainParams
+from tasks.launch_params import LAUNCH, KubernetesLaunch, SlurmLaunch
 from tasks.params import (
-    LAUNCH,
     ConvertParams,
     EvaluateParams,
     ExportParams,
     ExtractParams,
     GramParams,
-    KubernetesLaunch,
     PretrainParams,
-    SlurmLaunch,
     StageOptions,
     TileParams,
 )

@@ -27,7 +27,7 @@ from flows.pipeline import pipeline_flow
 from flows.pretrain import pretrain_flow
 from flows.retrain import retrain_flow
 from flows.tile import tile_flow
-from tasks.params import LAUNCH, LocalLaunch, SlurmLaunch
+from tasks.launch_params import LAUNCH, LocalLaunch, SlurmLaunch
 from tests.helpers import REPO
 
 FLOWS = {f.name: f for f in (tile_flow, pretrain_flow, gram_flow, convert_flow, export_flow, evaluate_flow,

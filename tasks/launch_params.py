@@ -1,0 +1,139 @@
+"""The launch section of the training stages' forms: one pydantic union on `backend` (`LocalLaunch`,
+`SlurmLaunch`, `KubernetesLaunch`), so Prefect's UI offers the backend first and then only that backend's fields.
+Each variant is `dinov3_core.launch.training.LaunchSettings` plus its own cluster section; payloads of the old single
+launch model (both cluster sections always present) are still read (`_from_single_model`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler, TypeAdapter, model_validator
+
+from dinov3_core.forms import ui
+from dinov3_core.launch.training import LaunchSettings
+from tasks.launch_k8s import KubernetesSettings
+from tasks.launch_slurm import SlurmSettings
+
+BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes above."
+CLUSTER_SECTIONS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings}  # backend → its own form section
+
+
+def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
+    """The JSON schema of one backend's launch model, as the server validates a run's payload with it:
+
+    - a cluster backend's `backend` is required there (pydantic gives each model its own tag as default), so a
+      payload without one matches the local model alone, as it always meant local (the form too shows the variant
+      its value matches);
+    - the other backends' sections may be present (`{"backend": "local", "slurm": {...}}`: the single launch
+      model's complete payloads), so the server passes them on to `_from_single_model`, which drops them when they
+      only restate the defaults and names them otherwise; unknown keys are still refused. The form draws only
+      `properties`: these sections do not appear in it;
+    - its `backend` is offered as the one value it can have.
+    """
+    others = [section for section in CLUSTER_SECTIONS if section != backend]
+
+    def extra(schema: dict[str, Any]) -> None:
+        if backend != "local":
+            schema["required"] = sorted({*schema.get("required", []), "backend"})
+        schema["patternProperties"] = {f"^({'|'.join(others)})$": {"type": "object"}}
+        # The tag as a one-choice list: the form draws a `const` alone as a text box one could type another into.
+        schema["properties"]["backend"]["enum"] = [backend]
+
+    return extra
+
+
+class LocalLaunch(LaunchSettings):
+    """torchrun on the worker's host (GPU slots of `gpu_slots` held while it runs)."""
+
+    model_config = ConfigDict(extra="forbid", title="Local (this host)", json_schema_extra=_variant_schema("local"))
+
+    backend: Literal["local"] = Field("local", title="Backend", description=BACKEND_DESCRIPTION,
+                                      json_schema_extra=ui(7))  # fmt: skip
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> LocalLaunch:  # replaces LaunchSettings' check, naming the alternative
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous), or a cluster backend")
+        return self
+
+
+class _ClusterLaunch(LaunchSettings):
+    """What SLURM and Kubernetes launches share: the cluster places the nodes, so no rendezvous endpoint is asked."""
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> _ClusterLaunch:  # the job's first node is the rendezvous: none to give
+        return self
+
+
+class SlurmLaunch(_ClusterLaunch):
+    """One sbatch job of `nnodes` nodes, one torchrun per node (tasks.launch_slurm)."""
+
+    model_config = ConfigDict(extra="forbid", title="SLURM", json_schema_extra=_variant_schema("slurm"))
+
+    backend: Literal["slurm"] = Field("slurm", title="Backend", description=BACKEND_DESCRIPTION,
+                                      json_schema_extra=ui(7))  # fmt: skip
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings, title="SLURM", json_schema_extra=ui(8))
+
+
+class KubernetesLaunch(_ClusterLaunch):
+    """A Kubernetes Indexed Job, one pod per node (tasks.launch_k8s)."""
+
+    model_config = ConfigDict(extra="forbid", title="Kubernetes", json_schema_extra=_variant_schema("kubernetes"))
+
+    backend: Literal["kubernetes"] = Field("kubernetes", title="Backend", description=BACKEND_DESCRIPTION,
+                                           json_schema_extra=ui(7))  # fmt: skip
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings, title="Kubernetes",
+                                           json_schema_extra=ui(8))  # fmt: skip
+
+
+def _from_single_model(value: Any) -> Any:
+    """A launch payload → the union's shape: no `backend` means local (as it always did); the section of a backend
+    not chosen, which payloads of the single launch model (one `slurm` and one `kubernetes` section always
+    present) carried, is dropped when it only restates its defaults and is an error naming it otherwise."""
+    if not isinstance(value, dict):
+        return value
+    value = {"backend": "local", **value}
+    for key, section in CLUSTER_SECTIONS.items():
+        if key not in value or key == value["backend"]:
+            continue
+        given = value.pop(key)
+        try:
+            unused = section.model_validate(given) == section()
+        except ValueError:
+            unused = False
+        if not unused:
+            raise ValueError(
+                f"launch.{key} is set but launch.backend is {value['backend']!r}: each backend now carries only "
+                f'its own section ({{"backend": "slurm", "slurm": {{...}}}}, {{"backend": "kubernetes", '
+                f'"kubernetes": {{...}}}}, or {{"backend": "local"}} with neither); set backend to {key!r} or '
+                f"remove {key!r}"
+            )
+    return value
+
+
+class _AnyOf:
+    """The union's variants as `anyOf` (pydantic writes `oneOf`): Prefect's V1 UI draws only an `anyOf` as a
+    variant selector (a `oneOf` becomes a JSON editor there), the V2 UI either. The same payloads validate: the
+    variants exclude each other by their `backend` constant."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = dict(handler(core_schema))
+        schema["anyOf"] = schema.pop("oneOf")
+        return schema
+
+
+LaunchParams = Annotated[
+    LocalLaunch | SlurmLaunch | KubernetesLaunch,
+    Field(discriminator="backend"),
+    BeforeValidator(_from_single_model),
+    _AnyOf(),
+]
+"""How a stage's torchrun job is launched from Prefect, one of: on the worker's host (`LocalLaunch`), as one job of
+the SLURM cluster the worker can submit to (`SlurmLaunch`: one sbatch job, one torchrun per node;
+tasks.launch_slurm), or as a Kubernetes Indexed Job (`KubernetesLaunch`: one pod per node; tasks.launch_k8s). A
+union on `backend`, so the form offers the backend first and then only that backend's fields."""
+LAUNCH = TypeAdapter(LaunchParams)  # LAUNCH.validate_python({...}): a launch payload → its backend's model
+
+
+__all__ = ["LAUNCH", "KubernetesLaunch", "LaunchParams", "LocalLaunch", "SlurmLaunch"]
