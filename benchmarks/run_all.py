@@ -19,6 +19,7 @@ SCRIPTS = [
     "tile_throughput.py",
     "tile_storage.py",
     "tile_prefect.py",
+    "deploy_vs_cli.py",
     "tile_dataset.py",
     "backbone.py",
     "train_step.py",

@@ -102,7 +102,11 @@ def test_reference_run_writes_every_output(reference) -> None:
     assert (result.start_iteration, result.end_iteration, result.total_iterations) == (0, 8, 20)
     assert (result.global_batch, result.micro_batch, result.accumulation_steps) == (8, 8, 1)
     assert (out / "config.yaml").is_file() and "vit_test" in (out / "config.yaml").read_text()
-    assert "it 7/20" in (out / "logs" / "log.txt").read_text()
+    log = (out / "logs" / "log.txt").read_text()
+    assert "it 7/20" in log
+    # The threads the rank computes with, in its first line (benchmarks/deploy_vs_cli.py reads it from there).
+    threads = reference["cfg"].train.num_threads or torch.get_num_threads()
+    assert f" on cpu ({threads} torch threads): " in log
 
     rows = read_metrics(out / "training_metrics.json")
     assert [r["iteration"] for r in rows] == list(range(8))

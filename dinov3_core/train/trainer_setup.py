@@ -270,9 +270,12 @@ def describe_start(trainer: Any, latest: Path | None) -> str:
     trained = sum(p.numel() for p in student if p.requires_grad)
     adaptation = C.adaptation_summary(cfg)
     where = "this process's pipeline stage" if trainer.pipeline is not None else "the student"
+    # The CPU threads this rank computes with (torch.set_num_threads / OMP_NUM_THREADS): the first thing to check
+    # when one launch is slower than another on the same box.
+    threads = f" ({torch.get_num_threads()} torch threads)" if env.device.type == "cpu" else ""
     return (
         f"{trainer.stage}: {trainer.arch} backbone ({backbone / 1e6:.2f}M parameters; {trained / 1e6:.2f}M of "
-        f"{where}'s {held / 1e6:.2f}M train{f': {adaptation}' if adaptation else ''}) on {env.device}: "
+        f"{where}'s {held / 1e6:.2f}M train{f': {adaptation}' if adaptation else ''}) on {env.device}{threads}: "
         f"{len(trainer.tiles)} tiles, global batch {trainer.global_batch} = {env.dp_size} data-parallel process(es) × "
         f"micro-batch {trainer.micro_batch} × {trainer.accumulation_steps} accumulation step(s)"
         f"{trainer.pipeline.describe() if trainer.pipeline else ''}; {C.length_summary(cfg)}; "
