@@ -68,12 +68,6 @@ def matmul_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
     return best
 
 
-def has_bf16_matmul() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags or capability == "AVX512_BF16"
-
-
 # -------------------------------------------------------------------------------------------------- timing
 
 
@@ -215,7 +209,7 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
     crops = MultiCrops(torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
                        torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
 
-    def build(compiled: bool) -> Step:
+    def build(compiled: bool, bf16: bool, first: list[torch.Tensor]) -> Step:
         torch.manual_seed(0)
         model = build_ssl_model(cfg).model.train()
         if compiled:
@@ -225,27 +219,36 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
         masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(batch, c.n_global_crops)
 
         def step() -> None:
-            forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
-                             teacher_temp=0.07, koleo_base=0, bf16=False)  # fmt: skip
+            values = forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
+                                      teacher_temp=0.07, koleo_base=0, bf16=bf16)  # fmt: skip
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if not first:  # the first step's losses, from the same weights and inputs for every variant
+                first.append(values[: len(LOSS_NAMES)].detach().clone())
 
         return step
 
-    eager = build(False)
-    flops = counted_flops(eager)
-    inductor = build(True)
-    start = time.perf_counter()
-    inductor()
-    warmup = time.perf_counter() - start
-    eager()
-    steps = {"eager": eager, "compiled blocks (train.compile)": inductor}
+    variants = {"eager": (False, False), "compiled blocks (train.compile)": (True, False),
+                "eager, bf16 autocast (train.precision=bf16)": (False, True),
+                "compiled blocks, bf16 autocast": (True, True)}  # fmt: skip
+    firsts: dict[str, list[torch.Tensor]] = {name: [] for name in variants}
+    steps = {name: build(*flags, firsts[name]) for name, flags in variants.items()}
+    flops = counted_flops(steps["eager"])
+    warmups = {}
+    for name, (compiled, _) in variants.items():
+        start = time.perf_counter()
+        steps[name]()
+        if compiled:
+            warmups[name] = time.perf_counter() - start
     times = interleaved(steps, rounds, 1)
     rows = [row("train step", name, t, flops, peak, batch, "img/s", arch=cfg.student.arch,
                 recipe=recipe) for name, t in times.items()]  # fmt: skip
-    rows[1]["compile_warmup_s"] = warmup
-    for r, step in zip(rows, steps.values(), strict=True):
-        r["top_ops"] = top_ops(step)
+    want = firsts["eager"][0]
+    for r, name in zip(rows, variants, strict=True):
+        if name in warmups:
+            r["compile_warmup_s"] = warmups[name]
+        r["first_step_loss_max_rel_diff_vs_eager"] = float(((firsts[name][0] - want).abs() / want.abs()).max())
+        r["top_ops"] = top_ops(steps[name])
     return rows
 
 
@@ -268,7 +271,9 @@ def main() -> None:
            "quick": args.quick, "rounds": rounds, "load_average_start": load_average()}  # fmt: skip
     n = 1024 if args.quick else 2048
     peaks = {"fp32": matmul_peak(n, torch.float32, 5 if args.quick else 10)}
-    if has_bf16_matmul():
+    from dinov3_core.train.distributed import cpu_has_bf16_matmul
+
+    if cpu_has_bf16_matmul():
         peaks["bf16"] = matmul_peak(n, torch.bfloat16, 5 if args.quick else 10)
     log(f"matmul peak: {peaks}")
     rows: list[dict[str, Any]] = []
@@ -286,6 +291,9 @@ def main() -> None:
             rows += section_train("cpu", vits, 8, rounds, peaks["fp32"])
             log("train vit_small: done")
     env["load_average_end"] = load_average()
+    for r in rows:  # a bf16 path's own ceiling is the bf16 matrix unit
+        if "bf16" in r["variant"] and "bf16" in peaks:
+            r["percent_of_bf16_peak"] = 100 * r["gflops"] / peaks["bf16"]
     doc = {"environment": env, "matmul_peak_gflops": peaks, "rows": rows}
     (out / "machine_limits.json").write_text(json.dumps(doc, indent=2) + "\n")
     print_table(doc)
@@ -303,8 +311,10 @@ def print_table(doc: dict[str, Any]) -> None:
         lo, hi = r["spread"]
         ops = ", ".join(f"{o['op']} {100 * o['share']:.0f} %" for o in r["top_ops"][:4])
         warm = f"{r['compile_warmup_s']:.0f}" if "compile_warmup_s" in r else ""
+        bf16 = f" ({r['percent_of_bf16_peak']:.0f} of bf16)" if "percent_of_bf16_peak" in r else ""
+        share = f"{r['percent_of_peak']:.0f}{bf16}"
         print(f"| {r['path']} | {r.get('arch', '')} | {r['variant']} | {r['items_per_s']:.1f} {r['unit']} "
-              f"({lo:.1f}–{hi:.1f}) | {r['gflops']:.0f} | {r['percent_of_peak']:.0f} | {warm} | {ops} |")  # fmt: skip
+              f"({lo:.1f}–{hi:.1f}) | {r['gflops']:.0f} | {share} | {warm} | {ops} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from dinov3_core.models import (
     DinoVisionTransformer,
     build_backbone,
 )
-from dinov3_core.models.layers import LinearKMaskedBias, RopePositionEmbedding, rope_rotate_half
+from dinov3_core.models.layers import LinearKMaskedBias, RopePositionEmbedding, attention, rope_rotate_half
 
 # Counts from the official code (docs/model.md, "Presets and released variants"): presets with constructor defaults.
 EXPECTED_PARAMS = {
@@ -400,6 +400,20 @@ def test_bf16_autocast_forward_backward_on_cpu() -> None:
     assert out["x_norm_patchtokens"].dtype == torch.float32  # fp32 residual stream and norms
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert F.cosine_similarity(out["x_norm_clstoken"].float(), ref).min() > 0.99
+
+
+def test_bf16_attention_on_cpu_runs_in_fp32_inside_autocast() -> None:
+    """`layers.attention` on CPU bf16: exactly fp32 attention of the same bf16 inputs, rounded to bf16 (not the fused
+    bf16 kernel, which is several times slower here), also under autocast, with bf16 gradients for q, k and v."""
+    q, k, v = (torch.randn(4, 2, 14, 16).bfloat16().requires_grad_() for _ in range(3))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attention(q, k, v)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    x = torch.randn(4, 2, 14, 16)
+    assert torch.equal(attention(x, x, x), F.scaled_dot_product_attention(x, x, x))  # fp32: untouched
 
 
 @pytest.mark.slow  # inductor's C++ compilation: ~30 s cold on 2 cores, ~10 s with a warm cache

@@ -397,6 +397,37 @@ def test_cli_reports_bad_input_without_traceback(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+# ------------------------------------------------------------------------------------------ bf16 on CPU
+
+
+def assert_close_to_fp32(out: Path, reference: Path, iterations: range, rel: float) -> float:
+    """Every loss of `out` within `rel` of the fp32 reference's; returns the largest relative difference."""
+    got = {r["iteration"]: r for r in read_metrics(out / "training_metrics.json")}
+    ref = {r["iteration"]: r for r in read_metrics(reference / "training_metrics.json")}
+    worst = 0.0
+    for it in iterations:
+        for key in LOSSES:
+            if abs(ref[it][key]) > 1e-3:  # KoLeo can sit near 0, where a relative difference means nothing
+                worst = max(worst, abs(got[it][key] - ref[it][key]) / abs(ref[it][key]))
+    assert worst < rel, f"bf16 losses left the fp32 run by {worst:.3f} (relative) within {iterations}"
+    return worst
+
+
+def test_bf16_on_cpu_tracks_the_fp32_run(reference, small_tile_store, tmp_path) -> None:
+    """train.precision=bf16 on CPU (autocast; attention kept in fp32, `layers.attention`): one process, then the
+    same on 2 FSDP processes (MixedPrecisionPolicy over gloo). Both follow the fp32 reference within bf16's
+    precision, and bf16 is really in effect (the losses are not the fp32 ones)."""
+    one = tmp_path / "bf16"
+    run_pretrain(config(small_tile_store, one, **{"train.precision": "bf16", "train.stop_at": 4}))
+    assert assert_close_to_fp32(one, reference["out"], range(4), rel=0.01) > 1e-5
+
+    two = tmp_path / "bf16_two"
+    run = overrides(small_tile_store, two, **{"train.precision": "bf16", "train.batch_size_per_gpu": 4,
+                                              "train.stop_at": 2})  # fmt: skip
+    torchrun(str(PRETRAIN_RUNS_SCRIPT), json.dumps(run), timeout=400)
+    assert assert_close_to_fp32(two, reference["out"], range(2), rel=0.01) > 1e-5
+
+
 # ------------------------------------------------------------------------------------ robustness, memory
 
 

@@ -160,6 +160,12 @@ class MultiCropAugmentation:
         Returns:
             `MultiCrops` in float32 on the images' device, normalised with `config.mean`/`config.std`.
         """
+        # Pixels stay fp32 also when a caller embeds them under bf16 autocast (the health probe renders its views
+        # inside the training step's autocast): autocast would move the stain matrices to bf16.
+        with torch.autocast(images.device.type, enabled=False):
+            return self._augment(images, generator)
+
+    def _augment(self, images: Tensor, generator: torch.Generator | None) -> MultiCrops:
         cfg = self.config
         x = _prescale(_to_float_bchw(images), cfg.global_size * cfg.max_downscale)
         rand = _Random(generator, x.device)

@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -196,9 +197,15 @@ def set_gradient_sync(student: nn.ModuleDict, enabled: bool) -> None:
             module.set_requires_gradient_sync(enabled)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16); without, bf16 is emulated."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx_bf16" in flags or "avx512_bf16" in flags or torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"
+
+
 @contextlib.contextmanager
 def autocast(env: DistEnv, bf16: bool) -> Iterator[None]:
-    """bf16 autocast for GPU training without FSDP; FSDP runs use its MixedPrecisionPolicy instead."""
+    """bf16 autocast for training without FSDP (GPU or CPU); FSDP runs use its MixedPrecisionPolicy instead."""
     if bf16 and env.mesh is None:
         with torch.autocast(device_type=env.device.type, dtype=torch.bfloat16):
             yield

@@ -35,7 +35,7 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import health_probe as HP
 from dinov3_core.train import metrics as M
-from dinov3_core.train.distributed import DistEnv, barrier, parallelize
+from dinov3_core.train.distributed import DistEnv, barrier, cpu_has_bf16_matmul, parallelize
 from dinov3_core.train.health import (
     HEALTH_FILE,
     HealthWatch,
@@ -103,9 +103,10 @@ class Trainer:
         self.ckpt_root = self.output_dir / ckpt.CKPT_DIR
         self.total_iterations = C.total_iterations(cfg)
         self.stop_iteration = min(self.total_iterations, cfg.train.stop_at or self.total_iterations)
-        self.bf16 = env.device.type == "cuda" and cfg.train.precision != "fp32"
-        if cfg.train.precision == "bf16" and env.device.type != "cuda":
-            raise core_config.ConfigError("train.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
+        self.bf16 = cfg.train.uses_bf16(env.device.type)
+        if self.bf16 and env.device.type == "cpu" and not cpu_has_bf16_matmul():
+            logger.warning("train.precision=bf16 on a CPU without bf16 matrix instructions (AMX / AVX512-BF16): "
+                           "slower than fp32 here; set train.precision=fp32")  # fmt: skip
 
         # Data source (host side). Raises for missing / empty stores before anything is written.
         self.tiles = open_tiles(cfg)

@@ -154,7 +154,7 @@ def estimate_memory(
         stages = pp_stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
                                  device_type=device_type, tile_size=tile_size)  # fmt: skip
         return max(stages, key=lambda e: e.total)  # every process must fit: the stage needing the most
-    bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
+    bf16 = cfg.train.uses_bf16(device_type)
     shard = world_size  # FSDP shards over every rank (one process: world_size 1)
     accumulating = step_batch > micro_batch
     p_s, p_t, p_train = shape.student_params, shape.teacher_params, shape.trainable_params
