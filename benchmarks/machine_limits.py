@@ -3,6 +3,7 @@ the training step, torch extraction (eager and compiled) and ONNX Runtime extrac
 
     python benchmarks/machine_limits.py --output bench-output           # several minutes on 2 cores
     python benchmarks/machine_limits.py --quick --output bench-output   # smoke run, about a minute
+    python benchmarks/machine_limits.py --only train --upstream-src ~/src/dinov3   # + upstream's step
 
 * **peak**: fp32 `torch.mm` of square matrices (2048, `--quick` 1024) on all of torch's threads, the best of the
   repeats: what the BLAS reaches here. bf16 too where the CPU has bf16 matrix instructions (AVX512-BF16 / AMX).
@@ -11,7 +12,10 @@ the training step, torch extraction (eager and compiled) and ONNX Runtime extrac
   ONNX Runtime on the model the export stage writes (`run_export`, fp32, default graph optimisations).
 * **train**: one `step.forward_backward` plus AdamW of the `cpu` recipe (vit_test) and of ViT-S/16 at the shapes of
   the issue's upstream comparison (2 × 112² + 8 × 48² crops, 4,096 prototypes, batch 8), eager and with
-  `train.compile` (each block compiled).
+  `train.compile` (each block compiled). With `--upstream-src DIR` (a facebookresearch/dinov3 checkout) also Meta's
+  official step beside ours at equal configuration, same weights and batch (`benchmarks/upstream_step.py`, which
+  documents what was changed to run it on a CPU); skipped without it. Those rows time each trainer's whole
+  iteration (gradient clipping and the EMA update included), so their "ours eager" is not this section's "eager".
 
 FLOPs are counted from the model (`FlopCounterMode`: matrix products and attention; a multiply-add is 2), never
 assumed. Variants of one path run interleaved, round after round, in one process, and the table shows the median
@@ -189,6 +193,11 @@ def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Pa
 
 # -------------------------------------------------------------------------------------------------- train
 
+# ViT-S/16 at the shapes of the upstream comparison, on top of the `cpu` recipe (benchmarks/upstream_step.py).
+VITS_UPSTREAM_SHAPES = {"student.arch": "vit_small", "student.pretrained_weights": None, "crops.global_size": 112,
+                        "crops.local_size": 48, "crops.n_local_crops": 8, "heads.dino.n_prototypes": 4096,
+                        "heads.ibot.n_prototypes": 4096}  # fmt: skip
+
 
 def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: int, peak: float) -> list[dict[str, Any]]:
     from dinov3_core.config import load_config
@@ -261,7 +270,12 @@ def main() -> None:
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", default="peak,extract,train", help="comma-separated: peak, extract, train")
+    parser.add_argument("--upstream-src", type=Path, default=None,
+                        help="a facebookresearch/dinov3 checkout: the train section also runs upstream's step at "
+                             "equal configuration (benchmarks/upstream_step.py); skipped without it")  # fmt: skip
     args = parser.parse_args()
+    import upstream_step  # benchmarks/upstream_step.py, beside this script
+
     only = set(args.only.split(","))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,11 +299,14 @@ def main() -> None:
         rows += section_train("cpu", {}, 8 if args.quick else 32, rounds, peaks["fp32"])
         log("train cpu: done")
         if not args.quick:
-            vits = {"student.arch": "vit_small", "student.pretrained_weights": None, "crops.global_size": 112,
-                    "crops.local_size": 48, "crops.n_local_crops": 8, "heads.dino.n_prototypes": 4096,
-                    "heads.ibot.n_prototypes": 4096}  # fmt: skip
-            rows += section_train("cpu", vits, 8, rounds, peaks["fp32"])
+            rows += section_train("cpu", VITS_UPSTREAM_SHAPES, 8, rounds, peaks["fp32"])
             log("train vit_small: done")
+        if args.upstream_src is None:
+            log(f"train vs upstream: {upstream_step.SKIP_MESSAGE}")
+        else:
+            shapes = ("vit_test",) if args.quick else upstream_step.SHAPES
+            rows += upstream_step.upstream_rows(args.upstream_src, rounds, shapes=shapes, peak=peaks["fp32"])
+            log("train vs upstream: done")
     env["load_average_end"] = load_average()
     for r in rows:  # a bf16 path's own ceiling is the bf16 matrix unit
         if "bf16" in r["variant"] and "bf16" in peaks:
