@@ -506,11 +506,15 @@ def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, 
             variants.append((f"{label} compiled (its train.compile)", True, True, False))
         if bf16:
             variants.append((f"{label} eager, bf16 autocast", True, False, True))
+        if bf16 and compiled:
+            variants.append((f"{label} compiled, bf16 autocast", True, True, True))
     variants.append(("ours eager", False, False, False))
     if compiled:
         variants.append(("ours compiled (train.compile)", False, True, False))
     if bf16:
         variants.append(("ours eager, bf16 autocast", False, False, True))
+    if bf16 and compiled:
+        variants.append(("ours compiled, bf16 autocast", False, True, True))
     # Every model starts from the same weights: ours built under one seed, upstream's copied from ours before any step.
     source = build_ours(cfg, compiled=False)[0]
     steps: dict[str, Step] = {}

@@ -210,6 +210,19 @@ def test_koleo_matches_explicit_loops() -> None:
     assert nn.shape == (2, 9) and (nn != torch.arange(9)).all()
 
 
+def test_dino_and_koleo_compute_in_fp32_under_cpu_autocast() -> None:
+    """Their docstrings promise fp32: bf16 training (autocast) must not round the DINO cross-entropy's einsum or
+    KoLeo's neighbour search to bf16."""
+    gen = torch.Generator().manual_seed(3)
+    logits, teacher = torch.randn(2, 8, 256, generator=gen), torch.randn(2, 8, 256, generator=gen).softmax(-1)
+    features = torch.randn(2, 16, 32, generator=gen)
+    want = DINOLoss(0.1)(logits, teacher), KoLeoLoss()(features), koleo_nearest_neighbours(features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = DINOLoss(0.1)(logits, teacher), KoLeoLoss()(features), koleo_nearest_neighbours(features)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
 def test_koleo_microbatches_reproduce_full_batch_value_and_gradient() -> None:
     gen = torch.Generator().manual_seed(8)
     full = torch.randn(2, 12, 4, generator=gen, dtype=torch.float64, requires_grad=True)

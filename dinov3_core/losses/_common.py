@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -16,6 +18,12 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: Proces
     if is_distributed():
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def no_autocast(tensor: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """Autocast off on `tensor`'s device: upcast inputs stay fp32 through matrix products (an einsum or `@` under
+    autocast would go back to bf16, 3 significant digits, whatever its inputs)."""
+    return torch.autocast(tensor.device.type, enabled=False)
 
 
 def upcast(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import upcast
+from ._common import no_autocast, upcast
 
 
 def dino_pair_count(n_student_crops: int, n_teacher_crops: int, ignore_diagonal: bool) -> int:
@@ -53,7 +53,8 @@ class DINOLoss(nn.Module):
             )
         log_p = F.log_softmax(upcast(student_logits) / self.student_temp, dim=-1)
         teacher = teacher_probs.to(log_p.dtype)
-        pair_ce = -torch.einsum("sbk,tbk->st", log_p, teacher)  # [S_s, S_t], summed over images
+        with no_autocast(log_p):
+            pair_ce = -torch.einsum("sbk,tbk->st", log_p, teacher)  # [S_s, S_t], summed over images
         if ignore_diagonal:  # pairs (i, i) of a possibly rectangular [S_s, S_t] matrix, as upstream's diagonal_scatter
             pair_ce = torch.diagonal_scatter(pair_ce, pair_ce.new_zeros(min(n_student, n_teacher)))
         return pair_ce.sum() / (b * dino_pair_count(n_student, n_teacher, ignore_diagonal))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import upcast
+from ._common import no_autocast, upcast
 
 
 @torch.no_grad()
@@ -21,7 +21,8 @@ def koleo_nearest_neighbours(features: Tensor) -> Tensor:
     if features.shape[-2] < 2:
         raise ValueError("KoLeo needs at least two vectors per set")
     unit = F.normalize(upcast(features), p=2, dim=-1, eps=1e-8)
-    dots = unit @ unit.transpose(-1, -2)  # [..., N, N]
+    with no_autocast(unit):  # fp32 dot products also under autocast: bf16 can swap near neighbours
+        dots = unit @ unit.transpose(-1, -2)  # [..., N, N]
     dots.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
     return dots.argmax(dim=-1)
 
