@@ -89,6 +89,14 @@ def interleaved(steps: dict[str, Step], rounds: int, per_round: int) -> dict[str
     return times
 
 
+def fresh_dynamo() -> None:
+    """Forget earlier sections' compiled code. All blocks share one `forward`, and Dynamo keeps at most
+    `recompile_limit` (8) graphs per code object: past it, it falls back to eager *silently*, so a later section's
+    "compiled" rows would time eager code (seen: compiled = eager, 1 s warm-up)."""
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
+
+
 def top_ops(step: Step, calls: int = 2, n: int = 8) -> list[dict[str, Any]]:
     """The operators taking the most CPU self time over `calls` calls of `step`."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -237,6 +245,7 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
 
         return step
 
+    fresh_dynamo()
     variants = {"eager": (False, False), "compiled blocks (train.compile)": (True, False),
                 "eager, bf16 autocast (train.precision=bf16)": (False, True),
                 "compiled blocks, bf16 autocast": (True, True)}  # fmt: skip
@@ -305,7 +314,8 @@ def main() -> None:
             log(f"train vs upstream: {upstream_step.SKIP_MESSAGE}")
         else:
             shapes = ("vit_test",) if args.quick else upstream_step.SHAPES
-            rows += upstream_step.upstream_rows(args.upstream_src, rounds, shapes=shapes, peak=peaks["fp32"])
+            rows += upstream_step.upstream_rows(args.upstream_src, rounds, shapes=shapes, peak=peaks["fp32"],
+                                                bf16="bf16" in peaks)  # fmt: skip
             log("train vs upstream: done")
     env["load_average_end"] = load_average()
     for r in rows:  # a bf16 path's own ceiling is the bf16 matrix unit

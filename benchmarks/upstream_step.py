@@ -497,6 +497,7 @@ def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, 
                              "prototypes": cfg.heads.dino.n_prototypes,
                              "masked_patches": masks.n_masked_patches}  # fmt: skip
     log(f"[{shape}] building models")
+    ml.fresh_dynamo()  # no earlier section's graphs: past Dynamo's recompile limit "compiled" silently runs eager
     variants: list[tuple[str, bool, bool, bool]] = []  # (name, upstream?, compiled?, bf16?)
     if up is not None:
         ucfg, notes["equal_configuration"] = upstream_config(up, cfg, batch)

@@ -220,8 +220,8 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: bf16 on GPU, fp32 on CPU. bf16 on CPU (autocast) pays on CPUs with bf16 matrix units (AMX, AVX512-BF16)
-    # for ViT-S and up: 2.0× eager, 2.4× compiled on ViT-S; on vit_test's tiny matrices it loses (0.86×), which is
-    # why it is not the CPU default (docs/benchmarks.md, "Training step in bf16 on CPU").
+    # for ViT-S and up: 1.95× eager, 2.4× compiled on ViT-S; on vit_test's tiny matrices it loses (0.9×), which is
+    # why it is not the CPU default (docs/benchmarks.md, "Training step: ours vs upstream at equal configuration").
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False  # torch.compile each transformer block
     activation_checkpointing: bool = False
