@@ -12,9 +12,10 @@ the training step, torch extraction (eager and compiled) and ONNX Runtime extrac
   ONNX Runtime on the model the export stage writes (`run_export`, fp32, default graph optimisations).
 * **train**: one `step.forward_backward` plus AdamW of the `cpu` recipe (vit_test) and of ViT-S/16 at the shapes of
   the issue's upstream comparison (2 × 112² + 8 × 48² crops, 4,096 prototypes, batch 8), eager and with
-  `train.compile` (each block compiled). With `--upstream-src DIR` (a facebookresearch/dinov3 checkout) also Meta's
-  official step beside ours at equal configuration, same weights and batch (`benchmarks/upstream_step.py`, which
-  documents what was changed to run it on a CPU); skipped without it. Those rows time each trainer's whole
+  `train.compile` (each block compiled), each in fp32 and with `train.precision=bf16` (CPU autocast). With
+  `--upstream-src DIR` (a facebookresearch/dinov3 checkout) also Meta's official step beside ours at equal
+  configuration, same weights and batch (`benchmarks/upstream_step.py`, which documents what was changed to run it
+  on a CPU); skipped without it. Those rows time each trainer's whole
   iteration (gradient clipping and the EMA update included), so their "ours eager" is not this section's "eager".
 
 FLOPs are counted from the model (`FlopCounterMode`: matrix products and attention; a multiply-add is 2), never
