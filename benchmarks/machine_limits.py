@@ -208,15 +208,27 @@ VITS_UPSTREAM_SHAPES = {"student.arch": "vit_small", "student.pretrained_weights
                         "heads.ibot.n_prototypes": 4096}  # fmt: skip
 
 
+def build_ours(cfg: Any, compiled: bool) -> tuple[Any, torch.optim.Optimizer]:
+    """Our SSL model (seed 0: the same weights every call) and its AdamW, blocks compiled if asked."""
+    from dinov3_core.models.parallel import compile_blocks
+    from dinov3_core.train.optim import build_optimizer
+    from dinov3_core.train.ssl_model import build_ssl_model
+
+    torch.manual_seed(0)
+    model = build_ssl_model(cfg).model.train()
+    if compiled:
+        compile_blocks(model.student["backbone"])
+        compile_blocks(model.teacher["backbone"])
+    return model, build_optimizer(model.student, cfg)
+
+
 def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: int, peak: float) -> list[dict[str, Any]]:
     from dinov3_core.config import load_config
     from dinov3_core.data.augment import MultiCrops
     from dinov3_core.data.masking import IBOTMaskSampler
-    from dinov3_core.models.parallel import compile_blocks
     from dinov3_core.train import config as C
     from dinov3_core.train.distributed import DistEnv
-    from dinov3_core.train.optim import build_optimizer
-    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, build_ssl_model
+    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
     from dinov3_core.train.step import forward_backward
 
     cfg = load_config(C.PretrainConfig, recipe, {"data.stores": ["unused"], "output_dir": "unused", **overrides},
@@ -228,12 +240,7 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
                        torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
 
     def build(compiled: bool, bf16: bool, first: list[torch.Tensor]) -> Step:
-        torch.manual_seed(0)
-        model = build_ssl_model(cfg).model.train()
-        if compiled:
-            compile_blocks(model.student["backbone"])
-            compile_blocks(model.teacher["backbone"])
-        optimizer = build_optimizer(model.student, cfg)
+        model, optimizer = build_ours(cfg, compiled)
         masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(batch, c.n_global_crops)
 
         def step() -> None:

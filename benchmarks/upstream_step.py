@@ -364,16 +364,9 @@ def upstream_config(up: dict[str, Any], cfg: Any, batch: int) -> tuple[Any, list
 
 
 def build_ours(cfg: Any, compiled: bool) -> tuple[Any, torch.optim.Optimizer]:
-    from dinov3_core.models.parallel import compile_blocks
-    from dinov3_core.train.optim import ScheduleValues, apply_schedules, build_optimizer
-    from dinov3_core.train.ssl_model import build_ssl_model
+    from dinov3_core.train.optim import ScheduleValues, apply_schedules
 
-    torch.manual_seed(0)
-    model = build_ssl_model(cfg).model.train()
-    if compiled:
-        compile_blocks(model.student["backbone"])
-        compile_blocks(model.teacher["backbone"])
-    optimizer = build_optimizer(model.student, cfg)
+    model, optimizer = _limits().build_ours(cfg, compiled)
     apply_schedules(optimizer, ScheduleValues(LR, LR, WD, MOMENTUM, TEACHER_TEMP))
     return model, optimizer
 
