@@ -35,6 +35,8 @@ SCRIPTS = [
     "stain_aug.py",
     "machine_limits.py",
 ]
+# Arguments beyond --output/--quick: the tile stage is measured alone and beside 2 competing CPU-bound jobs.
+ARGS = {"tile_throughput.py": ["--competing", "0", "2"]}
 
 
 def main() -> None:
@@ -57,7 +59,8 @@ def main() -> None:
         path = HERE / script
         if not path.exists():
             continue
-        cmd = [sys.executable, str(path), "--output", str(out)] + (["--quick"] if args.quick else [])
+        extra = ARGS.get(script, []) + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, str(path), "--output", str(out), *extra]
         print(f"== {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         print(proc.stdout[-6000:], flush=True)

@@ -419,6 +419,18 @@ def test_pen_mask_takes_marker_ink_not_hematoxylin():
     assert not pen_mask(blocks(tissue).astype(np.uint8)).any()
 
 
+def test_channel_max_min_are_numpys_reductions():
+    """The tissue and pen masks take a pixel's channel max and min without numpy's slow reduction over an axis of 3
+    (over a quarter of the planning time on a 1024² thumbnail): the values must be exactly `.max(-1)`, `.min(-1)`."""
+    from dinov3_core.tiling.tissue import channel_max_min
+
+    rng = np.random.default_rng(0)
+    for rgb in (rng.integers(0, 256, (37, 53, 3), dtype=np.uint8), rng.random((37, 53, 3)).astype(np.float32)):
+        vmax, vmin = channel_max_min(rgb)
+        assert vmax.dtype == rgb.dtype and np.array_equal(vmax, rgb.max(axis=-1))
+        assert np.array_equal(vmin, rgb.min(axis=-1))
+
+
 def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash(tmp_path):
     """Slides tiled before `scaled_decode` existed (zstd, full decoding) hash as they did: pinning those settings
     skips them instead of re-tiling the cohort; the new default decoding is a change that redoes them."""

@@ -13,11 +13,17 @@ PEN_MIN_SATURATION = 0.45
 PEN_BLACK_MAX_VALUE = 0.2
 
 
+def channel_max_min(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-pixel max and min over the 3 channels of (..., 3): the same values as `.max(-1)` / `.min(-1)`, ~10×
+    cheaper (numpy reduces a last axis of 3 element by element; this is two whole-array passes each)."""
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    return np.maximum(np.maximum(r, g), b), np.minimum(np.minimum(r, g), b)
+
+
 def hsv_saturation_value(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """HSV saturation in [0, 255] and value in [0, 255], without a full colour conversion."""
     rgb = rgb.astype(np.float32)
-    vmax = rgb.max(axis=-1)
-    vmin = rgb.min(axis=-1)
+    vmax, vmin = channel_max_min(rgb)
     saturation = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0) * 255.0
     return saturation, vmax
 
@@ -93,8 +99,7 @@ def pen_mask(thumb: np.ndarray) -> np.ndarray:
     """Pixels that look like marker ink: saturated blue/green, or near-black."""
     rgb = thumb.astype(np.float32) / 255.0
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
-    vmax = rgb.max(axis=-1)
-    vmin = rgb.min(axis=-1)
+    vmax, vmin = channel_max_min(rgb)
     sat = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0)
     blue_or_green = ((b >= r) & (b >= g - 0.05)) | ((g > r) & (g >= b))
     coloured_ink = blue_or_green & (sat >= PEN_MIN_SATURATION)
