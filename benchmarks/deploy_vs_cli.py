@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,12 +71,6 @@ def make_store(work: Path) -> Path:
               "tracking.enabled": False}  # fmt: skip
     run_tile(load_config(TileConfig, None, values))
     return store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Sampler:
@@ -203,6 +196,8 @@ def main() -> None:
     overrides = [f"train.stop_at={args.iterations}", f"train.log_period={LOG_PERIOD}"]
 
     print("starting a Prefect server and a process worker …", flush=True)
+    from wsidino_dev.ports import free_port
+
     server = start_prefect_server(serve_dir, port=free_port())
     api = server.extra["api_url"]
     os.environ["PREFECT_API_URL"] = api

@@ -92,7 +92,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -107,6 +106,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+
+from wsidino_dev.ports import free_port  # noqa: E402  (this checkout, put on sys.path above)
 
 Step = Callable[[], None]
 SKIP_MESSAGE = "upstream rows skipped: no --upstream-src (path of a facebookresearch/dinov3 checkout) given"
@@ -213,12 +214,6 @@ def import_upstream(src: Path) -> dict[str, Any]:
     return mods
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_gloo(up: dict[str, Any]) -> bool:
     """A single-process gloo group registered as upstream's default group (workaround 2). True if started here."""
     import torch.distributed as dist
@@ -226,7 +221,7 @@ def start_gloo(up: dict[str, Any]) -> bool:
     started = False
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
         started = True
     up["distributed"]._DEFAULT_PROCESS_GROUP = dist.group.WORLD

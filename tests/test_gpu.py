@@ -14,7 +14,6 @@ import copy
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers import DIST_SCRIPTS, REPO, eval_backbone, load_dcp, pretrain_values
+from wsidino_dev.ports import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -113,12 +113,6 @@ def run_step(model, env, crops, masks, *, bf16: bool = False, step=None) -> tupl
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_world_of_one(device: torch.device) -> None:
@@ -299,22 +293,22 @@ def test_activation_checkpointing_gives_the_same_gradients(device) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("impl", ["project", "fused"])
+@pytest.mark.parametrize("impl", ["project", "foreach"])
 def test_adamw_step_matches_the_single_tensor_reference(device, tmp_path, impl) -> None:
-    """`build_optimizer`'s AdamW as the project builds it (torch's default implementation for the device: foreach
-    on CUDA), and the same groups with fused=True, against `torch.optim.AdamW(foreach=False)`."""
+    """`build_optimizer`'s AdamW as the project builds it (fused: one kernel per parameter, on CPU and CUDA), and
+    the same groups with foreach=True (torch's default when neither is asked for), against
+    `torch.optim.AdamW(foreach=False)`."""
     from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules
 
     cfg = tiny_cfg(tmp_path)
     student = ssl_model(cfg, device).student
     optimizer = build_optimizer(student, cfg)
-    # The default for CUDA parameters when neither is given is foreach (torch.optim's _default_to_fused_or_foreach);
-    # the project does not ask for fused. Record what it asks for, so a change shows up here.
-    assert optimizer.defaults.get("fused") in (None, False) and optimizer.defaults.get("foreach") is None
-    if impl == "fused":  # the groups as built, without their per-group implementation keys (they would win)
+    # Record what the project asks for, so a change shows up here.
+    assert optimizer.defaults.get("fused") is True and all(g["fused"] for g in optimizer.param_groups)
+    if impl == "foreach":  # the groups as built, without their per-group implementation keys (they would win)
         groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
-        optimizer = torch.optim.AdamW(groups, fused=True)
-        assert all(g["fused"] for g in optimizer.param_groups)
+        optimizer = torch.optim.AdamW(groups, foreach=True)
+        assert all(g["foreach"] and not g["fused"] for g in optimizer.param_groups)
     apply_schedules(optimizer, build_schedules(cfg, 8).at(3))
     ref_student = copy.deepcopy(student)
     ref_params = dict(ref_student.named_parameters())

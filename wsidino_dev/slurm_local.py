@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from wsidino_dev.ports import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PARTITION = "debug"
 
@@ -33,12 +35,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "slurmd must run as root to start jobs (as in CI containers); run the tests as root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalSlurm:
@@ -82,7 +78,7 @@ class LocalSlurm:
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill", "ReturnToService=2", "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
