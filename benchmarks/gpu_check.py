@@ -425,7 +425,7 @@ def plan(dry_run: bool) -> list[tuple[str, str, dict[str, Any], float]]:
     cases = train_cases(dry_run)
     first = 150 if dry_run else 170  # compile warm-up included
     return [
-        ("deps", "deps", {}, 120), ("env", "env", {}, 120), ("tests", "tests", {}, 240 if dry_run else 180),
+        ("deps", "deps", {}, 120), ("env", "env", {}, 120), ("tests", "tests", {}, 240),
         (f"train {cases[0]['name']}", "train", cases[0], first), ("extract", "extract", extract, 150),
         ("profile", "profile", profile, 90),
         *((f"train {c['name']}", "train", c, 150) for c in cases[1:]),

@@ -18,8 +18,13 @@ PER_TOKEN_HEAD = 125.0
 # both to within 1 %, where a constant per dim without the subset was off by 10 % on ViT-B and let ViT-S/16 at 512
 # run out of memory). A checkpointed block's input costs 3 bytes per element (the fp32 residual stream and bf16
 # copies; ViT-L/16, 31.0 GiB at micro-batch 256).
+# Those were measured with `train.compile` on; an uncompiled (eager) block also keeps the element-wise intermediates
+# that Inductor fuses away (layer scale, GELU input and output, RoPE's pieces): ViT-B/16 without checkpointing held
+# 83.1 GiB eager against 71.5 compiled at micro-batch 256 (an H200 and an H100, 2026-11-27 and -26), ViT-L/16 with
+# checkpointing 33.0 against 31.0. EAGER_BLOCK_FACTOR scales the per-block bytes for an eager run.
 CUDA_BF16_BLOCK_BYTES_PER_D = 39.7
 CUDA_BF16_CHECKPOINTED_INPUT_BYTES = 3.0
+CUDA_BF16_EAGER_BLOCK_FACTOR = 1.18
 HEAD_SAFETY = 1.2  # iBOT masked-patch count: expected value × this
 SAFETY = 1.15  # activations: backward transients (gradient of the largest activation, allocator slack)
 GIB = 2**30
@@ -98,12 +103,16 @@ def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
     return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
 
 
-def block_bytes_per_token(shape: ModelShape, *, bf16: bool, drop_path: float = 0.0) -> tuple[float, float]:
+def block_bytes_per_token(
+    shape: ModelShape, *, bf16: bool, drop_path: float = 0.0, compiled: bool = True
+) -> tuple[float, float]:
     """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input).
     `drop_path`: the student's stochastic-depth rate (its branches see that much less of the batch); the CPU
-    constants were fit without it and keep the whole batch, which over-estimates (the safe side)."""
+    constants were fit without it and keep the whole batch, which over-estimates (the safe side). `compiled`:
+    `train.compile` (bf16 on CUDA only: the CPU constants were fit eager, which over-estimates a compiled run)."""
     if bf16:
         block = CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim * (1.0 - drop_path)
+        block *= 1.0 if compiled else CUDA_BF16_EAGER_BLOCK_FACTOR
         return block, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
     return 4.0 * (PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads), 4.0 * shape.embed_dim
 
@@ -111,7 +120,9 @@ def block_bytes_per_token(shape: ModelShape, *, bf16: bool, drop_path: float = 0
 def backbone_activation_bytes(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
     """Bytes the student backbone saves for backward per image (all its crops)."""
     tokens = sum(tokens_per_image(cfg, shape))
-    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16, drop_path=cfg.student.drop_path_rate)
+    block, checkpointed_input = block_bytes_per_token(
+        shape, bf16=bf16, drop_path=cfg.student.drop_path_rate, compiled=bool(cfg.train.compile)
+    )
     depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
     if checkpointing:  # each block's input is kept; one block's activations are recomputed at a time
         return tokens * (depth * checkpointed_input + block)

@@ -86,7 +86,9 @@ def pp_stage_estimates(
     n_mb = pipeline_microbatches(p, micro_batch)
     grads_unsharded = dp > 1 and (step_batch > micro_batch or n_mb > 1)
     tokens = sum(tokens_per_image(cfg, shape))
-    block, checkpointed_input = block_bytes_per_token(shape, bf16=bf16, drop_path=cfg.student.drop_path_rate)
+    block, checkpointed_input = block_bytes_per_token(
+        shape, bf16=bf16, drop_path=cfg.student.drop_path_rate, compiled=bool(cfg.train.compile)
+    )
     first_trained = shape.depth - shape.trained_depth  # frozen leading blocks save nothing
     ranges = split_blocks(p, shape.depth)
     estimates = []
