@@ -13,8 +13,9 @@ The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the w
   4 bytes × (17.3·D + 125·heads), measured with saved-tensor hooks (19.3·D per token-block for ViT-S); with
   activation checkpointing each block's input (4·D) plus one block recomputed. On CUDA in bf16, fit to measured
   peaks of ViT-L/B/S on an H100 and an H200: 39.7·D·(1 − drop_path_rate) bytes per token-block compiled (flash
-  attention keeps no per-head matrix), 1.18× that eager; 3·D with checkpointing plus one block recomputed. Heads: per DINO row 4·hidden + 3·bottleneck + 2·K elements, DINO
-  rows = S_g + S_l per image, iBOT rows = expected masked patches; 4 bytes in fp32, 2.5 on average in bf16.
+  attention keeps no per-head matrix), 1.18× that eager; 3·D with checkpointing plus one block recomputed.
+  Heads: per DINO row 4·hidden + 3·bottleneck + 2·K elements, DINO rows = S_g + S_l per image, iBOT rows =
+  expected masked patches; 4 bytes in fp32, 2.5 on average in bf16.
   depth' = the blocks backward reaches: depth − K when blocks < K and everything before them are frozen
   (freeze_blocks with freeze_patch_embed, or LoRA from block K), else depth. LoRA's own r-wide activations are
   left out (r ≪ D).
