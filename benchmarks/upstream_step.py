@@ -35,15 +35,16 @@ through their own schedule appliers. First-step loss terms of every variant are 
 variants start from the same weights, so they must agree; the table's footer prints ours vs upstream.
 
 Variants (`--no-compile` leaves out the compiled ones): upstream eager; upstream with its `train.compile` (its
-`compile_transformer` on both backbones and `wrap_compile_block` on the heads, as `ac_compile_parallelize` does);
-ours eager; ours with `train.compile` (`compile_blocks` on both backbones, as machine_limits). `--bf16`: both eager
-under `torch.autocast("cpu", bf16)` (ours through `forward_backward(bf16=True)`, which is that autocast on a process
-without FSDP). Every variant's first call is timed apart (`first_call_s`; compile warm-up for the compiled ones —
-Inductor's on-disk cache may already hold the kernels, so it is not always a cold compile) and left out of the
-rounds. A round times `PER_ROUND` steps of each variant (4 for vit_test, whose step takes tens of milliseconds; 1
-for vit_small). The table gives the ratio of the medians to upstream eager, the median of the per-round ratios
-(paired: the same round, the same box load), the ratio to upstream in the same mode, and the largest relative
-difference of the first-step loss terms to upstream eager fp32 (~1e-7 in fp32; bf16 rows differ by bf16 rounding).
+`compile_transformer` on both backbones and `wrap_compile_block` on the heads, as `ac_compile_parallelize` does); ours
+eager; ours with `train.compile` (`compile_blocks` on both backbones, as machine_limits); ours with the whole step
+compiled (`torch.compile(step.forward_backward)`, Inductor; not a config option: docs/benchmarks.md). `--bf16`: both
+eager under `torch.autocast("cpu", bf16)` (ours through `forward_backward(bf16=True)`, which is that autocast on a
+process without FSDP). Every variant's first call is timed apart (`first_call_s`; compile warm-up for the compiled ones
+— Inductor's on-disk cache may already hold the kernels, so it is not always a cold compile) and left out of the rounds.
+A round times `PER_ROUND` steps of each variant (4 for vit_test, whose step takes tens of milliseconds; 1 for
+vit_small). The table gives the ratio of the medians to upstream eager, the median of the per-round ratios (paired: the
+same round, the same box load), the ratio to upstream in the same mode, and the largest relative difference of the
+first-step loss terms to upstream eager fp32 (~1e-7 in fp32; bf16 rows differ by bf16 rounding).
 
 What was changed to run upstream on a CPU — at run time, from here; no upstream file is edited:
 1. Imports. `termcolor` (upstream's log colouring) is replaced by a stub when it is not installed. When `torchvision`
@@ -117,6 +118,7 @@ LR, WD = 5e-4, 0.04
 SHAPES = ("vit_small", "vit_test")
 # Steps per variant per round: a vit_test step takes tens of milliseconds, too short to time alone on a shared box.
 PER_ROUND = {"vit_small": 1, "vit_test": 4}
+WHOLE_STEP = "ours whole step compiled (torch.compile(forward_backward))"
 OURS_TO_UPSTREAM_LOSS = {"dino_global_loss": "dino_global_crops_loss", "dino_local_loss": "dino_local_crops_loss",
                          "ibot_loss": "ibot_loss", "koleo_loss": "koleo_loss", "total_loss": "total_loss"}  # fmt: skip
 
@@ -412,7 +414,7 @@ def upstream_batch(up: dict[str, Any], crops: Any, masks: Any) -> dict[str, Any]
 
 
 def our_step(model: Any, optimizer: Any, cfg: Any, crops: Any, masks: Any, bf16: bool,
-             first: dict[str, float]) -> Step:  # fmt: skip
+             first: dict[str, float], whole_step: bool = False) -> Step:  # fmt: skip
     from dinov3_core.train.distributed import DistEnv
     from dinov3_core.train.optim import clip_gradients
     from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
@@ -420,9 +422,11 @@ def our_step(model: Any, optimizer: Any, cfg: Any, crops: Any, masks: Any, bf16:
 
     env = DistEnv(device=torch.device("cpu"))
     keys = (*LOSS_NAMES, *SIGNAL_NAMES)
+    # Whole-step compile: one torch.compile of forward_backward (its own wrapper, so no other variant is affected).
+    fb = torch.compile(forward_backward) if whole_step else forward_backward
 
     def step() -> None:
-        values = forward_backward(model, None, env, crops, masks, keys=keys, n_micro=1, teacher_temp=TEACHER_TEMP,
+        values = fb(model, None, env, crops, masks, keys=keys, n_micro=1, teacher_temp=TEACHER_TEMP,
                                   koleo_base=0, bf16=bf16)  # fmt: skip
         if not first:
             first.update({k: float(v) for k, v in zip(keys, values.tolist(), strict=False) if k in LOSS_NAMES})
@@ -486,34 +490,37 @@ def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, 
                              "masked_patches": masks.n_masked_patches}  # fmt: skip
     log(f"[{shape}] building models")
     ml.fresh_dynamo()  # no earlier section's graphs: past Dynamo's recompile limit "compiled" silently runs eager
-    variants: list[tuple[str, bool, bool, bool]] = []  # (name, upstream?, compiled?, bf16?)
+    # (name, upstream?, compiled: "" eager, "blocks" train.compile, "step" torch.compile(forward_backward), bf16?)
+    variants: list[tuple[str, bool, str, bool]] = []
     if up is not None:
         ucfg, notes["equal_configuration"] = upstream_config(up, cfg, batch)
         data = upstream_batch(up, crops, masks)
-        variants.append((f"{label} eager", True, False, False))
+        variants.append((f"{label} eager", True, "", False))
         if compiled:
-            variants.append((f"{label} compiled (its train.compile)", True, True, False))
+            variants.append((f"{label} compiled (its train.compile)", True, "blocks", False))
         if bf16:
-            variants.append((f"{label} eager, bf16 autocast", True, False, True))
+            variants.append((f"{label} eager, bf16 autocast", True, "", True))
         if bf16 and compiled:
-            variants.append((f"{label} compiled, bf16 autocast", True, True, True))
-    variants.append(("ours eager", False, False, False))
+            variants.append((f"{label} compiled, bf16 autocast", True, "blocks", True))
+    variants.append(("ours eager", False, "", False))
     if compiled:
-        variants.append(("ours compiled (train.compile)", False, True, False))
+        variants.append(("ours compiled (train.compile)", False, "blocks", False))
+        variants.append((WHOLE_STEP, False, "step", False))
     if bf16:
-        variants.append(("ours eager, bf16 autocast", False, False, True))
+        variants.append(("ours eager, bf16 autocast", False, "", True))
     if bf16 and compiled:
-        variants.append(("ours compiled, bf16 autocast", False, True, True))
+        variants.append(("ours compiled, bf16 autocast", False, "blocks", True))
     # Every model starts from the same weights: ours built under one seed, upstream's copied from ours before any step.
     source = build_ours(cfg, compiled=False)[0]
     steps: dict[str, Step] = {}
     first: dict[str, dict[str, float]] = {}
-    for name, is_upstream, is_compiled, half in variants:
+    for name, is_upstream, mode, half in variants:
         first[name] = {}
         if is_upstream:
-            steps[name] = upstream_step(*build_upstream(up, ucfg, source, is_compiled), ucfg, data, half, first[name])
+            steps[name] = upstream_step(*build_upstream(up, ucfg, source, bool(mode)), ucfg, data, half, first[name])
         else:
-            steps[name] = our_step(*build_ours(cfg, is_compiled), cfg, crops, masks, half, first[name])
+            model_opt = build_ours(cfg, mode == "blocks")
+            steps[name] = our_step(*model_opt, cfg, crops, masks, half, first[name], whole_step=mode == "step")
     del source
     first_call: dict[str, float] = {}
     for name, step in steps.items():

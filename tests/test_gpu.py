@@ -11,6 +11,7 @@ tracking.enabled=false), so the file runs on a machine with only the core depend
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -528,22 +529,23 @@ def test_compiled_training_step_matches_eager(device, tmp_path) -> None:
     crops, masks = step_inputs(cfg, device)
     env = DistEnv(device=device)
     ref_losses, ref_grads = run_step(model, env, crops, masks)
-    # Graph capture first (Dynamo + AOT autograd, eager kernels): graph breaks allowed (data-dependent mask indices,
-    # .item()); then Inductor's kernels. fp32: aot_eager runs eager's kernels → 1e-5 relative; Inductor fuses and
-    # reorders reductions (Sinkhorn's normalisations, layer norms) → 1e-4 relative on the losses; gradients through
-    # 2 blocks and 3-layer heads: 1e-3 relative, 1e-5 absolute.
+    # Graph capture first (Dynamo + AOT autograd, eager kernels), then Inductor's kernels. forward_backward's own frame
+    # runs eagerly (Tensor.backward() in its micro-batch loop is a graph break Dynamo cannot resume in a loop); what is
+    # compiled is what it calls: teacher_targets (teacher, heads, Sinkhorn) and forward_loss (student, heads, losses;
+    # its backward through AOT autograd). fp32: aot_eager runs eager's kernels → 1e-5 relative; Inductor fuses and
+    # reorders reductions → 1e-4 relative on the losses. Gradients: Inductor's are as close to an fp64 run of the step
+    # as eager's are (mask_token: 8e-5 vs 9e-5 relative L2, 2026-11-27, CPU), but eager and Inductor differ by up to
+    # 1e-3 absolute on mask_token (|g| up to 11: its gradient sums the iBOT loss over every masked patch), so the
+    # absolute tolerance scales with each gradient's largest entry; a wrong gradient is off by its own size.
     for backend, rel in (("aot_eager", 1e-5), ("inductor", 1e-4)):
         torch._dynamo.reset()
         compiled = torch.compile(forward_backward, backend=backend)
-        try:
-            losses, grads = run_step(model, env, crops, masks, step=compiled)
-        except torch._inductor.exc.InductorError as err:
-            # Seen with torch 2.13 on the CPU: lowering the student's forward_loss fails on an aten.copy_ into an
-            # expanded tensor. A known gap (the project compiles per block: train.compile), reported, not hidden.
-            if "refers to a single memory location" in str(err):
-                pytest.xfail(f"Inductor cannot compile the whole training step: {str(err).splitlines()[0][:200]}")
-            raise
+        losses, grads = run_step(model, env, crops, masks, step=compiled)
+        for method in (type(model).teacher_targets, type(model).forward_loss):  # compiled as a whole, not piecemeal
+            code = inspect.unwrap(method).__code__
+            assert torch._dynamo.eval_frame._debug_get_cache_entry_list(code), (backend, method.__name__)
         for key, ref in ref_losses.items():
             assert losses[key] == pytest.approx(ref, rel=rel, abs=1e-6), (backend, key)
         for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-5, msg=f"{backend} {name}")
+            atol = 1e-3 * float(ref.abs().max()) + 1e-7
+            torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=atol, msg=f"{backend} {name}")

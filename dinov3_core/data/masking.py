@@ -157,6 +157,8 @@ class IBOTMasks:
         """
         if self.batch_size % n_microbatches or not 0 <= index < n_microbatches:
             raise ValueError(f"cannot take micro-batch {index} of {n_microbatches} from batch {self.batch_size}")
+        if n_microbatches == 1:  # the whole step: no data-dependent indexing (a graph break under torch.compile)
+            return self, torch.arange(self.n_masked_patches, device=self.mask_indices.device)
         b = self.batch_size // n_microbatches
         grid = self.masks.view(self.n_global_crops, self.batch_size, -1)
         # Rank of every masked patch in the step's flattened order; crops keep their relative order.

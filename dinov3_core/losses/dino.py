@@ -56,5 +56,9 @@ class DINOLoss(nn.Module):
         with no_autocast(log_p):
             pair_ce = -torch.einsum("sbk,tbk->st", log_p, teacher)  # [S_s, S_t], summed over images
         if ignore_diagonal:  # pairs (i, i) of a possibly rectangular [S_s, S_t] matrix, as upstream's diagonal_scatter
-            pair_ce = torch.diagonal_scatter(pair_ce, pair_ce.new_zeros(min(n_student, n_teacher)))
+            # torch.where, not diagonal_scatter (same values, bit for bit): the latter's backward writes into the
+            # sum's expanded gradient, which Inductor reinplaces into a copy_ into a stride-0 tensor and fails to
+            # lower ("more than one element ... refers to a single memory location"): whole-step compile.
+            diagonal = torch.eye(n_student, n_teacher, dtype=torch.bool, device=pair_ce.device)
+            pair_ce = torch.where(diagonal, pair_ce.new_zeros(()), pair_ce)
         return pair_ce.sum() / (b * dino_pair_count(n_student, n_teacher, ignore_diagonal))

@@ -15,6 +15,7 @@ State-dict keys are the official ones: `student.backbone.*`, `student.dino_head.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,13 @@ class SSLMetaArch(nn.Module):
 
     @torch.no_grad()
     def teacher_targets(
-        self, global_crops: Tensor, masks: IBOTMasks, *, n_micro: int, teacher_temp: float
+        self,
+        global_crops: Tensor,
+        masks: IBOTMasks,
+        *,
+        n_micro: int,
+        teacher_temp: float,
+        splits: Sequence[tuple[IBOTMasks, Tensor]] | None = None,
     ) -> TeacherTargets:
         """Teacher forward on the step's global crops, micro-batch by micro-batch, then Sinkhorn once.
 
@@ -94,13 +101,15 @@ class SSLMetaArch(nn.Module):
             global_crops: [S_g, B, 3, H, W] the rank's whole step batch.
             masks: the step's `IBOTMasks` (student masks: the teacher sees unmasked crops and is read at the
                 masked positions).
+            splits: `masks.microbatch(m, n_micro)` for each m, if the caller has them (`microbatch_splits`).
         """
         n_crops, batch = global_crops.shape[:2]
         b = batch // n_micro
         cls_logits: list[Tensor] = []
         patch_logits: list[tuple[Tensor, Tensor]] = []
+        splits = splits or microbatch_splits(masks, n_micro)
         for m in range(n_micro):
-            micro_masks, positions = masks.microbatch(m, n_micro)
+            micro_masks, positions = splits[m]
             out = self.teacher["backbone"](global_crops[:, m * b : (m + 1) * b].flatten(0, 1), is_training=True)
             cls_logits.append(self.teacher["dino_head"](out["x_norm_clstoken"]).view(n_crops, b, -1))
             masked = out["x_norm_patchtokens"].flatten(0, 1)[micro_masks.mask_indices]
@@ -135,7 +144,14 @@ class SSLMetaArch(nn.Module):
     # ------------------------------------------------------------------------------------------ student
 
     @torch.no_grad()
-    def student_step_features(self, global_crops: Tensor, masks: IBOTMasks, *, n_micro: int) -> Tensor:
+    def student_step_features(
+        self,
+        global_crops: Tensor,
+        masks: IBOTMasks,
+        *,
+        n_micro: int,
+        splits: Sequence[tuple[IBOTMasks, Tensor]] | None = None,
+    ) -> Tensor:
         """Student CLS features of the step's global crops [S_g, B, D] (no grad): the KoLeo neighbour set.
 
         With `koleo_scope="global"` they are all-gathered over ranks ([S_g, B·world, D], rank order). Exact
@@ -144,8 +160,9 @@ class SSLMetaArch(nn.Module):
         n_crops, batch = global_crops.shape[:2]
         b = batch // n_micro
         feats = []
+        splits = splits or microbatch_splits(masks, n_micro)
         for m in range(n_micro):
-            micro_masks, _ = masks.microbatch(m, n_micro)
+            micro_masks, _ = splits[m]
             x = global_crops[:, m * b : (m + 1) * b].flatten(0, 1)
             out = self.student["backbone"](x, masks=micro_masks.masks, is_training=True)
             feats.append(out["x_norm_clstoken"].view(n_crops, b, -1))
@@ -263,6 +280,14 @@ class SSLMetaArch(nn.Module):
         torch._foreach_add_(teacher, student, alpha=1.0 - momentum)
 
 
+@torch.compiler.disable  # host-side bookkeeping: under torch.compile only data-dependent graph breaks to compile
+def microbatch_splits(masks: IBOTMasks, n_micro: int) -> list[tuple[IBOTMasks, Tensor]]:
+    """`masks.microbatch(m, n_micro)` for every m. Computed once a step by the caller and handed to the teacher, the
+    KoLeo pass and the student loop: the boolean indexing in it has a data-dependent shape, a graph break inside
+    their loops that would make Dynamo run the whole method eagerly (whole-step torch.compile)."""
+    return [masks.microbatch(m, n_micro) for m in range(n_micro)]
+
+
 def dino_agreement(student_logits: Tensor, teacher_probs: Tensor) -> Tensor:
     """Share of (image, student crop i, teacher crop j ≠ i) pairs — the DINO global loss's pairs — whose student
     argmax is the teacher target's argmax. Two argmaxes over [S_g, b, K]: negligible beside the head itself."""
@@ -270,8 +295,12 @@ def dino_agreement(student_logits: Tensor, teacher_probs: Tensor) -> Tensor:
     t = teacher_probs.argmax(-1)
     same = (s[:, None] == t[None]).float()  # [S_s, S_t, b]
     n = s.shape[0]
-    off = ~torch.eye(n, dtype=torch.bool, device=s.device)
-    return same[off].mean() if n > 1 else same.mean()
+    if n == 1:
+        return same.mean()
+    # Masked sum / count, not same[off].mean(): the same value (sums of 0/1 are exact), without boolean indexing's
+    # data-dependent shape (a graph break under torch.compile).
+    off = ~torch.eye(n, dtype=torch.bool, device=s.device)[..., None]
+    return torch.where(off, same, 0.0).sum() / (n * (n - 1) * same.shape[-1])
 
 
 def _local(p: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from dinov3_core.data.augment import MultiCrops
 from dinov3_core.data.masking import IBOTMasks
 from dinov3_core.train.distributed import DistEnv, autocast, set_gradient_sync
 from dinov3_core.train.pp import Pipeline, StepContext
-from dinov3_core.train.ssl_model import SSLMetaArch, TeacherTargets
+from dinov3_core.train.ssl_model import SSLMetaArch, TeacherTargets, microbatch_splits
 
 ENTROPY = "teacher_entropy"  # the last entry of the returned vector: a health signal, not a loss
 
@@ -42,9 +42,12 @@ def forward_backward(
     `keys` term, then the teacher's normalised entropy (zeros on pipeline stages that compute no loss)."""
     values = torch.zeros(len(keys) + 1, device=env.device)
     b = crops.global_stack.shape[1] // n_micro
+    splits = microbatch_splits(masks, n_micro) if pipeline is None else []
     with autocast(env, bf16):
         if pipeline is None:
-            targets = model.teacher_targets(crops.global_stack, masks, n_micro=n_micro, teacher_temp=teacher_temp)
+            targets = model.teacher_targets(
+                crops.global_stack, masks, n_micro=n_micro, teacher_temp=teacher_temp, splits=splits
+            )
         else:  # the teacher's stages over the whole step; the targets exist on the last stage
             targets = pipeline.teacher_targets(crops.global_stack, masks, teacher_temp)
         if targets is not None:
@@ -55,7 +58,7 @@ def forward_backward(
         if pipeline is not None and model.needs_koleo:  # pipeline micro-batches split the step: whole-step set
             koleo_features = pipeline.koleo_features(crops.global_stack, crops.local_stack, masks)
         elif n_micro > 1 and model.needs_koleo:
-            koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro)
+            koleo_features = model.student_step_features(crops.global_stack, masks, n_micro=n_micro, splits=splits)
         if pipeline is not None:
             ctx = StepContext(crops.global_stack, masks, targets, n_micro * pipeline.n_mb, koleo_features, koleo_base)
             for parts in pipeline.run(ctx, crops.local_stack):
@@ -64,7 +67,7 @@ def forward_backward(
     assert targets is not None
     for m in range(n_micro):
         micro = slice(m * b, (m + 1) * b)
-        micro_masks, positions = masks.microbatch(m, n_micro)
+        micro_masks, positions = splits[m]
         micro_targets = TeacherTargets(dino=targets.dino[:, micro], ibot=targets.ibot[positions])
         if env.distributed:
             set_gradient_sync(model.student, m == n_micro - 1)
