@@ -103,16 +103,14 @@ def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
     return cfg.crops.n_global_crops * cfg.crops.mask_probability * mean_ratio * n_patches * HEAD_SAFETY
 
 
-def block_bytes_per_token(
-    shape: ModelShape, *, bf16: bool, drop_path: float = 0.0, compiled: bool = True
-) -> tuple[float, float]:
+def block_bytes_per_token(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool) -> tuple[float, float]:
     """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input).
-    `drop_path`: the student's stochastic-depth rate (its branches see that much less of the batch); the CPU
-    constants were fit without it and keep the whole batch, which over-estimates (the safe side). `compiled`:
-    `train.compile` (bf16 on CUDA only: the CPU constants were fit eager, which over-estimates a compiled run)."""
+    In bf16 on CUDA: the student's stochastic-depth rate counts (its branches see that much less of the batch), and
+    an eager run (`train.compile` off) keeps more per block. The fp32 CPU constants were fit eager without stochastic
+    depth, which over-estimates (the safe side)."""
     if bf16:
-        block = CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim * (1.0 - drop_path)
-        block *= 1.0 if compiled else CUDA_BF16_EAGER_BLOCK_FACTOR
+        block = CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim * (1.0 - cfg.student.drop_path_rate)
+        block *= 1.0 if cfg.train.compile else CUDA_BF16_EAGER_BLOCK_FACTOR
         return block, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
     return 4.0 * (PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads), 4.0 * shape.embed_dim
 
@@ -120,9 +118,7 @@ def block_bytes_per_token(
 def backbone_activation_bytes(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool, checkpointing: bool) -> float:
     """Bytes the student backbone saves for backward per image (all its crops)."""
     tokens = sum(tokens_per_image(cfg, shape))
-    block, checkpointed_input = block_bytes_per_token(
-        shape, bf16=bf16, drop_path=cfg.student.drop_path_rate, compiled=bool(cfg.train.compile)
-    )
+    block, checkpointed_input = block_bytes_per_token(cfg, shape, bf16=bf16)
     depth = shape.trained_depth  # frozen leading blocks save nothing: backward stops before them
     if checkpointing:  # each block's input is kept; one block's activations are recomputed at a time
         return tokens * (depth * checkpointed_input + block)

@@ -81,14 +81,12 @@ def pp_stage_estimates(
     p = cfg.parallelism
     check_pipeline_contract(p, world_size=world_size, micro_batch=None, depth=shape.depth)
     dp = world_size // p.pp_degree
-    bf16 = device_type == "cuda" and cfg.train.precision != "fp32"
+    bf16 = cfg.train.uses_bf16(device_type)  # the one reading of train.precision
     elem = 2.5 if bf16 else 4.0
     n_mb = pipeline_microbatches(p, micro_batch)
     grads_unsharded = dp > 1 and (step_batch > micro_batch or n_mb > 1)
     tokens = sum(tokens_per_image(cfg, shape))
-    block, checkpointed_input = block_bytes_per_token(
-        shape, bf16=bf16, drop_path=cfg.student.drop_path_rate, compiled=bool(cfg.train.compile)
-    )
+    block, checkpointed_input = block_bytes_per_token(cfg, shape, bf16=bf16)
     first_trained = shape.depth - shape.trained_depth  # frozen leading blocks save nothing
     ranges = split_blocks(p, shape.depth)
     estimates = []
