@@ -18,10 +18,12 @@ PER_TOKEN_HEAD = 125.0
 # both to within 1 %, where a constant per dim without the subset was off by 10 % on ViT-B and let ViT-S/16 at 512
 # run out of memory). A checkpointed block's input costs 3 bytes per element (the fp32 residual stream and bf16
 # copies; ViT-L/16, 31.0 GiB at micro-batch 256).
-# Those were measured with `train.compile` on; an uncompiled (eager) block also keeps the element-wise intermediates
-# that Inductor fuses away (layer scale, GELU input and output, RoPE's pieces): ViT-B/16 without checkpointing held
-# 83.1 GiB eager against 71.5 compiled at micro-batch 256 (an H200 and an H100, 2026-11-27 and -26), ViT-L/16 with
-# checkpointing 33.0 against 31.0. EAGER_BLOCK_FACTOR scales the per-block bytes for an eager run.
+# Those were measured with `train.compile` on. Eager, a block with stochastic depth keeps more: ViT-B/16 (rate
+# 0.1) without checkpointing held 83.1 GiB eager against 71.5 compiled at micro-batch 256 (an H200 and an H100,
+# 2026-11-27 and -26), ViT-L/16 (0.2) with checkpointing 33.0 against 31.0; ViT-S/16 (rate 0) held the same either
+# way (80.1 and 80.2 GiB at 512, H200). The subset each branch runs on is gathered from the fp32 residual stream, and
+# eager autograd keeps those copies (about 4 bytes per element and branch on CPU with saved-tensor hooks), where
+# Inductor recomputes the gather. EAGER_BLOCK_FACTOR scales the per-block bytes of an eager run with stochastic depth.
 CUDA_BF16_BLOCK_BYTES_PER_D = 39.7
 CUDA_BF16_CHECKPOINTED_INPUT_BYTES = 3.0
 CUDA_BF16_EAGER_BLOCK_FACTOR = 1.18
@@ -106,11 +108,12 @@ def masked_patches_per_image(cfg: C.PretrainConfig, shape: ModelShape) -> float:
 def block_bytes_per_token(cfg: C.PretrainConfig, shape: ModelShape, *, bf16: bool) -> tuple[float, float]:
     """(bytes one block saves per token for backward, bytes per token of a checkpointed block's input).
     In bf16 on CUDA: the student's stochastic-depth rate counts (its branches see that much less of the batch), and
-    an eager run (`train.compile` off) keeps more per block. The fp32 CPU constants were fit eager without stochastic
-    depth, which over-estimates (the safe side)."""
+    an eager run (`train.compile` off) with stochastic depth keeps more per block. The fp32 CPU constants were fit
+    eager without stochastic depth, which over-estimates (the safe side)."""
     if bf16:
         block = CUDA_BF16_BLOCK_BYTES_PER_D * shape.embed_dim * (1.0 - cfg.student.drop_path_rate)
-        block *= 1.0 if cfg.train.compile else CUDA_BF16_EAGER_BLOCK_FACTOR
+        if not cfg.train.compile and cfg.student.drop_path_rate > 0:
+            block *= CUDA_BF16_EAGER_BLOCK_FACTOR
         return block, CUDA_BF16_CHECKPOINTED_INPUT_BYTES * shape.embed_dim
     return 4.0 * (PER_TOKEN_D * shape.embed_dim + PER_TOKEN_HEAD * shape.num_heads), 4.0 * shape.embed_dim
 
