@@ -86,6 +86,7 @@ def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
         (4, ["parallelism.pp_degree=4"], "4 pipeline stages (parallelism.pp_degree × pp_stages_per_rank) but the"),
         (2, ["parallelism.pp_schedule=Interleaved1F1B"], "runs several stages per process"),
         (2, ["parallelism.pp_schedule=1f1c"], "unknown schedule '1f1c'"),
+        (2, ["train.compile=step"], "train.compile=step compiles one process's whole step, which a pipeline splits"),
     ],
 )
 def test_contract_violations_stop_before_any_process_starts(

@@ -276,6 +276,7 @@ def test_named_configs_load_and_validate() -> None:
         ({"losses.sinkhorn_iterations": 0}, r"losses\.sinkhorn_iterations: must be >= 1"),
         ({"teacher.warmup_teacher_temp_epochs": -1}, r"teacher\.warmup_teacher_temp_epochs: must be >= 0"),
         ({"checkpointing.keep_every": 0}, r"checkpointing\.keep_every: must be >= 1 or null"),
+        ({"train.compile": "steps"}, r"train\.compile: must be true, false or 'step', got 'steps'"),
     ],
 )
 def test_config_errors_name_the_key(overrides: dict, message: str) -> None:

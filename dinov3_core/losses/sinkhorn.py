@@ -20,7 +20,7 @@ _CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 per temporary in `_shifted_exp_row_s
 @torch.no_grad()
 def sinkhorn_knopp(
     teacher_logits: Tensor,
-    teacher_temp: float,
+    teacher_temp: float | Tensor,
     n_iterations: int = 3,
     n_masked: int | Tensor | None = None,
     *,
@@ -45,7 +45,7 @@ def sinkhorn_knopp(
     Args:
         teacher_logits: [N_local, K] teacher head outputs on this rank (any float dtype; computed in fp32, or
             fp64 if given fp64).
-        teacher_temp: τ_t (0.04 → 0.07 in the official schedule).
+        teacher_temp: τ_t (0.04 → 0.07 in the official schedule); a 0-dim tensor under whole-step compile.
         n_iterations: Sinkhorn iterations (official 3); at least 1.
         n_masked: rows of `teacher_logits` that are real samples on this rank (int or integer tensor); later
             rows are padding (e.g. a static-shape upper bound for iBOT) and get all-zero targets and no mass.
@@ -109,7 +109,7 @@ def _shifted_exp_row_sum(log_q: Tensor, shift: Tensor) -> Tensor:
 @torch.no_grad()
 def dino_teacher_targets(
     teacher_cls_logits: Tensor,
-    teacher_temp: float,
+    teacher_temp: float | Tensor,
     *,
     n_iterations: int = 3,
     group: ProcessGroup | None = None,
@@ -129,7 +129,7 @@ def dino_teacher_targets(
 @torch.no_grad()
 def ibot_teacher_targets(
     teacher_patch_logits: Tensor,
-    teacher_temp: float,
+    teacher_temp: float | Tensor,
     n_masked: int | Tensor | None = None,
     *,
     n_iterations: int = 3,

@@ -47,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(
         f"pretrain: iterations {result.start_iteration}…{result.end_iteration - 1} of {result.total_iterations} "
-        f"done, {result.images_per_second:.1f} images/s; last checkpoint {result.last_checkpoint}",
+        f"done, {result.images_per_second:.1f} images/s after a first step of {result.first_step_seconds:.1f} s; "
+        f"last checkpoint {result.last_checkpoint}",
         flush=True,
     )
     return 0

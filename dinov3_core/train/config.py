@@ -223,7 +223,10 @@ class TrainConfig:
     # for ViT-S and up: 1.95× eager, 2.4× compiled on ViT-S; on vit_test's tiny matrices it loses (0.9×), which is
     # why it is not the CPU default (docs/benchmarks.md, "Training step: ours vs upstream at equal configuration").
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    compile: bool = False  # torch.compile each transformer block
+    # true: torch.compile each transformer block. step: the whole training step (teacher, student, heads, losses and
+    # their backward) in one torch.compile, which also fuses what lies between blocks (1.2-1.3x per-block compile on
+    # vit_test, CPU; docs/benchmarks.md); one compilation per micro-batch shape, not with pipeline parallelism.
+    compile: bool | str = False
     activation_checkpointing: bool = False
 
     num_threads: int | None = None  # torch CPU threads per process (null: torch's default)
@@ -255,6 +258,8 @@ class TrainConfig:
             )
         else:
             require(bs >= 1, "batch_size_per_gpu", f"must be >= 1, got {bs}")
+        if isinstance(self.compile, str):
+            require(self.compile == "step", "compile", f"must be true, false or 'step', got {self.compile!r}")
         for key in ("global_batch_size", "stop_at"):
             value = getattr(self, key)
             require(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
@@ -264,6 +269,16 @@ class TrainConfig:
             "memory_budget_gb",
             f"must be > 0 GiB or null, got {self.memory_budget_gb}",
         )
+
+    @property
+    def compile_blocks(self) -> bool:
+        """Each transformer block compiled on its own (`compile: true`)."""
+        return self.compile is True
+
+    @property
+    def compile_step(self) -> bool:
+        """The whole training step compiled as one (`compile: step`)."""
+        return self.compile == "step"
 
     def uses_bf16(self, device_type: str) -> bool:
         """Whether the step computes in bf16 on this device type: the one reading of `precision`."""
@@ -466,6 +481,11 @@ def validate(cfg: PretrainConfig) -> None:
 def check_parallelism(cfg: PretrainConfig, world_size: int, micro_batch: int | None = None) -> None:
     """The pipeline contract for `world_size` processes (`parallel_config`): before torchrun starts (the launcher,
     micro-batch from the config) and again in every rank once the batch is planned and the model built."""
+    if cfg.train.compile_step and cfg.parallelism.enabled:
+        raise ConfigError(
+            "train.compile=step compiles one process's whole step, which a pipeline splits into stages: set "
+            "train.compile=true (each block compiled) with parallelism.pp_degree > 1"
+        )
     bs = cfg.train.batch_size_per_gpu
     if micro_batch is None and not isinstance(bs, str):
         micro_batch = int(bs)

@@ -86,7 +86,10 @@ class PretrainResult:
     loss_curve: Path | None = None
     final_losses: dict[str, float] = field(default_factory=dict)
     memory_replans: int = 0  # re-plans by the memory watch, this invocation and those it resumed
-    images_per_second: float = 0.0  # mean over this invocation's iterations (global batch / iteration time)
+    # Global batch / iteration time over this invocation's iterations after its first; the first (compile warm-up,
+    # loader start-up) is first_step_seconds.
+    images_per_second: float = 0.0
+    first_step_seconds: float = 0.0
     health: str = ""  # learning / not learning (and why) / not judged yet: dinov3_core.train.health
 
 
@@ -141,11 +144,14 @@ class Trainer:
             env,
             bf16=self.bf16,
             activation_checkpointing=cfg.train.activation_checkpointing,
-            compile=cfg.train.compile,
+            compile=cfg.train.compile_blocks,
             parallelism=cfg.parallelism,
         )
         self.model.dp_group = env.dp_group  # Sinkhorn and the KoLeo gather: the processes with other images
         self.pipeline: Pipeline | None = None  # built by set_run_plan under pipeline parallelism
+        # train.compile=step: one torch.compile of the whole step (Dynamo follows it into the models, heads and
+        # losses; the per-micro-batch backward() is a graph break, so forward_loss is compiled with its backward).
+        self.step_fn = torch.compile(forward_backward) if cfg.train.compile_step else forward_backward
         self.optimizer = build_optimizer(self.model.student, cfg)
         self.schedules = build_schedules(cfg, self.global_batch)
 
@@ -300,7 +306,10 @@ class Trainer:
                 if (iteration + 1) % cfg.train.memory_watch_period == 0 or last:
                     seen, pressure = memory.check()  # collective: same iterations, same verdict on every rank
                     memory_seen = seen if memory_seen is None else memory_seen.worst(seen)
-                run_time += iter_time
+                if iteration == self.start_iteration:
+                    result.first_step_seconds = iter_time
+                else:
+                    run_time += iter_time
                 window.add({**values, "iter_time": iter_time, "data_time": data_time})
                 result.end_iteration = iteration + 1
                 result.final_losses = {k: values[k] for k in LOSS_NAMES}
@@ -339,7 +348,9 @@ class Trainer:
         if env.is_main:  # the run's verdict for the stage summary (dinov3_core.runner) and whoever looks at the run
             (self.output_dir / HEALTH_FILE).write_text(json.dumps({"iteration": result.end_iteration,
                                                                    "verdict": result.health}) + "\n")  # fmt: skip
-        result.images_per_second = self.global_batch * (result.end_iteration - result.start_iteration) / run_time
+        steady = result.end_iteration - result.start_iteration - 1
+        result.images_per_second = (self.global_batch * steady / run_time if steady else
+                                    self.global_batch / result.first_step_seconds)  # fmt: skip
         if env.is_main:
             result.loss_curve = M.plot_loss_curve(
                 self.metrics.path,
@@ -454,8 +465,11 @@ class Trainer:
                     micro_batch=self.micro_batch, rank=env.rank)  # fmt: skip
         koleo_base = env.dp_rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
         keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names)
-        loss_sum = forward_backward(model, self.pipeline, env, crops, masks, keys=keys, n_micro=n_micro,
-                                    teacher_temp=sched.teacher_temp, koleo_base=koleo_base, bf16=self.bf16)  # fmt: skip
+        temp: float | torch.Tensor = sched.teacher_temp
+        if cfg.train.compile_step:  # a tensor: Dynamo would specialise on a float and recompile when it changes
+            temp = torch.tensor(temp, device=env.device)
+        loss_sum = self.step_fn(model, self.pipeline, env, crops, masks, keys=keys, n_micro=n_micro,
+                                teacher_temp=temp, koleo_base=koleo_base, bf16=self.bf16)  # fmt: skip
         del crops
 
         if env.distributed:  # the mean over data-parallel processes is the loss of the global batch

@@ -148,7 +148,9 @@ class Pipeline:
         return self.meta._maybe_gather(torch.cat(out, dim=1)) if out else global_crops.new_empty(0)
 
     @torch.no_grad()
-    def teacher_targets(self, global_crops: Tensor, masks: IBOTMasks, teacher_temp: float) -> TeacherTargets | None:
+    def teacher_targets(
+        self, global_crops: Tensor, masks: IBOTMasks, teacher_temp: float | Tensor
+    ) -> TeacherTargets | None:
         """The step's teacher targets on the last stage (None elsewhere): the teacher's stages over all of the
         step's global crops [S_g, B, 3, H, W], then heads and Sinkhorn once on the merged outputs."""
         n_global, batch = global_crops.shape[:2]

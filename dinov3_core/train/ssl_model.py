@@ -92,7 +92,7 @@ class SSLMetaArch(nn.Module):
         masks: IBOTMasks,
         *,
         n_micro: int,
-        teacher_temp: float,
+        teacher_temp: float | Tensor,
         splits: Sequence[tuple[IBOTMasks, Tensor]] | None = None,
     ) -> TeacherTargets:
         """Teacher forward on the step's global crops, micro-batch by micro-batch, then Sinkhorn once.
@@ -125,7 +125,7 @@ class SSLMetaArch(nn.Module):
 
     @torch.no_grad()
     def targets_from_features(
-        self, cls: Tensor, patch: Tensor, masks: IBOTMasks, *, teacher_temp: float
+        self, cls: Tensor, patch: Tensor, masks: IBOTMasks, *, teacher_temp: float | Tensor
     ) -> TeacherTargets:
         """`teacher_targets` from the teacher backbone's outputs of the whole step (a pipelined teacher's last
         stage): cls [S_g, B, D] and patch tokens [S_g·B, N, D], crop-major; heads, then Sinkhorn once."""
@@ -134,7 +134,7 @@ class SSLMetaArch(nn.Module):
         ibot = self.teacher["ibot_head"](patch.flatten(0, 1)[masks.mask_indices])
         return self._sinkhorn(dino, ibot, teacher_temp)
 
-    def _sinkhorn(self, dino: Tensor, ibot: Tensor, teacher_temp: float) -> TeacherTargets:
+    def _sinkhorn(self, dino: Tensor, ibot: Tensor, teacher_temp: float | Tensor) -> TeacherTargets:
         """Sinkhorn-Knopp over the step's DINO [S_g, B, K] and iBOT [M, K] logits, across the data-parallel group."""
         return TeacherTargets(
             dino=dino_teacher_targets(dino, teacher_temp, n_iterations=self.sinkhorn_iterations, group=self.dp_group),

@@ -34,7 +34,7 @@ def forward_backward(
     *,
     keys: Sequence[str],
     n_micro: int,
-    teacher_temp: float,
+    teacher_temp: float | Tensor,
     koleo_base: int,
     bf16: bool,
 ) -> Tensor:
