@@ -87,6 +87,11 @@ def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
         (2, ["parallelism.pp_schedule=Interleaved1F1B"], "runs several stages per process"),
         (2, ["parallelism.pp_schedule=1f1c"], "unknown schedule '1f1c'"),
         (2, ["train.compile=step"], "train.compile=step compiles one process's whole step, which a pipeline splits"),
+        (
+            2,
+            ["parallelism.pp_degree=1", "train.global_batch_size=8", "train.batch_size_per_gpu=3"],
+            "train.global_batch_size=8 is not a multiple of train.batch_size_per_gpu × data-parallel processes = 3 × 2",
+        ),
     ],
 )
 def test_contract_violations_stop_before_any_process_starts(

@@ -492,6 +492,30 @@ def check_parallelism(cfg: PretrainConfig, world_size: int, micro_batch: int | N
     depth = _depth(cfg)
     if depth is not None:
         check_pipeline_contract(cfg.parallelism, world_size=world_size, micro_batch=micro_batch, depth=depth)
+    if not isinstance(bs, str):  # a fixed batch: its arithmetic needs no model, so it fails before ranks start
+        fixed_accumulation(cfg.train, world_size // cfg.parallelism.pp_degree)
+
+
+def fixed_accumulation(train: TrainConfig, dp_size: int) -> int:
+    """Accumulation steps of a fixed `train.batch_size_per_gpu` over `dp_size` data-parallel processes: from
+    `global_batch_size` when set (it must split evenly), else `accumulation_steps`."""
+    micro = int(train.batch_size_per_gpu)
+    if train.global_batch_size is None:
+        return train.accumulation_steps
+    if train.global_batch_size % (micro * dp_size):
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of train.batch_size_per_gpu × "
+            f"data-parallel processes = {micro} × {dp_size} (processes / parallelism.pp_degree): set "
+            f"train.batch_size_per_gpu to a divisor of {train.global_batch_size // dp_size or 1}, or "
+            "train.batch_size_per_gpu=auto"
+        )
+    accum = train.global_batch_size // (micro * dp_size)
+    if train.accumulation_steps not in (1, accum):
+        raise ConfigError(
+            f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
+            f"(batch_size_per_gpu × processes) = {accum}; set only one of them"
+        )
+    return accum
 
 
 def _depth(cfg: PretrainConfig) -> int | None:

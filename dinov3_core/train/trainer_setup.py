@@ -100,21 +100,7 @@ def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_
             cfg, shape, world_size=env.world_size, budget_bytes=budget, device_type=env.device.type, tile_size=tile_size
         )
     micro = int(train.batch_size_per_gpu)
-    if train.global_batch_size is None:
-        accum = train.accumulation_steps
-    else:
-        if train.global_batch_size % (micro * env.dp_size):
-            raise core_config.ConfigError(
-                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                f"train.batch_size_per_gpu × data-parallel processes = {micro} × {env.dp_size} (processes / "
-                "parallelism.pp_degree)"
-            )
-        accum = train.global_batch_size // (micro * env.dp_size)
-        if train.accumulation_steps not in (1, accum):
-            raise core_config.ConfigError(
-                f"train.accumulation_steps={train.accumulation_steps} contradicts global_batch_size / "
-                f"(batch_size_per_gpu × processes) = {accum}; set only one of them"
-            )
+    accum = C.fixed_accumulation(train, env.dp_size)
     estimate = estimate_memory(
         cfg,
         shape,
