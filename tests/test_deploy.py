@@ -374,7 +374,8 @@ def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: 
 
     launch = LAUNCH.validate_python({"backend": "kubernetes", "nproc_per_node": 4, "nnodes": 3})
     assert isinstance(launch, KubernetesLaunch)
-    cfg = pretrain_config(tmp_path / "tiles.zarr", tmp_path / "run")
+    # 12 processes of 8: a global batch they split (the launcher refuses one they cannot, before any pod starts).
+    cfg = pretrain_config(tmp_path / "tiles.zarr", tmp_path / "run", **{"train.global_batch_size": 96})
     job = stage_job("pretrain", cfg, launch, env={"MLFLOW_RUN_ID": "r1"})
     service, manifest = render(job, launch.kubernetes, name=dns_name("wsidino-pretrain-RUN_1"))
     assert service["metadata"]["name"] == manifest["metadata"]["name"] == "wsidino-pretrain-run-1"
