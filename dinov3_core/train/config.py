@@ -224,7 +224,7 @@ class TrainConfig:
     # why it is not the CPU default (docs/benchmarks.md, "Training step: ours vs upstream at equal configuration").
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # true: torch.compile each transformer block. step: the whole training step (teacher, student, heads, losses and
-    # their backward) in one torch.compile, which also fuses what lies between blocks (1.2-1.3x per-block compile on
+    # their backward) in one torch.compile, which also fuses what lies between blocks (1.14x per-block compile on
     # vit_test, CPU; docs/benchmarks.md); one compilation per micro-batch shape, not with pipeline parallelism.
     compile: bool | str = False
     activation_checkpointing: bool = False
