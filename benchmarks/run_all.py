@@ -35,8 +35,9 @@ SCRIPTS = [
     "stain_aug.py",
     "machine_limits.py",
 ]
-# Arguments beyond --output/--quick: the tile stage is measured alone and beside 2 competing CPU-bound jobs.
-ARGS = {"tile_throughput.py": ["--competing", "0", "2"]}
+# Arguments beyond --output/--quick: the tile stage is measured alone and beside 2 competing CPU-bound jobs, on one
+# slide and on a cohort of 4 (3 rounds each).
+ARGS = {"tile_throughput.py": ["--competing", "0", "2", "--cohort", "4", "--repeats", "3"]}
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ The slide is made by the sample-slide generator (real IHC tissue, Aperio SVS, JP
 Every row is one whole process (interpreter start, imports, planning, tiles, commit, exit), timed from outside:
 - naive: the same tissue detection, then `OpenSlide.read_region` + resize + one zarr write per tile;
 - `wsidino tile` (the CLI, MLflow on, as a user types it) with the defaults (JPEG storage, DCT-scaled decoding),
-  with the old defaults (lossless zstd, full decoding), with 2 workers, and on 4 copies of the slide;
+  with the old defaults (lossless zstd, full decoding), with 2 workers, and on 4 distinct slides of the kind;
 - ceilings: decoding, alone and on one thread, the slide's level-0 JPEG tiles under the stored tiles (each once),
   at full scale and at the 1/2 scale the target needs: stored tiles / decode seconds.
 The stage's timeline comes from its own events (`tile.shard_written`, through $WSIDINO_HOOKS): start-up = process
@@ -22,7 +22,7 @@ average. The competing jobs
 are killed by process group when the measurement ends, also on Ctrl-C, SIGTERM or an error; each also exits on its
 own when this process is gone.
 
-Usage: python benchmarks/tile_throughput.py [--quick] [--output DIR] [--competing N [N ...]] [--repeats R]
+Usage: python benchmarks/tile_throughput.py [--quick] [--output DIR] [--competing N [N ...]] [--repeats R] [--cohort N]
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ def whole_process(cmd: list[str], timeline: Path | None = None, cwd: Path | None
     return res
 
 
-def naive_child(slide: str, out: str) -> None:
-    """What most scripts do: one read_region, one resize and one zarr write per tile (run as its own process)."""
+def naive_child(slides: list[str], out: str) -> None:
+    """What most scripts do: one read_region, one resize and one zarr write per tile (run as its own process), slide
+    after slide; one array per slide under `out` when there are several."""
     import numpy as np
     import openslide
     import zarr
@@ -141,19 +142,23 @@ def naive_child(slide: str, out: str) -> None:
     from dinov3_core.tiling.config import TileConfig
     from dinov3_core.tiling.plan import SlideTask, plan_slide
 
-    cfg = load_config(TileConfig, None, {"input": slide, "output": out, "tracking.enabled": False})
-    plan = plan_slide(SlideTask("naive", Path(slide)), cfg, {})  # the same tissue detection as the stage
-    read, tile = plan.read, cfg.tile_size
-    osr = openslide.OpenSlide(slide)
-    arr = zarr.create_array(
-        out, shape=(plan.n_tiles, tile, tile, 3), chunks=(1, tile, tile, 3), dtype="uint8", zarr_format=3
-    )
-    for i, (x, y) in enumerate(plan.coords):
-        region = osr.read_region((int(x), int(y)), read.level, (read.read_size, read.read_size)).convert("RGB")
-        if read.needs_resize:
-            region = region.resize((tile, tile), Image.Resampling.BOX)
-        arr[i] = np.asarray(region)
-    print(json.dumps({"tiles": int(plan.n_tiles), "level0_px_per_tile": int(read.tile_size_level0**2)}))
+    tiles = 0
+    for k, slide in enumerate(slides):
+        target = out if len(slides) == 1 else str(Path(out) / str(k))
+        cfg = load_config(TileConfig, None, {"input": slide, "output": target, "tracking.enabled": False})
+        plan = plan_slide(SlideTask("naive", Path(slide)), cfg, {})  # the same tissue detection as the stage
+        read, tile = plan.read, cfg.tile_size
+        osr = openslide.OpenSlide(slide)
+        arr = zarr.create_array(
+            target, shape=(plan.n_tiles, tile, tile, 3), chunks=(1, tile, tile, 3), dtype="uint8", zarr_format=3
+        )
+        for i, (x, y) in enumerate(plan.coords):
+            region = osr.read_region((int(x), int(y)), read.level, (read.read_size, read.read_size)).convert("RGB")
+            if read.needs_resize:
+                region = region.resize((tile, tile), Image.Resampling.BOX)
+            arr[i] = np.asarray(region)
+        tiles += int(plan.n_tiles)
+    print(json.dumps({"tiles": tiles, "level0_px_per_tile": int(read.tile_size_level0**2)}))
 
 
 def ceiling_tiles(slide: str, store: Path) -> dict:
@@ -272,23 +277,30 @@ class CpuBusy:
 
 
 # The runs of each round under load: the naive loop, `wsidino tile` as a user types it (MLflow on), the same with
-# tracking off (what MLflow's import and SQLite store cost the stage), and the decode-only ceiling (in this process).
+# tracking off (what MLflow's import and SQLite store cost the stage), and the decode-only ceiling (in this process);
+# with `--cohort N`, also both on N slides in one process each (the fixed costs spread over a cohort).
 LOAD_RUNS = ("naive", "stage", "stage_untracked", "ceiling")
+COHORT_RUNS = ("naive_cohort", "stage_cohort")
 
 
 def under_load(n: int, repeats: int, commands: dict[str, Callable[[], list[str]]], timeline: Path, ceil: dict) -> dict:
-    """`repeats` rounds of `LOAD_RUNS` (the order reversed every other round) while `n` competing jobs run."""
+    """`repeats` rounds of the runs in `commands` plus the ceiling (the order reversed every other round) while `n`
+    competing jobs run."""
     res: dict = {"competing": n, "load_1m_before": os.getloadavg()[0], "rounds": []}
+    runs = [*commands, "ceiling"]
     with Competition(n):
         busy = CpuBusy()
         for k in range(repeats):
             round_: dict = {}
-            for name in LOAD_RUNS if k % 2 == 0 else LOAD_RUNS[::-1]:
+            for name in runs if k % 2 == 0 else runs[::-1]:
                 if name == "ceiling":
                     round_[name] = decode_ceilings(ceil)
                 else:
-                    round_[name] = whole_process(commands[name](), None if name == "naive" else timeline)
-                    round_[name].pop("stdout")
+                    naive = name.startswith("naive")
+                    round_[name] = whole_process(commands[name](), None if naive else timeline)
+                    printed = round_[name].pop("stdout")
+                    if naive:  # the tiles it wrote: a cohort's slides differ in size
+                        round_[name]["tiles"] = json.loads(printed.strip().splitlines()[-1])["tiles"]
             res["rounds"].append(round_ | {"load_1m": os.getloadavg()[0]})
         res["cpu_busy_share"] = busy.share()
     res["load_1m_after"] = os.getloadavg()[0]
@@ -299,19 +311,21 @@ def _stat(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def load_summary(res: dict, tiles: int) -> dict:
+def load_summary(res: dict, cohort: int) -> dict:
     """Medians and min–max over the rounds; ratios are taken within each round, then summarised."""
     rounds = res["rounds"]
     out: dict = {"load_1m": _stat([r["load_1m"] for r in rounds])}
-    for name in ("naive", "stage", "stage_untracked"):
+    for name in ("naive", "stage", "stage_untracked", *(COHORT_RUNS if cohort else ())):
+        naive = "naive_cohort" if name.endswith("cohort") else "naive"
         out[name] = {
-            "tiles_per_s": _stat([tiles / r[name]["seconds"] for r in rounds]),
-            "vs_naive": _stat([r["naive"]["seconds"] / r[name]["seconds"] for r in rounds]),
+            "tiles_per_s": _stat([r[naive]["tiles"] / r[name]["seconds"] for r in rounds]),
+            "vs_naive": _stat([r[naive]["seconds"] / r[name]["seconds"] for r in rounds]),
             "cpu_s": _stat([r[name]["cpu_s"] for r in rounds]),
         }
-        if name != "naive":
+        if not name.startswith("naive"):
             out[name]["steady_tiles_per_s"] = _stat([r[name]["steady_tiles_per_s"] for r in rounds])
-            for scale in ("full", "half"):
+            # The ceiling is the first slide's: a cohort's other slides have their own tissue and JPEG tiles.
+            for scale in ("full", "half") if name in LOAD_RUNS else ():
                 out[name][f"steady_vs_{scale}_ceiling"] = _stat(
                     [r[name]["steady_tiles_per_s"] / r["ceiling"][scale]["tiles_per_s"] for r in rounds]
                 )
@@ -323,15 +337,16 @@ def load_summary(res: dict, tiles: int) -> dict:
     return out
 
 
-def benchmark_slide(path: Path) -> Path:
-    """A 32768² Aperio SVS at 0.25 µm/px with ~45 % tissue, generated once and reused."""
+def benchmark_slide(path: Path, seed: int = 7) -> Path:
+    """A 32768² Aperio SVS at 0.25 µm/px with ~45 % tissue, generated once and reused (other seeds: other tissue,
+    for a cohort of distinct slides)."""
     if path.exists():
         return path
     import numpy as np
 
     from wsidino_dev.sample_slides import TissueCanvas, write_svs
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     canvas = TissueCanvas.plan(32768, 32768, rng=rng, mpp=0.25, tissue=True, pen_mark=True, tissue_fraction=(0.4, 0.5))
     tmp = path.with_name(f".{path.name}.tmp")
     write_svs(tmp, canvas, mpp=0.25, app_mag=40, levels=4)
@@ -424,12 +439,12 @@ def detailed_table(
     return {"summary": summary, "results": r}, lines
 
 
-def load_table(loads: list[dict], tiles: int) -> tuple[list[dict], list[str]]:
+def load_table(loads: list[dict], cohort: int) -> tuple[list[dict], list[str]]:
     def mm(d: dict, fmt: str, scale: float = 1.0) -> str:
         lo, mid, hi = (format(d[k] * scale, fmt) for k in ("min", "median", "max"))
         return f"{mid} ({lo}–{hi})"
 
-    summaries = [load_summary(res, tiles) for res in loads]
+    summaries = [load_summary(res, cohort) for res in loads]
     lines = [
         f"Under load: median (min–max) of {len(loads[0]['rounds'])} rounds per load. Each round runs the rows below "
         "one after the other (the order reversed every other round); ratios are taken within a round.",
@@ -443,15 +458,20 @@ def load_table(loads: list[dict], tiles: int) -> tuple[list[dict], list[str]]:
         "stage": "`wsidino tile` (defaults, MLflow on)",
         "stage_untracked": "`wsidino tile`, `tracking.enabled=false`",
     }
+    if cohort:
+        names |= {"naive_cohort": f"naive loop, {cohort} slides in one process",
+                  "stage_cohort": f"`wsidino tile` (defaults, MLflow on), {cohort} slides"}  # fmt: skip
     for res, m in zip(loads, summaries, strict=True):
         n = res["competing"]
         for key, label in names.items():
             r = m[key]
             row = f"| {n} | {label} | {mm(r['tiles_per_s'], ',.0f')} | "
-            row += "1× | " if key == "naive" else f"**{mm(r['vs_naive'], '.2f')}×** | "
+            row += "1× | " if key.startswith("naive") else f"**{mm(r['vs_naive'], '.2f')}×** | "
             row += f"{r['cpu_s']['median']:.1f} | "
-            if key == "naive":
+            if key.startswith("naive"):
                 row += "| |"
+            elif "steady_vs_full_ceiling" not in r:  # a cohort: the ceiling is the first slide's
+                row += f"{mm(r['steady_tiles_per_s'], ',.0f')} | |"
             else:
                 row += (f"{mm(r['steady_tiles_per_s'], ',.0f')} | **{mm(r['steady_vs_full_ceiling'], '.0f', 100)} %**, "
                         f"{mm(r['steady_vs_half_ceiling'], '.0f', 100)} % |")  # fmt: skip
@@ -482,17 +502,24 @@ def main() -> None:
                         help="measure under N competing CPU-bound jobs (several: one block of rows each); with 0, "
                         "the detailed table (every configuration once, no competing jobs) as well")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per load (default 5)")
-    parser.add_argument("--naive-child", nargs=2, metavar=("SLIDE", "OUT"))
+    parser.add_argument(
+        "--cohort",
+        type=int,
+        default=0,
+        metavar="N",
+        help="under load, also the naive loop and `wsidino tile` on N distinct slides (N <= 4)",
+    )
+    parser.add_argument("--naive-child", nargs="+", metavar="SLIDE... OUT")
     parser.add_argument("--busy-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive_child:
-        naive_child(*args.naive_child)
+        naive_child(args.naive_child[:-1], args.naive_child[-1])
         return
     if args.busy_child:
         busy_child()
         return
-    if any(n < 0 for n in args.competing) or args.repeats < 1:
-        parser.error("--competing takes counts >= 0, --repeats >= 1")
+    if any(n < 0 for n in args.competing) or args.repeats < 1 or not 0 <= args.cohort <= 4:
+        parser.error("--competing takes counts >= 0, --repeats >= 1, --cohort 0 to 4")
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: the competing jobs are stopped in `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
@@ -506,12 +533,12 @@ def main() -> None:
         big = str(max((p for p in samples.slides if p.suffix == ".svs"), key=lambda p: p.stat().st_size))
     else:
         big = str(benchmark_slide(out / "bench_slide_32k.svs"))
-    copies = []  # four differently named copies of the slide: RSS must not grow with the number of slides
-    for k in range(4):
-        link = work / f"copy{k}.svs"
-        if not link.exists():
-            os.symlink(big, link)
-        copies.append(str(link))
+    # Four distinct slides (the stage tiles a byte-identical copy once, so copies would not measure a cohort): the
+    # benchmark slide and three of the same kind with other tissue; RSS must not grow with the number of slides.
+    if args.quick:  # the demo's good slides, the largest first
+        copies = [big, *(str(p) for p in samples.slides if str(p) != big and p.suffix in (".svs", ".tiff"))]
+    else:
+        copies = [big, *(str(benchmark_slide(out / f"bench_slide_32k_{k}.svs", seed=7 + k)) for k in range(1, 4))]
     timeline = work / "timeline.jsonl"
     # A user's mlflow.db exists after their first run; creating it (schema migrations) is a one-off ~2 s.
     whole_process(wsidino_tile([big], work / "warmup.zarr", work, "tracking.enabled=true"))
@@ -533,8 +560,17 @@ def main() -> None:
         "stage": lambda: wsidino_tile([big], work / "load.zarr", work),  # the defaults, as a user types it
         "stage_untracked": lambda: wsidino_tile([big], work / "load.zarr", work, "tracking.enabled=false"),
     }
+    if args.cohort:
+        cohort_out = work / "naive_cohort"
+
+        def naive_cohort() -> list[str]:
+            shutil.rmtree(cohort_out, ignore_errors=True)
+            return [sys.executable, str(HERE), "--naive-child", *copies[: args.cohort], str(cohort_out)]
+
+        commands["naive_cohort"] = naive_cohort
+        commands["stage_cohort"] = lambda: wsidino_tile(copies[: args.cohort], work / "cohort.zarr", work)
     loads = [under_load(n, args.repeats, commands, timeline, ceil) for n in args.competing]
-    report["load"], load_lines = load_table(loads, ceil["tiles"])
+    report["load"], load_lines = load_table(loads, args.cohort)
     report["load_runs"] = loads
     lines += load_lines
     table = "\n".join(lines)
