@@ -245,3 +245,28 @@ def test_color_jitter_invariants() -> None:
     unclamped = ((out > 1e-6) & (out < 1 - 1e-6)).all(dim=(1, 2, 3))
     torch.testing.assert_close((out * yiq_y).sum(1)[unclamped], (ref * yiq_y).sum(1)[unclamped], atol=1e-4, rtol=0)
     assert (out - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("group", [1, 2, 6])
+def test_one_call_over_groups_draws_what_each_group_draws_alone(group: int) -> None:
+    """A list of generators splits the batch into groups of consecutive images: the crops are those of one call
+    per group (the stream-position rule of the training step), computed in one batched call. Every colour and
+    stain step on, cohort re-targeting included."""
+    from dinov3_core.data.stain import CohortStain
+
+    cfg = AugmentationConfig(n_local_crops=3, global_size=32, local_size=16, hed_p=0.7, stain_norm_p=0.6,
+                             solarize_p_global=(0.5, 0.5))  # fmt: skip
+    cohort = CohortStain.from_slide_stats([[60.0, 12.0, -8.0], [70.0, 8.0, -4.0]], [[12.0, 5.0, 4.0], [9.0, 4.0, 3.0]])
+    aug = MultiCropAugmentation(cfg, stain=cohort)
+    images = torch.randint(0, 256, (6, 48, 48, 3), dtype=torch.uint8, generator=_gen(5))
+    seeds = range(100, 100 + 6 // group)
+    batched = aug(images, [_gen(s) for s in seeds])
+    alone = [aug(images[k * group : (k + 1) * group], _gen(s)) for k, s in enumerate(seeds)]
+    for got, want in ((batched.global_stack, [c.global_stack for c in alone]),
+                      (batched.local_stack, [c.local_stack for c in alone])):  # fmt: skip
+        want_all = torch.cat(want, dim=1)
+        # Same draws; pixels to float rounding (a lone image takes other reduction kernels than a batch).
+        assert got.shape == want_all.shape
+        torch.testing.assert_close(got, want_all, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="equal groups"):
+        aug(images, [_gen(1)] * 4)

@@ -70,7 +70,9 @@ class CropsConfig(AugmentationConfig):
     # Images are augmented in groups of this many consecutive step-batch images, each group from its own
     # generator seeded by (seed, stream position). Crops are then identical however the step batch is split
     # over ranks and micro-batches, as long as the split keeps groups whole (this must divide the per-rank
-    # step batch). 1 is always exact; larger groups batch more work per kernel launch (GPU).
+    # step batch). 1 is always exact. The pixel work runs once over the rank's whole batch whatever the group
+    # size (`augment_step`); larger groups only save the per-group parameter draws (group 1: 581 img/s against
+    # 672 at 16 on one CPU thread, cpu recipe crops; before, group 1 ran a call per image at 200 img/s).
     rng_group_size: int = 8
     mask_ratio: tuple[float, float] = (0.1, 0.5)  # iBOT: ratios of the masked crops, linspace over this range
     mask_probability: float = 0.5  # iBOT: share of global crops that are masked

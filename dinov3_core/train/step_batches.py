@@ -154,13 +154,10 @@ def augment_step(
     """
     if images.shape[0] % group_size or rank_offset % group_size:
         raise ValueError(f"rng group size {group_size} must divide the rank batch {images.shape[0]}")
-    globals_, locals_ = [], []
-    for start in range(0, images.shape[0], group_size):
-        position = first_sample + rank_offset + start
-        generator = torch.Generator(device=images.device).manual_seed(derive_seed(seed, AUGMENT_STREAM, position))
-        crops = augmentation(images[start : start + group_size], generator)
-        globals_.append(crops.global_stack)
-        locals_.append(crops.local_stack)
-    if len(globals_) == 1:
-        return MultiCrops(globals_[0], locals_[0])
-    return MultiCrops(torch.cat(globals_, dim=1), torch.cat(locals_, dim=1))
+    first = first_sample + rank_offset
+    generators = [
+        torch.Generator(device=images.device).manual_seed(derive_seed(seed, AUGMENT_STREAM, first + start))
+        for start in range(0, images.shape[0], group_size)
+    ]
+    # One call for every group: each group's draws come from its own generator, the pixel work is batched.
+    return augmentation(images, generators)
