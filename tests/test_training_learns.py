@@ -1,4 +1,4 @@
-"""A run that learns, end to end: the `cpu` recipe (1,000 iterations of 32, what `make demo` trains; ~2.5 min on 2
+"""A run that learns, end to end: the `cpu` recipe (1,000 iterations of 32, what `make demo` trains; ~2 min on 2
 cores) on the demo sample slides' real-tissue tiles, through the CLI and so under torchrun, leaves ln K, is called
 "learning", and its backbone beats its own initialisation on a probe of the slides' annotations with the test slide
 kept out of the probe's training side. The same recipe with upstream's teacher shapes stays at ln K and gets the
@@ -38,8 +38,10 @@ def store(demo_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pretrain(store: Path, out: Path, overrides: dict[str, Any]) -> list[dict[str, Any]]:
     args = [f"{k}={v}" for k, v in {**SHORT, **overrides}.items()]
+    # Two processes of one thread each, as `make demo` runs it: one process of two threads slowed to ~10 img/s
+    # (from ~200) when another job took a core, its OpenMP threads waiting on each other; it then timed out.
     cmd = [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--config", "cpu", "--store", str(store),
-           "--output-dir", str(out), *args]  # fmt: skip
+           "--output-dir", str(out), "--nproc-per-node", "2", *args]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(out / "training_metrics.json")
