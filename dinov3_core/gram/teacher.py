@@ -228,7 +228,8 @@ def dense_scores_of(patch_tokens: Callable[[Tensor], Tensor], images: Tensor, pa
     view = torch.rot90(torch.flip(images, dims=(-1,)), k=1, dims=(-2, -1))
     a = patch_tokens(images)
     b = _transform_grid(patch_tokens(view), side)
-    agreement = float(F.cosine_similarity(a, b, dim=-1).mean())
+    # A cosine of (near-)identical tokens rounds to 1 + 1 ulp in fp32: clamp, so the reported value is a cosine.
+    agreement = float(F.cosine_similarity(a, b, dim=-1).clamp(-1.0, 1.0).mean())
     erank = effective_rank(a.reshape(-1, a.shape[-1]))
     return {"effective_rank": erank, "agreement": agreement, "score": erank * max(agreement, 0.0)}
 
