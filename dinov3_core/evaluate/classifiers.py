@@ -349,7 +349,10 @@ def linear_probe_cv(
             rows = torch.as_tensor(np.concatenate([f.train, f.test]).astype(np.int64), device=dev)
             n = len(f.train)
             local = [Fold(np.arange(n), f.val, np.arange(n, n + len(f.test)))]
-        picked = _fit_group(xt[rows], y[rows], n_classes, local, [float(c) for c in cs], tol)
+        # Small problems run thousands of tiny ops: one thread, since waking the others (busy on a shared machine)
+        # costs more than the op itself.
+        with torch_threads(1 if small and dev.type == "cpu" else 0):
+            picked = _fit_group(xt[rows], y[rows], n_classes, local, [float(c) for c in cs], tol)
         for f, (proba, c) in zip(group, picked, strict=True):
             scores[f.test] = proba
             chosen.append(c)
