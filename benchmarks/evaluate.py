@@ -20,6 +20,7 @@ QuPath-style GeoJSON, one polygon per tile around its centre. Then, in one run, 
   pictures.
 
 Usage: python benchmarks/evaluate.py [--quick] [--output DIR]   (writes DIR/evaluate.json)
+       python benchmarks/evaluate.py --probes-only [--skip-lab]  (probe speed, old vs new: `probe_speed.py`)
 """
 
 from __future__ import annotations
@@ -115,7 +116,13 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 
 
 def main() -> None:
+    if "--probes-only" in sys.argv:  # the probe-speed section alone: old (scikit-learn / numpy) vs torch probes
+        import probe_speed  # the sibling script
+
+        probe_speed.main([a for a in sys.argv[1:] if a != "--probes-only"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probes-only", action="store_true", help="the probe-speed section alone (probe_speed.py)")
     parser.add_argument("--quick", action="store_true", help="the small test slides, one repeat")
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--tile-size", type=int, default=224)

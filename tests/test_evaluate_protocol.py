@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dinov3_core.config import load_config
+from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateConfig
 from dinov3_core.evaluate.gate import decide
@@ -26,6 +27,11 @@ def clustered(n_slides: int, per_class: int, classes: int, spread: float, seed: 
             y += [f"class{c}"] * per_class
             g += [f"slide{s}"] * per_class
     return np.concatenate(x), np.array(y, object), np.array(g, object)
+
+
+def knn(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """The stage's kNN (k = 20, T = 0.07) on class names."""
+    return C.knn_scores(train, np.searchsorted(classes, train_y), test, len(classes), 20, 0.07)
 
 
 def test_split_never_puts_a_slide_on_both_sides() -> None:
@@ -72,14 +78,19 @@ def test_probes_separate_clusters_and_fail_on_noise() -> None:
     x, y, g = clustered(6, 20, 3, 0.5, 1)
     split = P.split_by_group(y, g, test_fraction=0.34, seed=0)
     classes = np.unique(y)
-    knn = P.Predictions(classes, P.knn_scores(x[split.train], y[split.train], x[split.test], classes, 20, 0.07))
-    assert P.score(y[split.test], knn, P.balanced_accuracy) > 0.95
-    order, proba, c = P.linear_probe(x[split.train], y[split.train], np.searchsorted(split.train, split.val),
-                                     x[split.test], [0.01, 1.0], 0)  # fmt: skip
-    assert P.score(y[split.test], P.Predictions(order, proba), P.balanced_accuracy) > 0.95 and c in (0.01, 1.0)
+    near = P.Predictions(classes, knn(x[split.train], y[split.train], x[split.test], classes))
+    assert P.score(y[split.test], near, P.balanced_accuracy) > 0.95
+    proba, c = C.linear_probe(
+        x[split.train],
+        np.searchsorted(classes, y[split.train]),
+        np.searchsorted(split.train, split.val),
+        x[split.test],
+        len(classes),
+        [0.01, 1.0],
+    )
+    assert P.score(y[split.test], P.Predictions(classes, proba), P.balanced_accuracy) > 0.95 and c in (0.01, 1.0)
     noise = np.random.default_rng(0).normal(size=x.shape)
-    chance = P.Predictions(classes, P.knn_scores(noise[split.train], y[split.train], noise[split.test], classes, 20,
-                                                 0.07))  # fmt: skip
+    chance = P.Predictions(classes, knn(noise[split.train], y[split.train], noise[split.test], classes))  # fmt: skip
     assert P.score(y[split.test], chance, P.balanced_accuracy) < 0.6
 
 
@@ -92,9 +103,9 @@ def test_bootstrap_resamples_slides_and_pairs_models() -> None:
         counts = {str(k): int(v) for k, v in zip(*np.unique(test_groups[s], return_counts=True), strict=True)}
         assert all(v % np.sum(test_groups == k) == 0 for k, v in counts.items())
     classes = np.unique(y)
-    good = P.Predictions(classes, P.knn_scores(x[split.train], y[split.train], x[split.test], classes, 20, 0.07))
+    good = P.Predictions(classes, knn(x[split.train], y[split.train], x[split.test], classes))
     noise = np.random.default_rng(1).normal(size=x.shape)
-    bad = P.Predictions(classes, P.knn_scores(noise[split.train], y[split.train], noise[split.test], classes, 20, 0.07))
+    bad = P.Predictions(classes, knn(noise[split.train], y[split.train], noise[split.test], classes))
     m = P.metrics_with_ci(y[split.test], good, boot)
     assert m["balanced_accuracy"]["ci_low"] <= m["balanced_accuracy"]["value"] <= m["balanced_accuracy"]["ci_high"]
     assert "auroc" in m  # two classes
@@ -211,11 +222,11 @@ def test_pooled_folds_give_a_small_cohort_a_real_interval() -> None:
     classes = np.unique(y)
     scores = np.zeros((len(y), 2), np.float32)
     for f in cv.folds:
-        scores[f.test] = P.knn_scores(x[f.train], y[f.train], x[f.test], classes, 20, 0.07)
+        scores[f.test] = knn(x[f.train], y[f.train], x[f.test], classes)
     noise = np.random.default_rng(1).normal(size=x.shape)
     chance = np.zeros_like(scores)
     for f in cv.folds:
-        chance[f.test] = P.knn_scores(noise[f.train], y[f.train], noise[f.test], classes, 20, 0.07)
+        chance[f.test] = knn(noise[f.train], y[f.train], noise[f.test], classes)
     boot = P.Bootstrap.over_groups(g, 200, seed=0)
     m = P.metrics_with_ci(y, P.Predictions(classes, scores), boot)["balanced_accuracy"]
     assert m["ci_high"] - m["ci_low"] > 0
@@ -249,10 +260,10 @@ def test_fast_metrics_equal_scikit_learn(n_classes: int) -> None:
 
 def test_the_linear_probe_keeps_the_middle_c_when_validation_holds_a_whole_class() -> None:
     """A small fold can put every tile of a class in its validation slides: C cannot be chosen on them then (the
-    rest has one class), so the probe keeps the middle C and fits the whole fold (it raised in scikit-learn)."""
+    rest has one class), so the probe keeps the middle C and fits the whole fold (scikit-learn raised on one class)."""
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal(0, 1, (20, 4)), rng.normal(3, 1, (10, 4))])
     y = np.array(["a"] * 20 + ["b"] * 10)
     val = np.arange(20, 30)  # every "b" is a validation tile
-    order, proba, c = P.linear_probe(x, y, val, x[:3], [0.1, 1.0, 10.0], seed=0)
-    assert list(order) == ["a", "b"] and c == 1.0 and proba.shape == (3, 2)
+    proba, c = C.linear_probe(x, (y == "b").astype(np.int64), val, x[:3], 2, [0.1, 1.0, 10.0])
+    assert c == 1.0 and proba.shape == (3, 2) and (proba.argmax(1) == 0).all()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dinov3_core.data.tile_dataset import TileDataset
+from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateError
@@ -100,7 +101,9 @@ def knn_curve(
     for c in checkpoints:
         model = F.open_model(c.path, backend="torch")
         x = F.represent(F.embed(model, ds, idx, cache, key, batch_size), "cls")
-        scores = P.knn_scores(x[split.train], y[split.train], x[split.test], classes, k, temperature)
+        scores = C.knn_scores(
+            x[split.train], np.searchsorted(classes, y[split.train]), x[split.test], len(classes), k, temperature
+        )
         acc = P.score(y[split.test], P.Predictions(classes, scores), P.balanced_accuracy)
         health = probe_scores(run, model) or {}
         points.append(CurvePoint(c.iteration, str(c.path), acc, health.get("effective_rank"), health.get("invariance")))

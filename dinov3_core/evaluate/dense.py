@@ -12,9 +12,10 @@ an edge sees both sides, so its label would be a guess. Of the kept tokens of a 
 `probe.dense_tokens_per_tile` are used, evenly spaced over the grid (deterministic), which bounds the memory
 (tiles × tokens × dimensions) and the probe's cost.
 
-The probe is the tile probe's logistic regression (`probes.linear_probe`, C swept on the same validation slides)
-fitted on the tokens of each fold's training tiles and predicting the tokens of its test tiles, so the folds, the
-slides kept apart and the bootstrap over test slides are the tile probe's; metrics: balanced accuracy and mIoU.
+The probe is the tile probe's logistic regression (`classifiers.linear_probe_cv`, C swept on the same validation
+slides, every fold and C in one batched solve) fitted on the tokens of each fold's training tiles and predicting
+the tokens of its test tiles, so the folds, the slides kept apart and the bootstrap over test slides are the tile
+probe's; metrics: balanced accuracy and mIoU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import shapely
 
+from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.geojson import read_geojson
 from dinov3_core.evaluate.label_report import read_slide
@@ -174,20 +176,26 @@ def _folds(cv: P.CrossValidation, tile: np.ndarray) -> list[tuple[np.ndarray, np
     return out
 
 
-def predict(d: DenseSet, cv: P.CrossValidation, cs: Sequence[float], seed: int) -> tuple[P.Predictions, list[float]]:
+def predict(
+    d: DenseSet, cv: P.CrossValidation, cs: Sequence[float], device: str | None = None
+) -> tuple[P.Predictions, list[float]]:
     """Pooled out-of-fold predictions of the linear probe on the tokens, and the C each fold chose."""
     classes = np.unique(d.y)
+    codes = np.searchsorted(classes, d.y)
     scores = np.zeros((len(d.y), len(classes)), np.float64)
-    chosen = []
+    fit = []
     for train, val, test in _folds(cv, d.tile):
         if not len(test):
             continue
         if len(np.unique(d.y[train])) < 2:  # nothing to separate: the tokens are predicted as the one class
             scores[np.ix_(test, np.searchsorted(classes, np.unique(d.y[train])))] = 1.0
             continue
-        order, proba, c = P.linear_probe(d.x[train], d.y[train], val, d.x[test], cs, seed)
-        scores[np.ix_(test, np.searchsorted(classes, order))] = proba
-        chosen.append(c)
+        fit.append(C.Fold(train, val, test))
+    chosen: list[float] = []
+    if fit:
+        proba, chosen = C.linear_probe_cv(d.x, codes, len(classes), fit, cs, device)
+        for f in fit:
+            scores[f.test] = proba[f.test]
     return P.Predictions(classes, scores), chosen
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from dinov3_core import tracking
 from dinov3_core.data.tile_dataset import TileDataset
+from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import dense as D
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
@@ -149,7 +150,8 @@ def _dense_probe(
         if tokens.side not in boots:  # the token bootstrap resamples the same slides as the tile bootstrap
             boots[tokens.side] = P.Bootstrap.over_groups(groups[d.tile], cfg.probe.bootstrap, cfg.probe.seed)
         boot = boots[tokens.side]
-        p, cs = D.predict(d, cv, cfg.probe.linear_c, cfg.probe.seed)
+        with C.torch_threads(cfg.num_threads):
+            p, cs = D.predict(d, cv, cfg.probe.linear_c, cfg.device)
         evaluation["models"][role].setdefault("probes", {})["dense"] = {
             **D.metrics_with_ci(d.y, p, boot), "linear_c_per_fold": cs, "counts": tokens.counts()}  # fmt: skip
         preds[role] = (d, p, boot, tokens.side)
@@ -180,24 +182,24 @@ def _score_model(
     other folds: metrics (with CIs) of the pooled predictions, and the predictions (every labelled tile, once)."""
     pc = cfg.probe
     classes = np.unique(y)
-    knn = np.zeros((len(y), len(classes)), np.float32)
-    linear = np.zeros((len(y), len(classes)), np.float64)
-    cs = []
-    for f in cv.folds:
-        xtr, ytr, xte = x[f.train], y[f.train], x[f.test]
-        knn[f.test] = P.knn_scores(xtr, ytr, xte, classes, pc.knn_k, pc.knn_temperature)
-        order, proba, c = P.linear_probe(xtr, ytr, np.searchsorted(f.train, f.val), xte, pc.linear_c, pc.seed)
-        linear[np.ix_(f.test, np.searchsorted(classes, order))] = proba  # order: the classes of the fold's training
-        cs.append(c)
+    codes = np.searchsorted(classes, y)
+    folds = [C.Fold(f.train, np.searchsorted(f.train, f.val), f.test) for f in cv.folds]
+    with C.torch_threads(cfg.num_threads):
+        knn = C.knn_cv(x, codes, [f.test for f in cv.folds], len(classes), pc.knn_k, pc.knn_temperature, cfg.device)
+        linear, cs = C.linear_probe_cv(x, codes, len(classes), folds, pc.linear_c, cfg.device)
+        shots = C.knn_few_shot(
+            x,
+            codes,
+            [(f.train, f.test) for f in cv.folds],
+            draws,
+            len(classes),
+            pc.knn_k,
+            pc.knn_temperature,
+            cfg.device,
+        )
     few: dict[str, Any] = {}
-    for n, per_draw in draws.items():
-        accs = []
-        for picks in per_draw:  # one draw: the pooled predictions of every fold's n-shot kNN
-            scores = np.zeros((len(y), len(classes)), np.float32)
-            for f, p in zip(cv.folds, picks, strict=True):
-                scores[f.test] = P.knn_scores(x[f.train[p]], y[f.train[p]], x[f.test], classes, pc.knn_k,
-                                              pc.knn_temperature)  # fmt: skip
-            accs.append(P.score(y, P.Predictions(classes, scores), P.balanced_accuracy))
+    for n, per_draw in shots.items():  # one draw: the pooled predictions of every fold's n-shot kNN
+        accs = [P.score(y, P.Predictions(classes, scores), P.balanced_accuracy) for scores in per_draw]
         few[str(n)] = {"balanced_accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "draws": len(accs)}
     knn_p, linear_p = P.Predictions(classes, knn), P.Predictions(classes, linear)
     values, counts = np.unique(cs, return_counts=True)
@@ -404,10 +406,17 @@ def _site_predictability(
     tested = np.concatenate([f.test for f in usable])
     out = {}
     for role, x in feats.items():
-        scores = np.zeros((len(s), len(classes)), np.float32)
-        for f in usable:
-            scores[f.test] = P.knn_scores(x[f.train], s[f.train], x[f.test], classes, cfg.probe.knn_k,
-                                          cfg.probe.knn_temperature)  # fmt: skip
+        # every fold's training side is the other folds' test tiles, so one pass over all folds serves the usable
+        with C.torch_threads(cfg.num_threads):
+            scores = C.knn_cv(
+                x,
+                np.searchsorted(classes, s),
+                [f.test for f in cv.folds],
+                len(classes),
+                cfg.probe.knn_k,
+                cfg.probe.knn_temperature,
+                cfg.device,
+            )
         out[role] = P.score(s[tested], P.Predictions(classes, scores[tested]), P.balanced_accuracy)
     return out
 

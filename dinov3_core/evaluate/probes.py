@@ -10,7 +10,7 @@ The protocol of pathology foundation-model evaluations (kaiko's eva, UNI, Vircho
 * **kNN**: k = 20 nearest training tiles by cosine similarity, votes weighted by exp(similarity / T) (DINO's
   weighted kNN);
 * **linear probe**: L2-regularised logistic regression on standardised features, C chosen on a validation split of
-  the fold's training slides, then refitted on all of them;
+  the fold's training slides, then refitted on all of them (the classifiers, batched torch: `classifiers`);
 * **few-shot kNN**: n tiles per class (1, 2, 4, 8, 16) drawn from each fold's training slides, several draws;
 * **metrics**: balanced accuracy and macro-F1 (AUROC for two classes) of the pooled predictions, each with a
   bootstrap 95 % interval over the test slides (all of them); paired differences between two models resample the
@@ -201,51 +201,6 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def knn_scores(
-    train: np.ndarray, train_y: np.ndarray, test: np.ndarray, classes: np.ndarray, k: int, temperature: float
-) -> np.ndarray:
-    """Class scores (N_test, C) of a cosine kNN with exp(sim / T) weighted votes, normalised to sum to 1."""
-    a, b = l2_normalise(test.astype(np.float32)), l2_normalise(train.astype(np.float32))
-    k = min(k, len(b))
-    onehot = (train_y[:, None] == classes[None, :]).astype(np.float32)
-    scores = np.zeros((len(a), len(classes)), np.float32)
-    for start in range(0, len(a), 4096):  # bounded memory: 4096 × N_train similarities at a time
-        sim = a[start : start + 4096] @ b.T
-        top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
-        w = np.exp(np.take_along_axis(sim, top, axis=1) / temperature)
-        scores[start : start + 4096] = np.einsum("nk,nkc->nc", w, onehot[top])
-    return scores / np.maximum(scores.sum(1, keepdims=True), 1e-12)
-
-
-def linear_probe(
-    train: np.ndarray, train_y: np.ndarray, val_pos: np.ndarray, test: np.ndarray, cs: Sequence[float], seed: int
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """(class order, test probabilities, chosen C): C by balanced accuracy on the validation tiles."""
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import balanced_accuracy_score
-    from sklearn.preprocessing import StandardScaler
-
-    def fit(x: np.ndarray, y: np.ndarray, c: float) -> Any:
-        scaler = StandardScaler().fit(x)
-        model = LogisticRegression(C=c, max_iter=2000, random_state=seed).fit(scaler.transform(x), y)
-        return scaler, model
-
-    chosen = float(cs[len(cs) // 2])
-    fit_pos = np.setdiff1d(np.arange(len(train)), val_pos)
-    # C is chosen on the validation tiles only when the rest still has two classes to separate (a small fold can put
-    # all of a class in its validation slides); otherwise the middle C, fitted on the whole fold.
-    if len(val_pos) and len(cs) > 1 and len(np.unique(train_y[fit_pos])) > 1:
-        best = -1.0
-        for c in cs:
-            scaler, model = fit(train[fit_pos], train_y[fit_pos], c)
-            acc = balanced_accuracy_score(train_y[val_pos], model.predict(scaler.transform(train[val_pos])))
-            if acc > best + 1e-9:
-                best, chosen = acc, float(c)
-    scaler, model = fit(train, train_y, chosen)
-    return model.classes_, model.predict_proba(scaler.transform(test)), chosen
-
-
 # ----------------------------------------------------------------------------------------------------- metrics
 
 
@@ -395,8 +350,6 @@ __all__ = [
     "cross_validate_by_group",
     "few_shot_draws",
     "few_shot_draws_cv",
-    "knn_scores",
-    "linear_probe",
     "metrics_with_ci",
     "paired_difference",
     "split_by_group",

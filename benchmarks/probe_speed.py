@@ -1,0 +1,213 @@
+"""Probe speed: the scikit-learn / numpy probes the evaluate stage used before (kept here as the reference) vs the
+batched torch classifiers (`dinov3_core.evaluate.classifiers`), side by side in one run on one machine.
+
+* **demo-shaped**: the demo cohort's shapes (724 labelled tiles × 128 features = cls + mean patch of a 64-d model,
+  3 classes, 12 slides, 11,600 dense tokens × 64), synthetic class-conditional Gaussian features with per-slide
+  shifts, two models (candidate + baseline): kNN, linear probe (4 C), few-shot kNN (1-16 shots × 5 draws), the dense
+  probe; the stage's folds (`cross_validate_by_group`, 5 folds) and draws;
+* **lab scale**: 10⁵ tiles × 1,024 features, 50 slides, 5 classes, 5 folds, 4 C, 2·10⁵ dense tokens × 1,024, one
+  model. The old path would take hours: its kNN is timed on one block of test tiles and its linear probe on one fit
+  (one fold, C = 1), then extrapolated (labelled so).
+
+Usage: python benchmarks/probe_speed.py [--skip-lab] (also `python benchmarks/evaluate.py --probes-only`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dinov3_core.evaluate import classifiers as C
+from dinov3_core.evaluate import probes as P
+
+CS = [0.01, 0.1, 1.0, 10.0]
+
+
+def old_knn(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, n: int, k: int = 20, t: float = 0.07) -> Any:
+    """The numpy kNN the stage used before (codes instead of names)."""
+
+    def unit(x: np.ndarray) -> np.ndarray:
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    a, b = unit(test.astype(np.float32)), unit(train.astype(np.float32))
+    k = min(k, len(b))
+    onehot = np.eye(n, dtype=np.float32)[train_y]
+    scores = np.zeros((len(a), n), np.float32)
+    for start in range(0, len(a), 4096):
+        sim = a[start : start + 4096] @ b.T
+        top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+        w = np.exp(np.take_along_axis(sim, top, axis=1) / t)
+        scores[start : start + 4096] = np.einsum("nk,nkc->nc", w, onehot[top])
+    return scores / np.maximum(scores.sum(1, keepdims=True), 1e-12)
+
+
+def old_fit(x: np.ndarray, y: np.ndarray, c: float) -> Any:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(x)
+    return scaler, LogisticRegression(C=c, max_iter=2000, random_state=0).fit(scaler.transform(x), y)
+
+
+def old_linear(train: np.ndarray, train_y: np.ndarray, val: np.ndarray, test: np.ndarray, cs: Sequence[float]) -> Any:
+    """The scikit-learn linear probe the stage used before: C on the validation tiles, refit, predict."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    chosen, fit = float(cs[len(cs) // 2]), np.setdiff1d(np.arange(len(train)), val)
+    if len(val) and len(np.unique(train_y[fit])) > 1:
+        best = -1.0
+        for c in cs:
+            scaler, model = old_fit(train[fit], train_y[fit], c)
+            acc = balanced_accuracy_score(train_y[val], model.predict(scaler.transform(train[val])))
+            if acc > best + 1e-9:
+                best, chosen = acc, float(c)
+    scaler, model = old_fit(train, train_y, chosen)
+    return model.predict_proba(scaler.transform(test)), chosen
+
+
+def cohort(n: int, d: int, k: int, slides: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Class-conditional Gaussian features with per-slide shifts (fixed seed): features, codes, slide ids."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, k, n)
+    g = rng.integers(0, slides, n)
+    centres, shifts = rng.normal(size=(k, d)) * 0.15, rng.normal(size=(slides, d)) * 0.3
+    x = (centres[y] + shifts[g] + rng.normal(size=(n, d)).astype(np.float32)).astype(np.float32)
+    return x, y, np.array([f"slide{i:02d}" for i in g], object)
+
+
+def folds(y: np.ndarray, g: np.ndarray) -> tuple[P.CrossValidation, list[C.Fold]]:
+    cv = P.cross_validate_by_group(y, g, folds=5, seed=0)
+    return cv, [C.Fold(f.train, np.searchsorted(f.train, f.val), f.test) for f in cv.folds]
+
+
+def token_folds(cv: P.CrossValidation, tile: np.ndarray) -> list[C.Fold]:
+    out = []
+    for f in cv.folds:
+        train, test = np.flatnonzero(np.isin(tile, f.train)), np.flatnonzero(np.isin(tile, f.test))
+        out.append(C.Fold(train, np.flatnonzero(np.isin(tile[train], f.val)), test))
+    return out
+
+
+def run_old(x: np.ndarray, y: np.ndarray, k: int, cv: P.CrossValidation, fs: list[C.Fold], draws: dict) -> None:
+    for f in fs:
+        old_knn(x[f.train], y[f.train], x[f.test], k)
+        old_linear(x[f.train], y[f.train], f.val, x[f.test], CS)
+    for per_draw in draws.values():
+        for picks in per_draw:
+            for f, p in zip(cv.folds, picks, strict=True):
+                old_knn(x[f.train[p]], y[f.train[p]], x[f.test], k)
+
+
+def run_new(x: np.ndarray, y: np.ndarray, k: int, cv: P.CrossValidation, fs: list[C.Fold], draws: dict) -> None:
+    C.knn_cv(x, y, [f.test for f in cv.folds], k, 20, 0.07)
+    C.linear_probe_cv(x, y, k, fs, CS)
+    C.knn_few_shot(x, y, [(f.train, f.test) for f in cv.folds], draws, k, 20, 0.07)
+
+
+def timed(fn: Any, *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def demo_shaped(rows: list[dict[str, Any]]) -> None:
+    x, y, g = cohort(724, 128, 3, 12, 0)
+    cv, fs = folds(y.astype(str), g)
+    draws = P.few_shot_draws_cv(y, cv, [1, 2, 4, 8, 16], 5, 0)
+    rng = np.random.default_rng(1)
+    tile = np.sort(rng.integers(0, len(y), 11_600))
+    dx = (rng.normal(size=(len(tile), 64)) + np.eye(3, 64)[y[tile]] * 0.5).astype(np.float32)
+    dfolds = token_folds(cv, tile)
+    run_new(x[:200], y[:200], 3, *folds(y[:200].astype(str), g[:200]), {})  # warm-up: torch's first-call costs
+    for name, old, new in (
+        (
+            "tile probes (kNN, linear 4 C, few-shot 5 × 5)",
+            lambda: run_old(x, y, 3, cv, fs, draws),
+            lambda: run_new(x, y, 3, cv, fs, draws),
+        ),
+        (
+            "dense probe (11,600 tokens × 64, 4 C)",
+            lambda: [old_linear(dx[f.train], y[tile][f.train], f.val, dx[f.test], CS) for f in dfolds],
+            lambda: C.linear_probe_cv(dx, y[tile], 3, dfolds, CS),
+        ),
+    ):
+        t_old, t_new = 2 * timed(old), 2 * timed(new)  # two models: candidate + baseline
+        rows.append({"set": "demo-shaped, 2 models", "part": name, "old_s": t_old, "new_s": t_new, "note": ""})
+
+
+def lab_scale(rows: list[dict[str, Any]]) -> None:
+    x, y, g = cohort(100_000, 1024, 5, 50, 2)
+    cv, fs = folds(y.astype(str), g)
+    draws = P.few_shot_draws_cv(y, cv, [1, 2, 4, 8, 16], 5, 0)
+    f = fs[0]
+    block = f.test[:4096]
+    t = timed(old_knn, x[f.train], y[f.train], x[block], 5) * len(y) / len(block)
+    rows.append(
+        {
+            "set": "lab scale",
+            "part": "kNN (10⁵ × 8·10⁴ × 1,024)",
+            "old_s": t,
+            "new_s": timed(C.knn_cv, x, y, [f.test for f in cv.folds], 5, 20, 0.07),
+            "note": "old: one block of 4,096 test tiles, extrapolated",
+        }
+    )
+    fit = np.setdiff1d(np.arange(len(f.train)), f.val)
+    t = timed(old_fit, x[f.train][fit], y[f.train][fit], 1.0) * len(fs) * (len(CS) + 1)
+    rows.append(
+        {
+            "set": "lab scale",
+            "part": "linear probe (5 folds × 4 C + refits)",
+            "old_s": t,
+            "new_s": timed(C.linear_probe_cv, x, y, 5, fs, CS),
+            "note": "old: one fit (fold 1, C = 1) × 25",
+        }
+    )
+    rows.append(
+        {
+            "set": "lab scale",
+            "part": "few-shot kNN (5 shots × 5 draws × 5 folds)",
+            "old_s": float("nan"),
+            "new_s": timed(C.knn_few_shot, x, y, [(f.train, f.test) for f in cv.folds], draws, 5, 20, 0.07),
+            "note": "old not timed",
+        }
+    )
+    del x
+    rng = np.random.default_rng(3)
+    tile = np.sort(rng.integers(0, len(y), 200_000))
+    dx = rng.normal(size=(len(tile), 1024)).astype(np.float32) + np.eye(5, 1024, dtype=np.float32)[y[tile]] * 0.3
+    dfolds = token_folds(cv, tile)
+    rows.append(
+        {
+            "set": "lab scale",
+            "part": "dense probe (2·10⁵ tokens × 1,024, 4 C)",
+            "old_s": float("nan"),
+            "new_s": timed(C.linear_probe_cv, dx, y[tile], 5, dfolds, CS),
+            "note": "old not timed",
+        }
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-lab", action="store_true", help="the demo-shaped set only")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    demo_shaped(rows)
+    if not args.skip_lab:
+        lab_scale(rows)
+    print(f"\n## probe speed (CPU, torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
+    print("| set | part | old (sklearn/numpy) s | new (torch) s | speed-up | note |\n|---|---|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['set']} | {r['part']} | {r['old_s']:.2f} | {r['new_s']:.2f} | "
+            f"{r['old_s'] / r['new_s']:.1f}× | {r['note']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
