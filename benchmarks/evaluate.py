@@ -46,7 +46,7 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig
-from dinov3_core.evaluate.evaluation import _comparisons, _score_model, run_evaluate
+from dinov3_core.evaluate.evaluation import probe_models, run_evaluate
 from dinov3_core.evaluate.labels import label_tiles
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.extract.config import ExtractConfig
@@ -195,11 +195,8 @@ def main() -> None:
             feats[role] = F.represent(cached, cfg.probe.features)
         start = time.perf_counter()
         pc = cfg.probe
-        cv = P.cross_validate_by_group(y, groups, folds=pc.folds, seed=pc.seed)
-        boot = P.Bootstrap.over_groups(groups, pc.bootstrap, pc.seed)  # every tile is a test tile of its fold
-        draws = P.few_shot_draws_cv(y, cv, pc.few_shot, pc.few_shot_draws, pc.seed)
-        preds = {role: _score_model(cfg, x, y, cv, boot, draws)[1] for role, x in feats.items()}
-        _comparisons(y, preds, boot)
+        probed = probe_models(cfg, feats, y, groups)  # folds, probes, statistics and comparisons, as the stage
+        preds, cv = probed.predictions, probed.cv
         probes_s = time.perf_counter() - start
         _, pictures_s = timed(report.save_pictures, root / "pictures", y, feats, preds)
         # Side by side on the same resamples: balanced accuracy by scikit-learn (string labels, as before) and by
@@ -207,8 +204,12 @@ def main() -> None:
         from sklearn.metrics import balanced_accuracy_score
 
         linear, y_test = preds["candidate"]["linear"], y
-        sk = timed(lambda: [balanced_accuracy_score(y_test[s], linear.predicted[s]) for s in boot.samples])
-        cm = timed(lambda: [P.score(y_test, linear, P.balanced_accuracy, s) for s in boot.samples])
+        members = [np.flatnonzero(groups == g) for g in probed.design.groups.names]
+        samples = [
+            np.concatenate([np.repeat(m, k) for m, k in zip(members, row, strict=True)]) for row in probed.design.counts
+        ]
+        sk = timed(lambda: [balanced_accuracy_score(y_test[s], linear.predicted[s]) for s in samples])
+        cm = timed(lambda: [P.score(y_test, linear, P.balanced_accuracy, s) for s in samples])
         assert np.allclose(sk[0], cm[0]), "the two metrics disagree"
         boot_rows = {"scikit-learn": sk[1], "confusion matrix": cm[1]}
 

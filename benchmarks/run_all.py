@@ -26,6 +26,7 @@ SCRIPTS = [
     "extract.py",
     "extract_ranks.py",
     "evaluate.py",
+    "gate_calibration.py",
     "training_health.py",
     "stage_manifest.py",
     "verify_cost.py",

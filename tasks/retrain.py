@@ -16,6 +16,7 @@ def cycle_markdown(result: CycleResult) -> str:
         "data snapshot": f"{snap.get('hash')} ({snap.get('n_slides')} slides, {snap.get('tiles')} tiles)",
         "warm start": f"{warm.get('source')} {warm.get('path') or ''}" if warm else None,
         "candidate version": r.decision.get("candidate_version"),
+        "evidence": r.decision.get("evidence"),  # gate.evidence_line, as the stage and the pipeline print it
         "decision": r.decision.get("reason"),
         "champion before → after": f"{r.decision.get('champion_before')} → {r.decision.get('champion_after')}",
         "features": f"{feats['store']} ({feats.get('scope')}, {feats.get('slides_extracted')} slide(s) extracted)"

@@ -245,6 +245,9 @@ def _fmt(value: Any) -> str:
 def _markdown(o: StageOutcome[Any], cfg: Any) -> str:
     m = o.manifest
     lines = [f"# {o.stage}: {o.status}", "", o.reason, "", f"Manifest: `{o.manifest_path}`"]
+    evidence = getattr(o.summary, "evidence", None)  # evaluate: gate.evidence_line, as the pipeline prints it
+    if evidence:
+        lines[2:2] = [f"**{evidence}**", ""]
     if m.mlflow_run_id:
         url = tracking.run_ui_url(cfg.tracking, m.mlflow_run_id)
         lines.append(f"MLflow run: [{m.mlflow_run_id}]({url})" if url else f"MLflow run: `{m.mlflow_run_id}`")

@@ -131,8 +131,9 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
     cohort = {"root": root, "store": store, "uri": uri, "annotations": annotations,
               "trained": export(trained, uri),
               "noise": export(noise_backbone(trained, root / "noise"), uri)}  # fmt: skip
-    # The trained model becomes the registry's first champion through the gate, against the untrained init.
-    _, ev = evaluate(cohort, "trained", "eval-trained", baseline="init")
+    # The trained model becomes the registry's first champion through the gate, against the untrained init. Three
+    # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.05 needs 5).
+    _, ev = evaluate(cohort, "trained", "eval-trained", baseline="init", **{"gate.alpha": 0.125})
     cohort["first"] = ev
     assert ev["decision"]["applied"], ev["decision"]["reason"]
     two = root / "annotations-2"  # the fewest slides a slide-level evaluation accepts: every class on two
@@ -151,28 +152,32 @@ def test_a_trained_first_model_is_promoted_on_the_evidence_of_every_slide(cohort
     evidence = ev["evidence"]
     assert evidence["test_groups"] == 3 and evidence["folds"] == 3 and evidence["sufficient"] is True
     assert evidence["point_estimate"] is False and evidence["allow_point_estimate"] is False
+    assert evidence["p_value"] == 0.125 and evidence["min_test_slides"] == 3 and "exact" in evidence["test"]
     low, high = evidence["interval"]["ci_low"], evidence["interval"]["ci_high"]
-    assert 0 < low < high  # a real interval, from three test slides, above margin 0
+    assert low < high  # a real interval, from three test slides (for display: the test decided)
     assert ev["decision"]["evidence"] == evidence
     tags = version_tags(cohort, cohort["trained"])
     assert champion_version(cohort) == tags["version"]
     assert (tags["wsidino.eval.test_slides"], tags["wsidino.eval.folds"]) == ("3", "3")
     assert tags["wsidino.eval.evidence"] == "sufficient" and tags["wsidino.eval.allow_point_estimate"] == "false"
     assert f"[{low:+.4f}, {high:+.4f}]" in tags["wsidino.eval.interval"]
+    assert tags["wsidino.eval.p_value"] == "0.125" and tags["wsidino.eval.alpha"] == "0.125"
     md = (cohort["root"] / "eval-trained" / "evaluation.md").read_text()
-    assert "Evidence: 3 test slides (gate.min_test_slides 3), 3 folds" in md and "sufficient" in md
+    assert "p = 0.125 (paired permutation, 3 slides, α 0.125): promoted to @champion" in md
+    assert "3 test slides (the test needs 3 at α 0.125), 3 folds; sufficient" in md
 
 
 def test_a_noise_candidate_is_not_promoted_over_the_trained_champion(cohort: dict[str, Any]) -> None:
     champion = champion_version(cohort)
-    outcome, ev = evaluate(cohort, "noise", "eval-noise")
+    outcome, ev = evaluate(cohort, "noise", "eval-noise", **{"gate.alpha": 0.125})
     diff = ev["comparisons"]["candidate_vs_champion"]["linear.balanced_accuracy"]
     assert not ev["decision"]["promote"] and not ev["decision"]["applied"], ev["decision"]
     reason = ev["decision"]["reason"]  # names what it measured: the champion, or the baseline it also fell below
-    assert diff["ci_low"] <= 0 and ("vs champion" in reason or "below the baseline" in reason), reason
+    assert diff["p_value"] > 0.125 and ("vs champion" in reason or "below the baseline" in reason), reason
     assert ev["evidence"]["test_groups"] == 3 and ev["evidence"]["sufficient"] is True
     assert champion_version(cohort) == champion
     assert outcome.manifest.summary["promoted"] is False and outcome.manifest.summary["decision"]
+    assert outcome.manifest.summary["evidence"].startswith("gate: linear.balanced_accuracy candidate − champion")
     tags = version_tags(cohort, cohort["noise"])
     assert tags["wsidino.promotion"] == "kept" and tags["wsidino.promotion_reason"] == ev["decision"]["reason"]
 
@@ -184,8 +189,11 @@ def test_two_annotated_slides_are_not_enough_evidence(cohort: dict[str, Any]) ->
     _, ev = evaluate(cohort, "noise", "eval-noise-2", annotations=cohort["two"])
     reason = ev["decision"]["reason"]
     assert not ev["decision"]["promote"] and champion_version(cohort) == champion
-    assert reason.startswith("not enough evidence: 2 test slide(s), fewer than gate.min_test_slides=3; annotate at "
-                             "least 1 more slide(s)"), reason  # fmt: skip
+    assert reason.startswith(
+        "not enough evidence: 2 test slide(s): a permutation test over 2 slide(s) cannot give "
+        "a p-value below 2^-2 = 0.25 > gate.alpha 0.05, so nothing can be promoted on fewer "
+        "than 5; annotate at least 3 more slide(s)"
+    ), reason
     assert ev["evidence"]["test_groups"] == 2 and ev["evidence"]["sufficient"] is False
     assert any("only 2 annotated slides" in w for w in ev["warnings"])
     assert version_tags(cohort, cohort["noise"])["wsidino.eval.evidence"] == "insufficient"

@@ -11,8 +11,9 @@ import pytest
 from dinov3_core.config import load_config
 from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import probes as P
+from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
-from dinov3_core.evaluate.gate import decide
+from dinov3_core.evaluate.gate import decide, evidence_line
 
 
 def clustered(n_slides: int, per_class: int, classes: int, spread: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -97,22 +98,21 @@ def test_probes_separate_clusters_and_fail_on_noise() -> None:
 def test_bootstrap_resamples_slides_and_pairs_models() -> None:
     x, y, g = clustered(9, 15, 2, 1.5, 2)
     split = P.split_by_group(y, g, test_fraction=0.34, seed=0)
-    boot = P.Bootstrap.over_groups(g[split.test], 200, seed=0)
-    test_groups = g[split.test]
-    for s in boot.samples[:20]:  # every resample is made of whole slides
-        counts = {str(k): int(v) for k, v in zip(*np.unique(test_groups[s], return_counts=True), strict=True)}
-        assert all(v % np.sum(test_groups == k) == 0 for k, v in counts.items())
+    design = S.Design.over(g[split.test], 200, seed=0)
+    assert design.counts.shape == (200, 3) and (design.counts.sum(1) == 3).all()  # whole slides, 3 per resample
     classes = np.unique(y)
     good = P.Predictions(classes, knn(x[split.train], y[split.train], x[split.test], classes))
     noise = np.random.default_rng(1).normal(size=x.shape)
     bad = P.Predictions(classes, knn(noise[split.train], y[split.train], noise[split.test], classes))
-    m = P.metrics_with_ci(y[split.test], good, boot)
-    assert m["balanced_accuracy"]["ci_low"] <= m["balanced_accuracy"]["value"] <= m["balanced_accuracy"]["ci_high"]
+    truth = good.codes(y[split.test])
+    m = S.metrics_with_ci(truth, good, design)
+    assert m["balanced_accuracy"].ci_low <= m["balanced_accuracy"].value <= m["balanced_accuracy"].ci_high
     assert "auroc" in m  # two classes
-    diff = P.paired_difference(y[split.test], good, bad, "balanced_accuracy", boot)
-    assert diff["ci_low"] > 0.1  # the better features are better on every resample of the test slides
-    same = P.paired_difference(y[split.test], good, good, "balanced_accuracy", boot)
-    assert same == {"value": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    diff = S.compare(truth, good, bad, "balanced_accuracy", design)
+    assert diff.ci_low > 0.1  # the better features are better on every resample of the test slides
+    assert diff.p_value == pytest.approx(1 / 8)  # ... and on each of the 3 slides: the least p of 3 slides
+    same = S.compare(truth, good, good, "balanced_accuracy", design)
+    assert (same.value, same.ci_low, same.ci_high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
 
 
 def test_few_shot_draws_are_shared_and_per_class() -> None:
@@ -132,85 +132,133 @@ def gate_cfg(**values: Any) -> EvaluateConfig:
     return load_config(EvaluateConfig, None, {"store": "s", "candidate": "c.onnx", "output": "o", **values})
 
 
+def diff(value: float, p: float, groups: int, spread: float = 0.02) -> dict[str, Any]:
+    """A comparison as `statistics.compare` writes it: per-slide differences around `value`."""
+    per_group = list(value + spread * np.linspace(-1, 1, groups)) if groups > 1 else [value]
+    return {
+        "value": value,
+        "ci_low": value - 0.05,
+        "ci_high": value + 0.05,
+        "p_value": p,
+        "test": "paired permutation test over test slides (exact)",
+        "exact": True,
+        "groups": groups,
+        "per_group": per_group,
+    }
+
+
 def evaluation(
-    cand: float, champ: tuple[float, float] | None, base: float = 0.0, rank: float = 0.3, test_groups: int = 5
+    cand: float, p: float | None, base: float = 0.0, rank: float = 0.3, test_groups: int = 6, base_p: float = 0.01
 ) -> dict:
+    """Candidate − champion `cand` with p-value `p` (None: no champion), candidate − baseline `base`."""
     metric = {"value": 0.8, "ci_low": 0.7, "ci_high": 0.9}
     models: dict[str, Any] = {"candidate": {"health": {"cls_effective_rank": rank, "dense_score": 0.5},
                                             "probes": {"linear": {"balanced_accuracy": metric}}}}  # fmt: skip
-    comparisons: dict[str, Any] = {"candidate_vs_baseline": {"linear.balanced_accuracy": {
-        "value": base, "ci_low": base - 0.05, "ci_high": base + 0.05}}}  # fmt: skip
-    if champ is not None:
+    comparisons: dict[str, Any] = {
+        "candidate_vs_baseline": {"linear.balanced_accuracy": diff(base, base_p, test_groups)}
+    }
+    if p is not None:
         models["champion"] = {"health": {"cls_effective_rank": 0.3, "dense_score": 0.4}}
-        comparisons["candidate_vs_champion"] = {"linear.balanced_accuracy": {"value": cand, "ci_low": champ[0],
-                                                                             "ci_high": champ[1]}}  # fmt: skip
+        comparisons["candidate_vs_champion"] = {"linear.balanced_accuracy": diff(cand, p, test_groups)}
     evidence = {"unit": "slide", "test_groups": test_groups, "folds": min(5, test_groups)}
     return {"models": models, "comparisons": comparisons, "labelled_tiles": 100, "evidence": evidence}
 
 
 def test_gate_rules() -> None:
     cfg = gate_cfg()
-    assert decide(cfg, evaluation(0.1, (0.02, 0.2))).promote
-    assert not decide(cfg, evaluation(0.1, (-0.01, 0.2))).promote  # the interval includes no gain
-    assert not decide(gate_cfg(**{"gate.margin": 0.05}), evaluation(0.1, (0.02, 0.2))).promote
-    assert "below the baseline" in decide(cfg, evaluation(0.1, (0.02, 0.2), base=-0.1)).reason
-    assert "collapsed" in decide(cfg, evaluation(0.1, (0.02, 0.2), rank=0.001)).reason
+    assert decide(cfg, evaluation(0.1, 0.016)).promote
+    assert not decide(cfg, evaluation(0.1, 0.06)).promote  # not significant at alpha 0.05
+    assert decide(gate_cfg(**{"gate.alpha": 0.1}), evaluation(0.1, 0.06)).promote
+    assert not decide(gate_cfg(**{"gate.margin": 0.15}), evaluation(0.1, 0.016)).promote  # significant, too small
+    assert "below the baseline" in decide(cfg, evaluation(0.1, 0.016, base=-0.1)).reason
+    assert "collapsed" in decide(cfg, evaluation(0.1, 0.016, rank=0.001)).reason
     first = evaluation(0.0, None, base=0.2)  # no champion yet: the baseline is the bar
     assert decide(cfg, first).promote and "first model" in decide(cfg, first).reason
-    assert not decide(cfg, evaluation(0.0, None, base=0.03)).promote  # 0.03 - 0.05 < 0
-    unlabelled = {**evaluation(0.1, (0.02, 0.2)), "labelled_tiles": 0}
+    assert not decide(cfg, evaluation(0.0, None, base=0.03, base_p=0.3)).promote
+    unlabelled = {**evaluation(0.1, 0.016), "labelled_tiles": 0}
     assert "promotion is off" in decide(cfg, unlabelled).reason
     assert decide(gate_cfg(**{"gate.label_free": True}), unlabelled).promote  # 0.5 ≥ champion's 0.4
-    broken = evaluation(0.1, (0.02, 0.2))
+    broken = evaluation(0.1, 0.016)
     broken["models"]["champion"]["error"] = "ExtractError: cannot load"
     assert "could not be evaluated" in decide(cfg, broken).reason
+    d = decide(cfg, evaluation(0.1, 0.016))
+    assert "p = 0.016 (paired permutation test over test slides (exact))" in d.reason
+    assert d.evidence.p_value == 0.016 and d.evidence.min_test_slides == 5 and d.evidence.sufficient is True
 
 
-def test_gate_needs_evidence_before_it_promotes() -> None:
+def test_the_gate_refuses_three_slides_however_good() -> None:
+    """The least p-value of a permutation test over 3 slides is 1/8: nothing is promoted, and the reason says why
+    (the minimum from alpha, not a constant) and how many slides the measured effect would need."""
     cfg = gate_cfg()
-    # The audit's case: one test slide, every interval a point, noise +0.054 "above margin 0".
-    one = evaluation(0.054, (0.054, 0.054), test_groups=1)
-    d = decide(cfg, one)
-    assert not d.promote
-    assert "not enough evidence: 1 test slide(s), fewer than gate.min_test_slides=3" in d.reason
-    assert "annotate at least 2 more slide(s)" in d.reason and "gate.allow_point_estimate=true" in d.reason
-    assert d.evidence["sufficient"] is False and d.evidence["point_estimate"] is False
-    assert d.evidence["interval"] == {"value": 0.054, "ci_low": 0.054, "ci_high": 0.054}
-    # A clear gain on two slides is still not enough by default; the key moves the bar.
-    two = evaluation(0.2, (0.1, 0.3), test_groups=2)
-    assert "annotate at least 1 more slide(s)" in decide(cfg, two).reason and not decide(cfg, two).promote
-    assert decide(gate_cfg(**{"gate.min_test_slides": 2}), two).promote
-    # Enough slides, but the interval has zero width: no uncertainty measured, no promotion.
-    flat = evaluation(0.05, (0.05, 0.05), test_groups=4)
-    assert not decide(cfg, flat).promote and "has zero width" in decide(cfg, flat).reason
+    three = evaluation(0.5, 0.125, test_groups=3)  # a huge gain, the best 3 slides can give
+    d = decide(cfg, three)
+    assert not d.promote and d.evidence.sufficient is False and d.evidence.min_test_slides == 5
+    assert d.reason.startswith(
+        "not enough evidence: 3 test slide(s): a permutation test over 3 slide(s) cannot give "
+        "a p-value below 2^-3 = 0.125 > gate.alpha 0.05, so nothing can be promoted on fewer "
+        "than 5; annotate at least 2 more slide(s)"
+    ), d.reason
+    assert "would need about 5 annotated slides (have 3)" in d.reason  # a clear effect: the attainable minimum
+    assert "gate.allow_point_estimate=true" in d.reason
+    # alpha moves the minimum: at 0.01, 7 slides.
+    strict = decide(gate_cfg(**{"gate.alpha": 0.01}), evaluation(0.5, 1 / 64, test_groups=6))
+    assert not strict.promote and "fewer than 7" in strict.reason and "2^-6 = 0.0156" in strict.reason
     # The first model of a registry faces the same rule against the baseline.
-    first = evaluation(0.0, None, base=0.2, test_groups=1)
-    assert not decide(cfg, first).promote and "1 test slide(s)" in decide(cfg, first).reason
+    first = evaluation(0.0, None, base=0.2, base_p=0.125, test_groups=3)
+    assert not decide(cfg, first).promote and "3 test slide(s)" in decide(cfg, first).reason
     # Patients: the groups are patients, and the advice says so.
-    patients = evaluation(0.2, (0.1, 0.3), test_groups=2)
+    patients = evaluation(0.2, 0.25, test_groups=2)
     patients["evidence"]["unit"] = "patient"
-    assert "slides of at least 1 more patient(s)" in decide(cfg, patients).reason
+    assert "slides of at least 3 more patient(s)" in decide(cfg, patients).reason
     # A refusal needs no evidence either way: below the baseline stays below the baseline with enough slides.
-    assert "below the baseline" in decide(cfg, evaluation(0.1, (0.02, 0.2), base=-0.1)).reason
+    assert "below the baseline" in decide(cfg, evaluation(0.1, 0.016, base=-0.1)).reason
+    # gate.min_test_slides asks for more than the test needs, never less.
+    assert (
+        "fewer than gate.min_test_slides=8"
+        in decide(gate_cfg(**{"gate.min_test_slides": 8}), evaluation(0.1, 0.016)).reason
+    )
 
 
-def test_allow_point_estimate_decides_on_one_slide_and_says_so() -> None:
+def test_the_gate_promotes_six_consistent_slides_and_says_how_many_more_a_weak_effect_needs() -> None:
+    cfg = gate_cfg()
+    six = decide(cfg, evaluation(0.08, 1 / 64, test_groups=6))
+    assert six.promote and six.evidence.sufficient is True
+    line = evidence_line(six)
+    assert line.startswith(
+        "gate: linear.balanced_accuracy candidate − champion +0.080 [95 % CI +0.030, +0.130], "
+        "p = 0.01562 (paired permutation, 6 slides, α 0.05): promote (not applied)"
+    ), line
+    weak = decide(cfg, evaluation(0.02, 0.2, test_groups=6))
+    stronger = decide(cfg, evaluation(0.04, 0.2, test_groups=6))
+    assert not weak.promote and not stronger.promote
+    n_weak, n_strong = weak.evidence.slides_needed, stronger.evidence.slides_needed
+    assert n_weak is not None and n_strong is not None and n_weak > n_strong >= 5
+    assert f"the measured effect +0.020 would need about {n_weak} annotated slides (have 6)" in weak.reason
+    assert f"about {n_weak} slides needed for this effect" in evidence_line(weak)
+
+
+def test_allow_point_estimate_decides_on_three_slides_and_says_so() -> None:
     cfg = gate_cfg(**{"gate.allow_point_estimate": True})
-    d = decide(cfg, evaluation(0.054, (0.054, 0.054), test_groups=1))
-    assert d.promote  # the explicit opt-in: the old rule, lower bound (here the point) > margin
-    assert "decided on a point estimate (gate.allow_point_estimate=true) although 1 test slide(s)" in d.reason
-    assert d.evidence["point_estimate"] is True and d.evidence["allow_point_estimate"] is True
-    assert not decide(cfg, evaluation(-0.01, (-0.01, -0.01), test_groups=1)).promote  # still needs the point > margin
-    # With enough evidence the opt-in changes nothing and is not claimed.
-    enough = decide(cfg, evaluation(0.1, (0.02, 0.2)))
-    assert enough.promote and "point estimate" not in enough.reason and enough.evidence["sufficient"] is True
+    d = decide(cfg, evaluation(0.054, 0.125, test_groups=3))
+    assert d.promote  # the explicit opt-out: the point estimate > margin
+    assert "decided on a point estimate (gate.allow_point_estimate=true) although 3 test slide(s)" in d.reason
+    assert d.evidence.point_estimate is True and d.evidence.allow_point_estimate is True
+    assert "on a point estimate (gate.allow_point_estimate)" in evidence_line(d)
+    assert not decide(cfg, evaluation(-0.01, 0.9, test_groups=3)).promote  # still needs the point > margin
+    # With enough slides the opt-out changes nothing and is not claimed: the test decides.
+    enough = decide(cfg, evaluation(0.1, 0.016))
+    assert enough.promote and "point estimate" not in enough.reason and enough.evidence.sufficient is True
+    assert not decide(cfg, evaluation(0.1, 0.2)).promote
 
 
-def test_gate_config_checks_min_test_slides() -> None:
+def test_gate_config_checks_alpha_and_min_test_slides() -> None:
     from dinov3_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="min_test_slides"):
-        gate_cfg(**{"gate.min_test_slides": 1})
+        gate_cfg(**{"gate.min_test_slides": 4})  # the test cannot reach 0.05 on 4
+    assert gate_cfg(**{"gate.min_test_slides": 4, "gate.alpha": 0.1}).gate.required_test_slides() == 4
+    with pytest.raises(ConfigError, match="alpha"):
+        gate_cfg(**{"gate.alpha": 0})
     with pytest.raises(ConfigError, match="folds"):
         gate_cfg(**{"probe.folds": 1})
 
@@ -227,12 +275,12 @@ def test_pooled_folds_give_a_small_cohort_a_real_interval() -> None:
     chance = np.zeros_like(scores)
     for f in cv.folds:
         chance[f.test] = knn(noise[f.train], y[f.train], noise[f.test], classes)
-    boot = P.Bootstrap.over_groups(g, 200, seed=0)
-    m = P.metrics_with_ci(y, P.Predictions(classes, scores), boot)["balanced_accuracy"]
-    assert m["ci_high"] - m["ci_low"] > 0
-    diff = P.paired_difference(y, P.Predictions(classes, scores), P.Predictions(classes, chance), "balanced_accuracy",
-                               boot)  # fmt: skip
-    assert diff["ci_high"] > diff["ci_low"] and diff["value"] > 0
+    design = S.Design.over(g, 200, seed=0)
+    good, worse = P.Predictions(classes, scores), P.Predictions(classes, chance)
+    m = S.metrics_with_ci(good.codes(y), good, design)["balanced_accuracy"]
+    assert m.ci_high - m.ci_low > 0
+    diff = S.compare(good.codes(y), good, worse, "balanced_accuracy", design)
+    assert diff.ci_high > diff.ci_low and diff.value > 0 and diff.groups == 3
 
 
 @pytest.mark.parametrize("n_classes", [2, 3, 5])

@@ -125,14 +125,16 @@ def test_worse_first_model_is_not_promoted_over_the_baseline(setup: dict[str, An
 
 def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None:
     baseline = str(setup["worse"].parent / "backbone.pth")
-    out = evaluate(setup, "better", "eval-better", baseline=baseline)
+    # Three slides: a permutation test reaches p = 1/8 at best, so alpha 0.125 (the default 0.05 needs 5 slides).
+    gate = {"gate.alpha": 0.125}
+    out = evaluate(setup, "better", "eval-better", baseline=baseline, **gate)
     ev = json.loads((setup["root"] / "eval-better" / "evaluation.json").read_text())
     split = ev["split"]
     assert split["folds"] == 3 and split["test_groups"] == ["tissue_20x", "tissue_40x", "tissue_generic"]
     for fold in split["per_fold"]:  # every slide tested once, never by a probe trained on it
         assert not set(fold["train_groups"]) & set(fold["test_groups"])
     assert ev["evidence"]["test_groups"] == 3 and ev["evidence"]["sufficient"] is True
-    assert ev["decision"]["applied"], ev["decision"]
+    assert ev["evidence"]["p_value"] == 0.125 and ev["decision"]["applied"], ev["decision"]
     assert champion_version(setup) == version_of(setup["better"])
     assert out.manifest.summary["champion_model"] == str(setup["better"])
     for picture in ("confusion_candidate.png", "embedding_candidate.png", "evaluation.md"):
@@ -156,8 +158,8 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     tags = MlflowClient(setup["uri"]).get_model_version(NAME, version_of(setup["better"])).tags
     assert tags["wsidino.promotion"] == "promoted" and float(tags["wsidino.eval.linear.balanced_accuracy"]) > 0.5
     # A rerun skips (stage manifest); a forced rerun finds the candidate already champion and moves nothing.
-    assert evaluate(setup, "better", "eval-better", baseline=baseline).status == "skipped"
-    again = evaluate(setup, "better", "eval-better", force=True, baseline=baseline)
+    assert evaluate(setup, "better", "eval-better", baseline=baseline, **gate).status == "skipped"
+    again = evaluate(setup, "better", "eval-better", force=True, baseline=baseline, **gate)
     assert again.result.decision.already_champion and not again.result.decision.applied
     assert champion_version(setup) == version_of(setup["better"])
 

@@ -9,6 +9,7 @@ from omegaconf import MISSING
 
 from dinov3_core.config import require
 from dinov3_core.errors import WsidinoError
+from dinov3_core.evaluate.statistics import min_groups
 from dinov3_core.tracking import TrackingConfig
 
 PRIMARY_METRICS = (
@@ -76,14 +77,18 @@ class GateConfig:
 
     promote: bool = True  # false: measure and record only, never move the alias
     primary_metric: str = "linear.balanced_accuracy"  # <probe>.<metric>, probe linear, knn or dense (mIoU too)
-    margin: float = 0.0  # the lower 95 % bound of (candidate − champion) must exceed this
+    # Promotion needs the paired permutation test over test slides (dinov3_core.evaluate.statistics) at p ≤ alpha
+    # and the observed difference (candidate − champion) above margin.
+    alpha: float = 0.05
+    margin: float = 0.0
     min_effective_rank: float = 0.02  # label-free health: below this the features have collapsed
     label_free: bool = False  # without annotations, promote a healthy candidate that beats the baseline's health
-    # Evidence: promotion needs a 95 % interval of non-zero width from at least this many test slides (or patient
-    # groups with patients=CSV). With fewer, a bootstrap has (almost) nothing to resample and noise can win.
-    min_test_slides: int = 3
-    # Explicit opt-in: decide on fewer test slides or a zero-width interval (a point estimate) all the same;
-    # recorded in the reason and in evaluation.json. For demos and smoke runs, never for a shared registry.
+    # Evidence: the test over n slides (or patient groups with patients=CSV) cannot give p < 2^-n, so below
+    # ceil(log2(1 / alpha)) test slides (5 at alpha 0.05) nothing can be promoted. null: that minimum; a number
+    # (at least that minimum) asks for more slides than the test needs.
+    min_test_slides: int | None = None
+    # Explicit opt-out: on fewer test slides than that, decide on the point estimate (difference > margin) all the
+    # same; recorded in the reason and in evaluation.json. For demos and smoke runs, never for a shared registry.
     allow_point_estimate: bool = False
 
     def __post_init__(self) -> None:
@@ -95,12 +100,20 @@ class GateConfig:
         require(
             0 <= self.min_effective_rank < 1, "min_effective_rank", f"must be in [0, 1), got {self.min_effective_rank}"
         )
+        require(0 < self.alpha < 1, "alpha", f"must be in (0, 1), e.g. 0.05, got {self.alpha}")
+        least = min_groups(self.alpha)
         require(
-            self.min_test_slides >= 2,
+            self.min_test_slides is None or self.min_test_slides >= least,
             "min_test_slides",
-            f"must be >= 2 (one slide gives a zero-width interval; gate.allow_point_estimate=true is the explicit way "
-            f"to decide on less), got {self.min_test_slides}",
+            f"must be null or >= {least}: below that the permutation test cannot reach p <= alpha={self.alpha} "
+            f"(its least p-value on n slides is 2^-n); gate.allow_point_estimate=true is the explicit way to decide on "
+            f"less, got {self.min_test_slides}",
         )
+
+    def required_test_slides(self) -> int:
+        """Test slides (patients) the gate needs before its test can promote: `min_test_slides`, or the least n with
+        2^-n <= alpha."""
+        return self.min_test_slides if self.min_test_slides is not None else min_groups(self.alpha)
 
 
 @dataclass

@@ -14,8 +14,8 @@ an edge sees both sides, so its label would be a guess. Of the kept tokens of a 
 
 The probe is the tile probe's logistic regression (`classifiers.linear_probe_cv`, C swept on the same validation
 slides, every fold and C in one batched solve) fitted on the tokens of each fold's training tiles and predicting
-the tokens of its test tiles, so the folds, the slides kept apart and the bootstrap over test slides are the tile
-probe's; metrics: balanced accuracy and mIoU.
+the tokens of its test tiles, so the folds, the slides kept apart and the statistics over test slides
+(`statistics`) are the tile probe's; metrics: balanced accuracy and mIoU.
 """
 
 from __future__ import annotations
@@ -199,19 +199,5 @@ def predict(
     return P.Predictions(classes, scores), chosen
 
 
-def metrics_with_ci(y: np.ndarray, p: P.Predictions, boot: P.Bootstrap) -> dict[str, dict[str, float]]:
-    out = {}
-    for name, metric in METRICS.items():
-        low, high = boot.interval(lambda s, m=metric: P.score(y, p, m, s))  # type: ignore[misc]
-        out[name] = {"value": P.score(y, p, metric), "ci_low": low, "ci_high": high}
-    return out
-
-
-def paired_difference(y: np.ndarray, a: P.Predictions, b: P.Predictions, metric: str, boot: P.Bootstrap) -> dict:
-    m = METRICS[metric]
-    low, high = boot.interval(lambda s: P.score(y, a, m, s) - P.score(y, b, m, s))
-    return {"value": P.score(y, a, m) - P.score(y, b, m), "ci_low": low, "ci_high": high}
-
-
-__all__ = ["DENSE_METRICS", "DenseSet", "DenseTokens", "class_unions", "dense_set", "dense_tokens", "metrics_with_ci",
-           "miou", "paired_difference", "pick_tokens", "predict", "token_centres", "token_classes"]  # fmt: skip
+__all__ = ["DENSE_METRICS", "DenseSet", "DenseTokens", "class_unions", "dense_set", "dense_tokens",
+           "miou", "pick_tokens", "predict", "token_centres", "token_classes"]  # fmt: skip

@@ -34,6 +34,7 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
+from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
 from dinov3_core.evaluate.labels import label_tiles
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
@@ -135,29 +136,31 @@ def _grid_side(fm: F.FeatureModel, image: np.ndarray) -> int | None:
 
 
 def _dense_probe(
-    cfg: EvaluateConfig, dense: dict[str, tuple[D.DenseTokens, np.ndarray]], groups: np.ndarray,
+    cfg: EvaluateConfig, dense: dict[str, tuple[D.DenseTokens, np.ndarray]], design: S.Design,
     cv: P.CrossValidation, evaluation: dict[str, Any],
 ) -> None:  # fmt: skip
     """The dense probe of every model with labelled tokens, into `probes.dense`, and the paired candidate − other
     differences into the comparisons (only between models of one patch grid: the same tokens, so paired)."""
-    preds: dict[str, tuple[D.DenseSet, P.Predictions, P.Bootstrap, int]] = {}
-    boots: dict[int, P.Bootstrap] = {}
+    preds: dict[str, tuple[D.DenseSet, P.Predictions, S.Design, int]] = {}
+    designs: dict[int, S.Design] = {}
     for role, (tokens, x) in dense.items():
         d = D.dense_set(tokens, x)
         if len(np.unique(d.y)) < 2:
             evaluation["warnings"].append(f"{role}: fewer than two classes among the labelled tokens: no dense probe")
             continue
-        if tokens.side not in boots:  # the token bootstrap resamples the same slides as the tile bootstrap
-            boots[tokens.side] = P.Bootstrap.over_groups(groups[d.tile], cfg.probe.bootstrap, cfg.probe.seed)
-        boot = boots[tokens.side]
+        if tokens.side not in designs:  # the tokens' statistics are over the same slides as the tiles'
+            designs[tokens.side] = design.subset(d.tile)
+        tokens_design = designs[tokens.side]
         with C.torch_threads(cfg.num_threads):
             p, cs = D.predict(d, cv, cfg.probe.linear_c, cfg.device)
-        evaluation["models"][role].setdefault("probes", {})["dense"] = {
-            **D.metrics_with_ci(d.y, p, boot), "linear_c_per_fold": cs, "counts": tokens.counts()}  # fmt: skip
-        preds[role] = (d, p, boot, tokens.side)
+        estimates = S.metrics_with_ci(p.codes(d.y), p, tokens_design, D.DENSE_METRICS)
+        entry: dict[str, Any] = {k: e.as_dict() for k, e in estimates.items()}
+        entry.update(linear_c_per_fold=cs, counts=tokens.counts())
+        evaluation["models"][role].setdefault("probes", {})["dense"] = entry
+        preds[role] = (d, p, tokens_design, tokens.side)
     if "candidate" not in preds:
         return
-    d, mine, boot, side = preds["candidate"]
+    d, mine, tokens_design, side = preds["candidate"]
     for other in ("champion", "baseline"):
         if other not in preds:
             continue
@@ -166,7 +169,10 @@ def _dense_probe(
                                           "their dense metrics are not paired (no dense comparison)")  # fmt: skip
             continue
         evaluation["comparisons"].setdefault(f"candidate_vs_{other}", {}).update(
-            {f"dense.{m}": D.paired_difference(d.y, mine, preds[other][1], m, boot) for m in D.DENSE_METRICS}
+            {
+                f"dense.{m}": S.compare(mine.codes(d.y), mine, preds[other][1], m, tokens_design).as_dict()
+                for m in D.DENSE_METRICS
+            }
         )
 
 
@@ -175,7 +181,7 @@ def _score_model(
     x: np.ndarray,
     y: np.ndarray,
     cv: P.CrossValidation,
-    boot: P.Bootstrap,
+    design: S.Design,
     draws: dict[int, list[list[np.ndarray]]],
 ) -> tuple[dict[str, Any], dict[str, P.Predictions]]:
     """kNN, linear probe and few-shot kNN of one model's features, each fold predicted by probes fitted on the
@@ -203,10 +209,42 @@ def _score_model(
         few[str(n)] = {"balanced_accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "draws": len(accs)}
     knn_p, linear_p = P.Predictions(classes, knn), P.Predictions(classes, linear)
     values, counts = np.unique(cs, return_counts=True)
-    probes = {"knn": P.metrics_with_ci(y, knn_p, boot), "linear": P.metrics_with_ci(y, linear_p, boot),
+    ci = {
+        name: {k: e.as_dict() for k, e in S.metrics_with_ci(p.codes(y), p, design).items()}
+        for name, p in (("knn", knn_p), ("linear", linear_p))
+    }
+    probes = {"knn": ci["knn"], "linear": ci["linear"],
               "few_shot": few, "linear_c": float(values[counts.argmax()]),  # the C most folds chose
               "linear_c_per_fold": cs}  # fmt: skip
     return probes, {"knn": knn_p, "linear": linear_p}
+
+
+@dataclass
+class Probed:
+    """Every model's probes on the same folds, groups and resamples, and the candidate's comparisons."""
+
+    cv: P.CrossValidation
+    design: S.Design
+    probes: dict[str, dict[str, Any]]  # role → evaluation.json's `probes` (without the dense probe)
+    predictions: dict[str, dict[str, P.Predictions]]  # role → probe → pooled out-of-fold predictions
+    comparisons: dict[str, Any]  # candidate_vs_<other> → metric → `statistics.Comparison` as a dict
+
+
+def probe_models(
+    cfg: EvaluateConfig, feats: dict[str, np.ndarray], y: np.ndarray, groups: np.ndarray, unit: str = "slide"
+) -> Probed:
+    """The tile probes of every model (role → features of the same labelled tiles), and, when there is a
+    `candidate`, its paired comparisons with the `champion` and `baseline` among them. The stage and
+    `benchmarks/gate_calibration.py` share it: what the benchmark calibrates is what the stage runs."""
+    pc = cfg.probe
+    cv = P.cross_validate_by_group(y, groups, folds=pc.folds, seed=pc.seed)
+    # Every tile is a test tile (of its own fold): the statistics are over all the groups.
+    design = S.Design.over(groups, pc.bootstrap, pc.seed, unit)
+    draws = P.few_shot_draws_cv(y, cv, pc.few_shot, pc.few_shot_draws, pc.seed)
+    probes, predictions = {}, {}
+    for role, x in feats.items():
+        probes[role], predictions[role] = _score_model(cfg, x, y, cv, design, draws)
+    return Probed(cv, design, probes, predictions, _comparisons(y, predictions, design))
 
 
 # (opened model, its cache file, the labelled tiles' global indices): fills the cache file (a torchrun job)
@@ -315,23 +353,22 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     predictions: dict[str, dict[str, P.Predictions]] = {}
     if len(idx):
         unit = "patient" if patients else "slide"
-        cv = P.cross_validate_by_group(y, groups, folds=cfg.probe.folds, seed=cfg.probe.seed)
+        probed = probe_models(cfg, feats, y, groups, unit)
+        cv, predictions = probed.cv, probed.predictions
         evaluation["split"] = {**cv.as_dict(), "by": unit, "seed": cfg.probe.seed}
         evaluation["evidence"] = {"unit": unit, "test_groups": len(cv.test_groups), "folds": len(cv.folds)}
-        if len(cv.test_groups) < cfg.gate.min_test_slides:
+        need = cfg.gate.required_test_slides()
+        if len(cv.test_groups) < need:
             warnings.append(
-                f"only {len(cv.test_groups)} annotated {unit}s ({', '.join(cv.test_groups)}): the bootstrap has "
-                f"little to resample, so the 95 % intervals are too narrow to trust and the gate promotes nothing "
-                f"below gate.min_test_slides={cfg.gate.min_test_slides} (unless gate.allow_point_estimate=true); "
+                f"only {len(cv.test_groups)} annotated {unit}s ({', '.join(cv.test_groups)}): the gate's permutation "
+                f"test cannot reach gate.alpha={cfg.gate.alpha} on fewer than {need} (its least p-value is "
+                f"2^-{len(cv.test_groups)}), so nothing is promoted (unless gate.allow_point_estimate=true); "
                 "annotate more slides"
             )
-        # Every tile is a test tile (of its own fold): the bootstrap resamples all the groups.
-        boot = P.Bootstrap.over_groups(groups, cfg.probe.bootstrap, cfg.probe.seed)
-        draws = P.few_shot_draws_cv(y, cv, cfg.probe.few_shot, cfg.probe.few_shot_draws, cfg.probe.seed)
-        for role, x in feats.items():
-            evaluation["models"][role]["probes"], predictions[role] = _score_model(cfg, x, y, cv, boot, draws)
-        evaluation["comparisons"] = _comparisons(y, predictions, boot)
-        _dense_probe(cfg, dense, groups, cv, evaluation)
+        for role in feats:
+            evaluation["models"][role]["probes"] = probed.probes[role]
+        evaluation["comparisons"] = probed.comparisons
+        _dense_probe(cfg, dense, probed.design, cv, evaluation)
         sites = _table(cfg.sites, "sites")
         if sites:
             evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
@@ -342,7 +379,7 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     cand_metrics = _flat_metrics(evaluation["models"]["candidate"])
     decision = G.apply(cfg, decision, candidate.version, cand_metrics)
     evaluation["decision"] = decision.as_dict()
-    evaluation["evidence"] = decision.evidence  # the protocol's counts and what the gate made of them
+    evaluation["evidence"] = evaluation["decision"]["evidence"]  # the protocol's counts and what the gate made of them
     evaluation["champion_model"] = str(candidate.path) if (decision.applied or same) else (
         str(champion.path) if champion is not None and champion.path.is_file() else None)  # fmt: skip
     table = report.markdown(evaluation)
@@ -372,7 +409,9 @@ def _qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarr
     return str(folder)
 
 
-def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], boot: P.Bootstrap) -> dict[str, Any]:
+def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], design: S.Design) -> dict[str, Any]:
+    """{candidate_vs_<champion|baseline>: {<probe>.<metric>: `statistics.Comparison` as a dict}}: the paired
+    difference, its bootstrap interval (display) and the permutation test's p-value (the gate)."""
     out: dict[str, Any] = {}
     if "candidate" not in preds:
         return out
@@ -380,7 +419,9 @@ def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], boot
         if other not in preds:
             continue
         out[f"candidate_vs_{other}"] = {
-            f"{probe}.{metric}": P.paired_difference(y, preds["candidate"][probe], preds[other][probe], metric, boot)
+            f"{probe}.{metric}": S.compare(
+                preds["candidate"][probe].codes(y), preds["candidate"][probe], preds[other][probe], metric, design
+            ).as_dict()
             for probe in ("knn", "linear")
             for metric in P.METRICS
             if metric != "auroc" or len(preds["candidate"][probe].classes) == 2
@@ -450,4 +491,4 @@ def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> N
                              "wsidino.promotion_reason": decision["reason"][:5000]})  # fmt: skip
 
 
-__all__ = ["EmbedJob", "EvaluateResult", "labelled_tiles", "run_evaluate"]
+__all__ = ["EmbedJob", "EvaluateResult", "Probed", "labelled_tiles", "probe_models", "run_evaluate"]

@@ -7,16 +7,20 @@ The rule, in order (the first that applies decides, and its reason is recorded):
 2. a champion that could not be evaluated blocks promotion (nothing is promoted by accident);
 3. without annotations, promotion is off unless `gate.label_free`: then a healthy candidate is promoted when its
    dense-consistency score is not below the champion's (or, for the first model, the baseline's);
-4. evidence: the comparison that decides (candidate − champion, or − baseline for the registry's first model) must
-   come from at least `gate.min_test_slides` test slides (patient groups with patients=CSV) and have a 95 %
-   interval of non-zero width; otherwise not promoted, the reason saying how many more slides to annotate.
-   `gate.allow_point_estimate=true` is the explicit opt-in to decide on less (recorded in the reason and in
-   `evaluation.json`'s `evidence`): with one slide the interval is a point, and noise weights have won on one slide;
+4. evidence: the comparison that decides (candidate − champion, or − baseline for the registry's first model) is
+   tested by an exact paired permutation test over the test slides (patient groups with patients=CSV;
+   `statistics.permutation_test`), whose least p-value on n slides is 2^-n: below `gate.min_test_slides` (default
+   the least n with 2^-n ≤ `gate.alpha`: 5 at 0.05) nothing can be promoted, and the reason says so and how many
+   slides the measured effect would need. `gate.allow_point_estimate=true` is the explicit opt-out (recorded in the
+   reason and in `evaluation.json`'s `evidence`): on fewer slides, decide on the point estimate > margin;
 5. a candidate below the baseline on the primary metric is not promoted (a primary metric that was not measured,
    e.g. `dense.miou` without polygons, promotes nothing);
-6. with a champion: promoted when the lower 95 % bound of the paired difference (candidate − champion) on the
-   primary metric exceeds `gate.margin`;
-7. the first model of a registry: promoted when that bound against the baseline exceeds `gate.margin`.
+6. with a champion: promoted when the one-sided p-value of (candidate − champion) on the primary metric is at most
+   `gate.alpha` and the observed difference exceeds `gate.margin`;
+7. the first model of a registry: the same test against the baseline.
+
+The bootstrap interval is reported beside the p-value for display; it decides nothing. `evidence_line(decision)`
+is the one line every place prints (the stage log and artifact, the pipeline summary, the retraining cycle).
 
 A promotion that the gate allows is applied only when `gate.promote` is on and the candidate is a registered
 version; the alias then moves once (a rerun finds the candidate already champion and moves nothing).
@@ -24,11 +28,43 @@ version; the alias then moves once (a rerun finds the candidate already champion
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dinov3_core import tracking
+from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
+
+
+@dataclass
+class Evidence:
+    """What a verdict rests on: the protocol's side (test groups, folds) and the gate's (the test, what it needed)."""
+
+    unit: str = "slide"  # or patient
+    test_groups: int = 0
+    folds: int = 0
+    min_test_slides: int = 0  # needed before the test can promote (gate.min_test_slides, or derived from alpha)
+    alpha: float = 0.05
+    allow_point_estimate: bool = False
+    sufficient: bool | None = None  # None: not assessed (the verdict came before the evidence rule)
+    point_estimate: bool = False  # decided on the point estimate (gate.allow_point_estimate) on too few slides
+    comparison: str | None = None  # candidate_vs_champion | candidate_vs_baseline
+    metric: str | None = None
+    interval: S.Estimate | None = None  # the difference and its bootstrap 95 % interval (display)
+    p_value: float | None = None
+    test: str | None = None
+    slides_needed: int | None = None  # test slides at which the measured effect would reach power 0.8
+    slides_needed_note: str = ""  # why there is no number
+    effect_mean: float | None = None  # mean and SD of the per-slide differences
+    effect_sd: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Evidence:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if isinstance(known.get("interval"), dict):
+            known["interval"] = S.Estimate(**known["interval"])
+        return cls(**known)
 
 
 @dataclass
@@ -37,12 +73,21 @@ class Decision:
     reason: str
     applied: bool = False  # the alias was moved by this run
     already_champion: bool = False
-    # What the verdict rests on: test slides (or patients), folds, the interval the rule used, and whether the gate
-    # was allowed to (and did) decide on less than gate.min_test_slides or a zero-width interval.
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=Evidence)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        """A decision from `evaluation.json`."""
+        return cls(
+            bool(d.get("promote")),
+            str(d.get("reason", "")),
+            bool(d.get("applied")),
+            bool(d.get("already_champion")),
+            Evidence.from_dict(d.get("evidence") or {}),
+        )
 
 
 def _primary(models: dict[str, Any], role: str, metric: str) -> float | None:
@@ -51,21 +96,35 @@ def _primary(models: dict[str, Any], role: str, metric: str) -> float | None:
     return None if found is None else found["value"]
 
 
-def _evidence_gap(cfg: EvaluateConfig, evidence: dict[str, Any]) -> tuple[str, str] | None:
-    """Why the evidence is too thin to promote on, and what to do (None: enough): too few test groups, or an
-    interval of zero width."""
-    n, need, unit = evidence["test_groups"], cfg.gate.min_test_slides, evidence["unit"]
-    interval = evidence.get("interval") or {}
+def _needed_text(e: Evidence) -> str:
+    """'the measured effect +0.040 would need about 11 annotated slides (have 3)', or why there is no number."""
+    if e.effect_mean is None or not math.isfinite(e.effect_mean):
+        return ""
+    have = f"have {e.test_groups}"
+    if e.slides_needed is None:
+        return f"the measured effect {e.effect_mean:+.3f} per {e.unit}: {e.slides_needed_note} ({have})"
+    what = "annotated slides" if e.unit == "slide" else "patients"
+    return f"the measured effect {e.effect_mean:+.3f} would need about {e.slides_needed} {what} ({have})"
+
+
+def _evidence_gap(cfg: EvaluateConfig, e: Evidence) -> tuple[str, str] | None:
+    """Why the evidence cannot promote, and what to do (None: the test can decide)."""
+    n, need, unit = e.test_groups, e.min_test_slides, e.unit
+    more = need - n
+    what = f"slides of at least {more} more patient(s)" if unit == "patient" else f"at least {more} more slide(s)"
+    needed = _needed_text(e)
+    fix = f"annotate {what} (every annotated slide is tested once)" + (f"; {needed}" if needed else "")
     if n < need:
-        more = need - n
-        what = f"slides of at least {more} more patient(s)" if unit == "patient" else f"at least {more} more slide(s)"
-        return (f"{n} test {unit}(s), fewer than gate.min_test_slides={need}",
-                f"annotate {what} (every annotated slide is tested once)")  # fmt: skip
-    low, high = interval.get("ci_low", float("nan")), interval.get("ci_high", float("nan"))
-    if not high - low > 0:  # nan too: no interval is no evidence
-        return (f"the 95 % interval of {evidence['comparison']} {evidence['metric']} has zero width ({low:+.4f} … "
-                f"{high:+.4f}): every resample of the {n} test {unit}s gives the same difference",
-                "annotate more slides")  # fmt: skip
+        if cfg.gate.min_test_slides is None:
+            floor = 2.0**-n
+            return (
+                f"{n} test {unit}(s): a permutation test over {n} {unit}(s) cannot give a p-value below "
+                f"2^-{n} = {floor:.3g} > gate.alpha {e.alpha}, so nothing can be promoted on fewer than {need}",
+                fix,
+            )
+        return f"{n} test {unit}(s), fewer than gate.min_test_slides={need}", fix
+    if e.p_value is None or not math.isfinite(e.p_value):
+        return f"no p-value for {e.comparison} {e.metric} (an evaluation from before the permutation test?)", fix
     return None
 
 
@@ -76,17 +135,15 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     comparisons = evaluation.get("comparisons", {})
     metric = gate.primary_metric
     cand_health = models["candidate"]["health"]
-    # The protocol's side (test groups, folds; evaluation.py) and the gate's (what it needs, what it used).
-    evidence: dict[str, Any] = {
-        "test_groups": 0,
-        "unit": "slide",
-        "folds": 0,
-        **evaluation.get("evidence", {}),
-        "min_test_slides": gate.min_test_slides,
-        "allow_point_estimate": gate.allow_point_estimate,
-        "sufficient": None,
-        "point_estimate": False,
-    }  # fmt: skip (None: not assessed)
+    protocol = evaluation.get("evidence", {})
+    evidence = Evidence(
+        unit=str(protocol.get("unit", "slide")),
+        test_groups=int(protocol.get("test_groups", 0)),
+        folds=int(protocol.get("folds", 0)),
+        min_test_slides=gate.required_test_slides(),
+        alpha=gate.alpha,
+        allow_point_estimate=gate.allow_point_estimate,
+    )
 
     def verdict(promote: bool, reason: str, **kw: Any) -> Decision:
         return Decision(promote, reason, evidence=evidence, **kw)
@@ -123,27 +180,76 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
                else "AUROC needs two classes" if metric.endswith(".auroc") else "see the warnings")  # fmt: skip
         return verdict(False, f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
                               f"({why}); nothing promoted")  # fmt: skip
-    diff = comparisons[f"candidate_vs_{against}"][metric]
-    evidence.update(comparison=f"candidate_vs_{against}", metric=metric,
-                    interval={k: diff[k] for k in ("value", "ci_low", "ci_high")})  # fmt: skip
+    diff = S.Comparison.from_dict(comparisons[f"candidate_vs_{against}"][metric])
+    needed = S.slides_needed(diff.per_group, gate.alpha)
+    evidence.comparison, evidence.metric = f"candidate_vs_{against}", metric
+    evidence.interval = S.Estimate(diff.value, diff.ci_low, diff.ci_high)
+    evidence.p_value, evidence.test = diff.p_value, diff.test
+    evidence.slides_needed, evidence.slides_needed_note = needed.groups, needed.why
+    evidence.effect_mean = needed.mean if math.isfinite(needed.mean) else None
+    evidence.effect_sd = needed.sd if math.isfinite(needed.sd) else None
     gap = _evidence_gap(cfg, evidence)
-    evidence["sufficient"] = gap is None
+    evidence.sufficient = gap is None
     if gap is not None and not gate.allow_point_estimate:
         fact, fix = gap
-        return verdict(False, f"not enough evidence: {fact}; {fix}, or set gate.allow_point_estimate=true to decide "
-                              f"on it all the same (demos, smoke runs). Point estimate vs {against}: {metric} "
-                              f"{diff['value']:+.4f}")  # fmt: skip
+        return verdict(
+            False,
+            f"not enough evidence: {fact}; {fix}, or set gate.allow_point_estimate=true to decide "
+            f"on the point estimate all the same (demos, smoke runs). Point estimate vs {against}: "
+            f"{metric} {diff.value:+.4f}",
+        )
     weak = ""
-    if gap is not None:  # the explicit opt-in: decide all the same, and say so
-        evidence["point_estimate"] = True
+    if gap is not None:  # the explicit opt-out: decide on the point estimate, and say so
+        evidence.point_estimate = True
         weak = f"; decided on a point estimate (gate.allow_point_estimate=true) although {gap[0]}"
     if vs_baseline is not None and vs_baseline["value"] < 0:
         return verdict(False, f"{metric} {vs_baseline['value']:+.4f} below the baseline{weak}")
-    promote = diff["ci_low"] > gate.margin
     first = "first model: " if champion is None else ""
-    return verdict(promote, f"{first}{metric} vs {against} {diff['value']:+.4f} (95 % CI {diff['ci_low']:+.4f} … "
-                            f"{diff['ci_high']:+.4f}, {evidence['test_groups']} test {evidence['unit']}s, "
-                            f"{evidence['folds']} folds); needs lower bound > margin {gate.margin}{weak}")  # fmt: skip
+    measured = (
+        f"{first}{metric} vs {against} {diff.value:+.4f} (95 % CI {diff.ci_low:+.4f} … {diff.ci_high:+.4f}, "
+        f"{evidence.test_groups} test {evidence.unit}s, {evidence.folds} folds)"
+    )
+    if evidence.point_estimate:
+        return verdict(diff.value > gate.margin, f"{measured}; needs difference > margin {gate.margin}{weak}")
+    significant = diff.p_value <= gate.alpha
+    promote = significant and diff.value > gate.margin
+    reason = (
+        f"{measured}, p = {diff.p_value:.4g} ({diff.test}); needs p ≤ gate.alpha {gate.alpha} and difference "
+        f"> margin {gate.margin}"
+    )
+    if not significant and (needed_text := _needed_text(evidence)):
+        reason += f"; {needed_text}"
+    return verdict(promote, reason)
+
+
+def evidence_line(decision: Decision) -> str:
+    """The decision in one line, the same wherever it is printed: metric, difference, interval, p, slides, verdict."""
+    e = decision.evidence
+    verdict = (
+        "promoted to @champion"
+        if decision.applied
+        else "already champion"
+        if decision.already_champion
+        else "promote (not applied)"
+        if decision.promote
+        else "not promoted"
+    )
+    if e.interval is None or e.metric is None:
+        return f"gate: {verdict}: {decision.reason}"
+    against = (e.comparison or "").removeprefix("candidate_vs_")
+    i = e.interval
+    p = "–" if e.p_value is None or not math.isfinite(e.p_value) else f"{e.p_value:.4g}"
+    line = (
+        f"gate: {e.metric} candidate − {against} {i.value:+.3f} [95 % CI {i.ci_low:+.3f}, {i.ci_high:+.3f}], "
+        f"p = {p} (paired permutation, {e.test_groups} {e.unit}s, α {e.alpha}): {verdict}"
+    )
+    if e.point_estimate:
+        return line + " on a point estimate (gate.allow_point_estimate)"
+    if not e.sufficient:
+        line += f"; fewer than the {e.min_test_slides} {e.unit}s the test needs"
+    if not decision.promote and e.slides_needed is not None:
+        line += f"; about {e.slides_needed} {e.unit}s needed for this effect"
+    return line
 
 
 def apply(cfg: EvaluateConfig, decision: Decision, version: str | None, metrics: dict[str, float]) -> Decision:
@@ -171,21 +277,29 @@ def apply(cfg: EvaluateConfig, decision: Decision, version: str | None, metrics:
     return decision
 
 
-def _evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
+def _evidence_tags(evidence: Evidence) -> dict[str, str]:
     """The evidence as model-version tags: the registry page alone says what a promotion rested on."""
-    if not evidence:
-        return {}
-    strength = {None: "not assessed", True: "sufficient", False: "insufficient"}[evidence["sufficient"]]
-    if evidence["point_estimate"]:
+    strength = {None: "not assessed", True: "sufficient", False: "insufficient"}[evidence.sufficient]
+    if evidence.point_estimate:
         strength = "point estimate (gate.allow_point_estimate)"
-    tags = {"test_slides": str(evidence["test_groups"]), "test_unit": str(evidence["unit"]),
-            "folds": str(evidence["folds"]), "allow_point_estimate": str(evidence["allow_point_estimate"]).lower(),
-            "evidence": strength}  # fmt: skip
-    interval = evidence.get("interval")
-    if interval:
-        tags["interval"] = (f"{evidence['comparison']} {evidence['metric']} {interval['value']:+.4f} "
-                            f"[{interval['ci_low']:+.4f}, {interval['ci_high']:+.4f}]")  # fmt: skip
+    tags = {
+        "test_slides": str(evidence.test_groups),
+        "test_unit": evidence.unit,
+        "folds": str(evidence.folds),
+        "allow_point_estimate": str(evidence.allow_point_estimate).lower(),
+        "evidence": strength,
+        "alpha": str(evidence.alpha),
+        "min_test_slides": str(evidence.min_test_slides),
+    }
+    i = evidence.interval
+    if i is not None:
+        tags["interval"] = f"{evidence.comparison} {evidence.metric} {i.value:+.4f} [{i.ci_low:+.4f}, {i.ci_high:+.4f}]"
+    if evidence.p_value is not None:
+        tags["p_value"] = f"{evidence.p_value:.4g}"
+        tags["test"] = str(evidence.test)
+    if evidence.slides_needed is not None:
+        tags["slides_needed"] = str(evidence.slides_needed)
     return tags
 
 
-__all__ = ["Decision", "apply", "decide"]
+__all__ = ["Decision", "Evidence", "apply", "decide", "evidence_line"]

@@ -204,9 +204,10 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------- metrics
 
 
-# Metrics work on class codes (indices into the sorted class names) through one confusion matrix: the bootstrap
-# evaluates them thousands of times, where scikit-learn's label handling costs ~2.5 ms a call. They equal
-# scikit-learn's balanced_accuracy_score, f1_score(average="macro", zero_division=0) and roc_auc_score (tested).
+# Metrics work on class codes (indices into the sorted class names) through one confusion matrix (the few-shot
+# draws and site predictability call them; the intervals and the gate use `statistics`, on per-slide confusions).
+# They equal scikit-learn's balanced_accuracy_score, f1_score(average="macro", zero_division=0) and roc_auc_score
+# (tested).
 
 
 def _confusion(y: np.ndarray, pred: np.ndarray, n: int) -> np.ndarray:
@@ -260,28 +261,6 @@ class Predictions:
         return self._truth[1]
 
 
-@dataclass
-class Bootstrap:
-    """Resamples of the test slides (indices into the test tiles), shared by every model of one evaluation."""
-
-    samples: list[np.ndarray] = field(default_factory=list)
-
-    @classmethod
-    def over_groups(cls, test_groups: np.ndarray, n: int, seed: int) -> Bootstrap:
-        rng = np.random.default_rng(seed)
-        names = np.unique(test_groups)
-        members = [np.flatnonzero(test_groups == g) for g in names]
-        samples = [np.concatenate([members[i] for i in rng.integers(0, len(names), len(names))]) for _ in range(n)]
-        return cls(samples)
-
-    def interval(self, stat: Callable[[np.ndarray], float]) -> tuple[float, float]:
-        values = np.array([stat(s) for s in self.samples], np.float64)
-        values = values[np.isfinite(values)]
-        if not len(values):
-            return float("nan"), float("nan")
-        return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
-
-
 def score(y: np.ndarray, p: Predictions, metric: Metric, idx: np.ndarray | None = None) -> float:
     """`metric` of `p` against the true labels `y`, on the test tiles `idx` (a bootstrap resample) or all."""
     sel = slice(None) if idx is None else idx
@@ -291,26 +270,6 @@ def score(y: np.ndarray, p: Predictions, metric: Metric, idx: np.ndarray | None 
 
 
 METRICS: dict[str, Metric] = {"balanced_accuracy": balanced_accuracy, "macro_f1": macro_f1, "auroc": auroc}
-
-
-def metrics_with_ci(y: np.ndarray, p: Predictions, boot: Bootstrap) -> dict[str, dict[str, float]]:
-    """{metric: {value, ci_low, ci_high}}; AUROC only for two classes."""
-    out = {}
-    for name, metric in METRICS.items():
-        if name == "auroc" and len(p.classes) != 2:
-            continue
-        low, high = boot.interval(lambda s, m=metric: score(y, p, m, s))  # type: ignore[misc]
-        out[name] = {"value": score(y, p, metric), "ci_low": low, "ci_high": high}
-    return out
-
-
-def paired_difference(
-    y: np.ndarray, a: Predictions, b: Predictions, metric: str, boot: Bootstrap
-) -> dict[str, float]:  # fmt: skip
-    """metric(a) − metric(b) on the same tiles, with the bootstrap interval over the same resampled slides."""
-    m = METRICS[metric]
-    low, high = boot.interval(lambda s: score(y, a, m, s) - score(y, b, m, s))
-    return {"value": score(y, a, m) - score(y, b, m), "ci_low": low, "ci_high": high}
 
 
 def few_shot_draws(
@@ -342,7 +301,6 @@ def few_shot_draws_cv(
 
 __all__ = [
     "METRICS",
-    "Bootstrap",
     "CrossValidation",
     "Predictions",
     "ProtocolError",
@@ -350,7 +308,5 @@ __all__ = [
     "cross_validate_by_group",
     "few_shot_draws",
     "few_shot_draws_cv",
-    "metrics_with_ci",
-    "paired_difference",
     "split_by_group",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
 from dinov3_core.files import write_text_atomic
 
@@ -34,10 +35,16 @@ def _ci(m: dict[str, float] | None) -> str:
     return f"{m['value']:.3f} [{m['ci_low']:.3f}, {m['ci_high']:.3f}]"
 
 
+def _p(d: dict[str, Any]) -> str:
+    p = d.get("p_value")
+    return "–" if p is None or not math.isfinite(p) else f"{p:.3g}"
+
+
 def markdown(evaluation: dict[str, Any]) -> str:
     """The table a person reads first: one row per model, then the comparisons and the decision."""
     lines = ["# Evaluation", ""]
     n = evaluation["labelled_tiles"]
+    unit = evaluation.get("split", {}).get("by", "slide")
     if n:
         split = evaluation.get("split", {})
         classes = ", ".join(f"{c} {k}" for c, k in evaluation["classes"].items())
@@ -80,27 +87,32 @@ def markdown(evaluation: dict[str, Any]) -> str:
             "matrix. Stain invariance: share of HED-jittered tiles whose CLS retrieves their original."
         )
     for name, diffs in evaluation.get("comparisons", {}).items():
-        shown = [f"{label} {d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-                 for key, label in (("linear.balanced_accuracy", "linear bal. acc"), ("dense.miou", "dense mIoU"))
-                 if (d := diffs.get(key))]  # fmt: skip
+        shown = [
+            f"{label} {d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], p = {_p(d)}"
+            for key, label in (("linear.balanced_accuracy", "linear bal. acc"), ("dense.miou", "dense mIoU"))
+            if (d := diffs.get(key))
+        ]
         if shown:
-            lines.append(f"\n{name.replace('_', ' ')}: {'; '.join(shown)}")
+            lines.append(
+                f"\n{name.replace('_', ' ')}: {'; '.join(shown)} (paired permutation test over the test {unit}s)"
+            )
     if evaluation.get("site_predictability"):
         sp = ", ".join(f"{k} {v:.3f}" for k, v in evaluation["site_predictability"].items())
         lines.append(f"\nSite predictability (kNN bal. acc, lower is better): {sp}")
     d = evaluation.get("decision", {})
     verdict = "PROMOTED to @champion" if d.get("applied") else ("promote" if d.get("promote") else "not promoted")
     lines += ["", f"**Decision: {verdict}** — {d.get('reason', '')}"]
-    e = evaluation.get("evidence") or d.get("evidence")
-    if e and n:
-        interval = e.get("interval")
-        used = (f"; interval used: {e['comparison']} {e['metric']} {interval['value']:+.3f} "
-                f"[{interval['ci_low']:+.3f}, {interval['ci_high']:+.3f}]") if interval else ""  # fmt: skip
-        strength = {None: "not assessed", True: "sufficient", False: "insufficient"}[e.get("sufficient")]
-        if e.get("point_estimate"):
+    if d and n:
+        decision = G.Decision.from_dict(d)
+        e = decision.evidence
+        strength = {None: "not assessed", True: "sufficient", False: "insufficient"}[e.sufficient]
+        if e.point_estimate:
             strength = "insufficient, decided on a point estimate (gate.allow_point_estimate=true)"
-        lines.append(f"\nEvidence: {e['test_groups']} test {e['unit']}s (gate.min_test_slides {e['min_test_slides']}), "
-                     f"{e['folds']} folds{used}; {strength}.")  # fmt: skip
+        lines.append(
+            f"\nEvidence: {G.evidence_line(decision)}. {e.test_groups} test {e.unit}s (the test needs "
+            f"{e.min_test_slides} at α {e.alpha}), {e.folds} folds; {strength}. The interval is a bootstrap "
+            "over the test slides, for display; the gate decides on the p-value."
+        )
     for w in evaluation.get("warnings", []):
         lines.append(f"\n⚠ {w}")
     return "\n".join(lines) + "\n"

@@ -105,6 +105,9 @@ def final_report(result: PipelineResult, experiment: str, seconds: float) -> str
     parts = [stage_table(result)]
     if any(isinstance(o.summary, TrainingSummary) for o in result.outcomes.values()):
         parts.append(training_health(result))
+    evaluation = result.outcomes.get("evaluate")
+    if evaluation is not None and isinstance(evaluation.summary, EvaluateSummary) and evaluation.summary.evidence:
+        parts.append(f"\n=== gate\n  {evaluation.summary.evidence}")
     table = result.paths.evaluation / "evaluation.md"
     evaluate = result.outcomes.get("evaluate")
     if evaluate is not None and evaluate.status == "skipped" and table.is_file():  # else just printed

@@ -200,6 +200,7 @@ class _Cycle:
         self.record.decision = {
             "promoted": bool(evaluation.promoted),
             "reason": evaluation.decision,
+            "evidence": evaluation.evidence,  # gate.evidence_line: the line the stage and the pipeline print
             "candidate_version": version,
             "champion_before": champion.version if champion else None,
         }
@@ -318,7 +319,7 @@ def run_cycle(
 def _summary_tags(r: CycleRecord) -> dict[str, Any]:
     return {"wsidino.cycle": r.id, "wsidino.cycle_status": r.status, "wsidino.trigger": r.trigger.get("reason"),
             "wsidino.snapshot": r.snapshot.get("hash"), "wsidino.warm_start": r.warm_start.get("source"),
-            "wsidino.decision": r.decision.get("reason"),
+            "wsidino.decision": r.decision.get("reason"), "wsidino.evidence": r.decision.get("evidence"),
             "wsidino.promoted": r.decision.get("promoted") if r.decision else None}  # fmt: skip
 
 
@@ -331,7 +332,8 @@ def message(r: CycleRecord) -> str:
     verdict = "promoted to @champion" if r.promoted else "not promoted"
     return (
         f"cycle {r.id} trained ({r.trigger.get('reason')}; warm start: {r.warm_start.get('source')}); "
-        f"candidate v{r.decision.get('candidate_version')} {verdict}: {r.decision.get('reason')}"
+        f"candidate v{r.decision.get('candidate_version')} {verdict}: "
+        f"{r.decision.get('evidence') or r.decision.get('reason')}"
     )
 
 

@@ -28,12 +28,14 @@ protocol:
   of HED-jittered tiles among the originals, stain.*) is reported for every model, annotations or not.
 
 gate:
-  The candidate becomes <register_name>@champion when the lower 95 % bound of its paired difference to
-  the champion on gate.primary_metric (default linear.balanced_accuracy; dense.miou for the dense
-  probe) exceeds gate.margin, it is not
-  below the baseline, and its features did not collapse. The first model must beat the baseline.
-  Evidence first: the interval must come from at least gate.min_test_slides (3) slides or patients and
-  have non-zero width; gate.allow_point_estimate=true opts into deciding on less (recorded).
+  The candidate becomes <register_name>@champion when an exact paired permutation test over the test
+  slides (patients) gives p <= gate.alpha (0.05) for its difference to the champion on
+  gate.primary_metric (default linear.balanced_accuracy; dense.miou for the dense probe), that
+  difference exceeds gate.margin, it is not below the baseline, and its features did not collapse.
+  The first model is tested against the baseline. On n slides the least p-value is 2^-n: fewer than
+  5 test slides (at alpha 0.05) never promote, and the reason says how many the measured effect
+  would need; gate.allow_point_estimate=true decides on the point estimate instead (recorded).
+  The bootstrap intervals are for display.
   Without annotations promotion is off (gate.label_free=true opts into a health-only gate);
   gate.promote=false measures without moving aliases.
 
@@ -50,6 +52,9 @@ class EvaluateSummary(Summary):
     promoted: bool | None = None  # the candidate is @champion now
     promote: bool | None = None  # the gate's verdict (applied or not: gate.promote=false only measures)
     decision: str | None = None  # why, in one sentence
+    # The gate's evidence line (`gate.evidence_line`): metric, difference, interval, p-value, slides, verdict; what
+    # the pipeline summary, the retraining cycle and the Prefect artifacts print.
+    evidence: str | None = None
     champion_model: str | None = None  # the model file @champion points at after the evaluation
     primary_metric: str | None = None  # gate.primary_metric, e.g. linear.balanced_accuracy
     primary_value: float | None = None  # the candidate's value of it
@@ -74,6 +79,7 @@ def _inputs(cfg: Any) -> dict[str, Any]:
 
 def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     from dinov3_core.evaluate.evaluation import run_evaluate
+    from dinov3_core.evaluate.gate import evidence_line
     from dinov3_core.export.model_card import add_evaluation
 
     embed_job = None
@@ -86,14 +92,17 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     for line in r.table.splitlines():
         hooks.log(line)
     d, cand = r.decision, r.evaluation["models"]["candidate"]
+    line = evidence_line(d)
+    hooks.log(line)
     card = add_evaluation(Path(cfg.candidate), r.table, d.reason)
     describe_version(cfg, cfg.register_name, cand.get("version"), card)
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
     return r, EvaluateSummary(
         labelled_tiles=r.evaluation["labelled_tiles"], promoted=d.applied, promote=d.promote, decision=d.reason,
-        champion_model=r.champion_model, primary_metric=cfg.gate.primary_metric if value is not None else None,
-        primary_value=value, cls_effective_rank=cand["health"].get("cls_effective_rank"), seconds=round(r.seconds, 1),
+        evidence=line, champion_model=r.champion_model,
+        primary_metric=cfg.gate.primary_metric if value is not None else None, primary_value=value,
+        cls_effective_rank=cand["health"].get("cls_effective_rank"), seconds=round(r.seconds, 1),
     )  # fmt: skip
 
 
