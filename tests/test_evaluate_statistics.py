@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import dense as D
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import statistics as S
@@ -60,16 +61,12 @@ def probe_predictions(n_slides: int, classes: int, seed: int) -> tuple[np.ndarra
     noise = np.random.default_rng(seed).normal(size=x.shape)
     cv = P.cross_validate_by_group(y, g, folds=5, seed=0)
     names = np.unique(y)
+    codes = np.searchsorted(names, y)
+    folds = [C.Fold(f.train, np.searchsorted(f.train, f.val), f.test) for f in cv.folds]
     preds = []
     for feats in (x, noise):
-        knn = np.zeros((len(y), classes))
-        linear = np.zeros((len(y), classes))
-        for f in cv.folds:
-            knn[f.test] = P.knn_scores(feats[f.train], y[f.train], feats[f.test], names, 20, 0.07)
-            order, proba, _ = P.linear_probe(
-                feats[f.train], y[f.train], np.searchsorted(f.train, f.val), feats[f.test], [0.1, 1.0], 0
-            )
-            linear[np.ix_(f.test, np.searchsorted(names, order))] = proba
+        knn = C.knn_cv(feats, codes, [f.test for f in cv.folds], classes, 20, 0.07)
+        linear, _ = C.linear_probe_cv(feats, codes, classes, folds, [0.1, 1.0])
         preds += [P.Predictions(names, knn), P.Predictions(names, linear)]
     return y, g, preds
 
