@@ -15,7 +15,8 @@ from dinov3_core.tiling.config import TissueConfig
 PEN_BLUE_MAX_BLUE_RED = 0.34  # blue ink: OD blue ≤ this × OD red (hematoxylin ≥ ~0.36, over tissue the ink ≤ ~0.31)
 PEN_BLUE_MIN_OD = 1.0  # ... and a total OD (sum over channels) of at least this: not a faint bluish tint
 PEN_GREEN_MARGIN = 0.04  # green ink: green brighter than both red and blue by this much (of full scale) ...
-PEN_GREEN_MIN_OD = 0.8  # ... at a total OD of at least this
+PEN_GREEN_MIN_OD = 0.8  # ... at a total OD of at least this ...
+PEN_GREEN_MIN_SATURATION = 0.3  # ... and saturated (hematoxylin over DAB can be a dull olive)
 PEN_BLACK_MAX_VALUE = 0.14  # black ink, alone or over tissue: darker than the darkest stained nucleus
 PEN_DARK_MAX_VALUE = 0.2  # dark and absorbing red at least as much as green: ink over tissue (nuclei absorb green most)
 PEN_GREY_MAX_VALUE = 0.4  # dark grey: streaky black ink over glass ...
@@ -113,22 +114,26 @@ def pen_mask(thumb: np.ndarray, mpp: float | None = None) -> np.ndarray:
 
     Dense violet nuclei (blue ≈ red ≫ green) absorb green most and blue strongly, so neither the blue nor the dark
     test takes them; an older saturation test did, and cut holes into the tissue mask. With the thumbnail's µm/px
-    `mpp`, dark areas wider than PEN_WIDE_DARK_MIN_WIDTH_UM are ink too (black ink over tissue)."""
+    `mpp`, dark or dark-grey areas count only when wider than PEN_WIDE_DARK_MIN_WIDTH_UM (black ink over tissue is
+    found, dark nuclei and immunostain patches are not); without it, every dark-grey pixel does."""
     rgb = thumb.astype(np.float32) * (1 / 255)
     od = -np.log(rgb + 1 / 256)  # optical density, finite at 0
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
     od_r, od_g, od_b = od[..., 0], od[..., 1], od[..., 2]
     density = od_r + od_g + od_b
-    vmax, vmin = channel_max_min(rgb)
     blue = (od_b <= PEN_BLUE_MAX_BLUE_RED * od_r) & (od_g <= od_r) & (density >= PEN_BLUE_MIN_OD)
+    vmax, vmin = channel_max_min(rgb)
     green = (g >= r + PEN_GREEN_MARGIN) & (g >= b + PEN_GREEN_MARGIN) & (density >= PEN_GREEN_MIN_OD)
+    green &= vmax - vmin >= PEN_GREEN_MIN_SATURATION * vmax
     black = vmax <= PEN_BLACK_MAX_VALUE
     black |= (vmax <= PEN_DARK_MAX_VALUE) & (od_g <= od_r)
-    black |= (vmax <= PEN_GREY_MAX_VALUE) & (vmax - vmin <= PEN_GREY_MAX_SATURATION * vmax)
+    grey = (vmax <= PEN_GREY_MAX_VALUE) & (vmax - vmin <= PEN_GREY_MAX_SATURATION * vmax)
+    if mpp is None:
+        return ndimage.binary_opening(blue | green | black | grey, structure=np.ones((2, 2), bool))
+    # Hematoxylin over DAB (immunostains) is dark grey too, in small patches: only wide dark areas are black ink.
     ink = ndimage.binary_opening(blue | green | black, structure=np.ones((2, 2), bool))
-    if mpp is not None:
-        radius = max(1, round(PEN_WIDE_DARK_MIN_WIDTH_UM / 2 / mpp))
-        ink |= ndimage.binary_opening(vmax <= PEN_WIDE_DARK_MAX_VALUE, structure=morphology.disk(radius))
+    radius = max(1, round(PEN_WIDE_DARK_MIN_WIDTH_UM / 2 / mpp))
+    ink |= ndimage.binary_opening((vmax <= PEN_WIDE_DARK_MAX_VALUE) | grey, structure=morphology.disk(radius))
     return ink
 
 
