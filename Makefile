@@ -65,7 +65,7 @@ test: venv lint
 
 # The README's "On your own slides" command, on sample slides written from real tissue images (no download).
 demo: venv
-	$(BIN)/wsidino-dev samples $(DEMO_DIR)/slides --preset demo --no-negatives > /dev/null
+	$(BIN)/wsidino-dev samples $(DEMO_DIR)/slides --preset demo --no-negatives
 	$(BIN)/wsidino pipeline --slides $(DEMO_DIR)/slides --workdir $(DEMO_DIR) \
 		--annotations $(DEMO_DIR)/slides/annotations --nproc-per-node 2
 

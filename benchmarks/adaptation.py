@@ -1,7 +1,7 @@
 """Domain adaptation on the sample cohort: pretrain-only vs pretrain + gram, and stain augmentation off vs on, by the
 evaluate stage's tile and dense probes, on slides whose stain training saw and on one whose stain it did not.
 
-Slides: the "demo" sample slides (three, one stain per slide, annotated; `--quick`: the "test" slides) are tiled
+Slides: the "demo" sample slides (six, one stain per slide, annotated; `--quick`: the "test" slides) are tiled
 (96 px at 0.5 µm/px) into the training store. The evaluation store is that store plus the "heldout" sample slide
 (`wsidino_dev.sample_slides`, seed 1: other tissue), stained paler in hematoxylin and stronger in eosin than any
 drawn stain: a lab no training slide comes from. Training never sees it.

@@ -275,15 +275,65 @@ def test_damaged_file_is_regenerated_identically(sample_slides: SampleSet, tmp_p
     assert (copy / MARKER_NAME).stat().st_mtime_ns == marker_mtime
 
 
-def test_dev_command_writes_and_lists_the_set(sample_slides: SampleSet, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dev_command_prints_a_line_per_slide_written(
+    sample_slides: SampleSet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from wsidino_dev.__main__ import main
 
     marker_mtime = (sample_slides.root / MARKER_NAME).stat().st_mtime_ns
     assert main(["samples", str(sample_slides.root), "--preset", "test"]) == 0
-    negatives = [f"{path}  (negative case: {name})" for name, path in sample_slides.negatives.items()]
-    annotations = [f"{path}  (annotations of {stem})" for stem, path in sample_slides.annotations.items()]
-    assert capsys.readouterr().out.splitlines() == [*map(str, sample_slides.slides), *negatives, *annotations]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"{sample_slides.root}: 3 slides, 4 negative cases"), out
     assert (sample_slides.root / MARKER_NAME).stat().st_mtime_ns == marker_mtime  # the same set: reused
+
+    copy = tmp_path / "copy"
+    shutil.copytree(sample_slides.root, copy)
+    (copy / "tissue_20x.svs").unlink()
+    assert main(["samples", str(copy), "--preset", "test", "--no-negatives"]) == 0
+    wrote, summary = capsys.readouterr().out.splitlines()
+    name, size, seconds = wrote.split("  ")
+    assert name == "wrote tissue_20x.svs" and size == "2048×1536 px" and seconds.endswith(" s")
+    assert summary.startswith(f"{copy}: 3 slides, annotations under {copy}/annotations")
+
+
+def test_demo_cohort_appends_small_slides_in_their_own_stains() -> None:
+    """The demo has ≥ 6 annotated slides (a paired permutation test over n slides reaches p = 2^-n at best): the test
+    preset's files at the same indices (so the first slides keep their random streams and pixels), then small slides
+    each stained its own way, none of them like the held-out lab's."""
+    from wsidino_dev.sample_slides import presets, texture
+
+    demo, test = PRESETS["demo"], PRESETS["test"]
+    assert [s.name for s in demo[: len(test)]] == [s.name for s in test]
+    extra = demo[len(test) :]
+    assert len([s for s in demo if s.negative is None]) >= 6 and all(s.negative is None for s in extra)
+    assert all(s.width * s.height <= 4096 * 3072 and s.stain is not None for s in extra)
+    stains = [s.stain for s in extra]
+    assert len(set(stains)) == len(stains) and presets.HELDOUT_STAIN not in stains
+    assert all(s.eosin_amount < presets.HELDOUT_STAIN.eosin_amount for s in stains if s.eosin == texture.EOSIN_OD)
+    assert len({s.eosin for s in stains}) >= 2  # one is not eosin at all (DAB)
+
+
+@pytest.mark.parametrize("spec", PRESETS["demo"][len(PRESETS["test"]) :], ids=lambda s: s.name)
+def test_tile_stage_masks_read_each_demo_stain(spec) -> None:
+    """The tile stage's tissue and pen masks on each extra demo stain (a 1 µm/px thumbnail of a small canvas in it):
+    the tissue is found, the ink is cut out, and hardly any tissue is taken for ink, not even dense hematoxylin."""
+    from dinov3_core.tiling.config import TissueConfig
+    from dinov3_core.tiling.tissue import tissue_mask
+
+    def thumbnail(pen_mark: bool) -> np.ndarray:  # the pen is planned last: with or without it, the same tissue
+        canvas = TissueCanvas.plan(1536, 2048, rng=np.random.default_rng(5), mpp=0.5, pen_mark=pen_mark,
+                                   pen_color=spec.pen_color, stain=spec.stain)  # fmt: skip
+        return canvas.to_array().reshape(768, 2, 1024, 2, 3).mean(axis=(1, 3)).astype(np.uint8)
+
+    thumb, plain = thumbnail(True), thumbnail(False)
+    inked = np.abs(thumb.astype(np.int16) - plain).max(-1) > 40
+    tissue = _tissue_mask(plain) & ~inked
+    ink = pen_mask(thumb, mpp=1.0)
+    mask, _ = tissue_mask(thumb, 1.0, TissueConfig(), ink)
+    assert inked.sum() > 1000 and ink[inked].mean() > 0.6, "the stroke is found"
+    # Under the darkest hematoxylin a few nuclei are as dark as black ink; the old detector took most of such tissue.
+    assert pen_mask(plain, mpp=1.0)[tissue].mean() < 1e-3, "hardly any tissue is taken for ink"
+    assert mask[tissue].mean() > 0.95 and mask[inked].mean() < 0.2
 
 
 # ----------------------------------------------------------------------------------------------------

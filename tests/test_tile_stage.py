@@ -395,11 +395,6 @@ def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, pen_filter):
     assert pen_entry.endswith(f"pen filter {'on' if pen_filter else 'off'})")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: pen_mask takes dense violet nuclei for blue ink; the fix (the "
-    "hue test) changes every sample store's tiles and waits for the learning test to be re-judged on them",
-)
 def test_pen_mask_takes_marker_ink_not_hematoxylin():
     """Ink over glass and over tissue is pen; dense violet nuclei (b ≈ r ≫ g) and eosin are not: they were taken for
     blue ink, which cut holes in the tissue mask of small slides (fine thumbnails) with the pen filter off."""
@@ -431,13 +426,41 @@ def test_channel_max_min_are_numpys_reductions():
         assert np.array_equal(vmin, rgb.min(axis=-1))
 
 
-def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash(tmp_path):
-    """Slides tiled before `scaled_decode` existed (zstd, full decoding) hash as they did: pinning those settings
-    skips them instead of re-tiling the cohort; the new default decoding is a change that redoes them."""
-    from dinov3_core.tiling.plan import slide_params_hash, tiling_params
+def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash_but_not_their_old_mask(tmp_path):
+    """Slides tiled before `scaled_decode` existed (zstd, full decoding) hash as they did apart from the tissue mask's
+    version: pinning those settings would skip them, but their mask (version 1, before the key) took dense nuclei for
+    pen ink, so they are tiled again; the new default decoding is a further change."""
+    from dinov3_core.tiling import plan
+    from dinov3_core.tiling.config import TISSUE_MASK_VERSION
 
     old = tile_config("x", tmp_path / "t.zarr", compressor="zstd", scaled_decode=False)
-    assert set(tiling_params(old)) == {"mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader",
-                                       "compressor", "jpeg_quality", "compression_level"}  # fmt: skip
+    params = plan.tiling_params(old)
+    assert set(params) == {"mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader",
+                           "compressor", "jpeg_quality", "compression_level", "tissue_mask_version"}  # fmt: skip
+    assert params["tissue_mask_version"] == TISSUE_MASK_VERSION >= 2
     new = tile_config("x", tmp_path / "t.zarr", compressor="zstd")
-    assert slide_params_hash(new, None) != slide_params_hash(old, None)
+    assert plan.slide_params_hash(new, None) != plan.slide_params_hash(old, None)
+
+
+def test_a_slide_tiled_with_an_older_tissue_mask_is_tiled_again(sample_slides, tmp_path):
+    """A store whose slide was tiled by the version-1 mask (its hash made without `tissue_mask_version`, as the code
+    before the key wrote it) is tiled again on a rerun with the same settings; once redone, it is skipped."""
+    import hashlib
+
+    from dinov3_core.tiling import plan
+
+    slide = by_name(sample_slides, "tissue_20x.svs")
+    store = tmp_path / "tiles.zarr"
+    cfg = tile_config(slide, store)
+    assert run_tile(cfg).counts == {"ok": 1, "failed": 0, "skipped": 0}
+    current = ts.read_slide_attrs(store, slide.stem)["params_hash"]
+    assert current == plan.slide_params_hash(cfg, None)
+    v1 = {k: v for k, v in plan.tiling_params(cfg).items() if k != "tissue_mask_version"}
+    payload = {"params": v1, "mpp_override": None, "default_mpp": cfg.default_mpp}
+    v1_hash = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    meta_path = store / "slides" / slide.stem / "zarr.json"
+    meta_path.write_text(meta_path.read_text().replace(current, v1_hash))
+    assert ts.read_slide_attrs(store, slide.stem)["params_hash"] == v1_hash != current
+    assert run_tile(cfg).counts == {"ok": 1, "failed": 0, "skipped": 0}
+    assert ts.read_slide_attrs(store, slide.stem)["params_hash"] == current
+    assert run_tile(cfg).counts == {"ok": 0, "failed": 0, "skipped": 1}

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
     from wsidino_dev.sample_slides import make_sample_slides
 
-    samples = make_sample_slides(args.out_dir, preset=args.preset, seed=args.seed, negatives=args.negatives)
-    for path in samples.slides:
-        print(path)
-    for name, path in samples.negatives.items():
-        print(f"{path}  (negative case: {name})")
-    for slide_id, path in samples.annotations.items():
-        print(f"{path}  (annotations of {slide_id})")
+    def written(name: str, info: dict[str, Any]) -> None:
+        size = "×".join(str(n) for n in info["size"]) + " px" if info.get("size") else info["format"]
+        print(f"wrote {name}  {size}  {info['seconds']:.1f} s", flush=True)  # slides take seconds to a minute each
+
+    written_before = time.perf_counter()
+    samples = make_sample_slides(
+        args.out_dir, preset=args.preset, seed=args.seed, negatives=args.negatives, progress=written
+    )
+    negatives = f", {len(samples.negatives)} negative cases" if samples.negatives else ""
+    print(
+        f"{args.out_dir}: {len(samples.slides)} slides{negatives}, annotations under "
+        f"{args.out_dir}/annotations ({time.perf_counter() - written_before:.1f} s; files already there are kept)"
+    )
     return 0
 
 
@@ -52,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "negatives/. Files already there for the same preset and seed are kept.",
     )
     samples.add_argument("out_dir")
-    samples.add_argument("--preset", choices=["demo", "test"], default="demo")
+    samples.add_argument("--preset", choices=["demo", "test", "heldout"], default="demo")
     samples.add_argument("--seed", type=int, default=0)
     samples.add_argument("--no-negatives", dest="negatives", action="store_false", help="skip the bad-input files")
     samples.set_defaults(func=cmd_samples)

@@ -10,6 +10,12 @@ from omegaconf import MISSING
 from dinov3_core.config import require
 from dinov3_core.tracking import TrackingConfig
 
+# Version of the tissue and pen-ink mask algorithms (`tissue.tissue_mask`, `tissue.pen_mask`): part of every slide's
+# tiling hash (`plan.tiling_params`), so that a store tiled with an older mask is tiled again. Bump it whenever the
+# masks change for the same thumbnail and settings. 1: saturation-based pen test (took dense violet nuclei for blue
+# ink); 2: hue and optical-density pen test. Here rather than in `tissue`, which imports scikit-image.
+TISSUE_MASK_VERSION = 2
+
 
 @dataclass
 class TissueConfig:

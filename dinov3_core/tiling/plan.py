@@ -14,7 +14,7 @@ import tifffile
 
 from dinov3_core.config import to_dict
 from dinov3_core.tiling import slide as slide_io
-from dinov3_core.tiling.config import TileConfig
+from dinov3_core.tiling.config import TISSUE_MASK_VERSION, TileConfig
 from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, UnsupportedTiff
 
 
@@ -111,6 +111,9 @@ def tiling_params(cfg: TileConfig) -> dict[str, Any]:
         "jpeg_quality",
     ]
     params = {k: d[k] for k in keep}
+    # The mask's algorithm decides which tiles exist as much as the settings do; version 1 (before this key) stores
+    # are re-tiled, as their masks took dense nuclei for pen ink.
+    params["tissue_mask_version"] = TISSUE_MASK_VERSION
     if cfg.compressor == "zstd":
         params["compression_level"] = cfg.compression_level
     # A key added later enters only when it departs from what stores made before it did, so that those slides,
@@ -169,7 +172,7 @@ def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) ->
         read = reads[0]
         thumb_mpp = tissue.mask_mpp(info.width * info.mpp, info.height * info.mpp, cfg.tissue)
         thumb, thumb_scale = slide_io.read_downsampled(slide, info, thumb_mpp)
-        pen = tissue.pen_mask(thumb)
+        pen = tissue.pen_mask(thumb, thumb_scale * info.mpp)
         mask, thresholds = tissue.tissue_mask(thumb, thumb_scale * info.mpp, cfg.tissue, pen)
         qc_mpp = max(info.mpp, max(info.width, info.height) * info.mpp / cfg.qc_thumbnail_px)
         if qc_mpp < thumb_mpp * 0.9:

@@ -8,9 +8,23 @@ from skimage import filters, morphology
 
 from dinov3_core.tiling.config import TissueConfig
 
-# Pen ink is strongly saturated blue/green or near-black; hematoxylin and DAB stay under ~0.35 saturation.
-PEN_MIN_SATURATION = 0.45
-PEN_BLACK_MAX_VALUE = 0.2
+# Marker ink vs stain, in optical density (OD, −ln of transmitted light per channel). Hematoxylin and eosin both
+# absorb green more than blue, and hematoxylin absorbs blue at over a third of its red absorption: H&E is violet to
+# pink, never green, and never a blue that passes blue light. Blue ink absorbs red (and green) but little blue, green
+# ink passes green, black ink absorbs everything. Ink over tissue adds the stain's OD to the ink's.
+PEN_BLUE_MAX_BLUE_RED = 0.34  # blue ink: OD blue ≤ this × OD red (hematoxylin ≥ ~0.36, over tissue the ink ≤ ~0.31)
+PEN_BLUE_MIN_OD = 1.0  # ... and a total OD (sum over channels) of at least this: not a faint bluish tint
+PEN_GREEN_MARGIN = 0.04  # green ink: green brighter than both red and blue by this much (of full scale) ...
+PEN_GREEN_MIN_OD = 0.8  # ... at a total OD of at least this ...
+PEN_GREEN_MIN_SATURATION = 0.3  # ... and saturated (hematoxylin over DAB can be a dull olive)
+PEN_BLACK_MAX_VALUE = 0.14  # black ink, alone or over tissue: darker than the darkest stained nucleus
+PEN_DARK_MAX_VALUE = 0.2  # dark and absorbing red at least as much as green: ink over tissue (nuclei absorb green most)
+PEN_GREY_MAX_VALUE = 0.4  # dark grey: streaky black ink over glass ...
+PEN_GREY_MAX_SATURATION = 0.15  # ... nearly neutral (stained tissue is coloured)
+# Black ink over tissue keeps the stain's hue and is only as dark as the densest nuclei, pixel by pixel; it is told
+# apart by its extent: a marker stroke is far wider than any cluster of nuclei.
+PEN_WIDE_DARK_MAX_VALUE = 0.25
+PEN_WIDE_DARK_MIN_WIDTH_UM = 12.0
 
 
 def channel_max_min(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +96,7 @@ def tissue_mask(
     if cfg.fill_holes:
         mask = morphology.remove_small_holes(mask, max_size=max(1, int(cfg.max_hole_area_um2 / px_area)))
     # Last, so that closing cannot bridge an ink stroke back in through its high-contrast edges.
-    mask &= ~ndimage.binary_dilation(pen_mask(thumb) if pen is None else pen, iterations=2)
+    mask &= ~ndimage.binary_dilation(pen_mask(thumb, thumb_mpp) if pen is None else pen, iterations=2)
     # Ink edges blend into the glass and leave thin rims of "tissue" behind; opening removes anything thinner.
     open_px = max(1, round(cfg.open_um / thumb_mpp))
     mask = ndimage.binary_opening(mask, structure=morphology.disk(open_px), border_value=0)
@@ -95,16 +109,32 @@ def mask_mpp(width_um: float, height_um: float, cfg: TissueConfig) -> float:
     return min(cfg.thumbnail_mpp, max(width_um, height_um) / cfg.min_thumbnail_px)
 
 
-def pen_mask(thumb: np.ndarray) -> np.ndarray:
-    """Pixels that look like marker ink: saturated blue/green, or near-black."""
-    rgb = thumb.astype(np.float32) / 255.0
+def pen_mask(thumb: np.ndarray, mpp: float | None = None) -> np.ndarray:
+    """Pixels that look like marker ink (blue, green or black), not stain: see the PEN_* constants.
+
+    Dense violet nuclei (blue ≈ red ≫ green) absorb green most and blue strongly, so neither the blue nor the dark
+    test takes them; an older saturation test did, and cut holes into the tissue mask. With the thumbnail's µm/px
+    `mpp`, dark or dark-grey areas count only when wider than PEN_WIDE_DARK_MIN_WIDTH_UM (black ink over tissue is
+    found, dark nuclei and immunostain patches are not); without it, every dark-grey pixel does."""
+    rgb = thumb.astype(np.float32) * (1 / 255)
+    od = -np.log(rgb + 1 / 256)  # optical density, finite at 0
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    od_r, od_g, od_b = od[..., 0], od[..., 1], od[..., 2]
+    density = od_r + od_g + od_b
+    blue = (od_b <= PEN_BLUE_MAX_BLUE_RED * od_r) & (od_g <= od_r) & (density >= PEN_BLUE_MIN_OD)
     vmax, vmin = channel_max_min(rgb)
-    sat = np.where(vmax > 0, (vmax - vmin) / np.maximum(vmax, 1e-6), 0.0)
-    blue_or_green = ((b >= r) & (b >= g - 0.05)) | ((g > r) & (g >= b))
-    coloured_ink = blue_or_green & (sat >= PEN_MIN_SATURATION)
-    black_ink = vmax <= PEN_BLACK_MAX_VALUE
-    return ndimage.binary_opening(coloured_ink | black_ink, structure=np.ones((2, 2), bool))
+    green = (g >= r + PEN_GREEN_MARGIN) & (g >= b + PEN_GREEN_MARGIN) & (density >= PEN_GREEN_MIN_OD)
+    green &= vmax - vmin >= PEN_GREEN_MIN_SATURATION * vmax
+    black = vmax <= PEN_BLACK_MAX_VALUE
+    black |= (vmax <= PEN_DARK_MAX_VALUE) & (od_g <= od_r)
+    grey = (vmax <= PEN_GREY_MAX_VALUE) & (vmax - vmin <= PEN_GREY_MAX_SATURATION * vmax)
+    if mpp is None:
+        return ndimage.binary_opening(blue | green | black | grey, structure=np.ones((2, 2), bool))
+    # Hematoxylin over DAB (immunostains) is dark grey too, in small patches: only wide dark areas are black ink.
+    ink = ndimage.binary_opening(blue | green | black, structure=np.ones((2, 2), bool))
+    radius = max(1, round(PEN_WIDE_DARK_MIN_WIDTH_UM / 2 / mpp))
+    ink |= ndimage.binary_opening((vmax <= PEN_WIDE_DARK_MAX_VALUE) | grey, structure=morphology.disk(radius))
+    return ink
 
 
 def grid_coords(width: int, height: int, tile_level0: int, stride_level0: int) -> np.ndarray:

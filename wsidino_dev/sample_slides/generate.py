@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -149,6 +150,7 @@ def make_sample_slides(
     *,
     seed: int = 0,
     negatives: bool = True,
+    progress: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> SampleSet:
     """Write a preset set of sample slides into `out_dir` (negatives under ``negatives/``) and describe them.
 
@@ -163,7 +165,8 @@ def make_sample_slides(
     Idempotent: ``sample_slides.json`` (written last, after every file was written under a temporary name
     and renamed) records what was generated. Files it lists for the same preset and seed that are still
     there with their recorded size are reused; if that covers the request, nothing at all is written.
-    Otherwise only the missing or damaged files are regenerated.
+    Otherwise only the missing or damaged files are regenerated. `progress(name, info)` is called after each file
+    written (not for those reused), with its `info` entry (``size``, ``seconds`` …).
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -208,6 +211,8 @@ def make_sample_slides(
             "seconds": round(time.perf_counter() - started, 2),
         }
         files[spec.name] = meta
+        if progress is not None:
+            progress(spec.name, meta)
 
     marker = {
         "generator": "wsidino_dev.sample_slides",

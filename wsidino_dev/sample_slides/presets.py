@@ -1,4 +1,5 @@
-"""The files of each preset ("demo", "test", "heldout"): good slides first, then the negative cases, in a fixed order.
+"""The files of each preset ("demo", "test", "heldout"): good slides first, then the negative cases, in a fixed order;
+the demo's further stains come last.
 
 A file's index in its preset seeds its random stream (`generate.make_sample_slides`): append, never reorder.
 """
@@ -18,6 +19,18 @@ HELDOUT_STAIN = SlideStain(hematoxylin_amount=float(np.exp(-0.6)), eosin_amount=
 assert HELDOUT_STAIN.hematoxylin_amount < np.exp(HEMATOXYLIN_AMOUNT[0]) and HELDOUT_STAIN.eosin_amount > np.exp(
     EOSIN_AMOUNT[1]
 )
+
+# Stains of the demo's further slides (`DEMO_STAINS`), each a look no drawn stain has: distinct labs for the slide-level
+# promotion test, which needs ≥ 6 annotated slides. None is over-eosinated like HELDOUT_STAIN: benchmarks/adaptation.py
+# trains on the demo and tests on that stain as a lab it has not seen. DAB's unit OD vector (R, G, B) is scikit-image's
+# (`skimage.color.rgb_from_hed`, after Ruifrok & Johnston), normalised.
+_DAB = np.array([0.27, 0.57, 0.78])
+DAB_OD: tuple[float, float, float] = tuple(float(x) for x in _DAB / np.linalg.norm(_DAB))  # type: ignore[assignment]
+PALE_STAIN = SlideStain(hematoxylin_amount=float(np.exp(-0.5)), eosin_amount=float(np.exp(-0.5)))  # faded, thin
+HEMATOXYLIN_HEAVY_STAIN = SlideStain(hematoxylin_amount=float(np.exp(0.55)), eosin_amount=float(np.exp(-0.1)))
+# Hematoxylin and DAB: the eosin concentrations rendered brown. Not a real IHC pattern (DAB marks whatever eosin would),
+# but an immunostain's colours: blue nuclei on brown.
+H_DAB_STAIN = SlideStain(eosin=DAB_OD, hematoxylin_amount=1.0, eosin_amount=1.0)
 
 
 @dataclass(frozen=True)
@@ -63,9 +76,24 @@ def _preset(big: bool) -> list[SlideSpec]:
     ]  # fmt: skip
 
 
+# The demo's further annotated slides, after its negatives (indices 7, 8, 9): small (4096×3072 at 0.5 µm/px, 20×, as
+# the "heldout" slide) so that `make demo` stays short, each in its own stain. The test preset does not have them.
+DEMO_STAINS = [
+    SlideSpec("tissue_pale.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="blue", stain=PALE_STAIN),
+    SlideSpec(
+        "tissue_dark_h.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="black", stain=HEMATOXYLIN_HEAVY_STAIN
+    ),
+    SlideSpec("tissue_h_dab.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green", stain=H_DAB_STAIN),
+]
+
+
 # One annotated slide whose stain no "demo" or "test" slide has: a held-out-lab test slide (benchmarks/adaptation.py).
 # Its index 0 shares the demo's first slide's random stream: make it with another seed for different tissue.
 HELDOUT = [SlideSpec("tissue_heldout_stain.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green",
                      stain=HELDOUT_STAIN)]  # fmt: skip
 
-PRESETS: dict[str, list[SlideSpec]] = {"demo": _preset(big=True), "test": _preset(big=False), "heldout": HELDOUT}
+PRESETS: dict[str, list[SlideSpec]] = {
+    "demo": _preset(big=True) + DEMO_STAINS,
+    "test": _preset(big=False),
+    "heldout": HELDOUT,
+}
