@@ -34,7 +34,10 @@ def reference_linear(
 
     def fit(x: np.ndarray, y: np.ndarray, c: float) -> Any:
         scaler = StandardScaler().fit(x)
-        return scaler, LogisticRegression(C=c, max_iter=2000, random_state=0).fit(scaler.transform(x), y)
+        # converged: with its default tol scikit-learn can stop short of the optimum by enough to flip the C a
+        # fold chooses, and the probe solves the objective, not scikit-learn's stopping rule
+        model = LogisticRegression(C=c, max_iter=20000, tol=1e-10, random_state=0)
+        return scaler, model.fit(scaler.transform(x), y)
 
     chosen = float(cs[len(cs) // 2])
     fit_pos = np.setdiff1d(np.arange(len(train)), val_pos)
@@ -94,9 +97,19 @@ def assert_linear_equal(x: np.ndarray, y: np.ndarray, k: int, folds: list[C.Fold
         ref_chosen.append(c)
     assert sum(a != b for a, b in zip(chosen, ref_chosen, strict=True)) <= other_c, (chosen, ref_chosen)
     tested = np.concatenate([f.test for f in folds])
-    mine = C.balanced_accuracy(y[tested], proba[tested].argmax(1), k)
-    theirs = C.balanced_accuracy(y[tested], ref[tested].argmax(1), k)
-    assert abs(mine - theirs) <= 0.005, (mine, theirs)
+    pred, ref_pred = proba[tested].argmax(1), ref[tested].argmax(1)
+
+    # A tile within 0.01 of a tie between its top two classes in both solvers may fall either way (a weakly
+    # regularised fit on a small fold): it counts as agreeing. Any other disagreement is counted.
+    def margin(p: np.ndarray) -> np.ndarray:
+        top = np.sort(p, 1)
+        return top[:, -1] - top[:, -2]
+
+    tie = (pred != ref_pred) & (margin(proba[tested]) < 0.01) & (margin(ref[tested]) < 0.01)
+    mine = C.balanced_accuracy(y[tested], np.where(tie, ref_pred, pred), k)
+    theirs = C.balanced_accuracy(y[tested], ref_pred, k)
+    assert abs(mine - theirs) <= 0.005, (mine, theirs, int(tie.sum()))
+    assert tie.sum() <= max(1, len(tested) // 100), "more near-ties than a converged solver should leave"
     # scikit-learn stops at a gradient of 1e-4, this solver ten times tighter: the probabilities agree to about that
     # (a few tiles of a weakly regularised fit, where scikit-learn stops far from the optimum, move more)
     same = np.concatenate([f.test for f, a, b in zip(folds, chosen, ref_chosen, strict=True) if a == b])

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dinov3_core.evaluate import newton
+
 # Similarity blocks hold at most this many float32 values (256 MiB), whatever the cohort size.
 _BLOCK_VALUES = 1 << 26
 # Below this many feature values the linear probe works in float64 and batches every fold in one solve (the per-step
@@ -334,6 +336,8 @@ def linear_probe_cv(
     """(N, K) float64 test-tile probabilities of every fold pooled (rows of no fold's test: 0), and the C each fold
     chose. Every fold's training side needs two classes (the caller decides what a one-class fold predicts)."""
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
+    if newton.fits_newton(x.shape[1], n_classes):  # narrow features: a few exact Newton steps per C (newton.py)
+        return _fit_newton(x, codes, n_classes, folds, [float(c) for c in cs], dev)
     small = x.size * max(1, len(folds)) <= _SMALL
     xt = torch.as_tensor(np.asarray(x, np.float64 if small else np.float32), device=dev)
     xt = xt - xt.double().mean(0).to(xt.dtype)
@@ -356,6 +360,40 @@ def linear_probe_cv(
         for f, (proba, c) in zip(group, picked, strict=True):
             scores[f.test] = proba
             chosen.append(c)
+    return scores, chosen
+
+
+def _fit_newton(
+    x: np.ndarray, codes: np.ndarray, k: int, folds: Sequence[Fold], cs: list[float], dev: torch.device
+) -> tuple[np.ndarray, list[float]]:
+    """`linear_probe_cv` by Newton's method, fold by fold: the C path on the fit tiles (the training tiles less the
+    validation ones), C by balanced accuracy on the validation tiles (ties to the smaller C), then the refit on all
+    the fold's training tiles, warm-started from the chosen solution."""
+    xt = torch.as_tensor(np.asarray(x, np.float64), device=dev)
+    y = torch.as_tensor(np.asarray(codes, np.int64), device=dev)
+    scores = np.zeros((len(x), k), np.float64)
+    chosen: list[float] = []
+    middle = cs[len(cs) // 2]
+    for f in folds:
+        train = torch.as_tensor(np.asarray(f.train, np.int64), device=dev)
+        fit = np.setdiff1d(f.train, f.train[f.val]) if len(f.val) else np.asarray(f.train)
+        fit_t = torch.as_tensor(fit.astype(np.int64), device=dev)
+        best_c, start = middle, None
+        # C is chosen on the validation tiles only when the rest still has two classes to separate (a small fold can
+        # put all of a class in its validation slides); otherwise the middle C, fitted on the whole fold.
+        if len(f.val) and len(cs) > 1 and len(torch.unique(y[fit_t])) > 1:
+            val = torch.as_tensor(np.asarray(f.train[f.val], np.int64), device=dev)
+            truth = y[val].cpu().numpy()
+            best = -1.0
+            for c, solved in zip(cs, newton.fit(xt[fit_t], y[fit_t], k, cs), strict=True):
+                acc = balanced_accuracy(truth, solved.proba(xt[val]).argmax(1).cpu().numpy(), k)
+                if acc > best + 1e-9:  # ties: the smaller C (the sweep's order)
+                    best, best_c, start = acc, c, solved
+        present = torch.bincount(y[train], minlength=k) > 0
+        warm = start.theta if start is not None and bool((start.classes == present).all()) else None
+        final = newton.fit(xt[train], y[train], k, [best_c], start=warm)[0]
+        scores[f.test] = final.proba(xt[torch.as_tensor(np.asarray(f.test, np.int64), device=dev)]).cpu().numpy()
+        chosen.append(best_c)
     return scores, chosen
 
 
