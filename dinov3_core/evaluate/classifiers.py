@@ -8,7 +8,7 @@ linear probe in `linear_probe`, the device and threads in `torch_runtime`; this 
 
 from __future__ import annotations
 
-from dinov3_core.evaluate.knn import knn_cv, knn_few_shot, knn_scores
+from dinov3_core.evaluate.knn import knn_cv, knn_cv_neighbours, knn_few_shot, knn_scores
 from dinov3_core.evaluate.linear_probe import Fold, balanced_accuracy, lbfgs, linear_probe, linear_probe_cv
 from dinov3_core.evaluate.torch_runtime import resolve_device, torch_threads
 
@@ -16,6 +16,7 @@ __all__ = [
     "Fold",
     "balanced_accuracy",
     "knn_cv",
+    "knn_cv_neighbours",
     "knn_few_shot",
     "knn_scores",
     "lbfgs",

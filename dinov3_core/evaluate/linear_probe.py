@@ -5,9 +5,10 @@ by the fitted tiles' mean and std (ddof 0, std 0 → 1, as `StandardScaler`), mu
 present in the fitted tiles. scikit-learn fits two classes with one logit; a 2-class softmax with C/2 has the same
 minimiser (the penalty splits the logit difference evenly over two columns), so one code path serves both. Every
 (fold, C) problem is solved at once by a batched L-BFGS (one matrix product for all of them per step), each to a
-gradient tolerance ten times tighter than scikit-learn's default. C is chosen as before: balanced accuracy on the
-validation tiles, ties to the smaller C, then a refit on all the fold's training tiles (warm-started); the middle C
-when no validation is possible.
+gradient tolerance ten times tighter than scikit-learn's default (at its default, 1e-4, both solvers stop at different
+points short of the optimum and their balanced accuracies drift apart on the sample cohort). C is chosen as before:
+balanced accuracy on the validation tiles, ties to the smaller C, then a refit on all the fold's training tiles
+(warm-started); the middle C when no validation is possible.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import torch
 
 from dinov3_core.evaluate.torch_runtime import resolve_device, torch_threads
 
-# Below this many feature values the linear probe works in float64 and batches every fold in one solve (the per-step
-# overhead dominates); above, float32 matrix products on each fold's own rows (half the memory, twice the speed).
+# Below this many feature values the linear probe works in float64 (the per-step overhead dominates); above, in
+# float32 matrix products (half the memory, twice the speed). Either way every fold × C is one batched solve over
+# all the rows, fold membership as 0/1 row weights, so each step streams the feature matrix once for every fold.
 _SMALL = 1 << 22
+# Rows per block where a float64 copy of the feature matrix would otherwise be made (statistics).
+_ROWS = 8192
 
 
 def balanced_accuracy(y: np.ndarray, pred: np.ndarray, n: int) -> float:
@@ -49,9 +53,14 @@ class _Problems:
     @classmethod
     def build(cls, x: torch.Tensor, y: torch.Tensor, member: torch.Tensor, c: torch.Tensor, k: int) -> _Problems:
         n = member.sum(1, keepdim=True)
-        xd = x.double()
-        mu = member @ xd / n
-        var = (member @ xd.square()) / n - mu.square()  # ddof 0, as StandardScaler
+        s1 = torch.zeros((len(member), x.shape[1]), dtype=torch.float64, device=x.device)
+        s2 = torch.zeros_like(s1)
+        for start in range(0, len(x), _ROWS):  # float64 sums a block of rows at a time
+            xd, m = x[start : start + _ROWS].double(), member[:, start : start + _ROWS]
+            s1 += m @ xd
+            s2 += m @ xd.square()
+        mu = s1 / n
+        var = s2 / n - mu.square()  # ddof 0, as StandardScaler
         sd = var.clamp_min(0).sqrt()
         sd = torch.where(sd < 10 * torch.finfo(torch.float64).eps * mu.abs().clamp_min(1), torch.ones_like(sd), sd)
         onehot = torch.nn.functional.one_hot(y, k).double()
@@ -178,27 +187,24 @@ def linear_probe_cv(
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
     small = x.size * max(1, len(folds)) <= _SMALL
     xt = torch.as_tensor(np.asarray(x, np.float64 if small else np.float32), device=dev)
-    xt = xt - xt.double().mean(0).to(xt.dtype)
+    xt = xt - _column_mean(xt).to(xt.dtype)  # a copy: `x` may share its memory
     y = torch.as_tensor(np.asarray(codes, np.int64), device=dev)
     scores = np.zeros((len(x), n_classes), np.float64)
-    chosen: list[float] = []
-    groups = [list(folds)] if small else [[f] for f in folds]  # small: every fold in one batched solve
-    for group in groups:
-        if small:
-            rows, local = torch.arange(len(x), device=dev), list(group)
-        else:  # this fold's own rows only: its training tiles, then its test tiles
-            f = group[0]
-            rows = torch.as_tensor(np.concatenate([f.train, f.test]).astype(np.int64), device=dev)
-            n = len(f.train)
-            local = [Fold(np.arange(n), f.val, np.arange(n, n + len(f.test)))]
-        # Small problems run thousands of tiny ops: one thread, since waking the others (busy on a shared machine)
-        # costs more than the op itself.
-        with torch_threads(1 if small and dev.type == "cpu" else 0):
-            picked = _fit_group(xt[rows], y[rows], n_classes, local, [float(c) for c in cs], tol)
-        for f, (proba, c) in zip(group, picked, strict=True):
-            scores[f.test] = proba
-            chosen.append(c)
-    return scores, chosen
+    # Small problems run thousands of tiny ops: one thread, since waking the others (busy on a shared machine) costs
+    # more than the op itself.
+    with torch_threads(1 if small and dev.type == "cpu" else 0):
+        picked = _fit_group(xt, y, n_classes, list(folds), [float(c) for c in cs], tol)
+    for f, (proba, _) in zip(folds, picked, strict=True):
+        scores[f.test] = proba
+    return scores, [c for _, c in picked]
+
+
+def _column_mean(x: torch.Tensor) -> torch.Tensor:
+    """float64 column means of `x`, a block of rows at a time (no float64 copy of the whole matrix)."""
+    total = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
+    for start in range(0, len(x), _ROWS):
+        total += x[start : start + _ROWS].double().sum(0)
+    return total / max(1, len(x))
 
 
 def _fit_group(
