@@ -9,14 +9,23 @@ batched torch classifiers (`dinov3_core.evaluate.classifiers`), side by side in 
   model. The old path would take hours: its kNN is timed on one block of test tiles and its linear probe on one fit
   (one fold, C = 1), then extrapolated (labelled so).
 
-Usage: python benchmarks/probe_speed.py [--skip-lab] (also `python benchmarks/evaluate.py --probes-only`)
+Lab scale also times the torch classifiers of git revision `--baseline` (loaded from git) in the same process, so
+the speed-up over them is measured side by side.
+
+Usage: python benchmarks/probe_speed.py [--skip-lab | --lab-only] [--parts knn,linear,fewshot,dense] [--no-old]
+[--baseline REV] (also `python benchmarks/evaluate.py --probes-only`)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
+import types
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +35,8 @@ from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import probes as P
 
 CS = [0.01, 0.1, 1.0, 10.0]
+# The torch classifiers as first merged (fp32 kNN, linear probe fold by fold): the lab-scale baseline.
+BASELINE = "673386f"
 
 
 def old_knn(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, n: int, k: int = 20, t: float = 0.07) -> Any:
@@ -140,72 +151,93 @@ def demo_shaped(rows: list[dict[str, Any]]) -> None:
         rows.append({"set": "demo-shaped, 2 models", "part": name, "old_s": t_old, "new_s": t_new, "note": ""})
 
 
-def lab_scale(rows: list[dict[str, Any]]) -> None:
+def baseline_module(rev: str) -> Any:
+    """The torch classifiers as of git revision `rev` (one module then), loaded from git: the side-by-side baseline."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:dinov3_core/evaluate/classifiers.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    module = types.ModuleType(f"classifiers_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:classifiers.py", "exec"), module.__dict__)
+    return module
+
+
+def lab_neighbours(x: np.ndarray, tests: list[np.ndarray], rows: int = 1024) -> str:
+    """How many of `rows` test tiles of fold 1 have the exhaustive float32 top-20 as knn_cv's neighbours."""
+    got = C.knn_cv_neighbours(x, tests, 20)[0][1].numpy()
+    pick = np.random.default_rng(0).choice(len(tests[0]), rows, replace=False)
+    train = np.setdiff1d(np.arange(len(x)), tests[0])
+    u = torch.nn.functional.normalize(torch.as_tensor(x), dim=1)
+    ref = train[torch.topk(u[tests[0][pick]] @ u[train].T, 20, dim=1).indices.numpy()]
+    same = (np.sort(ref, 1) == np.sort(got[pick], 1)).all(1).sum()
+    return f"top-20 = float32's for {same}/{rows} sampled tiles"
+
+
+def lab_scale(rows: list[dict[str, Any]], parts: set[str], old: bool, base: Any) -> None:
     x, y, g = cohort(100_000, 1024, 5, 50, 2)
     cv, fs = folds(y.astype(str), g)
-    draws = P.few_shot_draws_cv(y, cv, [1, 2, 4, 8, 16], 5, 0)
+    tests = [f.test for f in cv.folds]
     f = fs[0]
-    block = f.test[:4096]
-    t = timed(old_knn, x[f.train], y[f.train], x[block], 5) * len(y) / len(block)
-    rows.append(
-        {
-            "set": "lab scale",
-            "part": "kNN (10⁵ × 8·10⁴ × 1,024)",
-            "old_s": t,
-            "new_s": timed(C.knn_cv, x, y, [f.test for f in cv.folds], 5, 20, 0.07),
-            "note": "old: one block of 4,096 test tiles, extrapolated",
-        }
-    )
-    fit = np.setdiff1d(np.arange(len(f.train)), f.val)
-    t = timed(old_fit, x[f.train][fit], y[f.train][fit], 1.0) * len(fs) * (len(CS) + 1)
-    rows.append(
-        {
-            "set": "lab scale",
-            "part": "linear probe (5 folds × 4 C + refits)",
-            "old_s": t,
-            "new_s": timed(C.linear_probe_cv, x, y, 5, fs, CS),
-            "note": "old: one fit (fold 1, C = 1) × 25",
-        }
-    )
-    rows.append(
-        {
-            "set": "lab scale",
-            "part": "few-shot kNN (5 shots × 5 draws × 5 folds)",
-            "old_s": float("nan"),
-            "new_s": timed(C.knn_few_shot, x, y, [(f.train, f.test) for f in cv.folds], draws, 5, 20, 0.07),
-            "note": "old not timed",
-        }
-    )
-    del x
-    rng = np.random.default_rng(3)
-    tile = np.sort(rng.integers(0, len(y), 200_000))
-    dx = rng.normal(size=(len(tile), 1024)).astype(np.float32) + np.eye(5, 1024, dtype=np.float32)[y[tile]] * 0.3
-    dfolds = token_folds(cv, tile)
-    rows.append(
-        {
-            "set": "lab scale",
-            "part": "dense probe (2·10⁵ tokens × 1,024, 4 C)",
-            "old_s": float("nan"),
-            "new_s": timed(C.linear_probe_cv, dx, y[tile], 5, dfolds, CS),
-            "note": "old not timed",
-        }
-    )
+    nan = float("nan")
+
+    def row(part: str, t_old: float, fn: str, args: tuple, note: str) -> None:
+        t_base = timed(getattr(base, fn), *args) if base is not None else nan
+        t_new = timed(getattr(C, fn), *args)
+        rows.append({"set": "lab scale", "part": part, "old_s": t_old, "base_s": t_base, "new_s": t_new, "note": note})
+
+    if "knn" in parts:
+        t = timed(old_knn, x[f.train], y[f.train], x[f.test[:4096]], 5) * len(y) / 4096 if old else nan
+        note = "old: one block of 4,096 test tiles, extrapolated; " + lab_neighbours(x, tests)
+        row("kNN (10⁵ × 8·10⁴ × 1,024)", t, "knn_cv", (x, y, tests, 5, 20, 0.07), note)
+    if "linear" in parts:
+        fit = np.setdiff1d(np.arange(len(f.train)), f.val)
+        t = timed(old_fit, x[f.train][fit], y[f.train][fit], 1.0) * len(fs) * (len(CS) + 1) if old else nan
+        row("linear probe (5 folds × 4 C + refits)", t, "linear_probe_cv", (x, y, 5, fs, CS), "old: one fit × 25")
+    if "fewshot" in parts:
+        draws = P.few_shot_draws_cv(y, cv, [1, 2, 4, 8, 16], 5, 0)
+        args = (x, y, [(f.train, f.test) for f in cv.folds], draws, 5, 20, 0.07)
+        row("few-shot kNN (5 shots × 5 draws × 5 folds)", nan, "knn_few_shot", args, "old not timed")
+    if "dense" in parts:
+        del x
+        rng = np.random.default_rng(3)
+        tile = np.sort(rng.integers(0, len(y), 200_000))
+        dx = rng.normal(size=(len(tile), 1024)).astype(np.float32) + np.eye(5, 1024, dtype=np.float32)[y[tile]] * 0.3
+        args = (dx, y[tile], 5, token_folds(cv, tile), CS)
+        row("dense probe (2·10⁵ tokens × 1,024, 4 C)", nan, "linear_probe_cv", args, "old not timed")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-lab", action="store_true", help="the demo-shaped set only")
+    parser.add_argument("--lab-only", action="store_true", help="the lab-scale set only")
+    parser.add_argument("--parts", default="knn,linear,fewshot,dense", help="lab-scale parts, comma-separated")
+    parser.add_argument("--no-old", action="store_true", help="lab scale: skip the scikit-learn / numpy timings")
+    parser.add_argument(
+        "--baseline", default=BASELINE, help="git revision of the torch classifiers to time side by side ('' for none)"
+    )
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    demo_shaped(rows)
+    if not args.lab_only:
+        demo_shaped(rows)
     if not args.skip_lab:
-        lab_scale(rows)
-    print(f"\n## probe speed (CPU, torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
-    print("| set | part | old (sklearn/numpy) s | new (torch) s | speed-up | note |\n|---|---|---:|---:|---:|---|")
+        base = baseline_module(args.baseline) if args.baseline else None
+        lab_scale(rows, set(args.parts.split(",")), not args.no_old, base)
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"\n## probe speed (CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, load {load})\n")
+    print(
+        f"| set | part | old (sklearn/numpy) s | torch {args.baseline or '–'} s | torch now s | speed-up vs old | "
+        "vs torch before | note |\n|---|---|---:|---:|---:|---:|---:|---|"
+    )
     for r in rows:
+        base_s = r.get("base_s", float("nan"))
         print(
-            f"| {r['set']} | {r['part']} | {r['old_s']:.2f} | {r['new_s']:.2f} | "
-            f"{r['old_s'] / r['new_s']:.1f}× | {r['note']} |"
+            f"| {r['set']} | {r['part']} | {r['old_s']:.2f} | {base_s:.2f} | {r['new_s']:.2f} | "
+            f"{r['old_s'] / r['new_s']:.1f}× | {base_s / r['new_s']:.1f}× | {r['note']} |"
         )
 
 

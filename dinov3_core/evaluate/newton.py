@@ -33,6 +33,7 @@ class Solution:
     mu: torch.Tensor  # (D,)
     sd: torch.Tensor  # (D,)
     classes: torch.Tensor  # (K,) bool: the classes present in its rows (the others never predicted)
+    c: float
     steps: int
 
     def proba(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ def fit(
                 break  # no decrease left at float64 resolution
             theta, value, p = trial, new_value, new_p
             steps += 1
-        out[c] = Solution(theta.clone(), mu, sd, present, steps)
+        out[c] = Solution(theta.clone(), mu, sd, present, c, steps)
     return [out[float(c)] for c in cs]
 
 

@@ -31,6 +31,11 @@ HEMATOXYLIN_HEAVY_STAIN = SlideStain(hematoxylin_amount=float(np.exp(0.55)), eos
 # Hematoxylin and DAB: the eosin concentrations rendered brown. Not a real IHC pattern (DAB marks whatever eosin would),
 # but an immunostain's colours: blue nuclei on brown.
 H_DAB_STAIN = SlideStain(eosin=DAB_OD, hematoxylin_amount=1.0, eosin_amount=1.0)
+# Three more labs within the drawn ranges' corners: eosin-rich (still below HELDOUT_STAIN's), strong in both, and a
+# faint eosin under firm hematoxylin. Nine annotated slides let the demo's gate see a consistent gain.
+EOSIN_RICH_STAIN = SlideStain(hematoxylin_amount=float(np.exp(-0.1)), eosin_amount=float(np.exp(0.4)))
+STRONG_STAIN = SlideStain(hematoxylin_amount=float(np.exp(0.2)), eosin_amount=float(np.exp(0.3)))
+FAINT_EOSIN_STAIN = SlideStain(hematoxylin_amount=float(np.exp(0.1)), eosin_amount=float(np.exp(-0.3)))
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def _preset(big: bool) -> list[SlideSpec]:
     ]  # fmt: skip
 
 
-# The demo's further annotated slides, after its negatives (indices 7, 8, 9): small (4096×3072 at 0.5 µm/px, 20×, as
+# The demo's further annotated slides, after its negatives (indices 7 to 12): small (4096×3072 at 0.5 µm/px, 20×, as
 # the "heldout" slide) so that `make demo` stays short, each in its own stain. The test preset does not have them.
 DEMO_STAINS = [
     SlideSpec("tissue_pale.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="blue", stain=PALE_STAIN),
@@ -84,6 +89,11 @@ DEMO_STAINS = [
         "tissue_dark_h.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="black", stain=HEMATOXYLIN_HEAVY_STAIN
     ),
     SlideSpec("tissue_h_dab.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green", stain=H_DAB_STAIN),
+    SlideSpec("tissue_eosin_rich.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="blue", stain=EOSIN_RICH_STAIN),
+    SlideSpec("tissue_strong.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green", stain=STRONG_STAIN),
+    SlideSpec(
+        "tissue_faint_eosin.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="black", stain=FAINT_EOSIN_STAIN
+    ),
 ]
 
 
