@@ -73,8 +73,15 @@ def log(msg: str) -> None:
 
 def tile(slides: list[Path], store: Path) -> None:
     for slide in slides:
-        values = {"input": str(slide), "output": str(store), "tile_size": 96, "stride": 96, "mpp": 0.5,
-                  "progress": False, "tracking.enabled": False}  # fmt: skip
+        values = {
+            "input": str(slide),
+            "output": str(store),
+            "tile_size": 96,
+            "stride": 96,
+            "mpp": 0.5,
+            "progress": False,
+            "tracking.enabled": False,
+        }
         run_tile(load_config(TileConfig, None, values))
 
 
@@ -84,8 +91,15 @@ def multi_mpp_store(root: Path, slides: list[Path]) -> Path:
     store = root / "train-multi.zarr"
     if not store.exists():
         for slide in slides:
-            values = {"input": str(slide), "output": str(store), "tile_size": 96, "stride": 96, "mpp": [0.5, 1.0],
-                      "progress": False, "tracking.enabled": False}  # fmt: skip
+            values = {
+                "input": str(slide),
+                "output": str(store),
+                "tile_size": 96,
+                "stride": 96,
+                "mpp": [0.5, 1.0],
+                "progress": False,
+                "tracking.enabled": False,
+            }
             run_tile(load_config(TileConfig, None, values))
     return store
 
@@ -112,8 +126,12 @@ def schedule(iterations: int) -> dict[str, Any]:
     """The cpu recipe's 4 epochs over `iterations`, checkpoints and eval checkpoints every epoch (so gram starts
     from the run's last iteration and has teachers to pick from)."""
     epoch = iterations // 4
-    return {"train.epoch_length": epoch, "checkpointing.period": epoch, "evaluation.eval_period_iterations": epoch,
-            "tracking.enabled": False}  # fmt: skip
+    return {
+        "train.epoch_length": epoch,
+        "checkpointing.period": epoch,
+        "evaluation.eval_period_iterations": epoch,
+        "tracking.enabled": False,
+    }
 
 
 def pretrain(store: Path, out: Path, iterations: int, aug: dict[str, Any]) -> float:
@@ -124,11 +142,17 @@ def pretrain(store: Path, out: Path, iterations: int, aug: dict[str, Any]) -> fl
 
 
 def gram(store: Path, pretrain_dir: Path, out: Path, config: str, iterations: int | None) -> float:
-    values: dict[str, Any] = {"data.stores": [str(store)], "pretrain_dir": str(pretrain_dir), "output_dir": str(out),
-                              "tracking.enabled": False}  # fmt: skip
+    values: dict[str, Any] = {
+        "data.stores": [str(store)],
+        "pretrain_dir": str(pretrain_dir),
+        "output_dir": str(out),
+        "tracking.enabled": False,
+    }
     if iterations is not None:
-        values |= schedule(iterations) | {"gram.first_update": max(1, iterations // 20),
-                                          "gram.update_frequency": max(1, iterations // 20)}  # fmt: skip
+        values |= schedule(iterations) | {
+            "gram.first_update": max(1, iterations // 20),
+            "gram.update_frequency": max(1, iterations // 20),
+        }
     start = time.perf_counter()
     run_gram(load_config(GramConfig, config, values, stage="gram"))
     return time.perf_counter() - start
@@ -185,9 +209,17 @@ class Spy:
 
 
 def evaluate(store: Path, annotations: Path, weights: Path, out: Path) -> dict[str, Any]:
-    values = {"store": str(store), "candidate": str(weights), "output": str(out), "annotations": str(annotations),
-              "baseline": None, "champion": False, "gate.promote": False, "progress": False,
-              "tracking.enabled": False}  # fmt: skip
+    values = {
+        "store": str(store),
+        "candidate": str(weights),
+        "output": str(out),
+        "annotations": str(annotations),
+        "baseline": None,
+        "champion": False,
+        "gate.promote": False,
+        "progress": False,
+        "tracking.enabled": False,
+    }
     with Spy() as spy:
         run_stage("evaluate", load_config(EvaluateConfig, None, values))
     doc = json.loads((out / "evaluation.json").read_text())
@@ -230,8 +262,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     n = 40 if args.quick else 1000
     g = int(n * GRAM_SHARE)
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor(),
-           "threads": torch.get_num_threads(), "quick": args.quick, "iterations": n, "gram_iterations": g}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "iterations": n,
+        "gram_iterations": g,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -265,8 +304,10 @@ def main() -> None:
             seconds["gram G"] = gram(train_store, short / "pretrain", short / "gram", "cpu", g if args.quick else None)
             log(f"pretrain {n - g} + gram {g}: {seconds['pretrain N − G'] + seconds['gram G']:.0f} s")
             done("pretrain + gram, HED jitter", convert(short / "gram", short / "model"), f"{n - g} + {g}")
-        for name, slug, aug in (("pretrain, no stain augmentation", "noaug", NO_AUG),
-                                ("pretrain, HED jitter + re-targeting", "retarget", HED_RETARGET)):  # fmt: skip
+        for name, slug, aug in (
+            ("pretrain, no stain augmentation", "noaug", NO_AUG),
+            ("pretrain, HED jitter + re-targeting", "retarget", HED_RETARGET),
+        ):
             if slug not in rows:
                 continue
             run = root / slug
@@ -284,8 +325,10 @@ def print_table(path: Path) -> None:
     doc = json.loads(path.read_text())
     env, results, seconds = doc["environment"], doc["results"], doc["seconds"]
     n, g = env["iterations"], env["gram_iterations"]
-    print(f"\n## adaptation (cpu recipe, N = {n} iterations, gram G = {g}; evaluation store = the training slides + "
-          f"the held-out-stain slide; CPU {env['threads']} threads)\n")  # fmt: skip
+    print(
+        f"\n## adaptation (cpu recipe, N = {n} iterations, gram G = {g}; evaluation store = the training slides + "
+        f"the held-out-stain slide; CPU {env['threads']} threads)\n"
+    )
     print(
         "| model | iterations | linear tile probe, bal. acc. [95 % CI], all test slides | dense mIoU [95 % CI], all "
         "test slides | held-out stain slide: bal. acc. | held-out: dense mIoU | stain invariance "
@@ -294,10 +337,12 @@ def print_table(path: Path) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         h = r["heldout"]
-        print(f"| {name} | {r['iterations']} | {interval(r['linear'])} | {interval(r['dense'])} | "
-              f"{h['linear_balanced_accuracy']:.3f} | {h.get('dense_miou', float('nan')):.3f} | "
-              f"{r['stain_invariance']:.3f} | {r['effective_rank']:.3f} / "
-              f"{r['dense_effective_rank']:.3f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['iterations']} | {interval(r['linear'])} | {interval(r['dense'])} | "
+            f"{h['linear_balanced_accuracy']:.3f} | {h.get('dense_miou', float('nan')):.3f} | "
+            f"{r['stain_invariance']:.3f} | {r['effective_rank']:.3f} / "
+            f"{r['dense_effective_rank']:.3f} |"
+        )
     print("\nseconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
 
 

@@ -152,16 +152,30 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
         for precision in ("fp32", "bf16"):
             for mode in ("forward", "forward+backward"):
                 cfgs.append(
-                    {**common, "device": "cpu", "model": model, "precision": precision, "mode": mode,
-                     "batch_size": args.batch_size}
-                )  # fmt: skip
+                    {
+                        **common,
+                        "device": "cpu",
+                        "model": model,
+                        "precision": precision,
+                        "mode": mode,
+                        "batch_size": args.batch_size,
+                    }
+                )
     if torch.cuda.is_available():
         for model in args.cuda_models:
             for mode in ("forward", "forward+backward"):
                 cfgs.append(
-                    {**common, "device": "cuda", "model": model, "precision": "bf16", "mode": mode,
-                     "batch_size": args.cuda_batch_size, "warmup": 3, "iters": 10}
-                )  # fmt: skip
+                    {
+                        **common,
+                        "device": "cuda",
+                        "model": model,
+                        "precision": "bf16",
+                        "mode": mode,
+                        "batch_size": args.cuda_batch_size,
+                        "warmup": 3,
+                        "iters": 10,
+                    }
+                )
     return cfgs
 
 

@@ -50,9 +50,16 @@ LOG_PERIOD = 5
 SKIP_LINES = 2  # iteration 0 alone, then 1..4
 # What would point a run at another server, profile or MLflow run than this benchmark's own.
 CLEARED = (
-    "PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", "MLFLOW_TRACKING_URI",
-    "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "WSIDINO_MLFLOW_PARENT_RUN_ID",
-)  # fmt: skip
+    "PREFECT_API_URL",
+    "PREFECT_API_KEY",
+    "PREFECT_PROFILE",
+    "PREFECT_PROFILES_PATH",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_RUN_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_EXPERIMENT_ID",
+    "WSIDINO_MLFLOW_PARENT_RUN_ID",
+)
 THREADS_LINE = re.compile(r" on cpu \((\d+) torch threads?\)")
 
 
@@ -67,8 +74,13 @@ def make_store(work: Path) -> Path:
     from wsidino_dev.sample_slides import make_sample_slides
 
     make_sample_slides(work / "slides", "test", negatives=False)
-    values = {"input": str(work / "slides"), "output": str(store), "tile_size": 224, "progress": False,
-              "tracking.enabled": False}  # fmt: skip
+    values = {
+        "input": str(work / "slides"),
+        "output": str(store),
+        "tile_size": 224,
+        "progress": False,
+        "tracking.enabled": False,
+    }
     run_tile(load_config(TileConfig, None, values))
     return store
 
@@ -209,8 +221,15 @@ def main() -> None:
         deploy_log = serve_dir / "logs" / "deploy.log"
         with deploy_log.open("ab") as log:
             cmd = prefect_cli("--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--name", "pretrain")
-            subprocess.run(cmd, cwd=ROOT, env=child_env(serve_dir, api), stdout=log, stderr=subprocess.STDOUT,
-                           check=True, timeout=300)  # fmt: skip
+            subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=child_env(serve_dir, api),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=300,
+            )
         worker = start_worker(api, serve_dir, None, pool=POOL)
         children.append(worker)
 
@@ -221,14 +240,27 @@ def main() -> None:
             defaults = client.read_deployment_by_name(DEPLOYMENT).parameters["params"]
 
         def cli(run_dir: Path) -> dict[str, Any]:
-            cmd = [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--config", "cpu", "--store", str(store),
-                   "--output-dir", str(run_dir), *overrides, f"tracking.uri={tracking_uri}",
-                   f"tracking.experiment={defaults['tracking']['experiment']}"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "dinov3_core.cli",
+                "pretrain",
+                "--config",
+                "cpu",
+                "--store",
+                str(store),
+                "--output-dir",
+                str(run_dir),
+                *overrides,
+                f"tracking.uri={tracking_uri}",
+                f"tracking.experiment={defaults['tracking']['experiment']}",
+            ]
             env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
             log = run_dir.parent / "cli.log"
             with log.open("w") as f:
-                code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout, check=False).returncode  # fmt: skip
+                code = subprocess.run(
+                    cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False
+                ).returncode
             return {"state": "exit 0" if code == 0 else f"exit {code} ({log})"}
 
         def deployment(run_dir: Path) -> dict[str, Any]:
@@ -263,12 +295,22 @@ def main() -> None:
                     outcome = launch(run_dir)
                 wall = time.perf_counter() - start
                 img_s, last, values = throughput(run_dir)
-                rows.append({
-                    "path": path, "pair": i + 1, **outcome, "img_s": img_s, "img_s_lines": values,
-                    "last_iteration": last, "wall_s": wall, "nproc_per_node": sampler.nproc,
-                    "torch_threads": torch_threads(run_dir), **{f"rank_{k}": v for k, v in sampler.rank.items()},
-                    "cpu_s": sampler.cpu_s, "load_avg_1m": os.getloadavg()[0],
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "path": path,
+                        "pair": i + 1,
+                        **outcome,
+                        "img_s": img_s,
+                        "img_s_lines": values,
+                        "last_iteration": last,
+                        "wall_s": wall,
+                        "nproc_per_node": sampler.nproc,
+                        "torch_threads": torch_threads(run_dir),
+                        **{f"rank_{k}": v for k, v in sampler.rank.items()},
+                        "cpu_s": sampler.cpu_s,
+                        "load_avg_1m": os.getloadavg()[0],
+                    }
+                )
                 print(f"    {img_s:.1f} img/s, {wall:.0f} s, {outcome['state']}", flush=True)
     finally:
         stop_all(children)

@@ -69,10 +69,12 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
     from skimage.color import rgb2hed
 
     ds = TileDataset(store, image_format="numpy")
-    dab = np.concatenate([
-        [rgb2hed(t)[..., 2].mean() for t in ds.read_batch(np.arange(start, min(start + 256, len(ds))))]
-        for start in range(0, len(ds), 256)
-    ])  # fmt: skip
+    dab = np.concatenate(
+        [
+            [rgb2hed(t)[..., 2].mean() for t in ds.read_batch(np.arange(start, min(start + 256, len(ds))))]
+            for start in range(0, len(ds), 256)
+        ]
+    )
     names = np.array(CLASSES, object)[np.searchsorted(np.quantile(dab, [1 / 3, 2 / 3]), dab, side="right")]
     out.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -89,8 +91,13 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
             if not len(rows):
                 continue
             shape = union_all([box(x - half, y - half, x + half, y + half) for x, y in centres[rows]])
-            features.append({"type": "Feature", "geometry": json.loads(to_geojson(shape)),
-                             "properties": {"objectType": "annotation", "classification": {"name": cls}}})  # fmt: skip
+            features.append(
+                {
+                    "type": "Feature",
+                    "geometry": json.loads(to_geojson(shape)),
+                    "properties": {"objectType": "annotation", "classification": {"name": cls}},
+                }
+            )
         (out / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": features}))
         start += len(coords)
     return {c: int((names == c).sum()) for c in CLASSES}
@@ -103,8 +110,12 @@ def make_model(root: Path, arch: str) -> tuple[Path, Path, float]:
     kwargs = backbone_kwargs(arch, **INFERENCE_OVERRIDES)
     weights = save_backbone(build_backbone(arch, **INFERENCE_OVERRIDES).eval(), root / arch / "backbone.pth")
     (root / arch / "config.yaml").write_text(yaml.safe_dump({"arch": arch, "backbone_kwargs": kwargs}))
-    values = {"weights": str(weights), "output": str(root / arch / "model.onnx"), "parity_batches": [2],
-              "tracking.enabled": False}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(root / arch / "model.onnx"),
+        "parity_batches": [2],
+        "tracking.enabled": False,
+    }
     outcome, seconds = timed(run_stage, "export", load_config(ExportConfig, None, values))
     return weights, outcome.result.path, seconds
 
@@ -152,8 +163,14 @@ def main() -> None:
         idx = np.arange(len(ds), dtype=np.int64)  # every tile is labelled
         key = F.selection_key(store, idx)
         for r in range(repeats):
-            values = {"store": str(store), "model": str(onnx_path), "output": str(root / f"features-{r}.zarr"),
-                      "progress": False, "batch_size": args.batch_size, "tracking.enabled": False}  # fmt: skip
+            values = {
+                "store": str(store),
+                "model": str(onnx_path),
+                "output": str(root / f"features-{r}.zarr"),
+                "progress": False,
+                "batch_size": args.batch_size,
+                "tracking.enabled": False,
+            }
             result = run_extract(load_config(ExtractConfig, None, values))
             if not extract or result.tiles_per_s > extract["tiles_per_s"]:
                 extract = {"tiles": result.tiles, "seconds": result.seconds, "tiles_per_s": result.tiles_per_s}
@@ -168,9 +185,16 @@ def main() -> None:
                 log(f"embed {role}: {len(idx) / seconds:.1f} tiles/s")
 
         # (d) the whole stage cold, then (c) warm (features cached).
-        values = {"store": str(store), "candidate": str(onnx_path), "output": str(root / "evaluation"),
-                  "annotations": str(root / "annotations"), "max_tiles_per_slide": None,
-                  "batch_size": args.batch_size, "progress": False, "tracking.enabled": False}  # fmt: skip
+        values = {
+            "store": str(store),
+            "candidate": str(onnx_path),
+            "output": str(root / "evaluation"),
+            "annotations": str(root / "annotations"),
+            "max_tiles_per_slide": None,
+            "batch_size": args.batch_size,
+            "progress": False,
+            "tracking.enabled": False,
+        }
         cfg = load_config(EvaluateConfig, None, values)
         cold, cold_s = timed(run_evaluate, cfg)
         log(f"run_evaluate cold: {cold_s:.1f} s ({cold.evaluation['labelled_tiles']} labelled tiles)")
@@ -185,8 +209,9 @@ def main() -> None:
         y = np.concatenate([found.slides[s].labels.astype(str) for s in sorted(found.slides)])
         groups = np.concatenate([np.full(len(found.slides[s].rows), s, object) for s in sorted(found.slides)])
         assert len(y) == labelled, (len(y), labelled)
-        images = F.normalise(ds.read_batch(np.unique(np.linspace(0, len(ds) - 1, cfg.health_tiles).round()
-                                                     .astype(np.int64))))  # fmt: skip
+        images = F.normalise(
+            ds.read_batch(np.unique(np.linspace(0, len(ds) - 1, cfg.health_tiles).round().astype(np.int64)))
+        )
         feats, health_s = {}, 0.0
         for role, entry in cold.evaluation["models"].items():
             fm = F.open_model(entry["path"])
@@ -221,17 +246,28 @@ def main() -> None:
         {"measurement": "extract: `run_extract` (ONNX Runtime), every tile", **extract},
         *({"measurement": f"evaluate embedding: `features.embed`, {role}", **e} for role, e in embedding.items()),
         {"measurement": "labels: GeoJSON → tile labels (shapely)", "tiles": labelled, "seconds": labels_s},
-        {"measurement": f"label-free health ({cfg.health_tiles} tiles × {models} models: {roles})", "tiles": labelled,
-         "seconds": health_s},
-        {"measurement": f"probes: folds, kNN, linear (C sweep), few-shot, {pc.bootstrap} bootstraps ({roles})",
-         "tiles": labelled, "seconds": probes_s},
-        {"measurement": f"pictures: confusion + embedding maps ({roles})", "tiles": labelled,
-         "seconds": pictures_s},
-        *({"measurement": f"bootstrap of one metric, {pc.bootstrap} resamples: {how}", "tiles": labelled,
-           "seconds": t} for how, t in boot_rows.items()),
+        {
+            "measurement": f"label-free health ({cfg.health_tiles} tiles × {models} models: {roles})",
+            "tiles": labelled,
+            "seconds": health_s,
+        },
+        {
+            "measurement": f"probes: folds, kNN, linear (C sweep), few-shot, {pc.bootstrap} bootstraps ({roles})",
+            "tiles": labelled,
+            "seconds": probes_s,
+        },
+        {"measurement": f"pictures: confusion + embedding maps ({roles})", "tiles": labelled, "seconds": pictures_s},
+        *(
+            {
+                "measurement": f"bootstrap of one metric, {pc.bootstrap} resamples: {how}",
+                "tiles": labelled,
+                "seconds": t,
+            }
+            for how, t in boot_rows.items()
+        ),
         {"measurement": "`run_evaluate`, warm feature cache", "tiles": labelled, "seconds": warm_s},
         {"measurement": f"`run_evaluate`, cold ({roles} embedded)", "tiles": labelled, "seconds": cold_s},
-    ]  # fmt: skip
+    ]
     for row in rows:
         row["s_per_10k"] = row["seconds"] * 10_000 / row["tiles"]
     summary = {
@@ -247,20 +283,33 @@ def main() -> None:
         "probes_s_per_10k": probes_s * per10k,
         "probes_s_per_10k_per_model": probes_s * per10k / models,
     }
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor(),
-           "threads": torch.get_num_threads(), "preset": preset, "tile_size": args.tile_size, "stride": args.stride,
-           "batch_size": args.batch_size, "arch": "vit_test", "export_seconds": round(export_s, 1)}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "preset": preset,
+        "tile_size": args.tile_size,
+        "stride": args.stride,
+        "batch_size": args.batch_size,
+        "arch": "vit_test",
+        "export_seconds": round(export_s, 1),
+    }
     (out / "evaluate.json").write_text(json.dumps({"environment": env, "summary": summary, "results": rows}, indent=2))
-    print(f"\n## evaluate ({labelled} labelled tiles of {args.tile_size} px, {len(counts)} classes, vit_test, "
-          f"batch {args.batch_size}, CPU {env['threads']} threads; {len(cv.folds)}-fold cross-validation: "
-          f"{len(cv.test_groups)} test slide(s), {labelled} tiles)\n")  # fmt: skip
+    print(
+        f"\n## evaluate ({labelled} labelled tiles of {args.tile_size} px, {len(counts)} classes, vit_test, "
+        f"batch {args.batch_size}, CPU {env['threads']} threads; {len(cv.folds)}-fold cross-validation: "
+        f"{len(cv.test_groups)} test slide(s), {labelled} tiles)\n"
+    )
     print("| measurement | tiles | s | tiles/s | s per 10,000 labelled tiles |\n|---|---:|---:|---:|---:|")
     for r in rows:
         rate = f"{r['tiles_per_s']:.1f}" if "tiles_per_s" in r else "–"
         print(f"| {r['measurement']} | {r['tiles']} | {r['seconds']:.2f} | {rate} | {r['s_per_10k']:.1f} |")
-    print(f"\nembedding {summary['embedding_s_per_10k_per_model']:.1f} s vs probes "
-          f"{summary['probes_s_per_10k_per_model']:.1f} s per 10,000 labelled tiles and model; evaluate embedding "
-          f"÷ extract tiles/s = {summary['embedding_over_extract']:.2f}")  # fmt: skip
+    print(
+        f"\nembedding {summary['embedding_s_per_10k_per_model']:.1f} s vs probes "
+        f"{summary['probes_s_per_10k_per_model']:.1f} s per 10,000 labelled tiles and model; evaluate embedding "
+        f"÷ extract tiles/s = {summary['embedding_over_extract']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,12 @@ def make_model(root: Path, arch: str) -> tuple[Path, Path, float]:
     weights = save_backbone(build_backbone(arch, **INFERENCE_OVERRIDES).eval(), root / arch / "backbone.pth")
     (root / arch / "config.yaml").write_text(yaml.safe_dump({"arch": arch, "backbone_kwargs": kwargs}))
     start = time.perf_counter()
-    values = {"weights": str(weights), "output": str(root / arch / "model.onnx"), "parity_batches": [2],
-              "tracking.enabled": False}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(root / arch / "model.onnx"),
+        "parity_batches": [2],
+        "tracking.enabled": False,
+    }
     result = run_export(load_config(ExportConfig, None, values))
     return weights, result.path, time.perf_counter() - start
 
@@ -117,34 +121,66 @@ def naive(store: Path, weights: Path, limit: int) -> dict[str, Any]:
 
 
 def extract(store: Path, model: Path, out: Path, values: dict[str, Any], tuned: bool) -> dict[str, Any]:
-    cfg = {"store": str(store), "model": str(model), "output": str(out), "progress": False, "pca_map": False,
-           "tracking.enabled": False, **values}  # fmt: skip
+    cfg = {
+        "store": str(store),
+        "model": str(model),
+        "output": str(out),
+        "progress": False,
+        "pca_map": False,
+        "tracking.enabled": False,
+        **values,
+    }
     with ort_options(tuned):
         result = run_extract(load_config(ExtractConfig, None, cfg))
     return {"tiles": result.tiles, "seconds": result.seconds, "tiles_per_s": result.tiles_per_s}
 
 
-def plan(arch: str, weights: Path, onnx: Path, batch: int, device: str, slides: list[str] | None = None
-         ) -> list[dict[str, Any]]:  # fmt: skip
+def plan(
+    arch: str, weights: Path, onnx: Path, batch: int, device: str, slides: list[str] | None = None
+) -> list[dict[str, Any]]:
     """The configurations of one model: (row label, model file, run_extract values, tuned ORT options)."""
     serial, overlapped = {"loader_threads": 0}, {"loader_threads": 2, "prefetch_batches": 2}
     if device == "cuda":
         gpu = {"batch_size": batch, "device": "cuda", **overlapped}
-        rows = [("torch eager fp32", weights, gpu, True), ("torch eager bf16", weights, {**gpu, "precision": "bf16"},
-                True)]  # fmt: skip
+        rows = [
+            ("torch eager fp32", weights, gpu, True),
+            ("torch eager bf16", weights, {**gpu, "precision": "bf16"}, True),
+        ]
         import onnxruntime as ort
 
         if "CUDAExecutionProvider" in ort.get_available_providers():
             rows.append(("onnxruntime CUDA, I/O binding", onnx, {"batch_size": batch, **overlapped}, True))
-        return [{"arch": arch, "device": device, "backend": r[0], "loader": "overlapped", "model": r[1],
-                 "values": r[2], "tuned": r[3]} for r in rows]  # fmt: skip
+        return [
+            {
+                "arch": arch,
+                "device": device,
+                "backend": r[0],
+                "loader": "overlapped",
+                "model": r[1],
+                "values": r[2],
+                "tuned": r[3],
+            }
+            for r in rows
+        ]
     cpu = {"batch_size": batch, "device": "cpu", "providers": ["CPUExecutionProvider"], "slide_ids": slides}
     rows = []
-    for backend, model, tuned in (("torch eager", weights, True), ("onnxruntime default options", onnx, False),
-                                  ("onnxruntime tuned", onnx, True)):  # fmt: skip
+    for backend, model, tuned in (
+        ("torch eager", weights, True),
+        ("onnxruntime default options", onnx, False),
+        ("onnxruntime tuned", onnx, True),
+    ):
         for loader, values in (("serial", serial), ("overlapped", overlapped)):
-            rows.append({"arch": arch, "device": device, "backend": backend, "loader": loader, "model": model,
-                         "values": {**cpu, **values}, "tuned": tuned})  # fmt: skip
+            rows.append(
+                {
+                    "arch": arch,
+                    "device": device,
+                    "backend": backend,
+                    "loader": loader,
+                    "model": model,
+                    "values": {**cpu, **values},
+                    "tuned": tuned,
+                }
+            )
     return rows
 
 
@@ -182,8 +218,14 @@ def main() -> None:
             weights, onnx_path, export_s = make_model(root / "models", arch)
             log(f"{arch}: exported in {export_s:.1f} s")
             gflop = gflop_per_tile(arch, args.tile_size)
-            row = {"arch": arch, "device": "cpu", "backend": "naive per-tile loop (torch)", "loader": "serial",
-                   "gflop_per_tile": gflop, **naive(store, weights, args.naive_tiles)}  # fmt: skip
+            row = {
+                "arch": arch,
+                "device": "cpu",
+                "backend": "naive per-tile loop (torch)",
+                "loader": "serial",
+                "gflop_per_tile": gflop,
+                **naive(store, weights, args.naive_tiles),
+            }
             rows.append(row)
             slides = None if arch == "vit_test" else [small]  # ViT-S: one slide, or a run takes minutes
             plans = plan(arch, weights, onnx_path, args.batch_size, "cpu", slides)
@@ -197,10 +239,13 @@ def main() -> None:
         best: dict[int, dict[str, Any]] = {}
         for r in range(repeats):  # interleaved: a burst of load from elsewhere does not land on one row only
             for i, job in enumerate(jobs):
-                got = extract(job.get("store", store), job["model"], root / "out" / f"{i}-{r}.zarr", job["values"],
-                              job["tuned"])  # fmt: skip
-                log(f"{job['arch']:9s} {job['device']} {job['backend']:28s} {job['loader']:10s} "
-                    f"{got['tiles']} tiles {got['tiles_per_s']:8.1f} tiles/s")  # fmt: skip
+                got = extract(
+                    job.get("store", store), job["model"], root / "out" / f"{i}-{r}.zarr", job["values"], job["tuned"]
+                )
+                log(
+                    f"{job['arch']:9s} {job['device']} {job['backend']:28s} {job['loader']:10s} "
+                    f"{got['tiles']} tiles {got['tiles_per_s']:8.1f} tiles/s"
+                )
                 if i not in best or got["tiles_per_s"] > best[i]["tiles_per_s"]:
                     best[i] = got
         for i, job in enumerate(jobs):
@@ -212,21 +257,34 @@ def main() -> None:
         if peak and r["device"] == "cuda":
             r["mfu"] = r["gflop_per_s"] / 1e3 / peak
     naive_rate = {r["arch"]: r["tiles_per_s"] for r in rows if r["backend"].startswith("naive")}
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor(),
-           "cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-           "tile_size": args.tile_size, "stride": args.stride, "batch_size": args.batch_size, "repeats": repeats,
-           "load_average_1m": os.getloadavg()[0], "cuda": torch.cuda.get_device_name() if cuda else None,
-           "cuda_bf16_matmul_tflops": peak}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "tile_size": args.tile_size,
+        "stride": args.stride,
+        "batch_size": args.batch_size,
+        "repeats": repeats,
+        "load_average_1m": os.getloadavg()[0],
+        "cuda": torch.cuda.get_device_name() if cuda else None,
+        "cuda_bf16_matmul_tflops": peak,
+    }
     (out / "extract.json").write_text(json.dumps({"environment": env, "results": rows}, indent=2))
-    print(f"\n## extract (tiles/s with loading, {args.tile_size} px tiles, batch {args.batch_size}, "
-          f"{env['cores']} CPU cores{', ' + env['cuda'] if cuda else ''})\n")  # fmt: skip
+    print(
+        f"\n## extract (tiles/s with loading, {args.tile_size} px tiles, batch {args.batch_size}, "
+        f"{env['cores']} CPU cores{', ' + env['cuda'] if cuda else ''})\n"
+    )
     print("| model | device | backend | loader | tiles | tiles/s | × naive | GFLOP/s | MFU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{100 * r['mfu']:.0f} %" if "mfu" in r else "–"
         speedup = f"{r['tiles_per_s'] / naive_rate[r['arch']]:.1f}" if r["arch"] in naive_rate else "–"
-        print(f"| {r['arch']} | {r['device']} | {r['backend']} | {r['loader']} | {r['tiles']} | {r['tiles_per_s']:.1f} "
-              f"| {speedup} | {r['gflop_per_s']:.0f} | {mfu} |")  # fmt: skip
+        print(
+            f"| {r['arch']} | {r['device']} | {r['backend']} | {r['loader']} | {r['tiles']} | {r['tiles_per_s']:.1f} "
+            f"| {speedup} | {r['gflop_per_s']:.0f} | {mfu} |"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ def one_run(store: Path, model: Path, out: Path, ranks: int | None, values: dict
     """`ranks` None: in process; else a torchrun job of that many ranks."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_suffix(""), ignore_errors=True)
-    values = {"store": str(store), "model": str(model), "output": str(out), "progress": False, "pca_map": False,
-              "tracking.enabled": False, **values}  # fmt: skip
+    values = {
+        "store": str(store),
+        "model": str(model),
+        "output": str(out),
+        "progress": False,
+        "pca_map": False,
+        "tracking.enabled": False,
+        **values,
+    }
     cfg = load_config(ExtractConfig, None, values, stage="extract")
     start = time.perf_counter()
     launch = LaunchSettings(nproc_per_node=ranks) if ranks else None
@@ -107,8 +114,10 @@ def main() -> None:
                 got = one_run(store, weights, root / "features.zarr", ranks, cpu)
                 results[label].append(got)
                 log(f"repeat {r}: {label}: {got['tiles_per_s']:.1f} tiles/s")
-        rows = [{"device": "cpu", "ranks": label, **max(runs, key=lambda x: x["tiles_per_s"])}
-                for label, runs in results.items()]  # fmt: skip
+        rows = [
+            {"device": "cpu", "ranks": label, **max(runs, key=lambda x: x["tiles_per_s"])}
+            for label, runs in results.items()
+        ]
         checks = parity(weights, store, "cpu")
         gpus = torch.cuda.device_count()
         if gpus:
@@ -117,30 +126,50 @@ def main() -> None:
             for ranks in sorted({1, 2, gpus}):
                 if ranks > gpus:
                     continue
-                got = max((one_run(store, big_weights, root / "f-gpu.zarr", ranks, gpu) for _ in range(repeats)),
-                          key=lambda x: x["tiles_per_s"])  # fmt: skip
+                got = max(
+                    (one_run(store, big_weights, root / "f-gpu.zarr", ranks, gpu) for _ in range(repeats)),
+                    key=lambda x: x["tiles_per_s"],
+                )
                 how = "in process, 1 GPU" if ranks == 1 else f"torchrun, {ranks} GPU ranks"
-                rows.append({"device": torch.cuda.get_device_name(0), "ranks": f"{how}, ViT-B bf16", **got,
-                             "tiles_per_s_per_gpu": got["tiles_per_s"] / ranks})  # fmt: skip
+                rows.append(
+                    {
+                        "device": torch.cuda.get_device_name(0),
+                        "ranks": f"{how}, ViT-B bf16",
+                        **got,
+                        "tiles_per_s_per_gpu": got["tiles_per_s"] / ranks,
+                    }
+                )
             checks += parity(big_weights, store, "cuda")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "rows": rows,
-              "parity": checks, "repeats": repeats}  # fmt: skip
+    report = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "parity": checks,
+        "repeats": repeats,
+    }
     (out_dir / "extract_ranks.json").write_text(json.dumps(report, indent=1))
     print("| device | run | tiles | seconds | tiles/s (whole run) | work tiles/s (sum of ranks) |")
     print("|---|---|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['device']} | {row['ranks']} | {row['tiles']} | {row['seconds']:.1f} | {row['tiles_per_s']:.1f} "
-              f"| {row['work_tiles_per_s']:.1f} |")  # fmt: skip
+        print(
+            f"| {row['device']} | {row['ranks']} | {row['tiles']} | {row['seconds']:.1f} | {row['tiles_per_s']:.1f} "
+            f"| {row['work_tiles_per_s']:.1f} |"
+        )
     base = rows[0]["tiles_per_s"]
     print("\nratios vs in process: " + ", ".join(f"{r['ranks']} {r['tiles_per_s'] / base:.2f}×" for r in rows[1:2]))
-    print("\n| device | precision | CLS max abs err / scale | CLS min cosine | mean patch max abs err / scale | "
-          "mean patch min cosine |")  # fmt: skip
+    print(
+        "\n| device | precision | CLS max abs err / scale | CLS min cosine | mean patch max abs err / scale | "
+        "mean patch min cosine |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for c in checks:
-        print(f"| {c['device']} | {c['precision']} | {c['cls_max_abs_over_scale']:.2e} | {c['cls_min_cosine']:.5f} | "
-              f"{c['mean_patch_max_abs_over_scale']:.2e} | {c['mean_patch_min_cosine']:.5f} |")  # fmt: skip
+        print(
+            f"| {c['device']} | {c['precision']} | {c['cls_max_abs_over_scale']:.2e} | {c['cls_min_cosine']:.5f} | "
+            f"{c['mean_patch_max_abs_over_scale']:.2e} | {c['mean_patch_min_cosine']:.5f} |"
+        )
 
 
 if __name__ == "__main__":

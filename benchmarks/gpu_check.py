@@ -46,12 +46,25 @@ GIB = 2**30
 
 # Import name → distribution, for the message that names what is missing.
 CORE_PACKAGES = {
-    "torch": "torch", "numpy": "numpy", "zarr": "zarr", "numcodecs": "numcodecs", "donfig": "donfig",
-    "google_crc32c": "google-crc32c", "omegaconf": "omegaconf", "imagecodecs": "imagecodecs",
-    "simplejpeg": "simplejpeg", "tifffile": "tifffile", "openslide": "openslide-python (+ openslide-bin)",
-    "PIL": "pillow", "scipy": "scipy", "shapely": "shapely", "yaml": "pyyaml", "psutil": "psutil", "tqdm": "tqdm",
+    "torch": "torch",
+    "numpy": "numpy",
+    "zarr": "zarr",
+    "numcodecs": "numcodecs",
+    "donfig": "donfig",
+    "google_crc32c": "google-crc32c",
+    "omegaconf": "omegaconf",
+    "imagecodecs": "imagecodecs",
+    "simplejpeg": "simplejpeg",
+    "tifffile": "tifffile",
+    "openslide": "openslide-python (+ openslide-bin)",
+    "PIL": "pillow",
+    "scipy": "scipy",
+    "shapely": "shapely",
+    "yaml": "pyyaml",
+    "psutil": "psutil",
+    "tqdm": "tqdm",
     "pytest": "pytest",
-}  # fmt: skip
+}
 ORCHESTRATION = ("prefect", "mlflow")
 # Dense bf16 tensor-core peak of the data sheets (TFLOP/s), for MFU against the spec beside the measured matmul.
 SPEC_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
@@ -83,16 +96,29 @@ def section_deps(p: dict[str, Any]) -> dict[str, Any]:
 def section_env(p: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cuda_available": torch.cuda.is_available(), "cpu_cores": os.cpu_count()}  # fmt: skip
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_cores": os.cpu_count(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, sm_count=props.multi_processor_count, memory_gib=props.total_memory / GIB,
-                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
-                    capability=f"{props.major}.{props.minor}")  # fmt: skip
+        info.update(
+            device=props.name,
+            sm_count=props.multi_processor_count,
+            memory_gib=props.total_memory / GIB,
+            cuda=torch.version.cuda,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            capability=f"{props.major}.{props.minor}",
+        )
         with contextlib.suppress(Exception):
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30)  # fmt: skip
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             info["nvidia_smi"] = smi.stdout.strip()
         info["bf16_matmul_tflops"] = matmul_tflops("cuda", 8192, 20)
         info["spec_bf16_tflops"] = next((v for k, v in SPEC_BF16_TFLOPS.items() if k in props.name), None)
@@ -137,8 +163,21 @@ def section_tests(p: dict[str, Any]) -> dict[str, Any]:
     env["PYTHONUNBUFFERED"] = "1"  # each line in the log as it happens (a killed run keeps what it wrote)
     if p["dry_run"]:
         env["WSIDINO_GPU_TESTS_ON_CPU"] = "1"  # the same tests on CPU, tiny shapes (tests/test_gpu.py)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "--junitxml", str(junit),
-           "-o", "addopts=", "tests/test_gpu.py"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(junit),
+        "-o",
+        "addopts=",
+        "tests/test_gpu.py",
+    ]
     start = time.perf_counter()
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -149,8 +188,12 @@ def section_tests(p: dict[str, Any]) -> dict[str, Any]:
             proc.wait()
             returncode = "timeout"
     text = log.read_text(errors="replace")
-    result: dict[str, Any] = {"seconds": time.perf_counter() - start, "returncode": returncode,
-                              "summary": (text.strip().splitlines() or [""])[-1], "tests": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "seconds": time.perf_counter() - start,
+        "returncode": returncode,
+        "summary": (text.strip().splitlines() or [""])[-1],
+        "tests": [],
+    }
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
             outcome, message, detail = "passed", "", ""
@@ -159,15 +202,23 @@ def section_tests(p: dict[str, Any]) -> dict[str, Any]:
                     outcome, message = child.tag, (child.get("message") or "")[:400]
                     # The traceback's end names the cause; the report keeps it whole enough to fix from.
                     detail = (child.text or "")[-6000:] if child.tag != "skipped" else ""
-            result["tests"].append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                                    "message": message, "detail": detail})  # fmt: skip
+            result["tests"].append(
+                {
+                    "name": case.get("name"),
+                    "outcome": outcome,
+                    "seconds": float(case.get("time", 0)),
+                    "message": message,
+                    "detail": detail,
+                }
+            )
     else:  # stopped: the verbose lines say what finished, and the last test started without an outcome is the one
         for line in text.splitlines():
             if line.startswith("tests/test_gpu.py::"):
                 name, _, rest = line.partition(" ")
                 outcome = rest.split()[0].lower() if rest.strip() else "running when stopped"
-                result["tests"].append({"name": name.split("::", 1)[1], "outcome": outcome, "seconds": 0.0,
-                                        "message": ""})  # fmt: skip
+                result["tests"].append(
+                    {"name": name.split("::", 1)[1], "outcome": outcome, "seconds": 0.0, "message": ""}
+                )
         result["summary"] = f"stopped after {p['timeout_s']:.0f} s"
     if returncode not in (0, 5):  # 5: nothing collected
         result["output_tail"] = text[-4000:]
@@ -186,8 +237,15 @@ def section_store(p: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     if not (store / "manifest.json").exists():
         slides = make_sample_slides(root / "slides", p["preset"], negatives=False)
-        values = {"input": str(root / "slides"), "output": str(store), "tile_size": p["tile_size"],
-                  "stride": p["stride"], "mpp": 0.5, "progress": False, "tracking.enabled": False}  # fmt: skip
+        values = {
+            "input": str(root / "slides"),
+            "output": str(store),
+            "tile_size": p["tile_size"],
+            "stride": p["stride"],
+            "mpp": 0.5,
+            "progress": False,
+            "tracking.enabled": False,
+        }
         run_tile(load_config(TileConfig, None, values))
         del slides
     tiles = len(TileDataset(store, image_format="numpy"))
@@ -206,17 +264,34 @@ def section_train(p: dict[str, Any]) -> dict[str, Any]:
     out = Path(p["work"]) / f"train-{p['name']}"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: a rerun would resume (and time nothing)
     values = {
-        "data.stores": [p["store"]], "output_dir": str(out), "tracking.enabled": False,
-        "train.global_batch_size": p["global_batch"], "train.batch_size_per_gpu": "auto",
-        "train.compile": p["compile"], "train.stop_at": p["iterations"], "train.epoch_length": p["iterations"],
-        "train.log_period": 1, "optim.epochs": 1, "optim.warmup_epochs": 0, "optim.freeze_last_layer_epochs": 0,
-        "teacher.warmup_teacher_temp_epochs": 0, "checkpointing.period": 10**6,
-        "evaluation.eval_period_iterations": 0, "health.policy": "off", "health.probe_tiles": 0,
+        "data.stores": [p["store"]],
+        "output_dir": str(out),
+        "tracking.enabled": False,
+        "train.global_batch_size": p["global_batch"],
+        "train.batch_size_per_gpu": "auto",
+        "train.compile": p["compile"],
+        "train.stop_at": p["iterations"],
+        "train.epoch_length": p["iterations"],
+        "train.log_period": 1,
+        "optim.epochs": 1,
+        "optim.warmup_epochs": 0,
+        "optim.freeze_last_layer_epochs": 0,
+        "teacher.warmup_teacher_temp_epochs": 0,
+        "checkpointing.period": 10**6,
+        "evaluation.eval_period_iterations": 0,
+        "health.policy": "off",
+        "health.probe_tiles": 0,
         **p["overrides"],
-    }  # fmt: skip
+    }
     cfg = load_config(C.PretrainConfig, p["recipe"], values, stage="pretrain")
-    argv = [sys.executable, "-m", "dinov3_core.train", "--config", p["recipe"],
-            *(f"{k}={json.dumps(v)}" for k, v in values.items())]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dinov3_core.train",
+        "--config",
+        p["recipe"],
+        *(f"{k}={json.dumps(v)}" for k, v in values.items()),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=p["timeout_s"])
@@ -226,8 +301,9 @@ def section_train(p: dict[str, Any]) -> dict[str, Any]:
     rows = [json.loads(line) for line in (out / "training_metrics.json").read_text().splitlines()]
     # After the run: this process's CUDA context and the FLOP count's model would otherwise take the run's memory.
     budget = memory_budget_bytes(cfg, device, 1)
-    plan = plan_batch(cfg, model_shape(cfg), world_size=1, budget_bytes=budget, device_type=device.type,
-                      tile_size=p["tile_size"])  # fmt: skip
+    plan = plan_batch(
+        cfg, model_shape(cfg), world_size=1, budget_bytes=budget, device_type=device.type, tile_size=p["tile_size"]
+    )
     flops = step_flops_per_image(cfg, device)
     warm = p["warmup_iterations"]
     timed = [r for r in rows if r["iteration"] >= warm] or rows
@@ -236,18 +312,29 @@ def section_train(p: dict[str, Any]) -> dict[str, Any]:
     peak_mb = max(r["peak_memory_mb"] for r in rows)
     est = plan.estimate.total
     return {
-        "arch": cfg.student.arch, "compile": p["compile"],
+        "arch": cfg.student.arch,
+        "compile": p["compile"],
         "activation_checkpointing": cfg.train.activation_checkpointing,
-        "precision": "bf16" if device.type == "cuda" else "fp32", "global_batch": cfg.train.global_batch_size,
-        "micro_batch": plan.micro_batch, "accumulation_steps": plan.accumulation_steps,
+        "precision": "bf16" if device.type == "cuda" else "fp32",
+        "global_batch": cfg.train.global_batch_size,
+        "micro_batch": plan.micro_batch,
+        "accumulation_steps": plan.accumulation_steps,
         "crops": f"{cfg.crops.n_global_crops}x{cfg.crops.global_size}+{cfg.crops.n_local_crops}x{cfg.crops.local_size}",
-        "prototypes": cfg.heads.dino.n_prototypes, "images_per_s": images_per_s, "step_s": step,
-        "data_s": statistics.median(r["data_time"] for r in timed), "first_iteration_s": rows[0]["iter_time"],
-        "gflop_per_image": flops / 1e9, "achieved_tflops": flops * images_per_s / 1e12,
-        "peak_allocated_gib": peak_mb / 1024, "estimated_gib": est / GIB,
-        "estimate_error": (est / GIB - peak_mb / 1024) / (peak_mb / 1024), "estimate": plan.estimate.describe(),
-        "iterations": len(rows), "timed_iterations": len(timed), "wall_s": wall,
-    }  # fmt: skip
+        "prototypes": cfg.heads.dino.n_prototypes,
+        "images_per_s": images_per_s,
+        "step_s": step,
+        "data_s": statistics.median(r["data_time"] for r in timed),
+        "first_iteration_s": rows[0]["iter_time"],
+        "gflop_per_image": flops / 1e9,
+        "achieved_tflops": flops * images_per_s / 1e12,
+        "peak_allocated_gib": peak_mb / 1024,
+        "estimated_gib": est / GIB,
+        "estimate_error": (est / GIB - peak_mb / 1024) / (peak_mb / 1024),
+        "estimate": plan.estimate.describe(),
+        "iterations": len(rows),
+        "timed_iterations": len(timed),
+        "wall_s": wall,
+    }
 
 
 def section_extract(p: dict[str, Any]) -> dict[str, Any]:
@@ -275,31 +362,59 @@ def section_extract(p: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for precision, compiled in p["variants"]:
 
-        def extract(tag: str, slide_ids: list[str] | None, precision: str = precision, compiled: bool = compiled
-                    ) -> Any:  # fmt: skip
+        def extract(
+            tag: str, slide_ids: list[str] | None, precision: str = precision, compiled: bool = compiled
+        ) -> Any:
             name = f"{precision}{'-compile' if compiled else ''}-{tag}"
-            values = {"store": p["store"], "model": str(weights), "output": str(root / f"{name}.zarr"),
-                      "device": device, "precision": precision, "batch_size": p["batch_size"],
-                      "loader_threads": p["loader_threads"], "prefetch_batches": p["prefetch_batches"],
-                      "slide_ids": slide_ids, "pca_map": False, "progress": False, "tracking.enabled": False,
-                      **({"compile": True} if compiled else {})}  # fmt: skip
+            values = {
+                "store": p["store"],
+                "model": str(weights),
+                "output": str(root / f"{name}.zarr"),
+                "device": device,
+                "precision": precision,
+                "batch_size": p["batch_size"],
+                "loader_threads": p["loader_threads"],
+                "prefetch_batches": p["prefetch_batches"],
+                "slide_ids": slide_ids,
+                "pca_map": False,
+                "progress": False,
+                "tracking.enabled": False,
+                **({"compile": True} if compiled else {}),
+            }
             return run_extract(load_config(ExtractConfig, None, values))
 
         # A first run over the smallest slide pays CUDA start-up, kernel selection and (compile) Inductor's
         # warm-up, whose cache the timed run over the whole store then reuses.
         warm = extract("warm-up", [smallest])
         best = extract("timed", None)
-        rows.append({"arch": p["arch"], "precision": precision, "compile": compiled,
-                     "what": "run_extract (read + JPEG decode + model + write)", "tiles": best.tiles,
-                     "seconds": best.seconds, "tiles_per_s": best.tiles_per_s, "warm_up_s": warm.seconds})  # fmt: skip
+        rows.append(
+            {
+                "arch": p["arch"],
+                "precision": precision,
+                "compile": compiled,
+                "what": "run_extract (read + JPEG decode + model + write)",
+                "tiles": best.tiles,
+                "seconds": best.seconds,
+                "tiles_per_s": best.tiles_per_s,
+                "warm_up_s": warm.seconds,
+            }
+        )
         alone = model_only(model, device, precision, compiled, p["batch_size"], p["tile_size"], p["model_iters"])
-        rows.append({"arch": p["arch"], "precision": precision, "compile": compiled,
-                     "what": "model only (random batch on the device)", **alone})  # fmt: skip
+        rows.append(
+            {
+                "arch": p["arch"],
+                "precision": precision,
+                "compile": compiled,
+                "what": "model only (random batch on the device)",
+                **alone,
+            }
+        )
     return {"rows": rows}
 
 
-def model_only(model: Any, device: str, precision: str, compiled: bool, batch: int, size: int, iters: int
-               ) -> dict[str, Any]:  # fmt: skip
+def model_only(
+    model: Any, device: str, precision: str, compiled: bool, batch: int, size: int, iters: int
+) -> dict[str, Any]:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -333,20 +448,36 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = load_config(C.PretrainConfig, p["recipe"], {"data.stores": ["unused"], "output_dir": "unused",
-                                                      **p["overrides"]}, stage="pretrain")  # fmt: skip
+    cfg = load_config(
+        C.PretrainConfig,
+        p["recipe"],
+        {"data.stores": ["unused"], "output_dir": "unused", **p["overrides"]},
+        stage="pretrain",
+    )
     torch.manual_seed(0)
     model = build_ssl_model(cfg).model.to(device).train()
     b, c = p["micro_batch"], cfg.crops
-    crops = MultiCrops(torch.randn(c.n_global_crops, b, 3, c.global_size, c.global_size, device=device),
-                       torch.randn(c.n_local_crops, b, 3, c.local_size, c.local_size, device=device))  # fmt: skip
+    crops = MultiCrops(
+        torch.randn(c.n_global_crops, b, 3, c.global_size, c.global_size, device=device),
+        torch.randn(c.n_local_crops, b, 3, c.local_size, c.local_size, device=device),
+    )
     masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(b, c.n_global_crops)
     masks = type(masks).from_masks(masks.masks.to(device), c.n_global_crops)
     env = DistEnv(device=device)
 
     def step() -> None:
-        forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
-                         teacher_temp=0.07, koleo_base=0, bf16=cuda)  # fmt: skip
+        forward_backward(
+            model,
+            None,
+            env,
+            crops,
+            masks,
+            keys=(*LOSS_NAMES, *SIGNAL_NAMES),
+            n_micro=1,
+            teacher_temp=0.07,
+            koleo_base=0,
+            bf16=cuda,
+        )
         model.student.zero_grad(set_to_none=True)
 
     for _ in range(2):
@@ -357,8 +488,11 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
         for _ in range(2):
             step()
         sync(device.type)
-    events = [e for e in prof.key_averages() if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else
-                                                                   torch.autograd.DeviceType.CPU)]  # fmt: skip
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)
+    ]
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) or 1.0
 
@@ -375,16 +509,23 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
         groups[kind(e.key)] = groups.get(kind(e.key), 0.0) + getattr(e, attr)
     top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]
     return {
-        "arch": cfg.student.arch, "micro_batch": b, "step_ms": total / 2 / 1e3,
+        "arch": cfg.student.arch,
+        "micro_batch": b,
+        "step_ms": total / 2 / 1e3,
         "groups": {k: v / total for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top": [{"kernel": e.key[:110], "share": getattr(e, attr) / total, "calls": e.count} for e in top],
-    }  # fmt: skip
+    }
 
 
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "deps": section_deps, "env": section_env, "tests": section_tests, "store": section_store,
-    "train": section_train, "extract": section_extract, "profile": section_profile,
-}  # fmt: skip
+    "deps": section_deps,
+    "env": section_env,
+    "tests": section_tests,
+    "store": section_store,
+    "train": section_train,
+    "extract": section_extract,
+    "profile": section_profile,
+}
 
 
 # ------------------------------------------------------------------------------------------------------- the plan
@@ -397,49 +538,106 @@ def train_cases(dry_run: bool) -> list[dict[str, Any]]:
     """Most telling first: ViT-L compiled without and with activation checkpointing (the recipes ship it on for
     one GPU), then ViT-B and ViT-S compiled, then eager, then the whole step compiled."""
     if dry_run:
-        tiny = {"recipe": "tiny", "global_batch": 8, "iterations": 4, "warmup_iterations": 2, "tile_size": 64,
-                "overrides": {"train.device": "cpu", "train.num_threads": 2}}  # fmt: skip
+        tiny = {
+            "recipe": "tiny",
+            "global_batch": 8,
+            "iterations": 4,
+            "warmup_iterations": 2,
+            "tile_size": 64,
+            "overrides": {"train.device": "cpu", "train.num_threads": 2},
+        }
         return [{**tiny, "name": "tiny-compile", "compile": True}, {**tiny, "name": "tiny-eager", "compile": False}]
-    official = {"heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096, "student.pretrained_weights": None,
-                "data.num_workers": 10}  # fmt: skip
+    official = {
+        "heads.dino.n_prototypes": 4096,
+        "heads.ibot.n_prototypes": 4096,
+        "student.pretrained_weights": None,
+        "data.num_workers": 10,
+    }
     cases = {}
     for arch, batch in (("vitl16", 256), ("vitb16", 256), ("vits16", 512)):
         for compile_, mode in ((True, "compile"), (False, "eager"), ("step", "step")):
             for ac in (True, False):
                 name = f"{arch}-{mode}{'' if ac else '-noac'}"
-                cases[name] = {"name": name, "recipe": f"{arch}-continued", "global_batch": batch, "iterations": 10,
-                               "warmup_iterations": 4, "tile_size": 224, "compile": compile_,
-                               "overrides": {**official, "train.activation_checkpointing": ac}}  # fmt: skip
-    order = ["vitl16-compile-noac", "vitl16-compile", "vitb16-compile-noac", "vits16-compile-noac", "vitl16-eager",
-             "vitb16-eager-noac", "vits16-eager-noac", "vitb16-step-noac", "vits16-step-noac"]  # fmt: skip
+                cases[name] = {
+                    "name": name,
+                    "recipe": f"{arch}-continued",
+                    "global_batch": batch,
+                    "iterations": 10,
+                    "warmup_iterations": 4,
+                    "tile_size": 224,
+                    "compile": compile_,
+                    "overrides": {**official, "train.activation_checkpointing": ac},
+                }
+    order = [
+        "vitl16-compile-noac",
+        "vitl16-compile",
+        "vitb16-compile-noac",
+        "vits16-compile-noac",
+        "vitl16-eager",
+        "vitb16-eager-noac",
+        "vits16-eager-noac",
+        "vitb16-step-noac",
+        "vits16-step-noac",
+    ]
     return [cases[n] for n in order]
 
 
 def plan(dry_run: bool) -> list[tuple[str, str, dict[str, Any], float]]:
     """(label, section, params, most seconds it may take). The store is built in the background from the start."""
-    extract = ({"arch": "vit_test", "batch_size": 64, "loader_threads": 2, "prefetch_batches": 2, "model_iters": 2,
-                "tile_size": 64, "variants": [["bf16", False], ["bf16", True]]} if dry_run
-               else {"arch": "vit_base", "batch_size": 512, "loader_threads": 12, "prefetch_batches": 4,
-                     "model_iters": 10, "tile_size": 224,
-                     "variants": [["bf16", False], ["bf16", True], ["fp16", True]]})  # fmt: skip
-    profile = ({"recipe": "tiny", "micro_batch": 4, "overrides": {}} if dry_run
-               else {"recipe": "vitl16-continued", "micro_batch": 32,
-                     "overrides": {"heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096,
-                                   "student.pretrained_weights": None}})  # fmt: skip
+    extract = (
+        {
+            "arch": "vit_test",
+            "batch_size": 64,
+            "loader_threads": 2,
+            "prefetch_batches": 2,
+            "model_iters": 2,
+            "tile_size": 64,
+            "variants": [["bf16", False], ["bf16", True]],
+        }
+        if dry_run
+        else {
+            "arch": "vit_base",
+            "batch_size": 512,
+            "loader_threads": 12,
+            "prefetch_batches": 4,
+            "model_iters": 10,
+            "tile_size": 224,
+            "variants": [["bf16", False], ["bf16", True], ["fp16", True]],
+        }
+    )
+    profile = (
+        {"recipe": "tiny", "micro_batch": 4, "overrides": {}}
+        if dry_run
+        else {
+            "recipe": "vitl16-continued",
+            "micro_batch": 32,
+            "overrides": {
+                "heads.dino.n_prototypes": 4096,
+                "heads.ibot.n_prototypes": 4096,
+                "student.pretrained_weights": None,
+            },
+        }
+    )
     cases = train_cases(dry_run)
     first = 150 if dry_run else 170  # compile warm-up included
     return [
-        ("deps", "deps", {}, 120), ("env", "env", {}, 120), ("tests", "tests", {}, 240),
-        (f"train {cases[0]['name']}", "train", cases[0], first), ("extract", "extract", extract, 150),
+        ("deps", "deps", {}, 120),
+        ("env", "env", {}, 120),
+        ("tests", "tests", {}, 240),
+        (f"train {cases[0]['name']}", "train", cases[0], first),
+        ("extract", "extract", extract, 150),
         ("profile", "profile", profile, 90),
         # The whole step compiles every block inlined: longer than per-block compile's one block, reused.
         *((f"train {c['name']}", "train", c, 240 if c["compile"] == "step" else 150) for c in cases[1:]),
-    ]  # fmt: skip
+    ]
 
 
 def store_params(dry_run: bool) -> dict[str, Any]:
-    return ({"preset": "test", "tile_size": 64, "stride": 64} if dry_run
-            else {"preset": "demo", "tile_size": 224, "stride": 56})  # fmt: skip
+    return (
+        {"preset": "test", "tile_size": 64, "stride": 64}
+        if dry_run
+        else {"preset": "demo", "tile_size": 224, "stride": 56}
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ the parent
@@ -451,8 +649,16 @@ class Child:
     def __init__(self, section: str, params: dict[str, Any]) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             self.result_path = Path(f.name)
-        cmd = [sys.executable, __file__, "--child", section, "--params", json.dumps(params), "--result",
-               str(self.result_path)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            section,
+            "--params",
+            json.dumps(params),
+            "--result",
+            str(self.result_path),
+        ]
         self.start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -463,8 +669,11 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             _, stderr = self.proc.communicate()
-            return {"status": "timeout", "seconds": time.perf_counter() - self.start,
-                    "error": f"stopped after {timeout:.0f} s: {stderr[-1500:]}"}  # fmt: skip
+            return {
+                "status": "timeout",
+                "seconds": time.perf_counter() - self.start,
+                "error": f"stopped after {timeout:.0f} s: {stderr[-1500:]}",
+            }
         seconds = time.perf_counter() - self.start
         if self.proc.returncode != 0 or not self.result_path.stat().st_size:
             return {"status": "failed", "seconds": seconds, "error": stderr[-4000:] or f"exit {self.proc.returncode}"}
@@ -493,8 +702,12 @@ def main() -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-check-"))
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": args.dry_run,
-                              "budget_s": args.budget_s, "sections": []}  # fmt: skip
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dry_run": args.dry_run,
+        "budget_s": args.budget_s,
+        "sections": [],
+    }
     only = set(args.only.split(",")) if args.only else None
     common = {"work": str(work), "dry_run": args.dry_run}
     store_child: Child | None = None
@@ -516,8 +729,7 @@ def main() -> int:
         entry: dict[str, Any] = {"label": label, "section": section}
         if section in ("train", "extract") and store is None and store_child is not None and not blocked:
             # The tile store, built on the CPU cores while the GPU tests ran.
-            store_entry = {"label": "store", "section": "store",
-                           **store_child.wait(deadline - time.monotonic() - 20)}  # fmt: skip
+            store_entry = {"label": "store", "section": "store", **store_child.wait(deadline - time.monotonic() - 20)}
             store_child = None
             if store_entry["status"] == "ok":
                 store = store_entry["result"]["path"]
@@ -538,8 +750,11 @@ def main() -> int:
             log(f"{label}: {entry['status']} in {entry['seconds']:.0f} s")
         if section == "deps" and entry.get("status") == "ok":
             if entry["result"]["missing"]:
-                blocked = ("missing packages: " + ", ".join(entry["result"]["missing"]) +
-                           " — bring them as wheels (docs/gpu-check.md, 'A machine without internet')")  # fmt: skip
+                blocked = (
+                    "missing packages: "
+                    + ", ".join(entry["result"]["missing"])
+                    + " — bring them as wheels (docs/gpu-check.md, 'A machine without internet')"
+                )
             else:
                 store_child = Child("store", {**store_params(args.dry_run), **common})
         finish(entry)
@@ -568,31 +783,42 @@ def markdown(report: dict[str, Any]) -> str:
     env = by.get("env", {}).get("result", {})
     lines = [f"# GPU check, {report['date']}{' (dry run: CPU, tiny shapes)' if report['dry_run'] else ''}", ""]
     if env:
-        lines += [f"Device: **{env.get('device')}** ({env.get('nvidia_smi', '')}); torch {env.get('torch')}, CUDA "
-                  f"{env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}, {env.get('cpu_cores')} "
-                  f"CPU cores. bf16 matmul (8192³): **{env.get('bf16_matmul_tflops', 0):.0f} TFLOP/s** measured, "
-                  f"{env.get('spec_bf16_tflops') or '–'} on the data sheet.", ""]  # fmt: skip
+        lines += [
+            f"Device: **{env.get('device')}** ({env.get('nvidia_smi', '')}); torch {env.get('torch')}, CUDA "
+            f"{env.get('cuda')}, NCCL {env.get('nccl')}, Python {env.get('python')}, {env.get('cpu_cores')} "
+            f"CPU cores. bf16 matmul (8192³): **{env.get('bf16_matmul_tflops', 0):.0f} TFLOP/s** measured, "
+            f"{env.get('spec_bf16_tflops') or '–'} on the data sheet.",
+            "",
+        ]
     lines += ["| section | status | seconds | note |", "|---|---|---|---|"]
     for e in report["sections"]:
         note = (e.get("error") or "").strip().splitlines()[-1:] or [""]
         lines.append(f"| {e['label']} | {e.get('status')} | {e.get('seconds', 0):.0f} | {note[0][:160]} |")
     deps = by.get("deps", {}).get("result")
     if deps:
-        lines += ["", f"Packages missing: {', '.join(deps['missing']) or 'none'}; Prefect/MLflow imported by the "
-                  f"core path: {', '.join(deps['orchestration_imported']) or 'no'}."]  # fmt: skip
+        lines += [
+            "",
+            f"Packages missing: {', '.join(deps['missing']) or 'none'}; Prefect/MLflow imported by the "
+            f"core path: {', '.join(deps['orchestration_imported']) or 'no'}.",
+        ]
     tests = by.get("tests", {}).get("result")
     if tests:
         lines += ["", f"## GPU tests: {tests['summary']}", "", "| test | outcome | s | message |", "|---|---|---|---|"]
-        lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} | {t['message'][:200]} |"
-                  for t in tests["tests"]]  # fmt: skip
+        lines += [
+            f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} | {t['message'][:200]} |" for t in tests["tests"]
+        ]
     peak = env.get("bf16_matmul_tflops") or 0
     spec = env.get("spec_bf16_tflops")
     train = [e["result"] for e in report["sections"] if e["section"] == "train" and e.get("status") == "ok"]
     if train:
-        lines += ["", "## Training (one GPU, `train.batch_size_per_gpu=auto`)", "",
-                  "| arch | compile | act. ckpt | crops | global batch | micro × accum | img/s | step s | data s | "
-                  "GFLOP/img | TFLOP/s | MFU (spec) | MFU (matmul) | peak GiB | estimated GiB | est. error |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## Training (one GPU, `train.batch_size_per_gpu=auto`)",
+            "",
+            "| arch | compile | act. ckpt | crops | global batch | micro × accum | img/s | step s | data s | "
+            "GFLOP/img | TFLOP/s | MFU (spec) | MFU (matmul) | peak GiB | estimated GiB | est. error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in train:
             mfu_spec = f"{100 * r['achieved_tflops'] / spec:.0f} %" if spec else "–"
             mfu_mm = f"{100 * r['achieved_tflops'] / peak:.0f} %" if peak else "–"
@@ -603,19 +829,33 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['images_per_s']:.1f} | {r['step_s']:.3f} | {r['data_s']:.3f} | {r['gflop_per_image']:.1f} "
                 f"| {r['achieved_tflops']:.1f} | {mfu_spec} | {mfu_mm} | {r['peak_allocated_gib']:.2f} "
                 f"| {r['estimated_gib']:.2f} | {100 * r['estimate_error']:+.0f} % |"
-            )  # fmt: skip
+            )
     ext = by.get("extract", {}).get("result")
     if ext:
-        lines += ["", "## Extraction", "", "| arch | precision | compile | what | tiles | tiles/s |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {r['arch']} | {r['precision']} | {'on' if r.get('compile') else 'off'} | {r['what']} "
-                  f"| {r['tiles']} | {r['tiles_per_s']:.0f} |" for r in ext["rows"]]  # fmt: skip
+        lines += [
+            "",
+            "## Extraction",
+            "",
+            "| arch | precision | compile | what | tiles | tiles/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['arch']} | {r['precision']} | {'on' if r.get('compile') else 'off'} | {r['what']} "
+            f"| {r['tiles']} | {r['tiles_per_s']:.0f} |"
+            for r in ext["rows"]
+        ]
     prof = by.get("profile", {}).get("result")
     if prof:
         shares = ", ".join(f"{k} {100 * v:.0f} %" for k, v in prof["groups"].items())
-        lines += ["", f"## Profile: one {prof['arch']} training step, eager bf16, micro-batch {prof['micro_batch']}",
-                  "", f"Device time {prof['step_ms']:.0f} ms per step: {shares}.", "",
-                  "| kernel | share | calls |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"## Profile: one {prof['arch']} training step, eager bf16, micro-batch {prof['micro_batch']}",
+            "",
+            f"Device time {prof['step_ms']:.0f} ms per step: {shares}.",
+            "",
+            "| kernel | share | calls |",
+            "|---|---|---|",
+        ]
         lines += [f"| `{t['kernel']}` | {100 * t['share']:.1f} % | {t['calls']} |" for t in prof["top"]]
     return "\n".join(lines) + "\n"
 

@@ -116,13 +116,22 @@ def counted_flops(step: Step) -> float:
     return float(counter.get_total_flops())
 
 
-def row(path: str, variant: str, seconds: list[float], flops: float, peak: float, items: int, unit: str,
-        **extra: Any) -> dict[str, Any]:  # fmt: skip
+def row(
+    path: str, variant: str, seconds: list[float], flops: float, peak: float, items: int, unit: str, **extra: Any
+) -> dict[str, Any]:
     median = statistics.median(seconds)
     gflops = flops / median / 1e9
-    return {"path": path, "variant": variant, "items_per_s": items / median, "unit": unit,
-            "spread": [items / max(seconds), items / min(seconds)], "gflops": gflops,
-            "percent_of_peak": 100 * gflops / peak, "seconds": seconds, **extra}  # fmt: skip
+    return {
+        "path": path,
+        "variant": variant,
+        "items_per_s": items / median,
+        "unit": unit,
+        "spread": [items / max(seconds), items / min(seconds)],
+        "gflops": gflops,
+        "percent_of_peak": 100 * gflops / peak,
+        "seconds": seconds,
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ extract
@@ -142,8 +151,9 @@ def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Pa
     backbone = build_backbone(arch).eval()
     weights = save_backbone(backbone, workdir / f"{arch}.pth")
     onnx = workdir / f"{arch}.onnx"
-    run_export(load_config(ExportConfig, None, {"weights": str(weights), "output": str(onnx),
-                                                "tracking.enabled": False}))  # fmt: skip
+    run_export(
+        load_config(ExportConfig, None, {"weights": str(weights), "output": str(onnx), "tracking.enabled": False})
+    )
     model = BackboneFeatures(backbone, pooled=False).eval()
     x = torch.randn(batch, 3, 224, 224)
     compiled = torch.compile(model, dynamic=False)
@@ -185,8 +195,13 @@ def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Pa
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         got["bf16"] = model(x)[0].float()
     agree["bf16"] = float((got["bf16"] - want).abs().max() / want.abs().max())
-    steps = {"torch eager": eager, "torch compiled (Inductor)": inductor, "ONNX Runtime": onnxruntime,
-             "torch eager, bf16 autocast": eager_bf16, "torch compiled, bf16 autocast": inductor_bf16}  # fmt: skip
+    steps = {
+        "torch eager": eager,
+        "torch compiled (Inductor)": inductor,
+        "ONNX Runtime": onnxruntime,
+        "torch eager, bf16 autocast": eager_bf16,
+        "torch compiled, bf16 autocast": inductor_bf16,
+    }
     times = interleaved(steps, rounds, 2)
     rows = [row("extract", name, t, flops, peak, batch, "tiles/s") for name, t in times.items()]
     rows[1]["compile_warmup_s"], rows[4]["compile_warmup_s"] = warmup, warmup_bf16
@@ -203,9 +218,15 @@ def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Pa
 # -------------------------------------------------------------------------------------------------- train
 
 # ViT-S/16 at the shapes of the upstream comparison, on top of the `cpu` recipe (benchmarks/upstream_step.py).
-VITS_UPSTREAM_SHAPES = {"student.arch": "vit_small", "student.pretrained_weights": None, "crops.global_size": 112,
-                        "crops.local_size": 48, "crops.n_local_crops": 8, "heads.dino.n_prototypes": 4096,
-                        "heads.ibot.n_prototypes": 4096}  # fmt: skip
+VITS_UPSTREAM_SHAPES = {
+    "student.arch": "vit_small",
+    "student.pretrained_weights": None,
+    "crops.global_size": 112,
+    "crops.local_size": 48,
+    "crops.n_local_crops": 8,
+    "heads.dino.n_prototypes": 4096,
+    "heads.ibot.n_prototypes": 4096,
+}
 
 
 def build_ours(cfg: Any, compiled: bool) -> tuple[Any, torch.optim.Optimizer]:
@@ -231,21 +252,34 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
     from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
     from dinov3_core.train.step import forward_backward
 
-    cfg = load_config(C.PretrainConfig, recipe, {"data.stores": ["unused"], "output_dir": "unused", **overrides},
-                      stage="pretrain")  # fmt: skip
+    cfg = load_config(
+        C.PretrainConfig, recipe, {"data.stores": ["unused"], "output_dir": "unused", **overrides}, stage="pretrain"
+    )
     c = cfg.crops
     env = DistEnv(device=torch.device("cpu"))
     torch.manual_seed(0)
-    crops = MultiCrops(torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
-                       torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
+    crops = MultiCrops(
+        torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
+        torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size),
+    )
 
     def build(compiled: bool, bf16: bool, first: list[torch.Tensor]) -> Step:
         model, optimizer = build_ours(cfg, compiled)
         masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(batch, c.n_global_crops)
 
         def step() -> None:
-            values = forward_backward(model, None, env, crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES), n_micro=1,
-                                      teacher_temp=0.07, koleo_base=0, bf16=bf16)  # fmt: skip
+            values = forward_backward(
+                model,
+                None,
+                env,
+                crops,
+                masks,
+                keys=(*LOSS_NAMES, *SIGNAL_NAMES),
+                n_micro=1,
+                teacher_temp=0.07,
+                koleo_base=0,
+                bf16=bf16,
+            )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if not first:  # the first step's losses, from the same weights and inputs for every variant
@@ -254,9 +288,12 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
         return step
 
     fresh_dynamo()
-    variants = {"eager": (False, False), "compiled blocks (train.compile)": (True, False),
-                "eager, bf16 autocast (train.precision=bf16)": (False, True),
-                "compiled blocks, bf16 autocast": (True, True)}  # fmt: skip
+    variants = {
+        "eager": (False, False),
+        "compiled blocks (train.compile)": (True, False),
+        "eager, bf16 autocast (train.precision=bf16)": (False, True),
+        "compiled blocks, bf16 autocast": (True, True),
+    }
     firsts: dict[str, list[torch.Tensor]] = {name: [] for name in variants}
     steps = {name: build(*flags, firsts[name]) for name, flags in variants.items()}
     flops = counted_flops(steps["eager"])
@@ -267,8 +304,10 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
         if compiled:
             warmups[name] = time.perf_counter() - start
     times = interleaved(steps, rounds, 1)
-    rows = [row("train step", name, t, flops, peak, batch, "img/s", arch=cfg.student.arch,
-                recipe=recipe) for name, t in times.items()]  # fmt: skip
+    rows = [
+        row("train step", name, t, flops, peak, batch, "img/s", arch=cfg.student.arch, recipe=recipe)
+        for name, t in times.items()
+    ]
     want = firsts["eager"][0]
     for r, name in zip(rows, variants, strict=True):
         if name in warmups:
@@ -287,9 +326,13 @@ def main() -> None:
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", default="peak,extract,train", help="comma-separated: peak, extract, train")
-    parser.add_argument("--upstream-src", type=Path, default=None,
-                        help="a facebookresearch/dinov3 checkout: the train section also runs upstream's step at "
-                             "equal configuration (benchmarks/upstream_step.py); skipped without it")  # fmt: skip
+    parser.add_argument(
+        "--upstream-src",
+        type=Path,
+        default=None,
+        help="a facebookresearch/dinov3 checkout: the train section also runs upstream's step at "
+        "equal configuration (benchmarks/upstream_step.py); skipped without it",
+    )
     args = parser.parse_args()
     import upstream_step  # benchmarks/upstream_step.py, beside this script
 
@@ -297,9 +340,16 @@ def main() -> None:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (3 if args.quick else 7)
-    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "quick": args.quick, "rounds": rounds, "load_average_start": load_average()}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "quick": args.quick,
+        "rounds": rounds,
+        "load_average_start": load_average(),
+    }
     n = 1024 if args.quick else 2048
     peaks = {"fp32": matmul_peak(n, torch.float32, 5 if args.quick else 10)}
     from dinov3_core.train.distributed import cpu_has_bf16_matmul
@@ -322,8 +372,9 @@ def main() -> None:
             log(f"train vs upstream: {upstream_step.SKIP_MESSAGE}")
         else:
             shapes = ("vit_test",) if args.quick else upstream_step.SHAPES
-            rows += upstream_step.upstream_rows(args.upstream_src, rounds, shapes=shapes, peak=peaks["fp32"],
-                                                bf16="bf16" in peaks)  # fmt: skip
+            rows += upstream_step.upstream_rows(
+                args.upstream_src, rounds, shapes=shapes, peak=peaks["fp32"], bf16="bf16" in peaks
+            )
             log("train vs upstream: done")
     env["load_average_end"] = load_average()
     for r in rows:  # a bf16 path's own ceiling is the bf16 matrix unit
@@ -336,8 +387,10 @@ def main() -> None:
 
 def print_table(doc: dict[str, Any]) -> None:
     env, peaks = doc["environment"], doc["matmul_peak_gflops"]
-    print(f"\n## machine limits (torch {env['torch']}, {env['threads']} threads, {env['cpu_capability']}; load "
-          f"{env['load_average_start']:.1f} → {env['load_average_end']:.1f})\n")  # fmt: skip
+    print(
+        f"\n## machine limits (torch {env['torch']}, {env['threads']} threads, {env['cpu_capability']}; load "
+        f"{env['load_average_start']:.1f} → {env['load_average_end']:.1f})\n"
+    )
     print("matmul peak: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()) + "\n")
     head = "| path | model | variant | throughput (median, min–max) | GFLOP/s | % of fp32 peak | warm-up s | top ops |"
     print(head)
@@ -348,8 +401,10 @@ def print_table(doc: dict[str, Any]) -> None:
         warm = f"{r['compile_warmup_s']:.0f}" if "compile_warmup_s" in r else ""
         bf16 = f" ({r['percent_of_bf16_peak']:.0f} of bf16)" if "percent_of_bf16_peak" in r else ""
         share = f"{r['percent_of_peak']:.0f}{bf16}"
-        print(f"| {r['path']} | {r.get('arch', '')} | {r['variant']} | {r['items_per_s']:.1f} {r['unit']} "
-              f"({lo:.1f}–{hi:.1f}) | {r['gflops']:.0f} | {share} | {warm} | {ops} |")  # fmt: skip
+        print(
+            f"| {r['path']} | {r.get('arch', '')} | {r['variant']} | {r['items_per_s']:.1f} {r['unit']} "
+            f"({lo:.1f}–{hi:.1f}) | {r['gflops']:.0f} | {share} | {warm} | {ops} |"
+        )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ def measure(weights: Path, onnx_path: Path, size: int, half: bool) -> dict[str, 
     with torch.no_grad():
         ref32, ref64 = model(x), exact(x.double())
     row: dict[str, Any] = {}
-    for name, level in (("ort", ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
-                        ("ort_no_opt", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)):  # fmt: skip
+    for name, level in (
+        ("ort", ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
+        ("ort_no_opt", ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
+    ):
         options = ort.SessionOptions()
         options.graph_optimization_level = level
         session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
@@ -69,14 +71,23 @@ def main() -> None:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        models = {("vits16" if args.quick else "vitb16") + " (random)": random_model(root, "vits16" if args.quick
-                                                                                    else "vitb16")}  # fmt: skip
+        models = {
+            ("vits16" if args.quick else "vitb16") + " (random)": random_model(
+                root, "vits16" if args.quick else "vitb16"
+            )
+        }
         if args.trained:
             models["trained " + str(args.trained)] = args.trained
         for label, weights in models.items():
             out = root / label.split()[0] / "model.onnx"
-            values = {"weights": str(weights), "output": str(out), "fp16": True, "parity_sizes": [32],
-                      "parity_batches": [1], "tracking.enabled": False}  # fmt: skip
+            values = {
+                "weights": str(weights),
+                "output": str(out),
+                "fp16": True,
+                "parity_sizes": [32],
+                "parity_batches": [1],
+                "tracking.enabled": False,
+            }
             export = run_export(load_config(ExportConfig, None, values))
             results[label] = {
                 "fp32": measure(weights, export.path, args.size, half=False),
@@ -93,8 +104,10 @@ def main() -> None:
                 continue
             for out in ("cls", "patch"):
                 t, o, n = row[f"torch32.{out}"], row[f"ort.{out}"], row[f"ort_no_opt.{out}"]
-                print(f"| {label} | {kind} | {out} | {t['scale']:.2f} | {t['abs']:.1e} | {o['abs']:.1e} | "
-                      f"{o['rel']:.1e} | {n['abs']:.1e} |")  # fmt: skip
+                print(
+                    f"| {label} | {kind} | {out} | {t['scale']:.2f} | {t['abs']:.1e} | {o['abs']:.1e} | "
+                    f"{o['rel']:.1e} | {n['abs']:.1e} |"
+                )
 
 
 if __name__ == "__main__":

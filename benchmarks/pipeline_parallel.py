@@ -96,8 +96,11 @@ def layout_overrides(nproc: int, pp: int, schedule: str | None) -> dict[str, Any
     micro = GLOBAL_BATCH // dp
     values: dict[str, Any] = {"train.global_batch_size": GLOBAL_BATCH, "train.batch_size_per_gpu": micro}
     if pp > 1:
-        values |= {"parallelism.pp_degree": pp, "parallelism.pp_schedule": schedule,
-                   "parallelism.pp_microbatch_size": micro // 4}  # fmt: skip
+        values |= {
+            "parallelism.pp_degree": pp,
+            "parallelism.pp_schedule": schedule,
+            "parallelism.pp_microbatch_size": micro // 4,
+        }
     return values
 
 
@@ -130,8 +133,12 @@ def _rss_hwm_mib(pid: int) -> tuple[float, float] | None:
 def _gpu_mib() -> dict[int, float]:
     """GPU memory per process id as nvidia-smi reports it (empty without nvidia-smi)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     rows = [line.split(",") for line in out.splitlines() if line.strip()]
@@ -195,8 +202,9 @@ def launch(out: Path, overrides: dict[str, Any], nproc: int, gpu: bool, timeout:
         argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     metrics = out / "training_metrics.json"  # its first line: iteration 0 is done
     watch = RankMemory(proc.pid, launcher=nproc > 1, gpu=gpu, training=metrics.exists)
     watch.start()
@@ -246,9 +254,23 @@ def runtime_baseline_mib() -> float:
 
 
 def bubble(overrides: dict[str, Any], n_mb: list[int], reps: int, device: str) -> list[dict[str, Any]]:
-    argv = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "pp_bubble_worker.py"),
-            "--overrides", json.dumps(overrides), "--micro-size", str(BUBBLE_MICRO),
-            "--n-mb", ",".join(map(str, n_mb)), "--reps", str(reps), "--device", device]  # fmt: skip
+    argv = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(HERE / "pp_bubble_worker.py"),
+        "--overrides",
+        json.dumps(overrides),
+        "--micro-size",
+        str(BUBBLE_MICRO),
+        "--n-mb",
+        ",".join(map(str, n_mb)),
+        "--reps",
+        str(reps),
+        "--device",
+        device,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if proc.returncode != 0:
@@ -271,9 +293,11 @@ def print_layouts(model: str, rows: list[dict[str, Any]], gpu: bool) -> None:
     """One model's table; ratios against the FSDP-only row (time: higher is slower; memory: the max rank's)."""
     what = "GPU memory" if gpu else "peak RSS while training"
     print(f"## {model}\n")
-    print(f"| processes | layout | schedule | step p50 (s) | images/s | {what} per rank, max / min (MiB) | "
-          "per rank (MiB) | per rank incl. setup, VmHWM (MiB) | vs FSDP-only: step time | "
-          "vs FSDP-only: memory (max rank) |")  # fmt: skip
+    print(
+        f"| processes | layout | schedule | step p50 (s) | images/s | {what} per rank, max / min (MiB) | "
+        "per rank (MiB) | per rank incl. setup, VmHWM (MiB) | vs FSDP-only: step time | "
+        "vs FSDP-only: memory (max rank) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     fsdp = next((r for r in rows if r["layout"] == "FSDP-only" and "step_p50_s" in r), None)
     fsdp_mem = max((v for v in memory_of(fsdp, gpu) if v is not None), default=None) if fsdp else None
@@ -285,13 +309,17 @@ def print_layouts(model: str, rows: list[dict[str, Any]], gpu: bool) -> None:
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']} | | | | | | |")
         elif "error" in r:
-            print(f"{head} FAILED: {r['error'].split('!')[0][:120]} | | {high} / {low} | {per_rank} | {hwm} "
-                  "(until it failed) | | |")  # fmt: skip
+            print(
+                f"{head} FAILED: {r['error'].split('!')[0][:120]} | | {high} / {low} | {per_rank} | {hwm} "
+                "(until it failed) | | |"
+            )
         else:
             vs_time = f"{r['step_p50_s'] / fsdp['step_p50_s']:.2f}×" if fsdp else "–"
             vs_mem = f"{float(high) / fsdp_mem:.2f}×" if fsdp_mem and high != "–" else "–"
-            print(f"{head} {r['step_p50_s']:.3f} | {r['images_per_s']:.1f} | {high} / {low} | {per_rank} | {hwm} | "
-                  f"{vs_time} | {vs_mem} |")  # fmt: skip
+            print(
+                f"{head} {r['step_p50_s']:.3f} | {r['images_per_s']:.1f} | {high} / {low} | {per_rank} | {hwm} | "
+                f"{vs_time} | {vs_mem} |"
+            )
     print(flush=True)
 
 
@@ -315,28 +343,44 @@ def main() -> None:
     started = time.perf_counter()
 
     baseline = runtime_baseline_mib()
-    where = (f"{n_gpus}× {torch.cuda.get_device_name(0) if n_gpus else 'no GPU'}, nccl" if gpu else
-             f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, gloo")  # fmt: skip
-    print(f"# Pipeline parallelism ({'quick' if args.quick else 'full'}): {where}, torch {torch.__version__}, "
-          f"1 thread per process, global batch {GLOBAL_BATCH}, {iterations} iterations (first 2 not timed); "
-          f"a bare trainer import peaks at {baseline:.0f} MiB RSS\n")  # fmt: skip
-    results: dict[str, Any] = {"layouts": [], "bubble": [], "baseline_rss_mib": baseline, "global_batch": GLOBAL_BATCH,
-                               "iterations": iterations, "device": args.device}  # fmt: skip
+    where = (
+        f"{n_gpus}× {torch.cuda.get_device_name(0) if n_gpus else 'no GPU'}, nccl"
+        if gpu
+        else f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, gloo"
+    )
+    print(
+        f"# Pipeline parallelism ({'quick' if args.quick else 'full'}): {where}, torch {torch.__version__}, "
+        f"1 thread per process, global batch {GLOBAL_BATCH}, {iterations} iterations (first 2 not timed); "
+        f"a bare trainer import peaks at {baseline:.0f} MiB RSS\n"
+    )
+    results: dict[str, Any] = {
+        "layouts": [],
+        "bubble": [],
+        "baseline_rss_mib": baseline,
+        "global_batch": GLOBAL_BATCH,
+        "iterations": iterations,
+        "device": args.device,
+    }
     for model, model_overrides in models.items():
         rows = []
         for layout, nproc, pp, schedule in layouts:
-            row: dict[str, Any] = {"model": model, "layout": layout, "processes": nproc, "pp": pp,
-                                   "schedule": schedule}  # fmt: skip
+            row: dict[str, Any] = {"model": model, "layout": layout, "processes": nproc, "pp": pp, "schedule": schedule}
             if gpu and nproc > n_gpus:
                 row["skipped"] = f"needs {nproc} GPUs, {n_gpus} here"
             else:
-                overrides = {**base_overrides(store, iterations, args.device), **model_overrides,
-                             **layout_overrides(nproc, pp, schedule)}  # fmt: skip
+                overrides = {
+                    **base_overrides(store, iterations, args.device),
+                    **model_overrides,
+                    **layout_overrides(nproc, pp, schedule),
+                }
                 name = f"{model.split(',')[0]}-{nproc}p-pp{pp}-{schedule or 'none'}"
                 row |= launch(work / name, overrides, nproc, gpu)
             rows.append(row)
-            print(f"  ({model}, {layout} {schedule or ''}: {row.get('error') or row.get('skipped') or 'done'})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  ({model}, {layout} {schedule or ''}: {row.get('error') or row.get('skipped') or 'done'})",
+                file=sys.stderr,
+                flush=True,
+            )
         results["layouts"] += rows
         print_layouts(model, rows, gpu)
     # Part 2: the bubble per schedule, measured.
@@ -347,23 +391,32 @@ def main() -> None:
         print(f"## Pipeline bubble: skipped (needs 2 GPUs, {n_gpus} here)\n")
         bubble_models = {}
     for model, model_overrides in bubble_models.items():
-        print(f"## Pipeline bubble, {model}: 2 stages, micro-batches of {BUBBLE_MICRO} images, median of {reps} "
-              "steps\n")  # fmt: skip
-        print("| schedule | n_mb | step (ms) | compute per stage (ms) | bubble, measured | idle per stage | "
-              "theory (p−1)/(n_mb+p−1) | theory with the measured stage times |")  # fmt: skip
+        print(
+            f"## Pipeline bubble, {model}: 2 stages, micro-batches of {BUBBLE_MICRO} images, median of {reps} steps\n"
+        )
+        print(
+            "| schedule | n_mb | step (ms) | compute per stage (ms) | bubble, measured | idle per stage | "
+            "theory (p−1)/(n_mb+p−1) | theory with the measured stage times |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         records = bubble(model_overrides, n_mb, reps, args.device)
         for r in sorted(records, key=lambda r: (r["schedule"], r["n_mb"])):
             r["model"] = model
             compute = " / ".join(f"{1000 * c:.1f}" for c in r["compute_s_per_stage"])
             idle = " / ".join(f"{100 * c:.0f} %" for c in r["idle_per_stage"])
-            print(f"| {r['schedule']} | {r['n_mb']} | {1000 * r['step_s']:.1f} | {compute} | {100 * r['bubble']:.0f} % "
-                  f"| {idle} | {100 * r['bubble_theory']:.0f} % | {100 * r['bubble_theory_measured_stages']:.0f} % |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {r['schedule']} | {r['n_mb']} | {1000 * r['step_s']:.1f} | {compute} | {100 * r['bubble']:.0f} % "
+                f"| {idle} | {100 * r['bubble_theory']:.0f} % | {100 * r['bubble_theory_measured_stages']:.0f} % |",
+                flush=True,
+            )
             results["bubble"].append(r)
         print()
-    results["machine"] = {"cores": psutil.cpu_count(), "ram_gib": psutil.virtual_memory().total / 2**30,
-                          "torch": torch.__version__, "gpus": n_gpus}  # fmt: skip
+    results["machine"] = {
+        "cores": psutil.cpu_count(),
+        "ram_gib": psutil.virtual_memory().total / 2**30,
+        "torch": torch.__version__,
+        "gpus": n_gpus,
+    }
     results["wall_s"] = time.perf_counter() - started
     (out / "pipeline_parallel.json").write_text(json.dumps(results, indent=2))
     failed = [

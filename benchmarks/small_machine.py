@@ -154,9 +154,11 @@ def main() -> None:
     iterations = 6 if args.quick else 10
 
     results: dict[str, Any] = {"modes": [], "budget": []}
-    print(f"# Training on a small machine ({'quick' if args.quick else 'full'}): {platform.processor() or 'CPU'}, "
-          f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, torch "
-          f"{torch.__version__}, 1 thread, global batch 8\n")  # fmt: skip
+    print(
+        f"# Training on a small machine ({'quick' if args.quick else 'full'}): {platform.processor() or 'CPU'}, "
+        f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, torch "
+        f"{torch.__version__}, 1 thread, global batch 8\n"
+    )
     print("| backbone | mode | trainable params | peak memory | img/s | vs full: memory | vs full: img/s |")
     print("|---|---|---|---|---|---|---|")
     for arch, released in ARCHS.items():
@@ -170,31 +172,47 @@ def main() -> None:
             full = full or figures
             row = {"arch": arch, "mode": mode, "trainable": trainable, "params": total, **figures}
             results["modes"].append(row)
-            print(f"| {arch} | {mode} | {trainable / 1e6:.2f} M of {total / 1e6:.1f} M | {figures['peak_mb']:.0f} MiB "
-                  f"| {figures['images_per_s']:.2f} | {figures['peak_mb'] / full['peak_mb']:.2f}× | "
-                  f"{figures['images_per_s'] / full['images_per_s']:.2f}× |", flush=True)  # fmt: skip
+            print(
+                f"| {arch} | {mode} | {trainable / 1e6:.2f} M of {total / 1e6:.1f} M | {figures['peak_mb']:.0f} MiB "
+                f"| {figures['images_per_s']:.2f} | {figures['peak_mb'] / full['peak_mb']:.2f}× | "
+                f"{figures['images_per_s'] / full['images_per_s']:.2f}× |",
+                flush=True,
+            )
 
     # Part 2: a budget below full fine-tuning's peak, without and with the watch.
     vit_s_full = next(r for r in results["modes"] if r["arch"] == "vit_small" and r["mode"] == "full fine-tuning")
     budget_gb = 0.8 * vit_s_full["peak_mb"] / 1024
     base = base_overrides(store, released_weights(work, "vits16"), "vits16", args.quick, 3 * iterations)
     print(f"\n## vit_small full fine-tuning under train.memory_budget_gb={budget_gb:.2f} (80 % of its peak)\n")
-    print("| memory watch | peak memory | after the last re-plan | swap in / out | step p50 | step p99 | "
-          "step p50 after the last re-plan | re-plans |")  # fmt: skip
+    print(
+        "| memory watch | peak memory | after the last re-plan | swap in / out | step p50 | step p99 | "
+        "step p50 after the last re-plan | re-plans |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for watch in (False, True):
-        overrides = {**base, "train.memory_budget_gb": budget_gb, "train.memory_watch": watch,
-                     "train.memory_watch_patience": 2}  # fmt: skip
+        overrides = {
+            **base,
+            "train.memory_budget_gb": budget_gb,
+            "train.memory_watch": watch,
+            "train.memory_watch_patience": 2,
+        }
         figures = run(work / f"budget-watch{int(watch)}", overrides)
         results["budget"].append({"memory_watch": watch, "budget_gb": budget_gb, **figures})
         settled = figures["settled_peak_mb"]
         within = "within" if settled <= budget_gb * 1024 else "over"
-        print(f"| {'on' if watch else 'off'} | {figures['peak_mb']:.0f} MiB | {settled:.0f} MiB ({within} budget) | "
-              f"{figures['swap_in_mb']:.0f} / {figures['swap_out_mb']:.0f} MiB | {figures['step_p50_s']:.2f} s | "
-              f"{figures['step_p99_s']:.2f} s | {figures['settled_step_p50_s']:.2f} s | "
-              f"{'; '.join(figures['replans']) or 'none'} |", flush=True)  # fmt: skip
-    results["machine"] = {"cores": psutil.cpu_count(), "ram_gib": psutil.virtual_memory().total / 2**30,
-                          "swap_gib": psutil.swap_memory().total / 2**30, "torch": torch.__version__}  # fmt: skip
+        print(
+            f"| {'on' if watch else 'off'} | {figures['peak_mb']:.0f} MiB | {settled:.0f} MiB ({within} budget) | "
+            f"{figures['swap_in_mb']:.0f} / {figures['swap_out_mb']:.0f} MiB | {figures['step_p50_s']:.2f} s | "
+            f"{figures['step_p99_s']:.2f} s | {figures['settled_step_p50_s']:.2f} s | "
+            f"{'; '.join(figures['replans']) or 'none'} |",
+            flush=True,
+        )
+    results["machine"] = {
+        "cores": psutil.cpu_count(),
+        "ram_gib": psutil.virtual_memory().total / 2**30,
+        "swap_gib": psutil.swap_memory().total / 2**30,
+        "torch": torch.__version__,
+    }
     (out / "small_machine.json").write_text(json.dumps(results, indent=2))
 
 

@@ -90,8 +90,10 @@ def main() -> None:
     print("\n".join(lines))
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"rows": [dict(zip(("input", "baseline", "baseline_s", "ours", "ours_s"), r, strict=True)) for r in rows],
-              "decision_s": decision}  # fmt: skip
+    result = {
+        "rows": [dict(zip(("input", "baseline", "baseline_s", "ours", "ours_s"), r, strict=True)) for r in rows],
+        "decision_s": decision,
+    }
     (out_dir / "stage_manifest.json").write_text(json.dumps(result, indent=1))
 
 

@@ -64,13 +64,15 @@ def time_recipe(recipe: str, images: torch.Tensor, rounds: int) -> list[dict[str
     rows = []
     for name in names:
         t = statistics.median(times[name])
-        rows.append({
-            "recipe": recipe,
-            "variant": name,
-            "batch_ms": round(t * 1e3, 2),
-            "ms_per_crop": round(t * 1e3 / (crops * len(images)), 4),
-            "stain_share": round(max(t - base, 0.0) / t, 3),  # of this variant's augmentation time
-        })  # fmt: skip
+        rows.append(
+            {
+                "recipe": recipe,
+                "variant": name,
+                "batch_ms": round(t * 1e3, 2),
+                "ms_per_crop": round(t * 1e3 / (crops * len(images)), 4),
+                "stain_share": round(max(t - base, 0.0) / t, 3),  # of this variant's augmentation time
+            }
+        )
     return rows
 
 
@@ -88,13 +90,17 @@ def main() -> None:
     for recipe in ["cpu"] if args.quick else list(RECIPES):
         rows += time_recipe(recipe, images, rounds)
 
-    print(f"Stain steps of the augmentation, 32 tiles of 224 px, {device}, {torch.get_num_threads()} threads, "
-          f"median of {rounds} interleaved rounds, p = 1\n")  # fmt: skip
+    print(
+        f"Stain steps of the augmentation, 32 tiles of 224 px, {device}, {torch.get_num_threads()} threads, "
+        f"median of {rounds} interleaved rounds, p = 1\n"
+    )
     print("| crops | stain steps | ms / batch | ms / crop | stain share |")
     print("|---|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['recipe']} | {row['variant']} | {row['batch_ms']} | {row['ms_per_crop']} | "
-              f"{100 * row['stain_share']:.0f} % |")  # fmt: skip
+        print(
+            f"| {row['recipe']} | {row['variant']} | {row['batch_ms']} | {row['ms_per_crop']} | "
+            f"{100 * row['stain_share']:.0f} % |"
+        )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"device": str(device), "threads": torch.get_num_threads(), "rounds": rounds, "rows": rows}

@@ -35,10 +35,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per process")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    values = {"data.stores": [args.store], "output_dir": args.output, "tracking.enabled": False,
-              "optim.epochs": 8, "train.stop_at": 40, "checkpointing.period": 1000,
-              "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0,
-              "train.batch_size_per_gpu": args.batch}  # fmt: skip
+    values = {
+        "data.stores": [args.store],
+        "output_dir": args.output,
+        "tracking.enabled": False,
+        "optim.epochs": 8,
+        "train.stop_at": 40,
+        "checkpointing.period": 1000,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+        "train.batch_size_per_gpu": args.batch,
+    }
     env = init_distributed("cpu")
     trainer = Trainer(load_config(PretrainConfig, "tiny", values, stage="pretrain"), env)
     batches = iter(trainer.loader)
@@ -52,11 +59,22 @@ def main() -> None:
             trainer.train_step(i, batch)
             times.append(time.perf_counter() - start)
     if env.is_main:
-        rows = {e.key: (e.count / STEPS, round(e.cpu_time_total / STEPS / 1e3, 2)) for e in prof.key_averages()
-                if any(kind in e.key for kind in KINDS)}  # fmt: skip
+        rows = {
+            e.key: (e.count / STEPS, round(e.cpu_time_total / STEPS / 1e3, 2))
+            for e in prof.key_averages()
+            if any(kind in e.key for kind in KINDS)
+        }
         top = dict(sorted(rows.items(), key=lambda kv: -kv[1][1])[:10])
-        print(json.dumps({"processes": env.world_size, "step_ms_median": round(sorted(times)[STEPS // 2] * 1e3, 1),
-                          "per_step_calls_and_ms": top}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "processes": env.world_size,
+                    "step_ms_median": round(sorted(times)[STEPS // 2] * 1e3, 1),
+                    "per_step_calls_and_ms": top,
+                },
+                indent=1,
+            )
+        )
     trainer.close()
     if env.distributed:
         dist.destroy_process_group()

@@ -47,8 +47,11 @@ def recompile_study(shape: str, steps: int, n_micro: int) -> dict[str, Any]:
     cfg, batch = our_config(shape), batch_size(shape)
     c = cfg.crops
     model, optimizer = build_ours(cfg, compiled=False)
-    sampler = IBOTMaskSampler(c.global_size // our_backbone_kwargs(cfg)["patch_size"],
-                              mask_ratio=tuple(c.mask_ratio), mask_probability=c.mask_probability)  # fmt: skip
+    sampler = IBOTMaskSampler(
+        c.global_size // our_backbone_kwargs(cfg)["patch_size"],
+        mask_ratio=tuple(c.mask_ratio),
+        mask_probability=c.mask_probability,
+    )
     env = DistEnv(device=torch.device("cpu"))
     keys = (*LOSS_NAMES, *SIGNAL_NAMES)
     torch._dynamo.reset()
@@ -57,18 +60,34 @@ def recompile_study(shape: str, steps: int, n_micro: int) -> dict[str, Any]:
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         for i in range(steps):
             torch.manual_seed(i)
-            crops = MultiCrops(torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
-                               torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
+            crops = MultiCrops(
+                torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
+                torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size),
+            )
             masks = sampler(batch, c.n_global_crops, rng=i)
             before, start = graphs, time.perf_counter()
-            step_fn(model, None, env, crops, masks, keys=keys, n_micro=n_micro, teacher_temp=0.07, koleo_base=0,
-                    bf16=False)  # fmt: skip
+            step_fn(
+                model, None, env, crops, masks, keys=keys, n_micro=n_micro, teacher_temp=0.07, koleo_base=0, bf16=False
+            )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            per_step.append({"step": i, "masked_patches": masks.n_masked_patches, "graphs_compiled": graphs - before,
-                             "seconds": time.perf_counter() - start})  # fmt: skip
-    return {"shape": shape, "batch": batch, "n_micro": n_micro, "steps": per_step, "graphs_total": graphs,
-            "recompile_limit": 8, "torch": torch.__version__}  # fmt: skip
+            per_step.append(
+                {
+                    "step": i,
+                    "masked_patches": masks.n_masked_patches,
+                    "graphs_compiled": graphs - before,
+                    "seconds": time.perf_counter() - start,
+                }
+            )
+    return {
+        "shape": shape,
+        "batch": batch,
+        "n_micro": n_micro,
+        "steps": per_step,
+        "graphs_total": graphs,
+        "recompile_limit": 8,
+        "torch": torch.__version__,
+    }
 
 
 def main() -> None:

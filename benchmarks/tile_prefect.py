@@ -95,9 +95,12 @@ def main() -> None:
 
     def flow(name: str, dask: DaskParams) -> tuple[int, int]:
         params = TileParams(
-            input=str(listing), output=str(store(name)), stage=StageOptions(config="default", overrides=["workers=2"]),
-            tracking=TrackingParams(enabled=False), dask=dask,
-        )  # fmt: skip
+            input=str(listing),
+            output=str(store(name)),
+            stage=StageOptions(config="default", overrides=["workers=2"]),
+            tracking=TrackingParams(enabled=False),
+            dask=dask,
+        )
         summary = tile_flow(params)["summary"]
         return summary["tiles_total"], summary["ok"]
 

@@ -44,8 +44,14 @@ def tile_reference(slide: str, out: Path, scaled_decode: bool) -> np.ndarray:
     from dinov3_core.tiling.engine import run_tile
 
     shutil.rmtree(out, ignore_errors=True)
-    values = {"input": slide, "output": str(out), "progress": False, "tracking.enabled": False,
-              "compressor": "zstd", "scaled_decode": scaled_decode}  # fmt: skip
+    values = {
+        "input": slide,
+        "output": str(out),
+        "progress": False,
+        "tracking.enabled": False,
+        "compressor": "zstd",
+        "scaled_decode": scaled_decode,
+    }
     result = run_tile(load_config(TileConfig, None, values))
     (outcome,) = result.outcomes
     return zarr.open_group(str(out / "slides" / outcome.slide_id), mode="r")["tiles"][:]
@@ -81,15 +87,22 @@ def store_with(tiles: np.ndarray, root: Path, overrides: dict) -> dict:
     start = time.perf_counter()
     back = ds.read_batch(rows)
     read_s = time.perf_counter() - start
-    return {"tiles": back, "bytes_per_tile": stored / len(tiles), "write_tps": len(tiles) / write_s,
-            "read_tps": len(tiles) / read_s}  # fmt: skip
+    return {
+        "tiles": back,
+        "bytes_per_tile": stored / len(tiles),
+        "write_tps": len(tiles) / write_s,
+        "read_tps": len(tiles) / read_s,
+    }
 
 
 def pixel_error(a: np.ndarray, ref: np.ndarray) -> dict:
     d = np.abs(a.astype(np.int16) - ref.astype(np.int16))
     mse = float((d.astype(np.float64) ** 2).mean())
-    return {"mean_abs": float(d.mean()), "max_abs": int(d.max()),
-            "psnr_db": float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)}  # fmt: skip
+    return {
+        "mean_abs": float(d.mean()),
+        "max_abs": int(d.max()),
+        "psnr_db": float("inf") if mse == 0 else 10 * np.log10(255**2 / mse),
+    }
 
 
 class Features:
@@ -123,8 +136,12 @@ class Features:
 def feature_change(cls: np.ndarray, ref: np.ndarray) -> dict:
     rel = np.linalg.norm(cls - ref, axis=1) / np.linalg.norm(ref, axis=1)
     cos = (cls * ref).sum(1) / (np.linalg.norm(cls, axis=1) * np.linalg.norm(ref, axis=1))
-    return {"rel_l2_mean": float(rel.mean()), "rel_l2_max": float(rel.max()), "cos_min": float(cos.min()),
-            "cls_max_abs": float(np.abs(cls - ref).max())}  # fmt: skip
+    return {
+        "rel_l2_mean": float(rel.mean()),
+        "rel_l2_max": float(rel.max()),
+        "cos_min": float(cos.min()),
+        "cls_max_abs": float(np.abs(cls - ref).max()),
+    }
 
 
 def main() -> None:
@@ -156,8 +173,14 @@ def main() -> None:
     ref_cls = features.cls(ref[sample])
     rows = []
     for name, s in stored.items():
-        rows.append({"name": name, **{k: v for k, v in s.items() if k != "tiles"}, **pixel_error(s["tiles"], ref),
-                     **feature_change(features.cls(s["tiles"][sample]), ref_cls)})  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                **{k: v for k, v in s.items() if k != "tiles"},
+                **pixel_error(s["tiles"], ref),
+                **feature_change(features.cls(s["tiles"][sample]), ref_cls),
+            }
+        )
     shifted = np.roll(ref[sample], 1, axis=2)
     yardsticks = {
         "DCT-scaled decode vs full decode (lossless storage)": (dct, dct[sample]),
@@ -181,8 +204,11 @@ def main() -> None:
             f"{r['write_tps']:,.0f} | {r['read_tps']:,.0f} | {r['mean_abs']:.2f} | {r['max_abs']} | "
             f"{r['psnr_db']:.1f} | {r['rel_l2_mean']:.4f} | {r['rel_l2_max']:.4f} | {r['cos_min']:.5f} |"
         )
-    lines += ["", "| yardstick | mean abs Δpx | max abs Δpx | PSNR dB | CLS ‖Δ‖/‖cls‖ mean | max | CLS cos min |",
-              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "| yardstick | mean abs Δpx | max abs Δpx | PSNR dB | CLS ‖Δ‖/‖cls‖ mean | max | CLS cos min |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in yard_rows:
         lines.append(
             f"| {r['name']} | {r['mean_abs']:.2f} | {r['max_abs']} | {r['psnr_db']:.1f} | {r['rel_l2_mean']:.4f} | "

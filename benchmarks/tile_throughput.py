@@ -100,8 +100,9 @@ def whole_process(cmd: list[str], timeline: Path | None = None, cwd: Path | None
     start = time.time()
     # A session of its own, as a command typed in a terminal: under the kernel's autogroup scheduling it then
     # competes with the competing jobs as one user's job, not within this benchmark's share.
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     rss = PeakRss(proc.pid)
     try:
         out, err = proc.communicate()
@@ -362,8 +363,17 @@ def wsidino_tile(slides: list[str], out: Path, work: Path, *overrides: str, fres
         shutil.rmtree(out, ignore_errors=True)
     exe = Path(sys.executable).with_name("wsidino")
     cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "dinov3_core.cli"]
-    return [*cli, "tile", "--input", str(listing), "--output", str(out), "progress=false",
-            f"tracking.uri=sqlite:///{work / 'mlflow.db'}", *overrides]  # fmt: skip
+    return [
+        *cli,
+        "tile",
+        "--input",
+        str(listing),
+        "--output",
+        str(out),
+        "progress=false",
+        f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
+        *overrides,
+    ]
 
 
 def detailed_table(
@@ -395,8 +405,10 @@ def detailed_table(
     def row(name: str, key: str) -> str:
         m = r[key]
         n = m.get("tiles", tiles)
-        return (f"| {name} | {n / m['seconds']:,.0f} | {m['seconds']:.1f} | {m['cpu_s']:.1f} | {m['startup_s']:.1f} | "
-                f"{m['steady_tiles_per_s']:,.0f} | {m['commit_s']:.1f} | {m['peak_rss_mib']:,.0f} |")  # fmt: skip
+        return (
+            f"| {name} | {n / m['seconds']:,.0f} | {m['seconds']:.1f} | {m['cpu_s']:.1f} | {m['startup_s']:.1f} | "
+            f"{m['steady_tiles_per_s']:,.0f} | {m['commit_s']:.1f} | {m['peak_rss_mib']:,.0f} |"
+        )
 
     w1 = r["w1"]
     summary = {
@@ -459,8 +471,10 @@ def load_table(loads: list[dict], cohort: int) -> tuple[list[dict], list[str]]:
         "stage_untracked": "`wsidino tile`, `tracking.enabled=false`",
     }
     if cohort:
-        names |= {"naive_cohort": f"naive loop, {cohort} slides in one process",
-                  "stage_cohort": f"`wsidino tile` (defaults, MLflow on), {cohort} slides"}  # fmt: skip
+        names |= {
+            "naive_cohort": f"naive loop, {cohort} slides in one process",
+            "stage_cohort": f"`wsidino tile` (defaults, MLflow on), {cohort} slides",
+        }
     for res, m in zip(loads, summaries, strict=True):
         n = res["competing"]
         for key, label in names.items():
@@ -473,8 +487,10 @@ def load_table(loads: list[dict], cohort: int) -> tuple[list[dict], list[str]]:
             elif "steady_vs_full_ceiling" not in r:  # a cohort: the ceiling is the first slide's
                 row += f"{mm(r['steady_tiles_per_s'], ',.0f')} | |"
             else:
-                row += (f"{mm(r['steady_tiles_per_s'], ',.0f')} | **{mm(r['steady_vs_full_ceiling'], '.0f', 100)} %**, "
-                        f"{mm(r['steady_vs_half_ceiling'], '.0f', 100)} % |")  # fmt: skip
+                row += (
+                    f"{mm(r['steady_tiles_per_s'], ',.0f')} | **{mm(r['steady_vs_full_ceiling'], '.0f', 100)} %**, "
+                    f"{mm(r['steady_vs_half_ceiling'], '.0f', 100)} % |"
+                )
             lines.append(row)
         lines.append(
             f"| {n} | JPEG decode only, 1 thread: full, 1/2 scale | {mm(m['ceiling_full']['tiles_per_s'], ',.0f')}, "
@@ -498,9 +514,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--quick", action="store_true", help="the demo slide instead of the 32k benchmark slide")
-    parser.add_argument("--competing", type=int, nargs="+", default=[0], metavar="N",
-                        help="measure under N competing CPU-bound jobs (several: one block of rows each); with 0, "
-                        "the detailed table (every configuration once, no competing jobs) as well")  # fmt: skip
+    parser.add_argument(
+        "--competing",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="measure under N competing CPU-bound jobs (several: one block of rows each); with 0, "
+        "the detailed table (every configuration once, no competing jobs) as well",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per load (default 5)")
     parser.add_argument(
         "--cohort",

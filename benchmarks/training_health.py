@@ -40,21 +40,33 @@ from dinov3_core.train.pretrain import run_pretrain
 
 WINDOW = 50
 SCHEDULES: dict[str, dict[str, Any]] = {
-    "upstream shapes": {"teacher.momentum_teacher": 0.992, "teacher.final_momentum_teacher": 1.0,
-                        "teacher.warmup_teacher_temp": 0.04,
-                        "teacher.warmup_teacher_temp_epochs": 0.3 * 4},  # 30 % of the run's 4 epochs
-    "fitted (auto)": {"teacher.momentum_teacher": "auto", "teacher.final_momentum_teacher": "auto",
-                      "teacher.warmup_teacher_temp": 0.04, "teacher.warmup_teacher_temp_epochs": "auto"},
+    "upstream shapes": {
+        "teacher.momentum_teacher": 0.992,
+        "teacher.final_momentum_teacher": 1.0,
+        "teacher.warmup_teacher_temp": 0.04,
+        "teacher.warmup_teacher_temp_epochs": 0.3 * 4,
+    },  # 30 % of the run's 4 epochs
+    "fitted (auto)": {
+        "teacher.momentum_teacher": "auto",
+        "teacher.final_momentum_teacher": "auto",
+        "teacher.warmup_teacher_temp": 0.04,
+        "teacher.warmup_teacher_temp_epochs": "auto",
+    },
     # The recipe as shipped (only for models that are a recipe): cpu = auto schedules, temperature from 0.02.
     "recipe as shipped": {},
-}  # fmt: skip
+}
 
 
 def models(quick: bool) -> dict[str, dict[str, Any]]:
     """Each model with its run length and batch: `tiny` at the tests' batch of 8, the `cpu` recipe (the same
     backbone at 32 a step: what `make demo` trains) and ViT-S/16 at 96/48 px (~1 s an iteration on 2 cores)."""
-    vits = {"student.arch": "vit_small", "crops.global_size": 96, "crops.local_size": 48,
-            "heads.dino.n_prototypes": 4096, "heads.ibot.n_prototypes": 4096}  # fmt: skip
+    vits = {
+        "student.arch": "vit_small",
+        "crops.global_size": 96,
+        "crops.local_size": 48,
+        "heads.dino.n_prototypes": 4096,
+        "heads.ibot.n_prototypes": 4096,
+    }
     return {
         "tiny, batch 8": {"config": "tiny", "iterations": 200 if quick else 1000, "overrides": {}},
         "cpu recipe, batch 32": {"config": "cpu", "iterations": 100 if quick else 1000, "overrides": {}},
@@ -77,11 +89,21 @@ def bench(store: Path, root: Path, name: str, spec: dict[str, Any], teacher: dic
     iterations = spec["iterations"]
     batch = 32 if spec["config"] == "cpu" else 8
     slug = "".join(c if c.isalnum() else "_" for c in name)
-    values = {"data.stores": [str(store)], "output_dir": str(root / slug), "tracking.enabled": False,
-              "train.global_batch_size": batch, "train.batch_size_per_gpu": batch,
-              "train.epoch_length": iterations // 4, "train.log_period": 1, "checkpointing.period": 10**6,
-              "evaluation.eval_period_iterations": 0, "optim.warmup_epochs": 0.4,
-              "optim.freeze_last_layer_epochs": 0.04, **spec["overrides"], **teacher}  # fmt: skip
+    values = {
+        "data.stores": [str(store)],
+        "output_dir": str(root / slug),
+        "tracking.enabled": False,
+        "train.global_batch_size": batch,
+        "train.batch_size_per_gpu": batch,
+        "train.epoch_length": iterations // 4,
+        "train.log_period": 1,
+        "checkpointing.period": 10**6,
+        "evaluation.eval_period_iterations": 0,
+        "optim.warmup_epochs": 0.4,
+        "optim.freeze_last_layer_epochs": 0.04,
+        **spec["overrides"],
+        **teacher,
+    }
     cfg = load_config(PretrainConfig, spec["config"], values, stage="pretrain")
     threads = torch.get_num_threads()
     start = time.perf_counter()
@@ -136,15 +158,19 @@ def main() -> None:
                 results[key] = bench(store, Path(tmp), key, spec, teacher)
     (out / "training_health.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"CPU, {torch.get_num_threads()} threads; first sign = {WINDOW}-iteration mean DINO gap ≥ health.min_gap\n")
-    print("| model / schedules | iterations | first sign of learning (it) | CPU min to it | final gap (nats) "
-          "| teacher entropy | verdict | probe s (share of 1,000 it at eval every 250) |")  # fmt: skip
+    print(
+        "| model / schedules | iterations | first sign of learning (it) | CPU min to it | final gap (nats) "
+        "| teacher entropy | verdict | probe s (share of 1,000 it at eval every 250) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
         sign = "none" if r["first_sign_iteration"] is None else str(r["first_sign_iteration"])
         minutes = "–" if r["first_sign_cpu_minutes"] is None else f"{r['first_sign_cpu_minutes']:.2f}"
-        print(f"| {key} | {r['iterations']} | {sign} | {minutes} | {r['final_gap']:.3f} | "
-              f"{r['final_teacher_entropy']:.3f} | {r['verdict'].split(':')[0]} | "
-              f"{r['probe_seconds']:.2f} ({r['probe_share_at_eval_every_250']:.1%}) |")  # fmt: skip
+        print(
+            f"| {key} | {r['iterations']} | {sign} | {minutes} | {r['final_gap']:.3f} | "
+            f"{r['final_teacher_entropy']:.3f} | {r['verdict'].split(':')[0]} | "
+            f"{r['probe_seconds']:.2f} ({r['probe_share_at_eval_every_250']:.1%}) |"
+        )
 
 
 if __name__ == "__main__":

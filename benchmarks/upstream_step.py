@@ -119,8 +119,13 @@ SHAPES = ("vit_small", "vit_test")
 # Steps per variant per round: a vit_test step takes tens of milliseconds, too short to time alone on a shared box.
 PER_ROUND = {"vit_small": 1, "vit_test": 4}
 WHOLE_STEP = "ours whole step compiled (torch.compile(forward_backward))"
-OURS_TO_UPSTREAM_LOSS = {"dino_global_loss": "dino_global_crops_loss", "dino_local_loss": "dino_local_crops_loss",
-                         "ibot_loss": "ibot_loss", "koleo_loss": "koleo_loss", "total_loss": "total_loss"}  # fmt: skip
+OURS_TO_UPSTREAM_LOSS = {
+    "dino_global_loss": "dino_global_crops_loss",
+    "dino_local_loss": "dino_local_crops_loss",
+    "ibot_loss": "ibot_loss",
+    "koleo_loss": "koleo_loss",
+    "total_loss": "total_loss",
+}
 
 
 def log(msg: str) -> None:
@@ -275,26 +280,51 @@ def batch_size(shape: str) -> int:
 
 
 # Our constructor kwarg → upstream's `student.*` key (`build_model` passes these to DinoVisionTransformer).
-_STUDENT_KEYS = {"patch_size": "patch_size", "drop_path_rate": "drop_path_rate", "layerscale_init": "layerscale",
-                 "n_storage_tokens": "n_storage_tokens", "qkv_bias": "qkv_bias", "proj_bias": "proj_bias",
-                 "ffn_bias": "ffn_bias", "ffn_layer": "ffn_layer", "ffn_ratio": "ffn_ratio", "norm_layer": "norm_layer",
-                 "mask_k_bias": "mask_k_bias", "untie_cls_and_patch_norms": "untie_cls_and_patch_norms",
-                 "untie_global_and_local_cls_norm": "untie_global_and_local_cls_norm",
-                 "pos_embed_rope_base": "pos_embed_rope_base", "pos_embed_rope_min_period": "pos_embed_rope_min_period",
-                 "pos_embed_rope_max_period": "pos_embed_rope_max_period",
-                 "pos_embed_rope_normalize_coords": "pos_embed_rope_normalize_coords",
-                 "pos_embed_rope_shift_coords": "pos_embed_rope_shift_coords",
-                 "pos_embed_rope_jitter_coords": "pos_embed_rope_jitter_coords",
-                 "pos_embed_rope_rescale_coords": "pos_embed_rope_rescale_coords",
-                 "pos_embed_rope_dtype": "pos_embed_rope_dtype"}  # fmt: skip
+_STUDENT_KEYS = {
+    "patch_size": "patch_size",
+    "drop_path_rate": "drop_path_rate",
+    "layerscale_init": "layerscale",
+    "n_storage_tokens": "n_storage_tokens",
+    "qkv_bias": "qkv_bias",
+    "proj_bias": "proj_bias",
+    "ffn_bias": "ffn_bias",
+    "ffn_layer": "ffn_layer",
+    "ffn_ratio": "ffn_ratio",
+    "norm_layer": "norm_layer",
+    "mask_k_bias": "mask_k_bias",
+    "untie_cls_and_patch_norms": "untie_cls_and_patch_norms",
+    "untie_global_and_local_cls_norm": "untie_global_and_local_cls_norm",
+    "pos_embed_rope_base": "pos_embed_rope_base",
+    "pos_embed_rope_min_period": "pos_embed_rope_min_period",
+    "pos_embed_rope_max_period": "pos_embed_rope_max_period",
+    "pos_embed_rope_normalize_coords": "pos_embed_rope_normalize_coords",
+    "pos_embed_rope_shift_coords": "pos_embed_rope_shift_coords",
+    "pos_embed_rope_jitter_coords": "pos_embed_rope_jitter_coords",
+    "pos_embed_rope_rescale_coords": "pos_embed_rope_rescale_coords",
+    "pos_embed_rope_dtype": "pos_embed_rope_dtype",
+}
 # Our constructor defaults for kwargs a preset leaves out (vision_transformer.DinoVisionTransformer's signature).
-_OUR_DEFAULTS = {"drop_path_rate": 0.0, "layerscale_init": None, "n_storage_tokens": 0, "qkv_bias": True,
-                 "proj_bias": True, "ffn_bias": True, "ffn_layer": "mlp", "norm_layer": "layernorm",
-                 "mask_k_bias": False, "untie_cls_and_patch_norms": False, "untie_global_and_local_cls_norm": False,
-                 "pos_embed_rope_base": 100.0, "pos_embed_rope_min_period": None, "pos_embed_rope_max_period": None,
-                 "pos_embed_rope_normalize_coords": "separate", "pos_embed_rope_shift_coords": None,
-                 "pos_embed_rope_jitter_coords": None, "pos_embed_rope_rescale_coords": None,
-                 "pos_embed_rope_dtype": "bf16"}  # fmt: skip
+_OUR_DEFAULTS = {
+    "drop_path_rate": 0.0,
+    "layerscale_init": None,
+    "n_storage_tokens": 0,
+    "qkv_bias": True,
+    "proj_bias": True,
+    "ffn_bias": True,
+    "ffn_layer": "mlp",
+    "norm_layer": "layernorm",
+    "mask_k_bias": False,
+    "untie_cls_and_patch_norms": False,
+    "untie_global_and_local_cls_norm": False,
+    "pos_embed_rope_base": 100.0,
+    "pos_embed_rope_min_period": None,
+    "pos_embed_rope_max_period": None,
+    "pos_embed_rope_normalize_coords": "separate",
+    "pos_embed_rope_shift_coords": None,
+    "pos_embed_rope_jitter_coords": None,
+    "pos_embed_rope_rescale_coords": None,
+    "pos_embed_rope_dtype": "bf16",
+}
 
 
 def our_backbone_kwargs(cfg: Any) -> dict[str, Any]:
@@ -322,33 +352,69 @@ def upstream_config(up: dict[str, Any], cfg: Any, batch: int) -> tuple[Any, list
     heads = {}
     for name in ("dino", "ibot"):
         h = getattr(cfg.heads, name)
-        heads[name] = {"head_n_prototypes": h.n_prototypes, "head_hidden_dim": h.hidden_dim,
-                       "head_bottleneck_dim": h.bottleneck_dim, "head_nlayers": h.nlayers}  # fmt: skip
+        heads[name] = {
+            "head_n_prototypes": h.n_prototypes,
+            "head_hidden_dim": h.hidden_dim,
+            "head_bottleneck_dim": h.bottleneck_dim,
+            "head_nlayers": h.nlayers,
+        }
     losses, o, c = cfg.losses, cfg.optim, cfg.crops
-    crops = {"global_crops_size": c.global_size, "local_crops_size": c.local_size,
-             "local_crops_number": c.n_local_crops}  # fmt: skip
-    dino = {**heads["dino"], "loss_weight": losses.dino_weight, "koleo_loss_weight": losses.koleo_weight,
-            "global_ignore_diagonal": True, "reweight_dino_local_loss": False}  # fmt: skip
-    ibot = {**heads["ibot"], "loss_weight": losses.ibot_weight, "mask_ratio_min_max": list(c.mask_ratio),
-            "mask_sample_probability": c.mask_probability}  # fmt: skip
-    optim = {"clip_grad": o.clip_grad, "layerwise_decay": o.layer_decay, "patch_embed_lr_mult": o.patch_embed_lr_mult,
-             "adamw_beta1": o.adamw_beta1, "adamw_beta2": o.adamw_beta2, "weight_decay": o.weight_decay}  # fmt: skip
+    crops = {
+        "global_crops_size": c.global_size,
+        "local_crops_size": c.local_size,
+        "local_crops_number": c.n_local_crops,
+    }
+    dino = {
+        **heads["dino"],
+        "loss_weight": losses.dino_weight,
+        "koleo_loss_weight": losses.koleo_weight,
+        "global_ignore_diagonal": True,
+        "reweight_dino_local_loss": False,
+    }
+    ibot = {
+        **heads["ibot"],
+        "loss_weight": losses.ibot_weight,
+        "mask_ratio_min_max": list(c.mask_ratio),
+        "mask_sample_probability": c.mask_probability,
+    }
+    optim = {
+        "clip_grad": o.clip_grad,
+        "layerwise_decay": o.layer_decay,
+        "patch_embed_lr_mult": o.patch_embed_lr_mult,
+        "adamw_beta1": o.adamw_beta1,
+        "adamw_beta2": o.adamw_beta2,
+        "weight_decay": o.weight_decay,
+    }
     train = {"batch_size_per_gpu": batch, "compile": False, "centering": "sinkhorn_knopp"}
-    overrides = {"student": student, "crops": crops, "dino": dino, "ibot": ibot, "gram": {"use_loss": False},
-                 "train": train, "optim": optim}  # fmt: skip
+    overrides = {
+        "student": student,
+        "crops": crops,
+        "dino": dino,
+        "ibot": ibot,
+        "gram": {"use_loss": False},
+        "train": train,
+        "optim": optim,
+    }
     ucfg = OmegaConf.merge(up["configs"].get_default_config(), OmegaConf.create(overrides))
     # What upstream hard-codes, against ours.
-    fixed = {"student_temp": (losses.student_temp, 0.1), "sinkhorn_iterations": (losses.sinkhorn_iterations, 3),
-             "local_loss_weight": (losses.local_loss_weight, 1.0), "n_global_crops": (c.n_global_crops, 2)}  # fmt: skip
+    fixed = {
+        "student_temp": (losses.student_temp, 0.1),
+        "sinkhorn_iterations": (losses.sinkhorn_iterations, 3),
+        "local_loss_weight": (losses.local_loss_weight, 1.0),
+        "n_global_crops": (c.n_global_crops, 2),
+    }
     pairs = [{"setting": f"upstream hard-codes {k}", "ours": a, "upstream": b} for k, (a, b) in fixed.items()]
     for ours, theirs in _STUDENT_KEYS.items():
         pairs.append({"setting": f"student.{theirs}", "ours": kw[ours], "upstream": ucfg.student[theirs]})
     # The dimensions come with upstream's arch function (build_model passes no embed_dim, depth, heads or FFN
     # ratio: its `student.ffn_ratio` key is unused by the ViT presets), so read them off a meta-device instance.
     probe = getattr(up["vits"], arch)(patch_size=kw["patch_size"], device="meta")
-    sizes = {"embed_dim": (kw["embed_dim"], probe.embed_dim), "depth": (kw["depth"], len(probe.blocks)),
-            "num_heads": (kw["num_heads"], probe.num_heads),
-            "ffn hidden": (round(kw["embed_dim"] * kw["ffn_ratio"]), probe.blocks[0].mlp.fc1.out_features)}  # fmt: skip
+    sizes = {
+        "embed_dim": (kw["embed_dim"], probe.embed_dim),
+        "depth": (kw["depth"], len(probe.blocks)),
+        "num_heads": (kw["num_heads"], probe.num_heads),
+        "ffn hidden": (round(kw["embed_dim"] * kw["ffn_ratio"]), probe.blocks[0].mlp.fc1.out_features),
+    }
     for k, (a, b) in sizes.items():
         pairs.append({"setting": f"backbone {k} (upstream: its arch {arch})", "ours": a, "upstream": b})
     unequal = [p for p in pairs if p["ours"] != p["upstream"]]
@@ -413,8 +479,16 @@ def upstream_batch(up: dict[str, Any], crops: Any, masks: Any) -> dict[str, Any]
     }
 
 
-def our_step(model: Any, optimizer: Any, cfg: Any, crops: Any, masks: Any, bf16: bool,
-             first: dict[str, float], whole_step: bool = False) -> Step:  # fmt: skip
+def our_step(
+    model: Any,
+    optimizer: Any,
+    cfg: Any,
+    crops: Any,
+    masks: Any,
+    bf16: bool,
+    first: dict[str, float],
+    whole_step: bool = False,
+) -> Step:
     from dinov3_core.train.distributed import DistEnv
     from dinov3_core.train.optim import clip_gradients
     from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
@@ -426,8 +500,9 @@ def our_step(model: Any, optimizer: Any, cfg: Any, crops: Any, masks: Any, bf16:
     fb = torch.compile(forward_backward) if whole_step else forward_backward
 
     def step() -> None:
-        values = fb(model, None, env, crops, masks, keys=keys, n_micro=1, teacher_temp=TEACHER_TEMP,
-                                  koleo_base=0, bf16=bf16)  # fmt: skip
+        values = fb(
+            model, None, env, crops, masks, keys=keys, n_micro=1, teacher_temp=TEACHER_TEMP, koleo_base=0, bf16=bf16
+        )
         if not first:
             first.update({k: float(v) for k, v in zip(keys, values.tolist(), strict=False) if k in LOSS_NAMES})
         clip_gradients(model.student, cfg.optim.clip_grad)
@@ -438,8 +513,9 @@ def our_step(model: Any, optimizer: Any, cfg: Any, crops: Any, masks: Any, bf16:
     return step
 
 
-def upstream_step(model: Any, optimizer: Any, ucfg: Any, data: dict[str, Any], bf16: bool,
-                  first: dict[str, float]) -> Step:  # fmt: skip
+def upstream_step(
+    model: Any, optimizer: Any, ucfg: Any, data: dict[str, Any], bf16: bool, first: dict[str, float]
+) -> Step:
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     def step() -> None:
@@ -468,8 +544,9 @@ def _ratio(up_row: dict[str, Any] | None, row: dict[str, Any]) -> tuple[float | 
     return row["items_per_s"] / up_row["items_per_s"], statistics.median(paired)
 
 
-def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, label: str, bf16: bool,
-               compiled: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+def shape_rows(
+    shape: str, rounds: int, peak: float, up: dict[str, Any] | None, label: str, bf16: bool, compiled: bool = True
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of one shape; `up` None: ours only. Also the shape's notes (config pairs, first-step losses)."""
     from dinov3_core.data.augment import MultiCrops
     from dinov3_core.data.masking import IBOTMaskSampler
@@ -478,16 +555,23 @@ def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, 
     cfg, batch = our_config(shape), batch_size(shape)
     c = cfg.crops
     torch.manual_seed(0)
-    crops = MultiCrops(torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
-                       torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size))  # fmt: skip
+    crops = MultiCrops(
+        torch.randn(c.n_global_crops, batch, 3, c.global_size, c.global_size),
+        torch.randn(c.n_local_crops, batch, 3, c.local_size, c.local_size),
+    )
     grid = c.global_size // our_backbone_kwargs(cfg)["patch_size"]
     masks = IBOTMaskSampler(grid, mask_ratio=tuple(c.mask_ratio), mask_probability=c.mask_probability)(
         batch, c.n_global_crops, rng=0
     )
     described = f"{c.n_global_crops}×{c.global_size}² + {c.n_local_crops}×{c.local_size}²"
-    notes: dict[str, Any] = {"shape": shape, "arch": cfg.student.arch, "batch": batch, "crops": described,
-                             "prototypes": cfg.heads.dino.n_prototypes,
-                             "masked_patches": masks.n_masked_patches}  # fmt: skip
+    notes: dict[str, Any] = {
+        "shape": shape,
+        "arch": cfg.student.arch,
+        "batch": batch,
+        "crops": described,
+        "prototypes": cfg.heads.dino.n_prototypes,
+        "masked_patches": masks.n_masked_patches,
+    }
     log(f"[{shape}] building models")
     ml.fresh_dynamo()  # no earlier section's graphs: past Dynamo's recompile limit "compiled" silently runs eager
     # (name, upstream?, compiled: "" eager, "blocks" train.compile, "step" torch.compile(forward_backward), bf16?)
@@ -537,8 +621,20 @@ def shape_rows(shape: str, rounds: int, peak: float, up: dict[str, Any] | None, 
     times = ml.interleaved(steps, rounds, PER_ROUND[shape])
     rows = []
     for name, seconds in times.items():
-        r = ml.row("train step", name, seconds, flops, peak, batch, "img/s", arch=cfg.student.arch,
-                   recipe="cpu", shape=shape, first_call_s=first_call[name], first_step_losses=first[name])  # fmt: skip
+        r = ml.row(
+            "train step",
+            name,
+            seconds,
+            flops,
+            peak,
+            batch,
+            "img/s",
+            arch=cfg.student.arch,
+            recipe="cpu",
+            shape=shape,
+            first_call_s=first_call[name],
+            first_step_losses=first[name],
+        )
         if "compiled" in name:
             r["compile_warmup_s"] = first_call[name]
         if up is not None:  # a numerics check: same weights and batch, so the first step's losses must agree
@@ -596,8 +692,12 @@ def upstream_rows(
         for shape in shapes:
             shape_out, shape_notes = shape_rows(shape, rounds, peak, up, label, bf16, compiled)
             for r in shape_out:
-                r.update(upstream_commit=commit, upstream_src=str(upstream_src), gloo_allreduce_us=allreduce_us,
-                         upstream_stubs=up["stubs"])  # fmt: skip
+                r.update(
+                    upstream_commit=commit,
+                    upstream_src=str(upstream_src),
+                    gloo_allreduce_us=allreduce_us,
+                    upstream_stubs=up["stubs"],
+                )
             rows += shape_out
             if notes is not None:
                 notes.append({**shape_notes, "upstream_commit": commit, "gloo_allreduce_us": allreduce_us})
@@ -615,9 +715,13 @@ def upstream_rows(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream-src", type=Path, default=None,
-                        help="a facebookresearch/dinov3 checkout (the directory holding dinov3/); without it the "
-                             "upstream rows are skipped")  # fmt: skip
+    parser.add_argument(
+        "--upstream-src",
+        type=Path,
+        default=None,
+        help="a facebookresearch/dinov3 checkout (the directory holding dinov3/); without it the "
+        "upstream rows are skipped",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
@@ -628,9 +732,15 @@ def main() -> None:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     ml = _limits()
-    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "rounds": args.rounds, "load_average_start": os.getloadavg()[0]}  # fmt: skip
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "rounds": args.rounds,
+        "load_average_start": os.getloadavg()[0],
+    }
     peak = ml.matmul_peak(2048, torch.float32, 10)
     notes: list[dict[str, Any]] = []
     if args.upstream_src is None:
@@ -642,8 +752,15 @@ def main() -> None:
             notes.append(shape_notes)
         env["upstream"] = "skipped"
     else:
-        rows = upstream_rows(args.upstream_src, args.rounds, shapes=shapes, bf16=args.bf16,
-                             compiled=not args.no_compile, peak=peak, notes=notes)  # fmt: skip
+        rows = upstream_rows(
+            args.upstream_src,
+            args.rounds,
+            shapes=shapes,
+            bf16=args.bf16,
+            compiled=not args.no_compile,
+            peak=peak,
+            notes=notes,
+        )
         env["upstream"] = {"src": str(args.upstream_src), "commit": upstream_commit(args.upstream_src.resolve())}
     env["load_average_end"] = os.getloadavg()[0]
     doc = {"environment": env, "matmul_peak_gflops": {"fp32": peak}, "rows": rows, "notes": notes}
@@ -655,9 +772,11 @@ def print_table(doc: dict[str, Any]) -> None:
     env = doc["environment"]
     up = env["upstream"]
     source = "upstream skipped" if up == "skipped" else f"facebookresearch/dinov3 {up['commit']}"
-    print(f"\n## train step vs upstream ({source}; torch {env['torch']}, {env['threads']} threads, "
-          f"{env['cpu_capability']}; load {env['load_average_start']:.1f} → {env['load_average_end']:.1f}; "
-          f"{env['rounds']} rounds)\n")  # fmt: skip
+    print(
+        f"\n## train step vs upstream ({source}; torch {env['torch']}, {env['threads']} threads, "
+        f"{env['cpu_capability']}; load {env['load_average_start']:.1f} → {env['load_average_end']:.1f}; "
+        f"{env['rounds']} rounds)\n"
+    )
     print(
         "| model | variant | throughput (median, min–max) | GFLOP/s | % of fp32 peak | first call s "
         "| × upstream eager (paired) | × upstream, same mode | first-step losses vs upstream eager |"
@@ -672,8 +791,10 @@ def print_table(doc: dict[str, Any]) -> None:
         diff = r.get("first_step_max_rel_diff_vs_upstream_eager")
         diff = "" if diff is None else f"{diff:.1e}"
         speed = f"{r['items_per_s']:.2f} {r['unit']} ({lo:.2f}–{hi:.2f})"
-        print(f"| {r['arch']} | {r['variant']} | {speed} | {r['gflops']:.0f} | {r['percent_of_peak']:.0f} "
-              f"| {r['first_call_s']:.1f} | {ratio} | {same} | {diff} |")  # fmt: skip
+        print(
+            f"| {r['arch']} | {r['variant']} | {speed} | {r['gflops']:.0f} | {r['percent_of_peak']:.0f} "
+            f"| {r['first_call_s']:.1f} | {ratio} | {same} | {diff} |"
+        )
     for n in doc["notes"]:
         if "loss_check" not in n:
             continue

@@ -67,8 +67,12 @@ def chain(root: Path, model_bytes: int, *, records: bool) -> list[tuple[Path | N
 
     convert = done("convert", model / mf.MANIFEST_NAME, {"backbone": backbone}, {})
     export = done("export", mf.manifest_path(onnx, is_dir=False), {"onnx": onnx}, {"weights": backbone})
-    return [(convert, {}), (export, {"weights": backbone}), (None, {"candidate": onnx, "tile_store": store}),
-            (None, {"model": onnx, "tile_store": store})]  # fmt: skip
+    return [
+        (convert, {}),
+        (export, {"weights": backbone}),
+        (None, {"candidate": onnx, "tile_store": store}),
+        (None, {"model": onnx, "tile_store": store}),
+    ]
 
 
 def rerun(stages: list[tuple[Path | None, dict[str, Path]]]) -> None:
@@ -94,15 +98,21 @@ def main() -> None:
         model_bytes = int(PARAMS[arch] * 4)
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            before, after = chain(root / "before", model_bytes, records=False), chain(root / "after", model_bytes,
-                                                                                       records=True)  # fmt: skip
+            before, after = (
+                chain(root / "before", model_bytes, records=False),
+                chain(root / "after", model_bytes, records=True),
+            )
             ckpt = root / "ckpt" / "99"  # student + teacher + two AdamW moments, in 4 shard files
             for i in range(4):
                 write_random(ckpt / f"__{i}_0.distcp", model_bytes)
             (ckpt / ".metadata").write_bytes(b"m")
             checksums.write_checksums(ckpt)
-            timings: dict[str, list[float]] = {"rerun_before": [], "rerun_after": [], "resume_before": [],
-                                               "resume_after": []}  # fmt: skip
+            timings: dict[str, list[float]] = {
+                "rerun_before": [],
+                "rerun_after": [],
+                "resume_before": [],
+                "resume_after": [],
+            }
             for _ in range(args.repeats):  # interleaved: the box's load hits both sides alike
                 timings["rerun_before"].append(fresh(lambda: rerun(before)))  # noqa: B023
                 timings["rerun_after"].append(fresh(lambda: rerun(after)))  # noqa: B023
@@ -111,14 +121,18 @@ def main() -> None:
             best = {k: min(v) for k, v in timings.items()}
             sizes = {"model_mb": round(model_bytes / 1e6), "checkpoint_mb": round(4 * model_bytes / 1e6)}
             rows.append({"arch": arch, **sizes, **{k: round(v, 3) for k, v in best.items()}})
-    print("| backbone | model file | checkpoint | no-op rerun: before | after | added | resume pick: before | "
-          "after | added |")  # fmt: skip
+    print(
+        "| backbone | model file | checkpoint | no-op rerun: before | after | added | resume pick: before | "
+        "after | added |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['arch']} | {r['model_mb']} MB | {r['checkpoint_mb']} MB | {r['rerun_before']:.3f} s | "
-              f"{r['rerun_after']:.3f} s | +{r['rerun_after'] - r['rerun_before']:.2f} s | "
-              f"{r['resume_before']:.3f} s | {r['resume_after']:.3f} s | "
-              f"+{r['resume_after'] - r['resume_before']:.2f} s |")  # fmt: skip
+        print(
+            f"| {r['arch']} | {r['model_mb']} MB | {r['checkpoint_mb']} MB | {r['rerun_before']:.3f} s | "
+            f"{r['rerun_after']:.3f} s | +{r['rerun_after'] - r['rerun_before']:.2f} s | "
+            f"{r['resume_before']:.3f} s | {r['resume_after']:.3f} s | "
+            f"+{r['resume_after'] - r['resume_before']:.2f} s |"
+        )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost.json").write_text(json.dumps({"rows": rows, "repeats": args.repeats}, indent=1))

@@ -101,13 +101,17 @@ def add_stage_command(sub: Any, stage: Stage[Any]) -> argparse.ArgumentParser:
     p.add_argument(
         "--config", help=f"YAML file, or a name under dinov3_core/configs/{stage.name}/ ({', '.join(named)})"
     )
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help=f"any config key of the stage, e.g. {stage.override_example}")  # fmt: skip
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help=f"any config key of the stage, e.g. {stage.override_example}"
+    )
     p.add_argument(
         "--force", action="store_true", help="run even when the stage manifest says the outputs are up to date"
     )
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved configuration as YAML and exit (use it as --config)")  # fmt: skip
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as YAML and exit (use it as --config)",
+    )
     for o in stage.options:
         p.add_argument(o.flag, type=o.type, action="append" if o.repeat else None, help=o.help)
     if stage.launch_help:

@@ -62,8 +62,15 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 # `wsidino pipeline` options → pipeline config keys (the same fields as the `pipeline` deployment's form).
-PIPELINE_OPTIONS = {"slides": "slides", "workdir": "workdir", "weights": "weights", "annotations": "annotations",
-                    "start_at": "start_from", "stop_after": "stop_after", "force": "force"}  # fmt: skip
+PIPELINE_OPTIONS = {
+    "slides": "slides",
+    "workdir": "workdir",
+    "weights": "weights",
+    "annotations": "annotations",
+    "start_at": "start_from",
+    "stop_after": "stop_after",
+    "force": "force",
+}
 
 PIPELINE_EPILOG = """\
 stages:
@@ -130,23 +137,49 @@ def add_chain_commands(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=PIPELINE_EPILOG,
     )
-    pipeline.add_argument("--slides", help="directory (searched recursively), glob, slide file or .txt/.csv list "
-                          "(required, unless the --config file sets it)")  # fmt: skip
+    pipeline.add_argument(
+        "--slides",
+        help="directory (searched recursively), glob, slide file or .txt/.csv list "
+        "(required, unless the --config file sets it)",
+    )
     pipeline.add_argument("--workdir", help="where every output goes (required, unless the --config file sets it)")
     pipeline.add_argument("--config", help="a name under dinov3_core/configs/pipeline/ (default cpu) or a YAML path")
-    pipeline.add_argument("--weights", help="released DINOv3 backbone to warm-start from: a .pth file, or a preset "
-                          "(vitb16, …) found in weights_dir=DIR / $WSIDINO_WEIGHTS_DIR")  # fmt: skip
-    pipeline.add_argument("--annotations", help="QuPath <slide_id>.geojson folder or CSV slide_id,x,y,label for the "
-                          "evaluation (without: label-free health, no promotion)")  # fmt: skip
-    pipeline.add_argument("--from", dest="start_from", choices=STAGE_NAMES, metavar="STAGE",
-                          help="start at this stage (earlier outputs are used as they are)")  # fmt: skip
+    pipeline.add_argument(
+        "--weights",
+        help="released DINOv3 backbone to warm-start from: a .pth file, or a preset "
+        "(vitb16, …) found in weights_dir=DIR / $WSIDINO_WEIGHTS_DIR",
+    )
+    pipeline.add_argument(
+        "--annotations",
+        help="QuPath <slide_id>.geojson folder or CSV slide_id,x,y,label for the "
+        "evaluation (without: label-free health, no promotion)",
+    )
+    pipeline.add_argument(
+        "--from",
+        dest="start_from",
+        choices=STAGE_NAMES,
+        metavar="STAGE",
+        help="start at this stage (earlier outputs are used as they are)",
+    )
     pipeline.add_argument("--to", dest="stop_after", choices=STAGE_NAMES, metavar="STAGE", help="stop after this stage")
-    pipeline.add_argument("--force", action="append", choices=STAGE_NAMES, metavar="STAGE",
-                          help="rerun this stage even when up to date (repeat for several)")  # fmt: skip
-    pipeline.add_argument("--print-config", action="store_true",
-                          help="print the resolved configuration as YAML and exit (use it as --config)")  # fmt: skip
-    pipeline.add_argument("overrides", nargs="*", metavar="key=value",
-                          help="pipeline keys, or a stage's key after its name: pretrain.train.stop_at=9")  # fmt: skip
+    pipeline.add_argument(
+        "--force",
+        action="append",
+        choices=STAGE_NAMES,
+        metavar="STAGE",
+        help="rerun this stage even when up to date (repeat for several)",
+    )
+    pipeline.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as YAML and exit (use it as --config)",
+    )
+    pipeline.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="pipeline keys, or a stage's key after its name: pretrain.train.stop_at=9",
+    )
     launch_options(pipeline)
     pipeline.set_defaults(func=cmd_pipeline)
 

@@ -77,8 +77,10 @@ def resolve_config_path(stage: str, name_or_path: str | os.PathLike[str] | None)
             raise ConfigError(f"config file not found: {path}")
         return path
     if not stage:
-        raise ConfigError(f"config {str(name_or_path)!r} is a name, and a named config needs its stage "
-                          "(load_config(..., stage='extract')) or a path to a .yaml file")  # fmt: skip
+        raise ConfigError(
+            f"config {str(name_or_path)!r} is a name, and a named config needs its stage "
+            "(load_config(..., stage='extract')) or a path to a .yaml file"
+        )
     named = config_dir() / stage / f"{name_or_path}.yaml"
     if named.is_file():
         return named

@@ -171,10 +171,14 @@ def _tile_store_fingerprint(store: Path) -> str | None:
         return None
     done = {"ok", "skipped"}  # "skipped" = already complete from an earlier run: the same content as "ok"
     slides = sorted(
-        (s.get("slide_id"), "ok" if s.get("status") in done else s.get("status"), s.get("tile_count"),
-         s.get("source_path"))
+        (
+            s.get("slide_id"),
+            "ok" if s.get("status") in done else s.get("status"),
+            s.get("tile_count"),
+            s.get("source_path"),
+        )
         for s in doc.get("slides", [])
-    )  # fmt: skip
+    )
     return "tiles:" + _sha(doc.get("tiling"), slides)
 
 

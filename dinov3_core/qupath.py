@@ -10,12 +10,30 @@ from pathlib import Path
 import numpy as np
 
 # Distinct colours for up to 12 clusters (Tableau 10 + 2), as QuPath draws classes.
-PALETTE = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 128), (128, 128, 0))  # fmt: skip
+PALETTE = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+    (0, 0, 128),
+    (128, 128, 0),
+)
 
 
-def write_qupath_tiles(path: Path, coords: np.ndarray, tile_level0: float, classes: list[str],
-                       labels: np.ndarray, measurements: dict[str, np.ndarray]) -> None:  # fmt: skip
+def write_qupath_tiles(
+    path: Path,
+    coords: np.ndarray,
+    tile_level0: float,
+    classes: list[str],
+    labels: np.ndarray,
+    measurements: dict[str, np.ndarray],
+) -> None:
     """Tiles as QuPath detections (File > Import objects, or drag the file onto the slide): one square per tile at
     its level-0 coordinates, classified `classes[labels[i]]` (its colour from `PALETTE`), with `measurements`
     (name → one value per tile) in QuPath's measurement list."""
@@ -24,15 +42,17 @@ def write_qupath_tiles(path: Path, coords: np.ndarray, tile_level0: float, class
     for i, (x, y) in enumerate(np.asarray(coords, dtype=np.float64)):
         ring = [[x, y], [x + size, y], [x + size, y + size], [x, y + size], [x, y]]
         label = int(labels[i])
-        features.append({
-            "type": "Feature",
-            "geometry": {"type": "Polygon", "coordinates": [ring]},
-            "properties": {
-                "objectType": "detection",
-                "classification": {"name": classes[label], "color": list(PALETTE[label % len(PALETTE)])},
-                "measurements": {name: round(float(values[i]), 6) for name, values in measurements.items()},
-            },
-        })  # fmt: skip
+        features.append(
+            {
+                "type": "Feature",
+                "geometry": {"type": "Polygon", "coordinates": [ring]},
+                "properties": {
+                    "objectType": "detection",
+                    "classification": {"name": classes[label], "color": list(PALETTE[label % len(PALETTE)])},
+                    "measurements": {name: round(float(values[i]), 6) for name, values in measurements.items()},
+                },
+            }
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.incoming")
     partial.write_text(json.dumps({"type": "FeatureCollection", "features": features}))

@@ -260,7 +260,7 @@ def _stage_mlflow_run(
     all_tags = {tracking.STAGE_TAG: stage, **hooks.tags, **tags}
     with tracking.pending_stage_run(
         cfg, hooks.run_name or stage, params, all_tags, run_id=run_id, parent_run_id=parent, background=background
-    ) as pending:  # fmt: skip
+    ) as pending:
         yield pending
 
 

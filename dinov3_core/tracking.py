@@ -109,8 +109,11 @@ def _check_store(path: Path) -> None:
             if verdict != ["ok"]:
                 raise _store_error(path, f"SQLite finds it damaged: {verdict[0]}")
             tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            versions = con.execute("SELECT version_num FROM alembic_version").fetchall() if (
-                "alembic_version" in tables) else []  # fmt: skip
+            versions = (
+                con.execute("SELECT version_num FROM alembic_version").fetchall()
+                if ("alembic_version" in tables)
+                else []
+            )
     except sqlite3.OperationalError as err:
         if "locked" in str(err):
             return  # another run holds it for longer than the timeout: busy, not broken; MLflow will wait too
@@ -200,9 +203,13 @@ class PendingRun:
 
 
 def _start_run(
-    cfg: TrackingConfig, run_name: str, tags: Mapping[str, str] | None, run_id: str | None,
-    parent_run_id: str | None, system_metrics: bool | None,
-) -> Any:  # fmt: skip
+    cfg: TrackingConfig,
+    run_name: str,
+    tags: Mapping[str, str] | None,
+    run_id: str | None,
+    parent_run_id: str | None,
+    system_metrics: bool | None,
+) -> Any:
     import mlflow
 
     uri = tracking_uri(cfg)
@@ -374,8 +381,9 @@ def ensure_experiment(name: str, uri: str) -> str:
     if experiment is None:
         # Another process may create it at the same moment; then set_experiment below finds theirs.
         with contextlib.suppress(mlflow.exceptions.MlflowException):
-            mlflow.create_experiment(name, artifact_location=artifact_location(uri),
-                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})  # fmt: skip
+            mlflow.create_experiment(
+                name, artifact_location=artifact_location(uri), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
     selected = mlflow.set_experiment(name)
     if EXPERIMENT_KIND_TAG not in selected.tags:  # created before wsidino set it, or by someone else
         with contextlib.suppress(mlflow.exceptions.MlflowException):

@@ -71,19 +71,28 @@ def pipeline_parallel() -> None:
             x, y = 0.2 + stage * 3.0, 2.2 - dp * 2.0
             rank = stage * 2 + dp
             grid.add_patch(FancyBboxPatch((x, y), 2.7, 1.7, boxstyle="round,pad=0.04", fc="#e8f0fe", ec="#1a73e8"))
-            grid.text(x + 1.35, y + 1.42, f"rank {rank}: stage {stage}, dp {dp}", ha="center", fontsize=9,
-                      weight="bold")  # fmt: skip
+            grid.text(
+                x + 1.35, y + 1.42, f"rank {rank}: stage {stage}, dp {dp}", ha="center", fontsize=9, weight="bold"
+            )
             grid.text(x + 1.35, y + 0.75, holds[stage], ha="center", va="center", fontsize=7.5)
             grid.text(x + 1.35, y + 0.14, "+ that stage of the teacher", ha="center", fontsize=7, color="#5f6368")
         grid.add_patch(FancyArrowPatch((2.95, 3.05 - 2.0 * 0), (3.2, 3.05), arrowstyle="-|>", mutation_scale=12))
         grid.add_patch(FancyArrowPatch((2.95, 1.05), (3.2, 1.05), arrowstyle="-|>", mutation_scale=12))
     grid.text(3.1, 4.05, "activations →  ← gradients (pipeline group: same dp index)", ha="center", fontsize=8)
-    grid.text(3.1, -0.05, "FSDP all-gather / reduce-scatter within a stage (data-parallel group: same stage)",
-              ha="center", fontsize=8, color="#5f6368")  # fmt: skip
+    grid.text(
+        3.1,
+        -0.05,
+        "FSDP all-gather / reduce-scatter within a stage (data-parallel group: same stage)",
+        ha="center",
+        fontsize=8,
+        color="#5f6368",
+    )
 
     # 1F1B, 2 stages, 4 micro-batches: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; stage 1 F0 B0 F1 B1 … one slot later.
-    slots = {0: ["F0", "F1", None, "B0", "F2", "B1", "F3", "B2", None, "B3"],
-             1: [None, "F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", None]}  # fmt: skip
+    slots = {
+        0: ["F0", "F1", None, "B0", "F2", "B1", "F3", "B2", None, "B3"],
+        1: [None, "F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", None],
+    }
     time.set_xlim(-5.2, 11.3)
     time.set_ylim(-0.9, 2.4)
     time.axis("off")

@@ -14,9 +14,13 @@ from pathlib import Path
 DOCS = (Path(__file__).resolve().parent / "hardware.md",)  # every page that carries the table (the README links to it)
 BEGIN, END = "<!-- hardware-table: begin -->", "<!-- hardware-table: end -->"
 RECIPES = (  # (config, GPUs per run)
-    ("vits16-1gpu", 1), ("vitb16-1gpu", 1), ("vitl16-1gpu", 1),
-    ("vits16-continued", 8), ("vitb16-continued", 8), ("vitl16-continued", 8),
-)  # fmt: skip
+    ("vits16-1gpu", 1),
+    ("vitb16-1gpu", 1),
+    ("vitl16-1gpu", 1),
+    ("vits16-continued", 8),
+    ("vitb16-continued", 8),
+    ("vitl16-continued", 8),
+)
 GPU_GB = (24, 40, 80)
 BUDGET_SHARE = 0.9  # the planner's default budget: 90 % of the GPU's memory
 

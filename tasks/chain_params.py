@@ -26,46 +26,54 @@ class PipelineParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Pipeline parameters")
 
     slides: str = Field(
-        min_length=1, title="Slides",
+        min_length=1,
+        title="Slides",
         description="A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     workdir: str = Field(
-        min_length=1, title="Work directory",
+        min_length=1,
+        title="Work directory",
         description="Every stage's output goes under it, e.g. /data/runs/lab1 (the MLflow store too, unless a "
         "tracking URI is set below).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     config: str = Field(
-        "cpu", title="Pipeline config",
+        "cpu",
+        title="Pipeline config",
         description="A name under dinov3_core/configs/pipeline/: cpu (demo and smoke runs), vits16-1gpu, vitb16-1gpu, "
         "vitl16-1gpu (one GPU), vitb16, vitl16 (8 GPUs; docs/hardware.md), or a YAML path.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     weights: str | None = Field(
-        None, title="Released DINOv3 weights",
+        None,
+        title="Released DINOv3 weights",
         description="Warm start: a local .pth, or a preset (vitb16, …) found in weights_dir / $WSIDINO_WEIGHTS_DIR. "
         "Empty: random init.",
         json_schema_extra=ui(3),
-    )  # fmt: skip
+    )
     annotations: str | None = Field(
-        None, title="Annotations",
+        None,
+        title="Annotations",
         description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
         "Empty: label-free health only, no promotion.",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     start_at: StageName = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
     stop_after: StageName = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
     force: list[StageName] = Field(
-        default_factory=list, title="Force stages", description="Recompute these even when up to date.",
+        default_factory=list,
+        title="Force stages",
+        description="Recompute these even when up to date.",
         json_schema_extra=ui(7),
-    )  # fmt: skip
+    )
     overrides: list[Override] = Field(
-        default_factory=list, title="Overrides",
+        default_factory=list,
+        title="Overrides",
         description="Pipeline keys (gram_anchoring=false, extract_model=candidate, weights_dir=/weights) or any "
         "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
         json_schema_extra=ui(8),
-    )  # fmt: skip
+    )
     launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(9))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
 
@@ -76,9 +84,16 @@ class PipelineParams(BaseModel):
         return self
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"slides": self.slides, "workdir": self.workdir, "weights": self.weights,
-                  "annotations": self.annotations, "start_at": self.start_at, "stop_after": self.stop_after,
-                  "force": list(self.force) or None, **self.tracking.config_values()}  # fmt: skip
+        fields = {
+            "slides": self.slides,
+            "workdir": self.workdir,
+            "weights": self.weights,
+            "annotations": self.annotations,
+            "start_at": self.start_at,
+            "stop_after": self.stop_after,
+            "force": list(self.force) or None,
+            **self.tracking.config_values(),
+        }
         return merge_values(self.overrides, fields, "pipeline")
 
 
@@ -92,42 +107,55 @@ class RetrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Retrain parameters")
 
     slides: str = Field(
-        min_length=1, title="Slides",
+        min_length=1,
+        title="Slides",
         description="The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     root: str = Field(
-        min_length=1, title="Retraining root",
-        description="tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain.", json_schema_extra=ui(1),
-    )  # fmt: skip
+        min_length=1,
+        title="Retraining root",
+        description="tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain.",
+        json_schema_extra=ui(1),
+    )
     annotations: str | None = Field(
-        None, title="Annotations",
+        None,
+        title="Annotations",
         description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the gate. Empty: label-free "
         "health only, no promotion unless evaluate.gate.label_free=true.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     config: str = Field(
-        "tiny", title="Retrain config",
+        "tiny",
+        title="Retrain config",
         description="A name under dinov3_core/configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
         json_schema_extra=ui(3),
-    )  # fmt: skip
+    )
     overrides: list[Override] = Field(
-        default_factory=list, title="Overrides",
+        default_factory=list,
+        title="Overrides",
         description="Retrain keys (trigger.min_new_slides=5, length.iterations=2000, retention.keep_last=3, "
         "warm_start=released, pretrained_weights=/w.pth) or any stage's key after its name "
         "(pretrain.train.stop_at=100, evaluate.gate.margin=0.01).",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     force: bool = Field(
-        False, title="Train even if nothing changed", description="trigger.force: train this cycle regardless.",
+        False,
+        title="Train even if nothing changed",
+        description="trigger.force: train this cycle regardless.",
         json_schema_extra=ui(5),
-    )  # fmt: skip
+    )
     launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(6))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"slides": self.slides, "root": self.root, "annotations": self.annotations,
-                  "trigger.force": True if self.force else None, **self.tracking.config_values()}  # fmt: skip
+        fields = {
+            "slides": self.slides,
+            "root": self.root,
+            "annotations": self.annotations,
+            "trigger.force": True if self.force else None,
+            **self.tracking.config_values(),
+        }
         return merge_values(self.overrides, fields, "retrain")
 
 

@@ -62,13 +62,23 @@ class KubernetesSettings(BaseModel):
 def render(job: TorchrunJob, settings: KubernetesSettings, *, name: str) -> list[dict[str, Any]]:
     """[Service, Job] for `job` (its env, module and arguments; its log dir on the shared volume)."""
     endpoint = f"{name}-0.{name}:{RDZV_PORT}"
-    args = [f"--nnodes={job.nnodes}", f"--nproc-per-node={job.nproc_per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}", "--max-restarts=0"]  # fmt: skip
+    args = [
+        f"--nnodes={job.nnodes}",
+        f"--nproc-per-node={job.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={name}",
+        "--max-restarts=0",
+    ]
     if job.log_dir is not None:
         args.append(f"--log-dir={job.log_dir}")
     args += ["-m", job.module, *job.args]
-    env = {"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           **job.env}  # fmt: skip
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_DEBUG": "WARN",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **job.env,
+    }
     gpus = {"nvidia.com/gpu": settings.gpus_per_node} if settings.gpus_per_node else {}
     labels = {"app": name}
     service = {
@@ -87,22 +97,30 @@ def render(job: TorchrunJob, settings: KubernetesSettings, *, name: str) -> list
         "restartPolicy": "Never",
         "nodeSelector": dict(settings.node_selector),
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "containers": [{
-            "name": "torchrun",
-            "image": settings.image,
-            "workingDir": settings.working_dir,
-            "command": ["torchrun"],
-            "args": args,
-            "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-            "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT}],
-            "resources": {"requests": {"cpu": str(settings.cpus_per_node), "memory": settings.memory, **gpus},
-                          "limits": {"memory": settings.memory, **gpus}},
-            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
-                             {"name": "data", "mountPath": settings.data_path}],
-        }],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm}},
-                    {"name": "data", "persistentVolumeClaim": {"claimName": settings.data_claim}}],
-    }  # fmt: skip
+        "containers": [
+            {
+                "name": "torchrun",
+                "image": settings.image,
+                "workingDir": settings.working_dir,
+                "command": ["torchrun"],
+                "args": args,
+                "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+                "ports": [{"name": "rendezvous", "containerPort": RDZV_PORT}],
+                "resources": {
+                    "requests": {"cpu": str(settings.cpus_per_node), "memory": settings.memory, **gpus},
+                    "limits": {"memory": settings.memory, **gpus},
+                },
+                "volumeMounts": [
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                    {"name": "data", "mountPath": settings.data_path},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": settings.data_claim}},
+        ],
+    }
     job_manifest = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -146,9 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"wsidino-{args.stage}"
     # The pods resolve the named config and overrides themselves (dinov3_core/configs/ is in the image): nothing is
     # written here, and the manifest reads as the command it runs.
-    job = TorchrunJob(module=stage.job_module, args=["--config", args.config, *args.overrides],
-                      nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
-                      env=dict(item.split("=", 1) for item in args.env))  # fmt: skip
+    job = TorchrunJob(
+        module=stage.job_module,
+        args=["--config", args.config, *args.overrides],
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nodes,
+        env=dict(item.split("=", 1) for item in args.env),
+    )
     settings = KubernetesSettings(image=args.image, gpus_per_node=args.nproc_per_node)
     sys.stdout.write(to_yaml(render(job, settings, name=name)))
     return 0
@@ -162,11 +184,15 @@ def kubectl(args: list[str], input_text: str | None = None, check: bool = True) 
     try:
         done = subprocess.run(["kubectl", *args], input=input_text, capture_output=True, text=True, check=False)
     except FileNotFoundError:
-        raise KubectlError("launch.backend=kubernetes but `kubectl` is not on this worker's PATH (with a kubeconfig "
-                           "or in-cluster credentials): see docs/cluster.md") from None  # fmt: skip
+        raise KubectlError(
+            "launch.backend=kubernetes but `kubectl` is not on this worker's PATH (with a kubeconfig "
+            "or in-cluster credentials): see docs/cluster.md"
+        ) from None
     if check and done.returncode != 0:
-        raise KubectlError(f"kubectl {' '.join(args[:3])} failed: {done.stderr.strip()[:1000]}; check "
-                           "launch.kubernetes (namespace, image, data_claim, resources)")  # fmt: skip
+        raise KubectlError(
+            f"kubectl {' '.join(args[:3])} failed: {done.stderr.strip()[:1000]}; check "
+            "launch.kubernetes (namespace, image, data_claim, resources)"
+        )
     return done
 
 
@@ -230,8 +256,15 @@ class KubernetesRunner:
             return
         run_dir = new_run_dir(log_dir, runs_before)
         root_cause, rank, rank_code = diagnose_failure(run_dir, console, 1)
-        raise TorchrunFailed(job.module, exit_code=1, root_cause=f"Kubernetes job {ns}/{name}: {root_cause}",
-                             log_dir=log_dir, rank=rank, rank_exit_code=rank_code, run_log_dir=run_dir)  # fmt: skip
+        raise TorchrunFailed(
+            job.module,
+            exit_code=1,
+            root_cause=f"Kubernetes job {ns}/{name}: {root_cause}",
+            log_dir=log_dir,
+            rank=rank,
+            rank_exit_code=rank_code,
+            run_log_dir=run_dir,
+        )
 
 
 def _job_state(ns: str, name: str) -> str:
@@ -246,8 +279,12 @@ def _job_state(ns: str, name: str) -> str:
 def _follow_rank0(ns: str, name: str, lines: queue.SimpleQueue[str]) -> subprocess.Popen[str]:
     """`kubectl logs -f` of pod 0 (torchrun's local rank 0 of node 0 is rank 0), line by line into `lines`."""
     selector = f"job-name={name},batch.kubernetes.io/job-completion-index=0"
-    proc = subprocess.Popen(["kubectl", "logs", "-n", ns, "-l", selector, "-f", "--tail=-1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["kubectl", "logs", "-n", ns, "-l", selector, "-f", "--tail=-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def pump() -> None:
         assert proc.stdout is not None

@@ -48,8 +48,9 @@ class LocalLaunch(LaunchSettings):
 
     model_config = ConfigDict(extra="forbid", title="Local (this host)", json_schema_extra=_variant_schema("local"))
 
-    backend: Literal["local"] = Field("local", title="Backend", description=BACKEND_DESCRIPTION,
-                                      json_schema_extra=ui(7))  # fmt: skip
+    backend: Literal["local"] = Field(
+        "local", title="Backend", description=BACKEND_DESCRIPTION, json_schema_extra=ui(7)
+    )
 
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> LocalLaunch:  # replaces LaunchSettings' check, naming the alternative
@@ -71,8 +72,9 @@ class SlurmLaunch(_ClusterLaunch):
 
     model_config = ConfigDict(extra="forbid", title="SLURM", json_schema_extra=_variant_schema("slurm"))
 
-    backend: Literal["slurm"] = Field("slurm", title="Backend", description=BACKEND_DESCRIPTION,
-                                      json_schema_extra=ui(7))  # fmt: skip
+    backend: Literal["slurm"] = Field(
+        "slurm", title="Backend", description=BACKEND_DESCRIPTION, json_schema_extra=ui(7)
+    )
     slurm: SlurmSettings = Field(default_factory=SlurmSettings, title="SLURM", json_schema_extra=ui(8))
 
 
@@ -81,10 +83,12 @@ class KubernetesLaunch(_ClusterLaunch):
 
     model_config = ConfigDict(extra="forbid", title="Kubernetes", json_schema_extra=_variant_schema("kubernetes"))
 
-    backend: Literal["kubernetes"] = Field("kubernetes", title="Backend", description=BACKEND_DESCRIPTION,
-                                           json_schema_extra=ui(7))  # fmt: skip
-    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings, title="Kubernetes",
-                                           json_schema_extra=ui(8))  # fmt: skip
+    backend: Literal["kubernetes"] = Field(
+        "kubernetes", title="Backend", description=BACKEND_DESCRIPTION, json_schema_extra=ui(7)
+    )
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings, title="Kubernetes", json_schema_extra=ui(8)
+    )
 
 
 def _from_single_model(value: Any) -> Any:

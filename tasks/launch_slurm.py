@@ -57,33 +57,48 @@ class SlurmSettings(BaseModel):
     )
     gpus_per_node: int = Field(0, ge=0, le=64, title="GPUs per node", description="sbatch --gpus-per-node; 0: none.")
     cpus_per_node: int | None = Field(
-        None, ge=1, le=1024, title="CPUs per node", description="sbatch --cpus-per-task (one task per node).",
+        None,
+        ge=1,
+        le=1024,
+        title="CPUs per node",
+        description="sbatch --cpus-per-task (one task per node).",
         json_schema_extra=ui(),
-    )  # fmt: skip
+    )
     mem: str | None = Field(
-        None, pattern=r"^\d+[KMGT]?$", title="Memory per node", description="sbatch --mem, e.g. 0.",
+        None,
+        pattern=r"^\d+[KMGT]?$",
+        title="Memory per node",
+        description="sbatch --mem, e.g. 0.",
         json_schema_extra=ui(),
-    )  # fmt: skip
+    )
     time_limit: str | None = Field(
-        None, pattern=r"^(\d+-)?\d+(:\d\d){0,2}$", title="Time limit",
+        None,
+        pattern=r"^(\d+-)?\d+(:\d\d){0,2}$",
+        title="Time limit",
         description="sbatch --time, e.g. 3-00:00:00; empty: the launch's wall-clock limit, else the partition's.",
         json_schema_extra=ui(),
-    )  # fmt: skip
+    )
     extra_directives: list[str] = Field(
         default_factory=list, title="Extra #SBATCH directives", description="e.g. --qos=high, --constraint=a100."
     )
     setup: list[str] = Field(
-        default_factory=list, title="Setup lines",
+        default_factory=list,
+        title="Setup lines",
         description="Shell lines run before srun, e.g. module load cuda/12.4 (the venv's python is used as is).",
-    )  # fmt: skip
+    )
 
 
 def sbatch_script(job: TorchrunJob, settings: SlurmSettings, *, name: str, workdir: Path) -> str:
     """The batch script of `job`: `nnodes` nodes, one srun task each, running torchrun with `nproc_per_node` ranks."""
     log_dir = Path(job.log_dir or workdir / "torchrun_logs").resolve()
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={job.nnodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={log_dir}/slurm-%j.out",
-             "#SBATCH --open-mode=append"]  # fmt: skip
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={job.nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={log_dir}/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+    ]
     if settings.partition:
         lines.append(f"#SBATCH --partition={settings.partition}")
     if settings.account:
@@ -103,10 +118,22 @@ def sbatch_script(job: TorchrunJob, settings: SlurmSettings, *, name: str, workd
     if job.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.cuda_visible_devices.replace(" ", "")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    torchrun = [job.python, "-m", "torch.distributed.run", "--nnodes=$SLURM_NNODES",
-                f"--nproc-per-node={job.nproc_per_node}", "--rdzv-backend=c10d",
-                "--rdzv-endpoint=$head:$port", "--rdzv-id=$SLURM_JOB_ID", f"--log-dir={log_dir}", "--tee=3",
-                "--local-ranks-filter=0", "-m", job.module, *job.args]  # fmt: skip
+    torchrun = [
+        job.python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=$SLURM_NNODES",
+        f"--nproc-per-node={job.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$head:$port",
+        "--rdzv-id=$SLURM_JOB_ID",
+        f"--log-dir={log_dir}",
+        "--tee=3",
+        "--local-ranks-filter=0",
+        "-m",
+        job.module,
+        *job.args,
+    ]
     command = " ".join(a if a.startswith("--") and "$" in a else shlex.quote(a) for a in torchrun)
     lines += [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -144,8 +171,10 @@ class SlurmRunner:
         script.write_text(sbatch_script(job, self.settings, name=name, workdir=Path.cwd()))
         job_id = _sbatch(script)
         self.submitted.append(job_id)
-        log(f"slurm: submitted job {job_id} ({job.nnodes} node(s) × {job.nproc_per_node} process(es)); script "
-            f"{script}, output {log_dir}/slurm-{job_id}.out")  # fmt: skip
+        log(
+            f"slurm: submitted job {job_id} ({job.nnodes} node(s) × {job.nproc_per_node} process(es)); script "
+            f"{script}, output {log_dir}/slurm-{job_id}.out"
+        )
         out, exit_file = log_dir / f"slurm-{job_id}.out", log_dir / f"slurm-{job_id}.exit"
         console: list[str] = []
         state = "PENDING"
@@ -176,16 +205,29 @@ class SlurmRunner:
             return
         run_dir = new_run_dir(log_dir, runs_before)
         if state == "TIMEOUT":
-            raise TorchrunFailed(job.module, exit_code=code, root_cause=f"SLURM job {job_id} reached its time limit "
-                                 "and was stopped; raise the time limit, or run the stage again: training resumes "
-                                 "from its last checkpoint.", log_dir=log_dir, timed_out=True,
-                                 run_log_dir=run_dir)  # fmt: skip
+            raise TorchrunFailed(
+                job.module,
+                exit_code=code,
+                root_cause=f"SLURM job {job_id} reached its time limit "
+                "and was stopped; raise the time limit, or run the stage again: training resumes "
+                "from its last checkpoint.",
+                log_dir=log_dir,
+                timed_out=True,
+                run_log_dir=run_dir,
+            )
         if code is None:  # ended without reaching the line after srun: cancelled, preempted, node failure
             root = f"SLURM job {job_id} ended {state} before its torchrun finished (see {out})"
             raise TorchrunFailed(job.module, exit_code=None, root_cause=root, log_dir=log_dir, run_log_dir=run_dir)
         root_cause, rank, rank_code = diagnose_failure(run_dir, console, code)
-        raise TorchrunFailed(job.module, exit_code=code, root_cause=f"SLURM job {job_id}: {root_cause}",
-                             log_dir=log_dir, rank=rank, rank_exit_code=rank_code, run_log_dir=run_dir)  # fmt: skip
+        raise TorchrunFailed(
+            job.module,
+            exit_code=code,
+            root_cause=f"SLURM job {job_id}: {root_cause}",
+            log_dir=log_dir,
+            rank=rank,
+            rank_exit_code=rank_code,
+            run_log_dir=run_dir,
+        )
 
 
 class SlurmSubmitError(WsidinoError):
@@ -196,12 +238,16 @@ def _sbatch(script: Path) -> str:
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
-        raise SlurmSubmitError("launch.backend=slurm but `sbatch` is not on this worker's PATH: start the worker of "
-                               "pool wsidino-slurm on a host that can submit (docs/cluster.md)") from None  # fmt: skip
+        raise SlurmSubmitError(
+            "launch.backend=slurm but `sbatch` is not on this worker's PATH: start the worker of "
+            "pool wsidino-slurm on a host that can submit (docs/cluster.md)"
+        ) from None
     if done.returncode != 0:
         why = done.stderr.strip() or done.stdout.strip()
-        raise SlurmSubmitError(f"sbatch refused {script}: {why}; check launch.slurm (partition, account, "
-                               "gpus_per_node, time_limit, extra_directives)")  # fmt: skip
+        raise SlurmSubmitError(
+            f"sbatch refused {script}: {why}; check launch.slurm (partition, account, "
+            "gpus_per_node, time_limit, extra_directives)"
+        )
     return done.stdout.strip().split(";", 1)[0]
 
 
@@ -280,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     stage = get_stage(args.stage)
     cfg = load_config(stage.schema(), args.config, args.overrides, stage=args.stage)
-    launch = LaunchSettings(nproc_per_node=args.nproc_per_node, nnodes=args.nodes,
-                            rdzv_endpoint="slurm-head:0" if args.nodes > 1 else None)  # fmt: skip
+    launch = LaunchSettings(
+        nproc_per_node=args.nproc_per_node, nnodes=args.nodes, rdzv_endpoint="slurm-head:0" if args.nodes > 1 else None
+    )
     job = stage_job(stage, cfg, launch)
     settings = SlurmSettings(partition=args.partition, gpus_per_node=args.gpus_per_node)
     sys.stdout.write(sbatch_script(job, settings, name=f"wsidino-{args.stage}", workdir=Path(os.getcwd())))

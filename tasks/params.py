@@ -33,15 +33,19 @@ class TrackingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="MLflow")
 
     tracking_uri: str | None = Field(
-        None, title="MLflow tracking URI",
+        None,
+        title="MLflow tracking URI",
         description="e.g. http://127.0.0.1:5000. Empty: the config's, else $MLFLOW_TRACKING_URI, "
         "else the mlflow.db of the work directory the output is in (a pipeline's workdir, else the output's folder).",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     experiment: str | None = Field(
-        None, min_length=1, title="MLflow experiment", description="Empty: the config's (default wsidino).",
+        None,
+        min_length=1,
+        title="MLflow experiment",
+        description="Empty: the config's (default wsidino).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     enabled: bool = Field(True, title="Log to MLflow", json_schema_extra=ui(2))
 
     def config_values(self) -> dict[str, Any]:
@@ -59,17 +63,19 @@ class StageOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     config: str | None = Field(
-        None, title="Named config or YAML",
+        None,
+        title="Named config or YAML",
         description="A name under dinov3_core/configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
         "Empty: the built-in defaults.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     overrides: list[Override] = Field(
-        default_factory=list, title="Config overrides",
+        default_factory=list,
+        title="Config overrides",
         description="Any other key of the stage's config as key=value (`wsidino <stage> --help` lists examples; "
         "`--print-config` shows every key); a misspelt key is named with the closest valid one.",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
 
 
 def merge_values(overrides: Sequence[str], fields: dict[str, Any], where: str) -> dict[str, Any]:
@@ -93,18 +99,23 @@ class DaskParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Dask")
 
     address: str | None = Field(
-        None, min_length=1, title="Dask scheduler address",
+        None,
+        min_length=1,
+        title="Dask scheduler address",
         description="e.g. tcp://10.0.0.5:8786: tile on this running Dask cluster, one slide group per worker "
         "thread. Every worker must see the slides and the store at the same paths (shared filesystem) and have "
         "wsidino installed; start workers with `dask worker <address> --nthreads 1`.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     n_workers: int = Field(
-        0, ge=0, le=1024, title="Local Dask workers",
+        0,
+        ge=0,
+        le=1024,
+        title="Local Dask workers",
         description="Without an address: 0 tiles with the engine's own `workers` processes (the CLI's engine; "
         "fastest on one machine); N tiles on a temporary local Dask cluster of N single-threaded workers.",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _one_cluster(self) -> DaskParams:
@@ -126,33 +137,38 @@ class TileParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Tile stage parameters")
 
     input: str = Field(
-        min_length=1, title="Slides",
+        min_length=1,
+        title="Slides",
         description="A directory (searched recursively), a glob, one slide file, or a .txt/.csv list of slide paths.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     output: str = Field(
-        min_length=1, title="Tile store",
+        min_length=1,
+        title="Tile store",
         description="Tile store directory, e.g. /data/cohort/tiles.zarr (created if missing; reruns resume).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     stage: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="default"), title="Config",
+        default_factory=lambda: StageOptions(config="default"),
+        title="Config",
         description="e.g. overrides mpp=0.5, tile_size=224, workers=8, compressor=jpeg, filters.pen_filter=true.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
     force: bool = Field(
-        False, title="Force",
+        False,
+        title="Force",
         description="Check every slide even when the stage manifest shows the same slides and settings "
         "(complete slides are still skipped one by one).",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     dask: DaskParams = Field(
-        default_factory=DaskParams, title="Dask",
+        default_factory=DaskParams,
+        title="Dask",
         description="Tile on a Dask cluster (an existing scheduler or a temporary local one) instead of this "
         "host's process pool; the tiles are the same either way.",
         json_schema_extra=ui(5),
-    )  # fmt: skip
+    )
 
     def config_values(self) -> dict[str, Any]:
         fields = {"input": self.input, "output": self.output, **self.tracking.config_values()}
@@ -165,29 +181,35 @@ class PretrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Pretrain stage parameters")
 
     stores: list[str] = Field(
-        min_length=1, title="Tile stores", description="Tile store directories (…/tiles.zarr).",
+        min_length=1,
+        title="Tile stores",
+        description="Tile store directories (…/tiles.zarr).",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     output_dir: str = Field(
-        min_length=1, title="Run directory",
+        min_length=1,
+        title="Run directory",
         description="Checkpoints (ckpt/), teacher-only eval checkpoints (eval/), metrics. Reruns resume here.",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     pretrained_weights: str | None = Field(
-        None, title="Released DINOv3 weights",
+        None,
+        title="Released DINOv3 weights",
         description="Local .pth of a released DINOv3 backbone to warm-start from (never downloaded). "
         "Empty: the config's.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
     )
     launch: LaunchParams = Field(default_factory=LocalLaunch, title="Launch", json_schema_extra=ui(4))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
     force: bool = Field(
-        False, title="Force", description="Run even when the stage manifest says the outputs are up to date.",
+        False,
+        title="Force",
+        description="Run even when the stage manifest says the outputs are up to date.",
         json_schema_extra=ui(6),
-    )  # fmt: skip
+    )
 
     def config_values(self) -> dict[str, Any]:
         fields = {
@@ -205,22 +227,26 @@ class GramParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Gram stage parameters")
 
     pretrain_dir: str = Field(
-        min_length=1, title="Pretraining run",
+        min_length=1,
+        title="Pretraining run",
         description="The pretraining run directory to continue; its eval/ holds the gram-teacher candidates.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     output_dir: str = Field(
-        min_length=1, title="Run directory", description="The gram stage's own run directory (reruns resume).",
+        min_length=1,
+        title="Run directory",
+        description="The gram stage's own run directory (reruns resume).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     stores: list[str] | None = Field(
         None, title="Tile stores", description="Empty: the pretraining run's stores.", json_schema_extra=ui(2)
     )
     teacher_path: str | None = Field(
-        None, title="Gram teacher file",
+        None,
+        title="Gram teacher file",
         description="An explicit teacher checkpoint. Empty: chosen from <pretrain_dir>/eval by the config's policy.",
         json_schema_extra=ui(3),
-    )  # fmt: skip
+    )
     stage: StageOptions = Field(
         default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
     )
@@ -245,14 +271,17 @@ class ConvertParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Convert stage parameters")
 
     input: str = Field(
-        min_length=1, title="Checkpoint or run",
+        min_length=1,
+        title="Checkpoint or run",
         description="A ckpt/<iteration>/ directory, or a pretrain/gram run directory (its latest checkpoint).",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     output_dir: str = Field(
-        min_length=1, title="Model directory", description="Receives backbone.pth and config.yaml.",
+        min_length=1,
+        title="Model directory",
+        description="Receives backbone.pth and config.yaml.",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(2))
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
     force: bool = Field(False, title="Force", json_schema_extra=ui(4))
@@ -268,15 +297,20 @@ class ExportParams(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Export stage parameters")
 
     weights: str = Field(
-        min_length=1, title="Backbone weights", description="backbone.pth (from convert) or a released backbone.",
+        min_length=1,
+        title="Backbone weights",
+        description="backbone.pth (from convert) or a released backbone.",
         json_schema_extra=ui(0),
-    )  # fmt: skip
-    output: str = Field(min_length=1, title="ONNX file", description="e.g. /models/lab/model.onnx",
-                        json_schema_extra=ui(1))  # fmt: skip
+    )
+    output: str = Field(
+        min_length=1, title="ONNX file", description="e.g. /models/lab/model.onnx", json_schema_extra=ui(1)
+    )
     stage: StageOptions = Field(
-        default_factory=StageOptions, title="Config",
-        description="e.g. overrides register_alias=candidate, register_name=wsidino-backbone.", json_schema_extra=ui(2),
-    )  # fmt: skip
+        default_factory=StageOptions,
+        title="Config",
+        description="e.g. overrides register_alias=candidate, register_name=wsidino-backbone.",
+        json_schema_extra=ui(2),
+    )
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
     force: bool = Field(False, title="Force", json_schema_extra=ui(4))
 
@@ -294,39 +328,52 @@ class EvaluateParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Evaluate stage parameters")
 
-    store: str = Field(min_length=1, title="Tile store", description="Holds the annotated slides.",
-                       json_schema_extra=ui(0))  # fmt: skip
+    store: str = Field(
+        min_length=1, title="Tile store", description="Holds the annotated slides.", json_schema_extra=ui(0)
+    )
     candidate: str = Field(
-        min_length=1, title="Candidate model", description="model.onnx (export) or backbone.pth (convert).",
+        min_length=1,
+        title="Candidate model",
+        description="model.onnx (export) or backbone.pth (convert).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     output: str = Field(
-        min_length=1, title="Evaluation directory", description="evaluation.json, evaluation.md, pictures, cache.",
+        min_length=1,
+        title="Evaluation directory",
+        description="evaluation.json, evaluation.md, pictures, cache.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     annotations: str | None = Field(
-        None, title="Annotations",
+        None,
+        title="Annotations",
         description="A folder of QuPath <slide_id>.geojson exports (level-0 pixels), or a CSV slide_id,x,y,label. "
         "Empty: label-free health only (no promotion unless gate.label_free=true).",
         json_schema_extra=ui(3),
-    )  # fmt: skip
+    )
     stage: StageOptions = Field(
-        default_factory=StageOptions, title="Config",
+        default_factory=StageOptions,
+        title="Config",
         description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv.",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     launch: LaunchParams = Field(
-        default_factory=LocalLaunch, title="Launch",
+        default_factory=LocalLaunch,
+        title="Launch",
         description="More than one process (one per GPU): each model's labelled tiles are embedded by a torchrun "
         "job, split over the ranks; probes and the gate run once, in the flow.",
         json_schema_extra=ui(5),
-    )  # fmt: skip
+    )
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
     force: bool = Field(False, title="Force", json_schema_extra=ui(7))
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"store": self.store, "candidate": self.candidate, "output": self.output,
-                  "annotations": self.annotations, **self.tracking.config_values()}  # fmt: skip
+        fields = {
+            "store": self.store,
+            "candidate": self.candidate,
+            "output": self.output,
+            "annotations": self.annotations,
+            **self.tracking.config_values(),
+        }
         return merge_values(self.stage.overrides, fields, "evaluate")
 
 
@@ -337,18 +384,22 @@ class ExtractParams(BaseModel):
 
     store: str = Field(min_length=1, title="Tile store", json_schema_extra=ui(0))
     model: str = Field(
-        min_length=1, title="Model", description="model.onnx (ONNX Runtime) or backbone.pth (PyTorch).",
+        min_length=1,
+        title="Model",
+        description="model.onnx (ONNX Runtime) or backbone.pth (PyTorch).",
         json_schema_extra=ui(1),
-    )  # fmt: skip
-    output: str = Field(min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr",
-                        json_schema_extra=ui(2))  # fmt: skip
+    )
+    output: str = Field(
+        min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr", json_schema_extra=ui(2)
+    )
     stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
     launch: LaunchParams = Field(
-        default_factory=LocalLaunch, title="Launch",
+        default_factory=LocalLaunch,
+        title="Launch",
         description="More than one process (one per GPU): a torchrun job; slides and large slides' tile ranges "
         "are split over the ranks.",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
     force: bool = Field(False, title="Force", json_schema_extra=ui(6))
 

@@ -28,8 +28,10 @@ def cycle_markdown(result: CycleResult) -> str:
     lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows.items() if v]]
     if r.stages:
         lines += ["", "| stage | status | seconds | MLflow run |", "|---|---|---|---|"]
-        lines += [f"| {s} | {o.get('status')} | {o.get('seconds', '')} | `{o.get('mlflow_run_id')}` |"
-                  for s, o in r.stages.items()]  # fmt: skip
+        lines += [
+            f"| {s} | {o.get('status')} | {o.get('seconds', '')} | `{o.get('mlflow_run_id')}` |"
+            for s, o in r.stages.items()
+        ]
     return "\n".join(lines) + "\n"
 
 

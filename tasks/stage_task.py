@@ -130,8 +130,14 @@ class _TileArtifacts(_ProgressArtifact):
             logger.warning("slide %s failed: %s", outcome.slide_id, outcome.error)
         else:
             where = f"on {outcome.tiled_by}" if outcome.tiled_by else f"{outcome.workers} worker(s)"
-            logger.info("slide %s %s: %d tiles in %.1f s, %s", outcome.slide_id, outcome.status,
-                        outcome.tile_count, outcome.seconds, where)  # fmt: skip
+            logger.info(
+                "slide %s %s: %d tiles in %.1f s, %s",
+                outcome.slide_id,
+                outcome.status,
+                outcome.tile_count,
+                outcome.seconds,
+                where,
+            )
 
     def finish(self, result: Any) -> None:
         from dinov3_core.tiling import report
@@ -231,8 +237,9 @@ class _TrainingArtifacts:
         head = [f"# {self.stage}: is it learning?", "", verdict or "Training: the verdict comes at the end.", ""]
         text = "\n".join([*head, "| figure | latest |", "|---|---|", *rows]) + "\n"
         if self.health_id is None:  # one artifact per stage, updated in place: not a new version per checkpoint
-            self.health_id = create_markdown_artifact(text, key=f"{self.stage}-health",
-                                                      description=f"{self.stage}: training health")  # fmt: skip
+            self.health_id = create_markdown_artifact(
+                text, key=f"{self.stage}-health", description=f"{self.stage}: training health"
+            )
         else:
             with get_client(sync_client=True) as client:
                 client.update_artifact(self.health_id, ArtifactUpdate(data=text))
@@ -264,7 +271,7 @@ def _markdown(o: StageOutcome[Any], cfg: Any) -> str:
 @task(name="run-stage", task_run_name="{stage}", cache_policy=NO_CACHE, persist_result=False, retry_delay_seconds=5)
 def run_stage_task(
     stage: str, cfg: Any, force: bool = False, launch: LaunchSettings | None = None, run_groups: Any = None
-) -> StageOutcome[Any]:  # fmt: skip
+) -> StageOutcome[Any]:
     """Run one stage under its manifest (skip when up to date), in its own MLflow run.
 
     Args:

@@ -21,8 +21,16 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chr
 def page_text(url: str, budget_ms: int = 30_000) -> str:
     """The visible text of `url` once the page has run its scripts for `budget_ms` of virtual time."""
     assert CHROMIUM is not None
-    command = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
-               f"--virtual-time-budget={budget_ms}", "--dump-dom", url]  # fmt: skip
+    command = [
+        CHROMIUM,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--window-size=1400,900",
+        f"--virtual-time-budget={budget_ms}",
+        "--dump-dom",
+        url,
+    ]
     dom = subprocess.run(command, capture_output=True, text=True, timeout=180, check=True).stdout
     text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))

@@ -98,8 +98,9 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # tokens") when a flow run it still holds a slot for is scheduled again, as the retry test does.
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     try:
         yield proc
     finally:

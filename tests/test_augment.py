@@ -254,16 +254,19 @@ def test_one_call_over_groups_draws_what_each_group_draws_alone(group: int) -> N
     stain step on, cohort re-targeting included."""
     from dinov3_core.data.stain import CohortStain
 
-    cfg = AugmentationConfig(n_local_crops=3, global_size=32, local_size=16, hed_p=0.7, stain_norm_p=0.6,
-                             solarize_p_global=(0.5, 0.5))  # fmt: skip
+    cfg = AugmentationConfig(
+        n_local_crops=3, global_size=32, local_size=16, hed_p=0.7, stain_norm_p=0.6, solarize_p_global=(0.5, 0.5)
+    )
     cohort = CohortStain.from_slide_stats([[60.0, 12.0, -8.0], [70.0, 8.0, -4.0]], [[12.0, 5.0, 4.0], [9.0, 4.0, 3.0]])
     aug = MultiCropAugmentation(cfg, stain=cohort)
     images = torch.randint(0, 256, (6, 48, 48, 3), dtype=torch.uint8, generator=_gen(5))
     seeds = range(100, 100 + 6 // group)
     batched = aug(images, [_gen(s) for s in seeds])
     alone = [aug(images[k * group : (k + 1) * group], _gen(s)) for k, s in enumerate(seeds)]
-    for got, want in ((batched.global_stack, [c.global_stack for c in alone]),
-                      (batched.local_stack, [c.local_stack for c in alone])):  # fmt: skip
+    for got, want in (
+        (batched.global_stack, [c.global_stack for c in alone]),
+        (batched.local_stack, [c.local_stack for c in alone]),
+    ):
         want_all = torch.cat(want, dim=1)
         # Same draws; pixels to float rounding (a lone image takes other reduction kernels than a batch).
         assert got.shape == want_all.shape

@@ -121,8 +121,13 @@ def test_a_run_says_what_it_sets_on_top_of_its_named_config() -> None:
     from dinov3_core.config import config_changes, describe_changes
     from dinov3_core.train.config import PretrainConfig
 
-    values = {"data.stores": ["t.zarr"], "output_dir": "run", "train.stop_at": 7, "optim.epochs": 3,
-              "tracking.experiment": "x"}  # fmt: skip
+    values = {
+        "data.stores": ["t.zarr"],
+        "output_dir": "run",
+        "train.stop_at": 7,
+        "optim.epochs": 3,
+        "tracking.experiment": "x",
+    }
     cfg = load_config(PretrainConfig, "tiny", values, stage="pretrain")
     name, changed = config_changes(cfg)
     assert name == "tiny" and set(changed) == {"data.stores", "output_dir", "train.stop_at", "optim.epochs"}

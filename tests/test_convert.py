@@ -16,8 +16,9 @@ from dinov3_core.models import load_released_backbone, read_backbone_state_dict
 
 
 def cfg(**values) -> ConvertConfig:
-    return load_config(ConvertConfig, "default", {k: str(v) if isinstance(v, Path) else v for k, v in values.items()},
-                       stage="convert")  # fmt: skip
+    return load_config(
+        ConvertConfig, "default", {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}, stage="convert"
+    )
 
 
 def eval_backbone(run: Path, it: int) -> dict[str, torch.Tensor]:

@@ -128,8 +128,11 @@ def stage_configs(params: BaseModel) -> list[tuple[str, str]]:
     stage configs that one names)."""
     if isinstance(params, RetrainParams):
         cycle = yaml.safe_load((packaged_config_dir() / "retrain" / f"{params.config}.yaml").read_text())
-        named = [(stage, choice["config"]) for stage, choice in cycle.items() if isinstance(choice, dict)
-                 and choice.get("config")]  # fmt: skip
+        named = [
+            (stage, choice["config"])
+            for stage, choice in cycle.items()
+            if isinstance(choice, dict) and choice.get("config")
+        ]
         return [("retrain", params.config), *named]
     if isinstance(params, PipelineParams):
         cfg = load_pipeline_config(params.config, params.config_values())
@@ -160,8 +163,13 @@ def test_prefect_yaml_deployments_and_pools(project: dict[str, Any], deployments
     assert set(deployments) == CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS
     for name, deployment in deployments.items():
         pool = deployment["work_pool"]["name"]
-        expected = "wsidino-gpu" if name in GPU_DEPLOYMENTS else "wsidino-slurm" if name in SLURM_DEPLOYMENTS else (
-            "wsidino-cpu")  # fmt: skip
+        expected = (
+            "wsidino-gpu"
+            if name in GPU_DEPLOYMENTS
+            else "wsidino-slurm"
+            if name in SLURM_DEPLOYMENTS
+            else ("wsidino-cpu")
+        )
         assert pool == expected, name
     for name in GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS:  # one GPU training run at a time per deployment, the rest queue
         limit = deployments[name]["concurrency_limit"]
@@ -170,9 +178,7 @@ def test_prefect_yaml_deployments_and_pools(project: dict[str, Any], deployments
     assert project["build"] is None and project["push"] is None and "pull" not in project
 
 
-@pytest.mark.parametrize(
-    "name", sorted(CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS), ids=lambda n: n
-)  # fmt: skip
+@pytest.mark.parametrize("name", sorted(CPU_DEPLOYMENTS | GPU_DEPLOYMENTS | SLURM_DEPLOYMENTS), ids=lambda n: n)
 def test_deployment_params_are_complete_and_valid(deployments: dict[str, dict[str, Any]], name: str) -> None:
     deployment = deployments[name]
     params = check_params(deployment, deployment["parameters"], f"deployment {name}")
@@ -245,8 +251,11 @@ def test_the_slurm_pipeline_submits_its_jobs_to_slurm(deployments: dict[str, dic
 
 def test_deployment_launches_carry_only_their_backends_section(deployments: dict[str, dict[str, Any]]) -> None:
     """prefect.yaml is in the union's shape: a local launch has no slurm/kubernetes section to fill in."""
-    launches = {name: d["parameters"]["params"]["launch"] for name, d in deployments.items()
-                if "launch" in d["parameters"]["params"]}  # fmt: skip
+    launches = {
+        name: d["parameters"]["params"]["launch"]
+        for name, d in deployments.items()
+        if "launch" in d["parameters"]["params"]
+    }
     assert len(launches) >= 8
     for name, launch in launches.items():
         own = {"local": set(), "slurm": {"slurm"}, "kubernetes": {"kubernetes"}}[launch["backend"]]
@@ -396,8 +405,11 @@ def test_k8s_multinode_manifest_is_what_the_renderer_prints() -> None:
     """deploy/kubernetes/pretrain-multinode.yaml is generated (tasks/launch_k8s.py): its header names the command,
     and the command's output must be the file's manifests, so the example cannot drift from the code."""
     text = K8S_MULTINODE.read_text()
-    command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in text.splitlines()
-                       if line.startswith("#   python -m tasks.launch_k8s") or line.startswith("#     "))  # fmt: skip
+    command = " ".join(
+        line.lstrip("# ").rstrip("\\ ")
+        for line in text.splitlines()
+        if line.startswith("#   python -m tasks.launch_k8s") or line.startswith("#     ")
+    )
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "tasks.launch_k8s"], command
     done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=REPO, check=False)
@@ -528,8 +540,9 @@ def test_serve_registration_on_a_real_server(prefect_api: str, tmp_path: Path) -
     with get_client(sync_client=True) as client:  # an earlier session's GPU deployments, one with a flow run
         client.create_work_pool(WorkPoolCreate(name=serve.GPU_POOL, type="process"), overwrite=True)
         for flow_name in ("pretrain", "gram"):
-            stale = client.create_deployment(flow_id=client.create_flow_from_name(flow_name), name=flow_name,
-                                             work_pool_name=serve.GPU_POOL)  # fmt: skip
+            stale = client.create_deployment(
+                flow_id=client.create_flow_from_name(flow_name), name=flow_name, work_pool_name=serve.GPU_POOL
+            )
         run = client.create_flow_run_from_deployment(stale)
     registration = serve.register_deployments(
         prefect_api, tmp_path, demo_params=serve.demo_pipeline_params(tmp_path), pools=serve.served_pools()

@@ -32,8 +32,14 @@ def backbone(root: Path, colour_blind: bool) -> Path:
 def export(weights: Path, uri: str) -> tuple[Path, str]:
     from dinov3_core.export.config import ExportConfig
 
-    values = {"weights": str(weights), "output": str(weights.parent / "model.onnx"), "register_name": NAME,
-              "parity_sizes": [64], "parity_batches": [2], "tracking.uri": uri}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(weights.parent / "model.onnx"),
+        "register_name": NAME,
+        "parity_sizes": [64],
+        "parity_batches": [2],
+        "tracking.uri": uri,
+    }
     outcome = run_stage("export", load_config(ExportConfig, None, values))
     return weights.parent / "model.onnx", str(outcome.manifest.summary["model_version"])
 
@@ -55,12 +61,25 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
 def evaluate(cohort: dict[str, Any], output: str, **values: Any) -> dict[str, Any]:
     from dinov3_core.evaluate.config import EvaluateConfig
 
-    cfg = load_config(EvaluateConfig, None, {
-        "store": str(cohort["store"]), "candidate": str(cohort["colour"]), "output": str(cohort["root"] / output),
-        "annotations": str(cohort["annotations"]), "register_name": NAME, "tracking.uri": cohort["uri"],
-        "baseline": "init", "gate.promote": False, "probe.bootstrap": 100, "probe.few_shot": [1],
-        "probe.few_shot_draws": 1, "progress": False, **values,
-    })  # fmt: skip
+    cfg = load_config(
+        EvaluateConfig,
+        None,
+        {
+            "store": str(cohort["store"]),
+            "candidate": str(cohort["colour"]),
+            "output": str(cohort["root"] / output),
+            "annotations": str(cohort["annotations"]),
+            "register_name": NAME,
+            "tracking.uri": cohort["uri"],
+            "baseline": "init",
+            "gate.promote": False,
+            "probe.bootstrap": 100,
+            "probe.few_shot": [1],
+            "probe.few_shot_draws": 1,
+            "progress": False,
+            **values,
+        },
+    )
     run_stage("evaluate", cfg)
     return json.loads((cohort["root"] / output / "evaluation.json").read_text())
 
@@ -93,8 +112,11 @@ def test_token_centres_and_the_boundary_rule_on_a_tiled_slide(cohort: dict[str, 
     polygon = shapely.box(x - 4 * size, y - 4 * size, edge, y + 5 * size)  # covers the tile's rows entirely
     folder = tmp_path / "annotations"
     folder.mkdir()
-    feature = {"type": "Feature", "geometry": json.loads(shapely.to_geojson(polygon)),
-               "properties": {"objectType": "annotation", "classification": {"name": "Tumor"}}}  # fmt: skip
+    feature = {
+        "type": "Feature",
+        "geometry": json.loads(shapely.to_geojson(polygon)),
+        "properties": {"objectType": "annotation", "classification": {"name": "Tumor"}},
+    }
     slide_id = ds.slide_ids[s]
     (folder / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": [feature]}))
     found = dense_tokens(cohort["store"], ds, str(folder), np.array([ds.global_index(s, row)]), 4, per_tile=16)
@@ -109,12 +131,17 @@ def test_token_centres_and_the_boundary_rule_on_a_tiled_slide(cohort: dict[str, 
     assert found.counts()["tokens"] == 4 and found.counts()["grid"] == "4x4"
     # A second class overlapping the top row makes those tokens ambiguous, even when the class is excluded
     top = shapely.box(x - size, y - size, x + size, y + step)  # row 0 inside it, row 1 half a token below
-    feature2 = {**feature, "geometry": json.loads(shapely.to_geojson(top)),
-                "properties": {"objectType": "annotation", "classification": {"name": "Ignore"}}}  # fmt: skip
-    (folder / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection",
-                                                            "features": [feature, feature2]}))  # fmt: skip
-    found = dense_tokens(cohort["store"], ds, str(folder), np.array([ds.global_index(s, row)]), 4, per_tile=16,
-                         exclude=["Ignore"])  # fmt: skip
+    feature2 = {
+        **feature,
+        "geometry": json.loads(shapely.to_geojson(top)),
+        "properties": {"objectType": "annotation", "classification": {"name": "Ignore"}},
+    }
+    (folder / f"{slide_id}.geojson").write_text(
+        json.dumps({"type": "FeatureCollection", "features": [feature, feature2]})
+    )
+    found = dense_tokens(
+        cohort["store"], ds, str(folder), np.array([ds.global_index(s, row)]), 4, per_tile=16, exclude=["Ignore"]
+    )
     assert sorted(found.positions[0][found.positions[0] >= 0].tolist()) == [8, 12]  # row 1: ½ token off the edge
 
 
@@ -176,8 +203,14 @@ def test_the_stage_reports_dense_metrics_and_stain_invariance_and_gates_on_dense
         assert "dense.miou vs champion" in decision["reason"]
     md = (cohort["root"] / "eval-dense" / "evaluation.md").read_text()
     assert "dense mIoU" in md and "stain invariance" in md and f"Dense probe: {counts['tokens']} labelled" in md
-    print("dense:", {r: {k: round(m["probes"]["dense"][k]["value"], 3) for k in ("balanced_accuracy", "miou")}
-                     | {"stain": m["health"]["stain_invariance"]} for r, m in ev["models"].items()})  # fmt: skip
+    print(
+        "dense:",
+        {
+            r: {k: round(m["probes"]["dense"][k]["value"], 3) for k in ("balanced_accuracy", "miou")}
+            | {"stain": m["health"]["stain_invariance"]}
+            for r, m in ev["models"].items()
+        },
+    )
 
 
 def test_a_cache_without_dense_tokens_is_not_read_for_them(cohort: dict[str, Any]) -> None:

@@ -33,12 +33,25 @@ def setup(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def config(setup: dict[str, Any], output: str, **values: Any) -> EvaluateConfig:
-    return load_config(EvaluateConfig, None, {
-        "store": str(setup["store"]), "candidate": str(setup["model"]), "output": str(setup["root"] / output),
-        "annotations": str(setup["root"] / "annotations"), "baseline": None, "champion": False,
-        "tracking.enabled": False, "probe.bootstrap": 50, "probe.few_shot": [1], "probe.few_shot_draws": 1,
-        "progress": False, "batch_size": 16, **values,
-    })  # fmt: skip
+    return load_config(
+        EvaluateConfig,
+        None,
+        {
+            "store": str(setup["store"]),
+            "candidate": str(setup["model"]),
+            "output": str(setup["root"] / output),
+            "annotations": str(setup["root"] / "annotations"),
+            "baseline": None,
+            "champion": False,
+            "tracking.enabled": False,
+            "probe.bootstrap": 50,
+            "probe.few_shot": [1],
+            "probe.few_shot_draws": 1,
+            "progress": False,
+            "batch_size": 16,
+            **values,
+        },
+    )
 
 
 def cached(output: Path) -> dict[str, dict[str, np.ndarray]]:

@@ -86,8 +86,14 @@ def export(weights: Path, uri: str) -> Path:
     """ONNX, registered as a new version of NAME (the way the pipeline's export stage does it)."""
     from dinov3_core.export.config import ExportConfig
 
-    values = {"weights": str(weights), "output": str(weights.parent / "model.onnx"), "register_name": NAME,
-              "parity_sizes": [32], "parity_batches": [2], "tracking.uri": uri}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(weights.parent / "model.onnx"),
+        "register_name": NAME,
+        "parity_sizes": [32],
+        "parity_batches": [2],
+        "tracking.uri": uri,
+    }
     assert run_stage("export", load_config(ExportConfig, None, values)).manifest.summary["model_version"]
     return weights.parent / "model.onnx"
 
@@ -95,11 +101,23 @@ def export(weights: Path, uri: str) -> Path:
 def evaluate(cohort: dict[str, Any], candidate: str, output: str, annotations: Path | None = None, **values: Any):
     from dinov3_core.evaluate.config import EvaluateConfig
 
-    cfg = load_config(EvaluateConfig, None, {
-        "store": str(cohort["store"]), "candidate": str(cohort[candidate]), "output": str(cohort["root"] / output),
-        "annotations": str(annotations or cohort["annotations"]), "register_name": NAME, "tracking.uri": cohort["uri"],
-        "probe.bootstrap": 200, "probe.few_shot": [1, 4], "probe.few_shot_draws": 2, "progress": False, **values,
-    })  # fmt: skip
+    cfg = load_config(
+        EvaluateConfig,
+        None,
+        {
+            "store": str(cohort["store"]),
+            "candidate": str(cohort[candidate]),
+            "output": str(cohort["root"] / output),
+            "annotations": str(annotations or cohort["annotations"]),
+            "register_name": NAME,
+            "tracking.uri": cohort["uri"],
+            "probe.bootstrap": 200,
+            "probe.few_shot": [1, 4],
+            "probe.few_shot_draws": 2,
+            "progress": False,
+            **values,
+        },
+    )
     outcome = run_stage("evaluate", cfg)
     return outcome, json.loads((cohort["root"] / output / "evaluation.json").read_text())
 
@@ -128,9 +146,14 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
     store = tile_store(sample_slides.slides, root / "tiles.zarr", tile_size=32, mpp=2.0)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     trained = trained_backbone(store, annotations, root / "trained")
-    cohort = {"root": root, "store": store, "uri": uri, "annotations": annotations,
-              "trained": export(trained, uri),
-              "noise": export(noise_backbone(trained, root / "noise"), uri)}  # fmt: skip
+    cohort = {
+        "root": root,
+        "store": store,
+        "uri": uri,
+        "annotations": annotations,
+        "trained": export(trained, uri),
+        "noise": export(noise_backbone(trained, root / "noise"), uri),
+    }
     # The trained model becomes the registry's first champion through the gate, against the untrained init. Three
     # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.05 needs 5).
     _, ev = evaluate(cohort, "trained", "eval-trained", baseline="init", **{"gate.alpha": 0.125})
@@ -201,8 +224,9 @@ def test_two_annotated_slides_are_not_enough_evidence(cohort: dict[str, Any]) ->
 
 def test_allow_point_estimate_decides_on_two_slides_and_records_it(cohort: dict[str, Any]) -> None:
     champion = champion_version(cohort)
-    _, ev = evaluate(cohort, "noise", "eval-noise-opt-in", annotations=cohort["two"],
-                     **{"gate.allow_point_estimate": True})  # fmt: skip
+    _, ev = evaluate(
+        cohort, "noise", "eval-noise-opt-in", annotations=cohort["two"], **{"gate.allow_point_estimate": True}
+    )
     reason = ev["decision"]["reason"]
     assert "decided on a point estimate (gate.allow_point_estimate=true) although 2 test slide(s)" in reason
     assert ev["evidence"]["point_estimate"] is True and ev["evidence"]["allow_point_estimate"] is True

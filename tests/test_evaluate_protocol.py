@@ -60,8 +60,10 @@ def test_cross_validation_tests_every_slide_once_and_never_trains_on_it(n_slides
         assert set(y[f.train]) == set(y)  # every class on the training side
         assert set(f.val) <= set(f.train)
     again = P.cross_validate_by_group(y, g, folds=folds, seed=3)
-    assert all(np.array_equal(a.test, b.test) and np.array_equal(a.val, b.val)
-               for a, b in zip(cv.folds, again.folds, strict=True))  # fmt: skip
+    assert all(
+        np.array_equal(a.test, b.test) and np.array_equal(a.val, b.val)
+        for a, b in zip(cv.folds, again.folds, strict=True)
+    )
     assert cv.as_dict()["folds"] == expect and len(cv.as_dict()["per_fold"]) == expect
 
 
@@ -91,7 +93,7 @@ def test_probes_separate_clusters_and_fail_on_noise() -> None:
     )
     assert P.score(y[split.test], P.Predictions(classes, proba), P.balanced_accuracy) > 0.95 and c in (0.01, 1.0)
     noise = np.random.default_rng(0).normal(size=x.shape)
-    chance = P.Predictions(classes, knn(noise[split.train], y[split.train], noise[split.test], classes))  # fmt: skip
+    chance = P.Predictions(classes, knn(noise[split.train], y[split.train], noise[split.test], classes))
     assert P.score(y[split.test], chance, P.balanced_accuracy) < 0.6
 
 
@@ -152,8 +154,12 @@ def evaluation(
 ) -> dict:
     """Candidate − champion `cand` with p-value `p` (None: no champion), candidate − baseline `base`."""
     metric = {"value": 0.8, "ci_low": 0.7, "ci_high": 0.9}
-    models: dict[str, Any] = {"candidate": {"health": {"cls_effective_rank": rank, "dense_score": 0.5},
-                                            "probes": {"linear": {"balanced_accuracy": metric}}}}  # fmt: skip
+    models: dict[str, Any] = {
+        "candidate": {
+            "health": {"cls_effective_rank": rank, "dense_score": 0.5},
+            "probes": {"linear": {"balanced_accuracy": metric}},
+        }
+    }
     comparisons: dict[str, Any] = {
         "candidate_vs_baseline": {"linear.balanced_accuracy": diff(base, base_p, test_groups)}
     }

@@ -34,8 +34,14 @@ def backbone(root: Path, colour_blind: bool) -> Path:
 def export(weights: Path, tracking_uri: str) -> Path:
     from dinov3_core.export.config import ExportConfig
 
-    values = {"weights": str(weights), "output": str(weights.parent / "model.onnx"), "register_name": NAME,
-              "parity_sizes": [32], "parity_batches": [2], "tracking.uri": tracking_uri}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(weights.parent / "model.onnx"),
+        "register_name": NAME,
+        "parity_sizes": [32],
+        "parity_batches": [2],
+        "tracking.uri": tracking_uri,
+    }
     outcome = run_stage("export", load_config(ExportConfig, None, values))
     assert outcome.manifest.summary["model_version"]
     return weights.parent / "model.onnx"
@@ -63,8 +69,13 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
             rows = np.flatnonzero(names[start : start + len(coords)] == cls)
             counts[cls] = counts.get(cls, 0) + len(rows)
             shape = union_all([box(x, y, x + size, y + size) for x, y in coords[rows]])
-            features.append({"type": "Feature", "geometry": json.loads(to_geojson(shape)),
-                             "properties": {"objectType": "annotation", "classification": {"name": cls}}})  # fmt: skip
+            features.append(
+                {
+                    "type": "Feature",
+                    "geometry": json.loads(to_geojson(shape)),
+                    "properties": {"objectType": "annotation", "classification": {"name": cls}},
+                }
+            )
         (out / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": features}))
         start += len(coords)
     return counts
@@ -89,11 +100,23 @@ def setup(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
 def evaluate(setup: dict[str, Any], candidate: str, output: str, force: bool = False, **values: Any) -> Any:
     from dinov3_core.evaluate.config import EvaluateConfig
 
-    cfg = load_config(EvaluateConfig, None, {
-        "store": str(setup["store"]), "candidate": str(setup[candidate]), "output": str(setup["root"] / output),
-        "annotations": str(setup["root"] / "annotations"), "register_name": NAME, "tracking.uri": setup["uri"],
-        "probe.bootstrap": 200, "probe.few_shot": [1, 4], "probe.few_shot_draws": 2, "progress": False, **values,
-    })  # fmt: skip
+    cfg = load_config(
+        EvaluateConfig,
+        None,
+        {
+            "store": str(setup["store"]),
+            "candidate": str(setup[candidate]),
+            "output": str(setup["root"] / output),
+            "annotations": str(setup["root"] / "annotations"),
+            "register_name": NAME,
+            "tracking.uri": setup["uri"],
+            "probe.bootstrap": 200,
+            "probe.few_shot": [1, 4],
+            "probe.few_shot_draws": 2,
+            "progress": False,
+            **values,
+        },
+    )
     return run_stage("evaluate", cfg, force=force)
 
 
@@ -150,8 +173,9 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     doc = json.loads(files[0].read_text())
     measured = doc["features"][0]["properties"]["measurements"]
     assert {"confidence", "correct"} <= set(measured) and 0 <= measured["confidence"] <= 1
-    correct = np.mean([f["properties"]["measurements"]["correct"] for p in files
-                       for f in json.loads(p.read_text())["features"]])  # fmt: skip
+    correct = np.mean(
+        [f["properties"]["measurements"]["correct"] for p in files for f in json.loads(p.read_text())["features"]]
+    )
     assert correct > 0.5  # the better model's probe is right on most tiles (its balanced accuracy is > 0.5)
     from mlflow import MlflowClient
 
@@ -198,11 +222,21 @@ def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, An
     from tests.helpers import pretrain_config
 
     run = setup["root"] / "run"
-    run_pretrain(pretrain_config(setup["store"], run, **{"train.stop_at": 6, "checkpointing.period": 2,
-                                                         "evaluation.eval_period_iterations": 2}))  # fmt: skip
-    values = {"input": str(run), "output_dir": str(setup["root"] / "model-knn"), "select": "best_knn",
-              "store": str(setup["store"]), "annotations": str(setup["root"] / "annotations"),
-              "tracking.enabled": False}  # fmt: skip
+    run_pretrain(
+        pretrain_config(
+            setup["store"],
+            run,
+            **{"train.stop_at": 6, "checkpointing.period": 2, "evaluation.eval_period_iterations": 2},
+        )
+    )
+    values = {
+        "input": str(run),
+        "output_dir": str(setup["root"] / "model-knn"),
+        "select": "best_knn",
+        "store": str(setup["store"]),
+        "annotations": str(setup["root"] / "annotations"),
+        "tracking.enabled": False,
+    }
     outcome = run_stage("convert", load_config(ConvertConfig, None, values))
     curve = json.loads((run / "eval" / "knn_curve.json").read_text())
     points = curve["points"]
@@ -231,8 +265,9 @@ def test_patients_split_and_site_predictability(setup: dict[str, Any]) -> None:
     assert any("site predictability on 2 of 3 folds" in w for w in ev["warnings"]), ev["warnings"]
 
     (root / "patients.csv").write_text("slide_id,patient\ntissue_40x,p1\ntissue_20x,p1\ntissue_generic,p2\n")
-    evaluate(setup, "better", "eval-patients", baseline=None, patients=str(root / "patients.csv"),
-             **{"gate.promote": False})  # fmt: skip
+    evaluate(
+        setup, "better", "eval-patients", baseline=None, patients=str(root / "patients.csv"), **{"gate.promote": False}
+    )
     ev = json.loads((root / "eval-patients" / "evaluation.json").read_text())
     assert ev["split"]["by"] == "patient" and ev["split"]["test_groups"] == ["p1", "p2"]
     for fold in ev["split"]["per_fold"]:  # the two slides of p1 are on one side of every fold

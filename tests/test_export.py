@@ -21,8 +21,12 @@ def test_export_is_dynamic_rope_in_graph_and_matches_pytorch(exported, converted
     result = exported
     print(f"\nexport {result.export_seconds:.1f} s, {result.n_nodes} nodes, max abs error {result.max_abs_error:.2e}")
     assert result.max_abs_error < 1e-4
-    assert {(r["batch"], r["height"], r["width"]) for r in result.parity} == {(1, 32, 64), (1, 64, 32), (3, 32, 64),
-                                                                               (3, 64, 32)}  # fmt: skip
+    assert {(r["batch"], r["height"], r["width"]) for r in result.parity} == {
+        (1, 32, 64),
+        (1, 64, 32),
+        (3, 32, 64),
+        (3, 64, 32),
+    }
     errors = [e for r in result.parity for e in r["outputs"].values()]
     assert all(e["rel"] == pytest.approx(e["abs"] / e["scale"]) for e in errors) and result.max_rel_error < 1e-5
     proto = onnx.load(str(result.path))
@@ -91,8 +95,14 @@ def test_rerunning_export_with_unchanged_weights_registers_no_new_version(conver
     from mlflow import MlflowClient
 
     uri = sqlite_uri(tmp_path)
-    values = {"weights": str(converted), "parity_sizes": [32], "parity_batches": [1], "register_name": "rerun-test",
-              "tracking.uri": uri, "tracking.experiment": "export-rerun"}  # fmt: skip
+    values = {
+        "weights": str(converted),
+        "parity_sizes": [32],
+        "parity_batches": [1],
+        "register_name": "rerun-test",
+        "tracking.uri": uri,
+        "tracking.experiment": "export-rerun",
+    }
     first = exported_by_the_runner(
         load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "a.onnx")}, stage="export")
     )
@@ -103,8 +113,11 @@ def test_rerunning_export_with_unchanged_weights_registers_no_new_version(conver
     assert again.model_version == first.model_version
     client = MlflowClient(tracking_uri=uri)
     assert len(client.search_model_versions("name='rerun-test'")) == 1
-    pooled = exported_by_the_runner(load_config(ExportConfig, "default", {**values, "output": str(tmp_path / "c.onnx"),
-                                                                          "pooled": True}, stage="export"))  # fmt: skip
+    pooled = exported_by_the_runner(
+        load_config(
+            ExportConfig, "default", {**values, "output": str(tmp_path / "c.onnx"), "pooled": True}, stage="export"
+        )
+    )
     assert not pooled.reused_version and pooled.model_version != first.model_version  # another graph: a version
 
 
@@ -132,8 +145,13 @@ def test_the_parity_gate_is_relative_to_the_output_scale(converted, tmp_path) ->
     scaled.parent.mkdir()
     torch.save(state, scaled)
     shutil.copy(converted.parent / "config.yaml", scaled.parent / "config.yaml")
-    values = {"weights": str(scaled), "output": str(tmp_path / "scaled.onnx"), "parity_sizes": [32],
-              "parity_batches": [2], "tracking.enabled": False}  # fmt: skip
+    values = {
+        "weights": str(scaled),
+        "output": str(tmp_path / "scaled.onnx"),
+        "parity_sizes": [32],
+        "parity_batches": [2],
+        "tracking.enabled": False,
+    }
     result = run_export(load_config(ExportConfig, "default", values, stage="export"))
     scales = [e["scale"] for r in result.parity for e in r["outputs"].values()]
     assert min(scales) > 1e3 and result.max_rel_error < 1e-5 < result.max_abs_error / 1e3

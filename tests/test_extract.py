@@ -20,8 +20,9 @@ from dinov3_core.inference.feature_model import normalise
 
 
 def cfg(**values) -> ExtractConfig:
-    return load_config(ExtractConfig, "default", {"progress": False, **{k: str(v) for k, v in values.items()}},
-                       stage="extract")  # fmt: skip
+    return load_config(
+        ExtractConfig, "default", {"progress": False, **{k: str(v) for k, v in values.items()}}, stage="extract"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,9 @@ def test_stored_features_are_the_backbone_outputs(torch_features, stage_extract_
 
 
 def test_onnx_and_torch_paths_agree(torch_features, stage_extract_store, exported, tmp_path) -> None:
-    result = run_extract(cfg(store=stage_extract_store, model=exported.path, output=tmp_path / "f.zarr",
-                             patch_tokens=True, batch_size=7))  # fmt: skip
+    result = run_extract(
+        cfg(store=stage_extract_store, model=exported.path, output=tmp_path / "f.zarr", patch_tokens=True, batch_size=7)
+    )
     assert result.backend == "onnx"
     a = zarr.open_group(str(result.output), mode="r")["slides"]
     b = zarr.open_group(str(torch_features.output), mode="r")["slides"]
@@ -93,8 +95,10 @@ def test_rerun_skips_finished_slides_and_redoes_unfinished(torch_features, stage
 def test_shards_split_the_slides(stage_extract_store, converted, tmp_path) -> None:
     out = tmp_path / "f.zarr"
     ids = sorted(TileDataset(stage_extract_store).slide_ids)
-    got = [run_extract(cfg(store=stage_extract_store, model=converted, output=out, num_shards=2, shard_index=i))
-           for i in (0, 1)]  # fmt: skip
+    got = [
+        run_extract(cfg(store=stage_extract_store, model=converted, output=out, num_shards=2, shard_index=i))
+        for i in (0, 1)
+    ]
     assert [r.extracted for r in got] == [[ids[0]], [ids[1]]]
     assert sorted(p.name for p in (out / "slides").iterdir() if p.is_dir()) == ids
     with pytest.raises(WsidinoError, match="shard_index"):
@@ -125,9 +129,21 @@ def test_progress_in_a_log_file_has_rate_and_eta_and_no_carriage_return(stage_ex
     from tests.helpers import REPO
 
     log = tmp_path / "extract.log"
-    cmd = [sys.executable, "-m", "dinov3_core.cli", "extract", "--store", str(stage_extract_store), "--model",
-           str(converted), "--output", str(tmp_path / "f.zarr"), "progress_every_s=0", "batch_size=16",
-           "tracking.enabled=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dinov3_core.cli",
+        "extract",
+        "--store",
+        str(stage_extract_store),
+        "--model",
+        str(converted),
+        "--output",
+        str(tmp_path / "f.zarr"),
+        "progress_every_s=0",
+        "batch_size=16",
+        "tracking.enabled=false",
+    ]
     with log.open("w") as out:
         assert subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode == 0
     text = log.read_text()
@@ -145,8 +161,15 @@ def test_progress_lines_count_rate_and_eta() -> None:
 
     seen: list[str] = []
     calls: list[tuple[int, int]] = []
-    with Progress("extract", unit="tile", total=10, every_s=0, stream=io.StringIO(), log=seen.append,
-                  callback=lambda d, t: calls.append((d, t))) as p:  # fmt: skip
+    with Progress(
+        "extract",
+        unit="tile",
+        total=10,
+        every_s=0,
+        stream=io.StringIO(),
+        log=seen.append,
+        callback=lambda d, t: calls.append((d, t)),
+    ) as p:
         p.update(4)
         p.update(6)
     assert seen[0].startswith("extract: 4/10 tiles (40 %), ") and "tiles/s, ETA 0:00:" in seen[0]
@@ -163,13 +186,20 @@ def _slides(path) -> dict[str, dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("which", ["torch", "onnx"])
-def test_overlapped_extraction_is_bit_identical_to_serial(which, stage_extract_store, converted, exported,
-                                                         tmp_path) -> None:  # fmt: skip
+def test_overlapped_extraction_is_bit_identical_to_serial(
+    which, stage_extract_store, converted, exported, tmp_path
+) -> None:
     """Reader threads, a read-ahead depth and the background writer change nothing in the output, row for row; small
     zarr chunks (10 rows, batches of 7) make batches straddle chunks, so the chunk buffering is exercised too."""
     model = converted if which == "torch" else exported.path
-    common = {"store": stage_extract_store, "model": model, "batch_size": 7, "patch_tokens": True, "pca_map": False,
-              "chunk_rows": 10}  # fmt: skip
+    common = {
+        "store": stage_extract_store,
+        "model": model,
+        "batch_size": 7,
+        "patch_tokens": True,
+        "pca_map": False,
+        "chunk_rows": 10,
+    }
     serial = run_extract(cfg(**common, output=tmp_path / "serial.zarr", loader_threads=0))
     overlapped = run_extract(cfg(**common, output=tmp_path / "overlap.zarr", loader_threads=2, prefetch_batches=3))
     assert serial.backend == overlapped.backend == which

@@ -16,8 +16,9 @@ from dinov3_core.extract.extract import run_extract
 
 
 def cfg(**values) -> ExtractConfig:
-    return load_config(ExtractConfig, "default", {"progress": False, **{k: str(v) for k, v in values.items()}},
-                       stage="extract")  # fmt: skip
+    return load_config(
+        ExtractConfig, "default", {"progress": False, **{k: str(v) for k, v in values.items()}}, stage="extract"
+    )
 
 
 def _partial_batch_size(counts: np.ndarray) -> int:
@@ -25,12 +26,19 @@ def _partial_batch_size(counts: np.ndarray) -> int:
     return next(b for b in range(5, int(counts.min())) if np.all(counts % b))
 
 
-def test_compiled_extraction_matches_eager_without_recompiling_for_the_last_batch(stage_extract_store, converted,
-                                                                                  tmp_path) -> None:  # fmt: skip
+def test_compiled_extraction_matches_eager_without_recompiling_for_the_last_batch(
+    stage_extract_store, converted, tmp_path
+) -> None:
     counts = TileDataset(stage_extract_store, image_format="numpy").tile_counts
     batch = _partial_batch_size(counts)
-    common = {"store": stage_extract_store, "model": converted, "batch_size": batch, "device": "cpu",
-              "pca_map": False, "patch_tokens": True}  # fmt: skip
+    common = {
+        "store": stage_extract_store,
+        "model": converted,
+        "batch_size": batch,
+        "device": "cpu",
+        "pca_map": False,
+        "patch_tokens": True,
+    }
     eager = run_extract(cfg(output=tmp_path / "eager.zarr", **common))
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters

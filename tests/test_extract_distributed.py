@@ -117,8 +117,12 @@ def test_three_ranks_give_the_single_process_features(stage_extract_store, conve
     out = tmp_path / "features.zarr"
     c = cfg(store=stage_extract_store, model=converted, output=out, **SMALL)
     seen: list[tuple[int, int]] = []  # the job's progress, summed over the ranks (the Prefect progress artifact)
-    outcome = run_stage("extract", c, launch=LaunchSettings(nproc_per_node=3),
-                        hooks=RunHooks(log=lambda line: None, progress=lambda *count: seen.append(count)))  # fmt: skip
+    outcome = run_stage(
+        "extract",
+        c,
+        launch=LaunchSettings(nproc_per_node=3),
+        hooks=RunHooks(log=lambda line: None, progress=lambda *count: seen.append(count)),
+    )
     assert outcome.status == "ran" and outcome.manifest.status == "complete"
     n = len(TileDataset(stage_extract_store, image_format="numpy"))
     assert seen and seen[-1] == (n, n), seen
@@ -166,20 +170,48 @@ def test_the_cli_takes_nproc_per_node_and_bad_input_fails_before_any_rank(stage_
     assert "--nproc-per-node" in help_text and "extraction processes per node" in help_text
     missing = tmp_path / "no-model.pth"
     done = subprocess.run(
-        [*wsidino, "extract", "--store", str(stage_extract_store), "--model", str(missing), "--output",
-         str(tmp_path / "f.zarr"), "--nproc-per-node", "2", "tracking.enabled=false"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        [
+            *wsidino,
+            "extract",
+            "--store",
+            str(stage_extract_store),
+            "--model",
+            str(missing),
+            "--output",
+            str(tmp_path / "f.zarr"),
+            "--nproc-per-node",
+            "2",
+            "tracking.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert str(missing) in done.stderr and "Traceback" not in done.stderr
     taken = tmp_path / "notes"  # an output that is not a feature store: refused before a manifest or a rank
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
     done = subprocess.run(
-        [*wsidino, "extract", "--store", str(stage_extract_store), "--model", str(missing), "--output", str(taken),
-         "--nproc-per-node", "2", "tracking.enabled=false"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+        [
+            *wsidino,
+            "extract",
+            "--store",
+            str(stage_extract_store),
+            "--model",
+            str(missing),
+            "--output",
+            str(taken),
+            "--nproc-per-node",
+            "2",
+            "tracking.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 2 and "is not a feature store" in done.stderr, done.stderr
     assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"] and not taken.with_suffix(".pictures").exists()
 

@@ -45,8 +45,9 @@ def test_h5_files_hold_the_stores_features_in_the_mil_layout(stage_extract_store
     assert not list(h5_dir(out).glob(".*incoming"))  # nothing half-written is left behind
 
 
-def test_a_store_extracted_without_h5_gets_its_files_without_rerunning(stage_extract_store, converted,
-                                                                      tmp_path) -> None:  # fmt: skip
+def test_a_store_extracted_without_h5_gets_its_files_without_rerunning(
+    stage_extract_store, converted, tmp_path
+) -> None:
     out = tmp_path / "features.zarr"
     first = run_extract(cfg(store=str(stage_extract_store), model=str(converted), output=str(out)))
     assert first.extracted and not h5_dir(out).exists()
@@ -66,8 +67,9 @@ def test_qupath_geojson_has_every_tile_as_a_classified_detection(stage_extract_s
     from dinov3_core.extract.feature_store import pictures_dir
 
     out = tmp_path / "features.zarr"
-    run_extract(cfg(store=str(stage_extract_store), model=str(converted), output=str(out), qupath=True,
-                    qupath_clusters=3))  # fmt: skip
+    run_extract(
+        cfg(store=str(stage_extract_store), model=str(converted), output=str(out), qupath=True, qupath_clusters=3)
+    )
     ds = TileDataset(stage_extract_store, image_format="numpy")
     for s, slide_id in enumerate(ds.slide_ids):
         path = pictures_dir(out) / slide_id / "tiles.geojson"
@@ -78,7 +80,9 @@ def test_qupath_geojson_has_every_tile_as_a_classified_detection(stage_extract_s
         assert first["properties"]["objectType"] == "detection"
         x, y = coords[0]
         assert first["geometry"]["coordinates"][0][0] == [x, y] and first["geometry"]["coordinates"][0][2] == [
-            x + size, y + size]  # fmt: skip
+            x + size,
+            y + size,
+        ]
         measured = {k for f in doc["features"] for k in f["properties"]["measurements"]}
         assert measured == {"PC1 (0-1 in slide)", "PC2 (0-1 in slide)", "PC3 (0-1 in slide)", "cluster"}
         read = read_geojson(path)

@@ -30,8 +30,20 @@ from flows.tile import tile_flow
 from tasks.launch_params import LAUNCH, LocalLaunch, SlurmLaunch
 from tests.helpers import REPO
 
-FLOWS = {f.name: f for f in (tile_flow, pretrain_flow, gram_flow, convert_flow, export_flow, evaluate_flow,
-                             extract_flow, pipeline_flow, retrain_flow)}  # fmt: skip
+FLOWS = {
+    f.name: f
+    for f in (
+        tile_flow,
+        pretrain_flow,
+        gram_flow,
+        convert_flow,
+        export_flow,
+        evaluate_flow,
+        extract_flow,
+        pipeline_flow,
+        retrain_flow,
+    )
+}
 LAUNCHED = {"pretrain", "gram", "evaluate", "extract", "pipeline", "retrain"}  # the flows with a launch section
 
 
@@ -67,8 +79,13 @@ def test_forms_have_no_null_noise(flow_name: str) -> None:
     schema = schema_of(flow_name)
     assert nulls(schema) == []
     # An empty optional field is still valid on the server and still None for the flow.
-    optional = {"pipeline": ("weights", "annotations"), "retrain": ("annotations",), "gram": ("teacher_path", "stores"),
-                "pretrain": ("pretrained_weights",), "evaluate": ("annotations",)}.get(flow_name, ())  # fmt: skip
+    optional = {
+        "pipeline": ("weights", "annotations"),
+        "retrain": ("annotations",),
+        "gram": ("teacher_path", "stores"),
+        "pretrain": ("pretrained_weights",),
+        "evaluate": ("annotations",),
+    }.get(flow_name, ())
     model = schema["definitions"][schema["properties"]["params"]["$ref"].rsplit("/", 1)[1]]
     for name in optional:
         assert model["properties"][name]["type"] in {"string", "array"}, name
@@ -94,9 +111,15 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
     # On a CPU run the form shows the torchrun settings and nothing of a cluster.
     local = definitions["LocalLaunch"]["properties"]
     assert sorted(local, key=lambda k: local[k]["position"]) == [
-        "nproc_per_node", "nnodes", "rdzv_endpoint", "cuda_visible_devices", "timeout_hours", "retries", "gpu_slots",
+        "nproc_per_node",
+        "nnodes",
+        "rdzv_endpoint",
+        "cuda_visible_devices",
+        "timeout_hours",
+        "retries",
+        "gpu_slots",
         "backend",
-    ]  # fmt: skip
+    ]
 
 
 def deployment_payloads() -> list[tuple[str, dict[str, Any]]]:
@@ -109,8 +132,13 @@ def test_prefect_yaml_parameters_pass_the_servers_validation(name: str, deployme
     """What `prefect deploy` registers (the server's `DeploymentCreate` checks the parameters without adding null
     branches: optional fields left empty are left out of prefect.yaml) and a run of it is checked against."""
     schema = schema_of(deployment["entrypoint"].split(":")[1].removesuffix("_flow"))
-    DeploymentCreate(name=name, flow_id=uuid4(), parameters=deployment["parameters"], parameter_openapi_schema=schema,
-                     enforce_parameter_schema=True)  # fmt: skip
+    DeploymentCreate(
+        name=name,
+        flow_id=uuid4(),
+        parameters=deployment["parameters"],
+        parameter_openapi_schema=schema,
+        enforce_parameter_schema=True,
+    )
     assert validate(deployment["parameters"], schema) == []
 
 
@@ -120,8 +148,13 @@ def test_registration_refuses_a_null_where_a_run_takes_it() -> None:
     payload = {"params": {"slides": "/slides", "workdir": "/runs", "weights": None}}
     assert validate(payload, schema) == []
     with pytest.raises(ValueError, match="None is not of type 'string'"):
-        DeploymentCreate(name="p", flow_id=uuid4(), parameters=payload, parameter_openapi_schema=schema,
-                         enforce_parameter_schema=True)  # fmt: skip
+        DeploymentCreate(
+            name="p",
+            flow_id=uuid4(),
+            parameters=payload,
+            parameter_openapi_schema=schema,
+            enforce_parameter_schema=True,
+        )
 
 
 def pipeline_payload(launch: dict[str, Any]) -> dict[str, Any]:
@@ -129,18 +162,40 @@ def pipeline_payload(launch: dict[str, Any]) -> dict[str, Any]:
 
 
 # The single launch model's complete payloads always carried both cluster sections (the defaults when unused).
-OLD_SLURM_DEFAULTS = {"partition": None, "account": None, "gpus_per_node": 0, "cpus_per_node": None, "mem": None,
-                      "time_limit": None, "extra_directives": [], "setup": []}  # fmt: skip
-OLD_K8S_DEFAULTS = {"namespace": "wsidino", "image": "wsidino:gpu", "working_dir": "/opt/wsidino", "gpus_per_node": 8,
-                    "cpus_per_node": 64, "memory": "256Gi", "shm": "64Gi", "data_claim": "wsidino-data",
-                    "data_path": "/data", "node_selector": {"nvidia.com/gpu.present": "true"}}  # fmt: skip
+OLD_SLURM_DEFAULTS = {
+    "partition": None,
+    "account": None,
+    "gpus_per_node": 0,
+    "cpus_per_node": None,
+    "mem": None,
+    "time_limit": None,
+    "extra_directives": [],
+    "setup": [],
+}
+OLD_K8S_DEFAULTS = {
+    "namespace": "wsidino",
+    "image": "wsidino:gpu",
+    "working_dir": "/opt/wsidino",
+    "gpus_per_node": 8,
+    "cpus_per_node": 64,
+    "memory": "256Gi",
+    "shm": "64Gi",
+    "data_claim": "wsidino-data",
+    "data_path": "/data",
+    "node_selector": {"nvidia.com/gpu.present": "true"},
+}
 
 
 def test_old_launch_payloads_still_run_when_the_unused_sections_are_defaults() -> None:
     schema = schema_of("pipeline")
     old_local = {"nproc_per_node": 2, "backend": "local", "slurm": OLD_SLURM_DEFAULTS, "kubernetes": OLD_K8S_DEFAULTS}
-    old_slurm = {"nproc_per_node": 8, "nnodes": 2, "backend": "slurm",
-                 "slurm": {**OLD_SLURM_DEFAULTS, "partition": "gpu"}, "kubernetes": OLD_K8S_DEFAULTS}  # fmt: skip
+    old_slurm = {
+        "nproc_per_node": 8,
+        "nnodes": 2,
+        "backend": "slurm",
+        "slurm": {**OLD_SLURM_DEFAULTS, "partition": "gpu"},
+        "kubernetes": OLD_K8S_DEFAULTS,
+    }
     no_backend = {"nproc_per_node": 2, "retries": 0}  # local, as it always was
     for launch, kind in ((old_local, LocalLaunch), (old_slurm, SlurmLaunch), (no_backend, LocalLaunch)):
         assert validate(pipeline_payload(launch), schema) == []  # the server creates the run
@@ -164,8 +219,14 @@ def test_an_old_payload_with_settings_for_a_backend_not_chosen_fails_naming_the_
 
 def test_the_server_still_refuses_unknown_and_out_of_range_launch_keys() -> None:
     schema = schema_of("pipeline")
-    bad = [{"nproc_per_nod": 2}, {"backend": "slurm", "slurm": {"partitoin": "gpu"}}, {"backend": "docker"},
-           {"timeout_hours": 0}, {"rdzv_endpoint": "no port"}, {"backend": "kubernetes", "slurm": "gpu"}]  # fmt: skip
+    bad = [
+        {"nproc_per_nod": 2},
+        {"backend": "slurm", "slurm": {"partitoin": "gpu"}},
+        {"backend": "docker"},
+        {"timeout_hours": 0},
+        {"rdzv_endpoint": "no port"},
+        {"backend": "kubernetes", "slurm": "gpu"},
+    ]
     for launch in bad:
         assert validate(pipeline_payload(launch), schema), launch
         with pytest.raises(ParameterTypeError):

@@ -402,16 +402,33 @@ def test_a_real_cuda_out_of_memory_is_retried_at_a_smaller_micro_batch(device, s
     raises out of memory; the run re-plans down and finishes."""
     cuda_only(device, "needs the CUDA caching allocator to run out")
     out = tmp_path / "capped"
-    values = pretrain_values(small_tile_store, out, **{
-        "train.device": "cuda", "train.global_batch_size": 64, "train.batch_size_per_gpu": 64, "train.stop_at": 2,
-        "crops.global_size": 224, "crops.local_size": 96, "crops.n_local_crops": 4,
-        "student.backbone_overrides": {"embed_dim": 192, "num_heads": 3, "depth": 4},
-        "health.probe_tiles": 0, "evaluation.eval_period_iterations": 0, "checkpointing.period": 100,
-    })  # fmt: skip
+    values = pretrain_values(
+        small_tile_store,
+        out,
+        **{
+            "train.device": "cuda",
+            "train.global_batch_size": 64,
+            "train.batch_size_per_gpu": 64,
+            "train.stop_at": 2,
+            "crops.global_size": 224,
+            "crops.local_size": 96,
+            "crops.n_local_crops": 4,
+            "student.backbone_overrides": {"embed_dim": 192, "num_heads": 3, "depth": 4},
+            "health.probe_tiles": 0,
+            "evaluation.eval_period_iterations": 0,
+            "checkpointing.period": 100,
+        },
+    )
     argv = [f"{k}={json.dumps(v)}" for k, v in values.items()]
     env = {**os.environ, "WSIDINO_HOOKS": "tests.gpu_hooks", "WSIDINO_TEST_CUDA_HEADROOM_MB": "512"}
-    proc = subprocess.run([sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
     assert proc.returncode == 0, f"exit {proc.returncode}; stderr ends:\n{tail}"
     rows = [json.loads(line) for line in (out / "training_metrics.json").read_text().splitlines()]

@@ -329,9 +329,18 @@ def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_s
 def test_two_processes_gloo(small_tile_store, pretrain_dir, tmp_path) -> None:
     out = tmp_path / "run"
     args = [
-        "-m", "dinov3_core.gram", "--pretrain-dir", str(pretrain_dir), "--config", "tiny", "tracking.enabled=false",
-        f"data.stores=[{small_tile_store}]", f"output_dir={out}", "train.stop_at=5", "train.batch_size_per_gpu=4",
-    ]  # fmt: skip
+        "-m",
+        "dinov3_core.gram",
+        "--pretrain-dir",
+        str(pretrain_dir),
+        "--config",
+        "tiny",
+        "tracking.enabled=false",
+        f"data.stores=[{small_tile_store}]",
+        f"output_dir={out}",
+        "train.stop_at=5",
+        "train.batch_size_per_gpu=4",
+    ]
     proc = torchrun(*args, timeout=180)
     assert "gram: iterations 0…4 of 10" in proc.stdout
     assert (out / "ckpt" / "4" / ".metadata").is_file()
@@ -345,8 +354,16 @@ def test_two_pipeline_stages_equal_one_process(small_tile_store, pretrain_dir, t
     loss included, and the same parameters after 5 iterations."""
     from tests.helpers import load_dcp, max_diff
 
-    common = ["--pretrain-dir", str(pretrain_dir), "--config", "tiny", "tracking.enabled=false",
-              f"data.stores=[{small_tile_store}]", "train.stop_at=5", "checkpointing.period=5"]  # fmt: skip
+    common = [
+        "--pretrain-dir",
+        str(pretrain_dir),
+        "--config",
+        "tiny",
+        "tracking.enabled=false",
+        f"data.stores=[{small_tile_store}]",
+        "train.stop_at=5",
+        "checkpointing.period=5",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     torchrun("-m", "dinov3_core.gram", *common, f"output_dir={one}", timeout=180, nproc=1)
     torchrun("-m", "dinov3_core.gram", *common, f"output_dir={two}", "parallelism.pp_degree=2", timeout=180)
@@ -363,8 +380,16 @@ def test_two_pipeline_stages_equal_one_process(small_tile_store, pretrain_dir, t
 def test_cli_reports_bad_pretrain_dir(tmp_path) -> None:
     from dinov3_core.gram.__main__ import main
 
-    code = main(["--pretrain-dir", str(tmp_path / "nope"), "--config", "tiny", f"output_dir={tmp_path / 'o'}",
-                 "data.stores=[x]"])  # fmt: skip
+    code = main(
+        [
+            "--pretrain-dir",
+            str(tmp_path / "nope"),
+            "--config",
+            "tiny",
+            f"output_dir={tmp_path / 'o'}",
+            "data.stores=[x]",
+        ]
+    )
     assert code == 2
 
 
@@ -392,10 +417,15 @@ def test_continues_a_run_that_read_its_arch_from_the_weights_file(small_tile_sto
     its file, recorded in the checkpoint; a file matching no known arch is still refused, naming the key."""
     from dinov3_core.gram.anchoring import prepare_config
 
-    small = {"heads.dino": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
-             "heads.ibot": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
-             "train.stop_at": 1, "checkpointing.period": 1, "evaluation.eval_period_iterations": 0,
-             "health.probe_tiles": 0, "student.arch": "auto"}  # fmt: skip
+    small = {
+        "heads.dino": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+        "heads.ibot": {"n_prototypes": 64, "hidden_dim": 64, "bottleneck_dim": 32},
+        "train.stop_at": 1,
+        "checkpointing.period": 1,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+        "student.arch": "auto",
+    }
     for arch, expected in (("vits16", "vits16"), ("vit_test", None)):
         weights = save_backbone(build_backbone(arch), tmp_path / f"{arch}.pth")
         pre = tmp_path / f"pre-{arch}"

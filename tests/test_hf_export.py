@@ -21,8 +21,14 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (pip ins
 @pytest.fixture(scope="module")
 def hf_export(converted: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("hf") / "model" / "model.onnx"
-    values = {"weights": str(converted), "output": str(out), "huggingface": True, "parity_sizes": [32],
-              "parity_batches": [1], "tracking.enabled": False}  # fmt: skip
+    values = {
+        "weights": str(converted),
+        "output": str(out),
+        "huggingface": True,
+        "parity_sizes": [32],
+        "parity_batches": [1],
+        "tracking.enabled": False,
+    }
     outcome = run_stage("export", load_config(ExportConfig, "default", values, stage="export"))
     return {"dir": out.parent / "hf", "outcome": outcome, "weights": converted}
 
@@ -31,8 +37,12 @@ def test_the_export_stage_writes_a_model_transformers_loads_offline(hf_export: d
     from transformers import AutoModel
 
     hf_dir, outcome = hf_export["dir"], hf_export["outcome"]
-    assert {p.name for p in hf_dir.iterdir()} == {"config.json", "model.safetensors", "README.md",
-                                                  "wsidino_parity.json"}  # fmt: skip
+    assert {p.name for p in hf_dir.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+        "wsidino_parity.json",
+    }
     assert (hf_dir / "README.md").read_text() == (hf_dir.parent / "MODEL_CARD.md").read_text()
     assert outcome.manifest.outputs["huggingface"].endswith("hf/model.safetensors")
     assert outcome.manifest.summary["hf_max_rel_error"] < 1e-5

@@ -216,8 +216,10 @@ def test_the_cycle_finder_sees_a_lazy_cycle(tmp_path: Path) -> None:
         (pkg / name).write_text("")
     (pkg / "a.py").write_text("from pkg.sub import b\n")
     (pkg / "sub" / "b.py").write_text("import os\n\ndef f():\n    from .. import c\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
-                              "def g():\n    from pkg.a import f\n")  # fmt: skip
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
+        "def g():\n    from pkg.a import f\n"
+    )
     (pkg / "d.py").write_text("import pkg.c\n")
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"}
@@ -228,8 +230,11 @@ def test_the_cycle_finder_sees_a_lazy_cycle(tmp_path: Path) -> None:
 
 
 def test_the_layer_rules_see_a_forbidden_import() -> None:
-    graph = {"dinov3_core.evaluate.x": {"dinov3_core.export.y"}, "dinov3_core.train.z": {"dinov3_core.retrain"},
-             "dinov3_core.export.y": {"dinov3_core.inference.w"}}  # fmt: skip
+    graph = {
+        "dinov3_core.evaluate.x": {"dinov3_core.export.y"},
+        "dinov3_core.train.z": {"dinov3_core.retrain"},
+        "dinov3_core.export.y": {"dinov3_core.inference.w"},
+    }
     assert _offenders(graph, CORE_FORBIDDEN, set()) == [
         "dinov3_core.evaluate.x imports dinov3_core.export.y",
         "dinov3_core.train.z imports dinov3_core.retrain",

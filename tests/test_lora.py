@@ -65,8 +65,12 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def warm(store: Path, out: Path, weights: Path, **extra: Any) -> dict[str, Any]:
     # The arch named (not auto), so that the gram stage can inherit it.
-    arch = {"student.arch": "vit_test", "student.n_storage_tokens": 4, "student.layerscale": 1e-5,
-            "student.backbone_overrides": {"mask_k_bias": True}}  # fmt: skip
+    arch = {
+        "student.arch": "vit_test",
+        "student.n_storage_tokens": 4,
+        "student.layerscale": 1e-5,
+        "student.backbone_overrides": {"mask_k_bias": True},
+    }
     return pretrain_values(store, out, **{**RUN, **arch, "student.pretrained_weights": str(weights), **extra})
 
 
@@ -226,8 +230,19 @@ def test_freeze_blocks_trains_only_later_blocks(frozen_run) -> None:
     out, values, before = frozen_run["out"], frozen_run["values"], frozen_run["before"]
     state = load_dcp(out / "ckpt" / "0")
     moved = changed(before, state["model"], "student.")
-    frozen = {k for k in before if k.startswith(("backbone.blocks.0.", "backbone.patch_embed.", "backbone.cls_token",
-                                                 "backbone.storage_tokens", "backbone.mask_token"))}  # fmt: skip
+    frozen = {
+        k
+        for k in before
+        if k.startswith(
+            (
+                "backbone.blocks.0.",
+                "backbone.patch_embed.",
+                "backbone.cls_token",
+                "backbone.storage_tokens",
+                "backbone.mask_token",
+            )
+        )
+    }
     assert not moved & frozen
     assert {k for k in moved if k.startswith("backbone.blocks.1.")}  # the trained block did move
     assert optimizer_params(state) == set(before) - frozen
@@ -341,8 +356,9 @@ def test_bad_settings_name_the_key(tmp_path: Path) -> None:
 
 
 def test_convert_save_adapter_needs_a_lora_run(frozen_run, tmp_path: Path) -> None:
-    cfg = load_config(ConvertConfig, None, {"input": str(frozen_run["out"]), "output_dir": str(tmp_path / "o"),
-                                            "save_adapter": True})  # fmt: skip
+    cfg = load_config(
+        ConvertConfig, None, {"input": str(frozen_run["out"]), "output_dir": str(tmp_path / "o"), "save_adapter": True}
+    )
     with pytest.raises(ConvertError, match="save_adapter"):
         run_convert(cfg)
     assert not (tmp_path / "o").exists()

@@ -389,9 +389,16 @@ def test_gradient_accumulation_reproduces_full_batch_loss() -> None:
         rows = slice(i * b, (i + 1) * b)
         micro_masks, positions = masks.microbatch(i, n_micro)
         loss, _ = step_loss(
-            w_acc, g_acc[:, rows], l_feat[:, rows], p_feat[:, rows], gram_teacher[:, rows],
-            micro_masks, dino_t[:, rows], ibot_t[positions], i * b,
-        )  # fmt: skip
+            w_acc,
+            g_acc[:, rows],
+            l_feat[:, rows],
+            p_feat[:, rows],
+            gram_teacher[:, rows],
+            micro_masks,
+            dino_t[:, rows],
+            ibot_t[positions],
+            i * b,
+        )
         (loss / n_micro).backward()
         total += loss.item() / n_micro
     assert total == pytest.approx(full.item(), abs=1e-6)

@@ -22,10 +22,23 @@ from tests.helpers import by_name, read_json, slide_list
 from wsidino_dev import faults
 
 
-def complete(stage: str, outputs: dict[str, str], run_id: str, lineage: dict[str, str] | None = None,
-             inputs: dict[str, Any] | None = None) -> mf.StageManifest:  # fmt: skip
-    m = mf.StageManifest(stage=stage, status="complete", config_hash="h", inputs=inputs or {}, outputs=outputs,
-                         mlflow_run_id=run_id, lineage=lineage or {}, finished_at=mf.now())  # fmt: skip
+def complete(
+    stage: str,
+    outputs: dict[str, str],
+    run_id: str,
+    lineage: dict[str, str] | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> mf.StageManifest:
+    m = mf.StageManifest(
+        stage=stage,
+        status="complete",
+        config_hash="h",
+        inputs=inputs or {},
+        outputs=outputs,
+        mlflow_run_id=run_id,
+        lineage=lineage or {},
+        finished_at=mf.now(),
+    )
     m.output_fingerprint = mf.completion_fingerprint(m)
     return m
 
@@ -236,8 +249,9 @@ def test_fault_fires_through_the_runner_events(tmp_path: Path, monkeypatch: pyte
 
     weights = tmp_path / "w.pth"
     weights.write_bytes(b"not a model")
-    cfg = load_config(ExportConfig, None, {"weights": str(weights), "output": str(tmp_path / "model.onnx"),
-                                           "tracking.enabled": False})  # fmt: skip
+    cfg = load_config(
+        ExportConfig, None, {"weights": str(weights), "output": str(tmp_path / "model.onnx"), "tracking.enabled": False}
+    )
     for key, value in faults.environment("export").items():
         monkeypatch.setenv(key, value)
     assert os.environ[events.HOOKS_ENV] == "wsidino_dev.faults"
@@ -254,8 +268,9 @@ def test_fault_fires_through_the_runner_events(tmp_path: Path, monkeypatch: pyte
 
 
 def test_pipeline_params_validate_the_stage_range():
-    p = PipelineParams(slides="s", workdir="w", start_at="pretrain", stop_after="export",
-                       overrides=["gram_anchoring=false"])  # fmt: skip
+    p = PipelineParams(
+        slides="s", workdir="w", start_at="pretrain", stop_after="export", overrides=["gram_anchoring=false"]
+    )
     assert load_pipeline_config(p.config, p.config_values()).selected() == ["pretrain", "convert", "export"]
     with pytest.raises(ValidationError, match="comes after"):
         PipelineParams(slides="s", workdir="w", start_at="export", stop_after="tile")
@@ -297,8 +312,17 @@ def test_cli_rerun_skips_an_up_to_date_stage(sample_slides: Any, tmp_path: Path,
 
     slide = by_name(sample_slides, "tissue_20x.svs")
     store = tmp_path / "tiles.zarr"
-    argv = ["tile", "--input", str(slide), "--output", str(store), "tile_size=64", "mpp=2.0", "progress=false",
-            "tracking.enabled=false"]  # fmt: skip
+    argv = [
+        "tile",
+        "--input",
+        str(slide),
+        "--output",
+        str(store),
+        "tile_size=64",
+        "mpp=2.0",
+        "progress=false",
+        "tracking.enabled=false",
+    ]
     assert cli_main(argv) == 0
     first = read_json(store / mf.MANIFEST_NAME)
     assert first["status"] == "complete" and first["summary"]["ok"] == 1

@@ -116,10 +116,12 @@ def test_pressure_must_be_sustained_and_each_kind_is_named() -> None:
 
     # The limit: an explicit budget × threshold; without one, this rank's share of the machine.
     cpu, ram = torch.device("cpu"), psutil.virtual_memory().total / MIB
-    set_budget = pressure_limits(budget_bytes=2 * 1024 * MIB, explicit_budget=True, device=cpu, local_world_size=2,
-                                 threshold=0.5)  # fmt: skip
-    planned = pressure_limits(budget_bytes=2 * 1024 * MIB, explicit_budget=False, device=cpu, local_world_size=2,
-                              threshold=1.0)  # fmt: skip
+    set_budget = pressure_limits(
+        budget_bytes=2 * 1024 * MIB, explicit_budget=True, device=cpu, local_world_size=2, threshold=0.5
+    )
+    planned = pressure_limits(
+        budget_bytes=2 * 1024 * MIB, explicit_budget=False, device=cpu, local_world_size=2, threshold=1.0
+    )
     assert set_budget.process_mb == 1024 and set_budget.device_mb == 0
     assert planned.process_mb == pytest.approx(ram / 2) and planned.min_available_mb == pytest.approx(
         max(256, ram / 20)
@@ -209,13 +211,22 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
 def test_every_rank_replans_alike_under_fsdp2(small_tile_store, tmp_path) -> None:
     """2 gloo processes, FSDP2, every window over the budget: both re-plan after iterations 0 and 1 (4 → 2 → 1 per
     rank) and end with the parameters of one process that never re-planned."""
-    common = {"losses.koleo_scope": "global", "train.stop_at": 3, "checkpointing.period": 3,
-              "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    common = {
+        "losses.koleo_scope": "global",
+        "train.stop_at": 3,
+        "checkpointing.period": 3,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+    }
     reference = tmp_path / "one"
     run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
     out = tmp_path / "two"
-    squeezed = {"train.batch_size_per_gpu": 4, "train.memory_budget_gb": 0.05, "train.memory_watch_period": 1,
-                "train.memory_watch_patience": 1}  # fmt: skip
+    squeezed = {
+        "train.batch_size_per_gpu": 4,
+        "train.memory_budget_gb": 0.05,
+        "train.memory_watch_period": 1,
+        "train.memory_watch_patience": 1,
+    }
     argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
     torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
     rows = read_metrics(out / "training_metrics.json")
@@ -279,8 +290,13 @@ def test_a_step_out_of_device_memory_is_retried_smaller_to_the_same_parameters(
     stops naming the rungs it took and that no checkpoint exists yet."""
     from wsidino_dev import faults
 
-    common = {"train.stop_at": 3, "checkpointing.period": 3, "evaluation.eval_period_iterations": 0,
-              "health.probe_tiles": 0, "train.batch_size_per_gpu": 8}  # fmt: skip
+    common = {
+        "train.stop_at": 3,
+        "checkpointing.period": 3,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+        "train.batch_size_per_gpu": 8,
+    }
     reference = run_pretrain(pretrain_config(small_tile_store, tmp_path / "planned", **common))
     for key, value in faults.environment("pretrain:oom>2").items():
         monkeypatch.setenv(key, value)

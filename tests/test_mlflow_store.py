@@ -133,9 +133,16 @@ def test_a_broken_store_stops_the_command_with_one_line(good_store: Path, tmp_pa
     out = tmp_path / "model" / "model.onnx"
     start = time.perf_counter()
     done = python(
-        "-m", "dinov3_core.cli", "export", "--weights", str(weights), "--output", str(out),
-        f"tracking.uri=sqlite:///{db}", cwd=tmp_path,
-    )  # fmt: skip
+        "-m",
+        "dinov3_core.cli",
+        "export",
+        "--weights",
+        str(weights),
+        "--output",
+        str(out),
+        f"tracking.uri=sqlite:///{db}",
+        cwd=tmp_path,
+    )
     seconds = time.perf_counter() - start
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr

@@ -20,9 +20,22 @@ from tests import helpers
 
 SLIDE = "tissue_20x"  # the 20× sample slide: 0.5 µm/px at level 0
 # What a single-level store held before stores had levels (written by the code before this feature, same config).
-SINGLE_FILES = ["blur_score/c/0", "blur_score/zarr.json", "coords/c/0/0", "coords/zarr.json", "pen_fraction/c/0",
-                "pen_fraction/zarr.json", "qc_mask.png", "qc_thumbnail.png", "tiles/c/0/0/0/0", "tiles/c/1/0/0/0",
-                "tiles/zarr.json", "tissue_fraction/c/0", "tissue_fraction/zarr.json", "zarr.json"]  # fmt: skip
+SINGLE_FILES = [
+    "blur_score/c/0",
+    "blur_score/zarr.json",
+    "coords/c/0/0",
+    "coords/zarr.json",
+    "pen_fraction/c/0",
+    "pen_fraction/zarr.json",
+    "qc_mask.png",
+    "qc_thumbnail.png",
+    "tiles/c/0/0/0/0",
+    "tiles/c/1/0/0/0",
+    "tiles/zarr.json",
+    "tissue_fraction/c/0",
+    "tissue_fraction/zarr.json",
+    "zarr.json",
+]
 SINGLE_ATTRS = sorted(
     [
         "bytes_per_tile",
@@ -86,8 +99,13 @@ def stores(sample_slides, tmp_path_factory):
     first = run_tile(helpers.tile_config(slide, two, tile_size=64, compressor="zstd"))
     again = run_tile(helpers.tile_config(slide, two, tile_size=64, compressor="zstd", mpp=[0.5, 1.0]))
     rerun = run_tile(helpers.tile_config(slide, two, tile_size=64, compressor="zstd", mpp=[0.5, 1.0]))
-    return {"slide": slide, "single": single, "single_snapshot": single_snapshot, "two": two,
-            "statuses": [r.outcomes[0].status for r in (first, again, rerun)]}  # fmt: skip
+    return {
+        "slide": slide,
+        "single": single,
+        "single_snapshot": single_snapshot,
+        "two": two,
+        "statuses": [r.outcomes[0].status for r in (first, again, rerun)],
+    }
 
 
 def test_a_single_level_store_keeps_its_layout(stores) -> None:
@@ -163,8 +181,15 @@ def test_the_level_mix_draws_by_weight_and_resumes_exactly(stores) -> None:
     first = drawn[levels.level_of(drawn) == 1][: levels.sizes[1]]
     assert sorted(first - levels.offsets[1]) == list(range(levels.sizes[1]))
     # A run resumed at step 17 (a fresh mix, as in a new process) sees exactly what the uninterrupted one did.
-    resumed = StepSampler(len(levels.datasets[0]), 32, seed=5, start_iteration=17, start_sample=17 * 32,
-                          stop_iteration=len(keys), levels=LevelMix(levels.sizes, [0.7, 0.3], seed=5))  # fmt: skip
+    resumed = StepSampler(
+        len(levels.datasets[0]),
+        32,
+        seed=5,
+        start_iteration=17,
+        start_sample=17 * 32,
+        stop_iteration=len(keys),
+        levels=LevelMix(levels.sizes, [0.7, 0.3], seed=5),
+    )
     for a, b in zip(keys[17:], resumed, strict=True):
         np.testing.assert_array_equal(a.indices, b.indices)
     batch = levels.read_batch(keys[0].indices[:6])
@@ -223,8 +248,13 @@ def test_a_pretrain_run_trains_on_both_levels_and_resumes(stores, tmp_path) -> N
     from dinov3_core.train.pretrain import run_pretrain
     from dinov3_core.train.trainer_setup import open_levels, open_tiles
 
-    run = {"data.mpp_weights": {0.5: 0.5, 1.0: 0.5}, "train.batch_size_per_gpu": 8, "checkpointing.period": 2,
-           "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    run = {
+        "data.mpp_weights": {0.5: 0.5, 1.0: 0.5},
+        "train.batch_size_per_gpu": 8,
+        "checkpointing.period": 2,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+    }
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     with helpers.torch_threads():
         run_pretrain(helpers.pretrain_config(stores["two"], straight, **run, **{"train.stop_at": 4}))
@@ -247,7 +277,10 @@ def test_a_pretrain_run_trains_on_both_levels_and_resumes(stores, tmp_path) -> N
     # … and the mix is what the loop trained on: the first level alone ends elsewhere.
     first_only = tmp_path / "first-only"
     with helpers.torch_threads():
-        run_pretrain(helpers.pretrain_config(stores["two"], first_only, **{**run, "data.mpp_weights": None},
-                                             **{"train.stop_at": 4}))  # fmt: skip
+        run_pretrain(
+            helpers.pretrain_config(
+                stores["two"], first_only, **{**run, "data.mpp_weights": None}, **{"train.stop_at": 4}
+            )
+        )
     other = helpers.flat_tensors(helpers.load_dcp(first_only / "ckpt" / "3"))
     assert any(not torch.equal(want[k], other[k]) for k in want if k.startswith("model.student."))

@@ -51,8 +51,9 @@ def test_health_plot_from_a_real_run(pretrain_run, tmp_path):
     entropy = series["teacher_entropy"][1]
     assert all(0 <= e <= 1 + 1e-6 for e in entropy)
     assert series["effective_rank"][0] == [r["iteration"] for r in rows if "effective_rank" in r] != []
-    out = M.plot_loss_curve(path, tmp_path / "loss.png", "pretrain", "work/pretrain", k, cfg.health.min_gap,
-                            cfg.health.min_effective_rank)  # fmt: skip
+    out = M.plot_loss_curve(
+        path, tmp_path / "loss.png", "pretrain", "work/pretrain", k, cfg.health.min_gap, cfg.health.min_effective_rank
+    )
     assert out is not None and out.is_file()
     # The run's own picture, written by the training loop: the health row under the losses (taller than before).
     with Image.open(pretrain_run / M.LOSS_CURVE_FILE) as im:

@@ -22,15 +22,35 @@ from dinov3_core.stages import STAGE_NAMES as STAGES
 from tests.browser import needs_chromium, page_text
 from tests.helpers import by_name, read_json
 
-TRAIN = ["train.global_batch_size=8", "train.batch_size_per_gpu=4", "optim.warmup_epochs=0",
-         "optim.freeze_last_layer_epochs=0", "train.stop_at=4", "checkpointing.period=2",
-         "evaluation.eval_period_iterations=2"]  # fmt: skip
-SMALL = ["tile.tile_size=64", "tile.mpp=2.0", "tile.workers=1", "pretrain.config=tiny", "gram.config=tiny",
-         *(f"pretrain.{o}" for o in TRAIN), *(f"gram.{o}" for o in TRAIN), "export.parity_sizes=[32]",
-         "export.parity_batches=[2]"]  # fmt: skip
-MANIFESTS = ["tiles.zarr/stage_manifest.json", "pretrain/stage_manifest.json", "gram/stage_manifest.json",
-             "model/stage_manifest.json", "model/model.onnx.stage_manifest.json", "evaluation/stage_manifest.json",
-             "features.zarr/stage_manifest.json"]  # fmt: skip
+TRAIN = [
+    "train.global_batch_size=8",
+    "train.batch_size_per_gpu=4",
+    "optim.warmup_epochs=0",
+    "optim.freeze_last_layer_epochs=0",
+    "train.stop_at=4",
+    "checkpointing.period=2",
+    "evaluation.eval_period_iterations=2",
+]
+SMALL = [
+    "tile.tile_size=64",
+    "tile.mpp=2.0",
+    "tile.workers=1",
+    "pretrain.config=tiny",
+    "gram.config=tiny",
+    *(f"pretrain.{o}" for o in TRAIN),
+    *(f"gram.{o}" for o in TRAIN),
+    "export.parity_sizes=[32]",
+    "export.parity_batches=[2]",
+]
+MANIFESTS = [
+    "tiles.zarr/stage_manifest.json",
+    "pretrain/stage_manifest.json",
+    "gram/stage_manifest.json",
+    "model/stage_manifest.json",
+    "model/model.onnx.stage_manifest.json",
+    "evaluation/stage_manifest.json",
+    "features.zarr/stage_manifest.json",
+]
 
 
 def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -59,8 +79,16 @@ def first_run(good_slides: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     """`wsidino pipeline` on the sample slides from a fresh directory: its home, args and result."""
     home = tmp_path_factory.mktemp("fresh")
     slides_before = tree(good_slides)
-    args = ["pipeline", "--slides", str(good_slides), "--workdir", "run", "--annotations",
-            str(good_slides / "annotations"), *SMALL]  # fmt: skip
+    args = [
+        "pipeline",
+        "--slides",
+        str(good_slides),
+        "--workdir",
+        "run",
+        "--annotations",
+        str(good_slides / "annotations"),
+        *SMALL,
+    ]
     done = wsidino(*args, cwd=home)
     return {"home": home, "args": args, "done": done, "slides_before": slides_before}
 
@@ -140,9 +168,13 @@ def small_backbone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_bad_input_is_named_before_anything_is_written(
-    extra: list[str], said: str, good_slides: Path, small_backbone: Path, tmp_path: Path,
+    extra: list[str],
+    said: str,
+    good_slides: Path,
+    small_backbone: Path,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     extra = [e.format(file=a_file, backbone=small_backbone) for e in extra]
@@ -159,10 +191,24 @@ def test_every_batch_and_crop_problem_is_named_at_once_before_training(
     """Found once the tiles exist, before pretrain starts: every training stage's problem with the key as the user
     types it in the pipeline and a value that works; then the same check for `wsidino pretrain` alone."""
     work = tmp_path / "run"
-    args = ["pipeline", "--slides", str(good_slides), "--workdir", str(work), "--to", "gram", "tile.tile_size=64",
-            "tile.mpp=2.0", "tile.workers=1", "pretrain.config=tiny", "gram.config=tiny",
-            "pretrain.train.global_batch_size=4096", "pretrain.train.batch_size_per_gpu=8",
-            "gram.train.batch_size_per_gpu=5000", "gram.crops.global_size=96"]  # fmt: skip
+    args = [
+        "pipeline",
+        "--slides",
+        str(good_slides),
+        "--workdir",
+        str(work),
+        "--to",
+        "gram",
+        "tile.tile_size=64",
+        "tile.mpp=2.0",
+        "tile.workers=1",
+        "pretrain.config=tiny",
+        "gram.config=tiny",
+        "pretrain.train.global_batch_size=4096",
+        "pretrain.train.batch_size_per_gpu=8",
+        "gram.train.batch_size_per_gpu=5000",
+        "gram.crops.global_size=96",
+    ]
     assert cli.main(args) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "3 problem(s) found before any work once the tiles exist" in err, err
@@ -173,8 +219,16 @@ def test_every_batch_and_crop_problem_is_named_at_once_before_training(
     tiles = int(err.split("the tile store holds ")[1].split(";")[0])
     assert f"gram.train.batch_size_per_gpu={tiles} (or fewer)" in err  # a value that works
     # The same rule for the stage alone, in its own keys, before a run directory is made or a rank started.
-    alone = wsidino("pretrain", "--store", str(work / "tiles.zarr"), "--output-dir", str(tmp_path / "alone"),
-                    "train.global_batch_size=4096", "train.batch_size_per_gpu=8", cwd=tmp_path)  # fmt: skip
+    alone = wsidino(
+        "pretrain",
+        "--store",
+        str(work / "tiles.zarr"),
+        "--output-dir",
+        str(tmp_path / "alone"),
+        "train.global_batch_size=4096",
+        "train.batch_size_per_gpu=8",
+        cwd=tmp_path,
+    )
     assert alone.returncode == 2, alone.stderr[-2000:]
     assert "  train.global_batch_size: one batch is 4096 tiles" in alone.stderr
     assert "Traceback" not in alone.stderr and not (tmp_path / "alone").exists()
@@ -187,8 +241,15 @@ def test_unreadable_annotations_are_named_before_anything_is_written(
     annotations.mkdir()
     (annotations / "tissue_20x.geojson").write_text('{"type": "FeatureCollection", "features": [')  # cut off
     (annotations / "tissue_40x.geojson").write_bytes(b"\x93not json")
-    args = ["pipeline", "--slides", str(good_slides), "--workdir", str(tmp_path / "run"), "--annotations",
-            str(annotations)]  # fmt: skip
+    args = [
+        "pipeline",
+        "--slides",
+        str(good_slides),
+        "--workdir",
+        str(tmp_path / "run"),
+        "--annotations",
+        str(annotations),
+    ]
     assert cli.main(args) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "2 problem(s) found before any work" in err, err
@@ -201,8 +262,18 @@ def test_print_config_round_trips(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # as on a user's machine
-    args = ["--slides", "s/", "--workdir", str(tmp_path / "w"), "--from", "convert", "--force", "export",
-            "pretrain.train.stop_at=9", "tile.config=cohort-jpeg"]  # fmt: skip
+    args = [
+        "--slides",
+        "s/",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--from",
+        "convert",
+        "--force",
+        "export",
+        "pretrain.train.stop_at=9",
+        "tile.config=cohort-jpeg",
+    ]
     assert cli.main(["pipeline", *args, "--print-config"]) == cli.EXIT_OK
     printed = capsys.readouterr().out
     doc = yaml.safe_load(printed)
@@ -259,8 +330,15 @@ def test_a_stage_alone_logs_to_the_store_of_its_work_directory(
     started_in.mkdir()
     monkeypatch.chdir(started_in)
     work = tmp_path / "work"
-    args = ["tile", "--input", str(good_slides / "tissue_20x.svs"), "--output", str(work / "tiles.zarr"),
-            "tile_size=64", "mpp=2.0"]  # fmt: skip
+    args = [
+        "tile",
+        "--input",
+        str(good_slides / "tissue_20x.svs"),
+        "--output",
+        str(work / "tiles.zarr"),
+        "tile_size=64",
+        "mpp=2.0",
+    ]
     assert cli.main(args) == cli.EXIT_OK
     assert (work / "mlflow.db").is_file() and (work / "mlartifacts").is_dir()
     assert not list(started_in.iterdir())  # nothing where the command was started

@@ -110,8 +110,15 @@ def deployed_pipeline_run(
     with get_client(sync_client=True) as client:  # the UI's Retry: the same flow run is scheduled again
         client.set_flow_run_state(run_id, Scheduled(), force=True)
     final = wait_final(run_id, timeout=400)
-    return {"id": run_id, "workdir": workdir, "params": params, "first": first, "first_logs": first_logs,
-            "before_retry": before_retry, "final": final}  # fmt: skip
+    return {
+        "id": run_id,
+        "workdir": workdir,
+        "params": params,
+        "first": first,
+        "first_logs": first_logs,
+        "before_retry": before_retry,
+        "final": final,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------- tests

@@ -29,8 +29,9 @@ def test_split_keeps_fqns() -> None:
         torch.manual_seed(0)
         head = {"hidden_dim": 32, "bottleneck_dim": 16}
         backbone = build_backbone("vit_test", **HUB_SETTINGS, depth=3)
-        return nn.ModuleDict({"backbone": backbone, "dino_head": DINOHead(64, 32, **head),
-                              "ibot_head": DINOHead(64, 32, **head)})  # fmt: skip
+        return nn.ModuleDict(
+            {"backbone": backbone, "dino_head": DINOHead(64, 32, **head), "ibot_head": DINOHead(64, 32, **head)}
+        )
 
     whole = model()
     for features_only in (False, True):  # the student, and the teacher cut at the same blocks
@@ -71,8 +72,14 @@ def test_pipeline_matches_unsplit_step() -> None:
 
 def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dinov3_core.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dinov3_core.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize(
@@ -99,8 +106,21 @@ def test_contract_violations_stop_before_any_process_starts(
 ) -> None:
     out = tmp_path / "run"
     pp = [] if any("pp_degree" in s for s in settings) else ["parallelism.pp_degree=2"]
-    proc = wsidino("pretrain", "--config", "tiny", "--store", str(small_tile_store), "--output-dir", str(out),
-                   "--nproc-per-node", str(nproc), "tracking.enabled=false", *pp, *settings, cwd=tmp_path)  # fmt: skip
+    proc = wsidino(
+        "pretrain",
+        "--config",
+        "tiny",
+        "--store",
+        str(small_tile_store),
+        "--output-dir",
+        str(out),
+        "--nproc-per-node",
+        str(nproc),
+        "tracking.enabled=false",
+        *pp,
+        *settings,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (out / "torchrun_logs").exists() and not (out / "ckpt").exists()  # no rank ever started
@@ -114,9 +134,21 @@ def test_wsidino_pretrain_with_two_pipeline_stages_trains_and_converts(small_til
     from dinov3_core.train.metrics import read_metrics
 
     run, model = tmp_path / "pp", tmp_path / "model"
-    proc = wsidino("pretrain", "--config", "tiny", "--store", str(small_tile_store), "--output-dir", str(run),
-                   "--nproc-per-node", "2", "parallelism.pp_degree=2", "train.stop_at=6", "tracking.enabled=false",
-                   cwd=tmp_path)  # fmt: skip
+    proc = wsidino(
+        "pretrain",
+        "--config",
+        "tiny",
+        "--store",
+        str(small_tile_store),
+        "--output-dir",
+        str(run),
+        "--nproc-per-node",
+        "2",
+        "parallelism.pp_degree=2",
+        "train.stop_at=6",
+        "tracking.enabled=false",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "pipeline stage 1/2 (blocks 0–0, patch embedding), 4 pipeline micro-batches of 2"
@@ -140,13 +172,22 @@ def test_memory_replans_keep_the_pipeline_contract_and_the_objective(small_tile_
     from dinov3_core.train.pretrain import run_pretrain
     from tests.helpers import load_dcp, max_diff, pretrain_config, pretrain_values
 
-    common = {"losses.koleo_scope": "global", "train.stop_at": 4, "checkpointing.period": 4,
-              "evaluation.eval_period_iterations": 0, "health.probe_tiles": 0}  # fmt: skip
+    common = {
+        "losses.koleo_scope": "global",
+        "train.stop_at": 4,
+        "checkpointing.period": 4,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+    }
     reference = tmp_path / "one"
     run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
     out = tmp_path / "pp"
-    squeezed = {"parallelism.pp_degree": 2, "train.memory_budget_gb": 0.05, "train.memory_watch_period": 1,
-                "train.memory_watch_patience": 1}  # fmt: skip
+    squeezed = {
+        "parallelism.pp_degree": 2,
+        "train.memory_budget_gb": 0.05,
+        "train.memory_watch_period": 1,
+        "train.memory_watch_patience": 1,
+    }
     argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
     torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
     rows = read_metrics(out / "training_metrics.json")

@@ -422,8 +422,9 @@ def test_bf16_on_cpu_tracks_the_fp32_run(reference, small_tile_store, tmp_path) 
     assert assert_close_to_fp32(one, reference["out"], range(4), rel=0.01) > 1e-5
 
     two = tmp_path / "bf16_two"
-    run = overrides(small_tile_store, two, **{"train.precision": "bf16", "train.batch_size_per_gpu": 4,
-                                              "train.stop_at": 2})  # fmt: skip
+    run = overrides(
+        small_tile_store, two, **{"train.precision": "bf16", "train.batch_size_per_gpu": 4, "train.stop_at": 2}
+    )
     torchrun(str(PRETRAIN_RUNS_SCRIPT), json.dumps(run), timeout=400)
     assert assert_close_to_fp32(two, reference["out"], range(2), rel=0.01) > 1e-5
 

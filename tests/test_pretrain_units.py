@@ -234,10 +234,18 @@ def test_memory_estimate_matches_measured_gpu_peaks(
     """Within 5 % of every measured GPU run: an under-estimate is an out-of-memory crash on a full card (ViT-S/16's
     was), an over-estimate a micro-batch smaller than the card allows. Most rows fit the constants (in-sample); compiled
     ViT-S was predicted before it ran."""
-    values = {"data.stores": ["s"], "output_dir": "o", "heads.dino.n_prototypes": 4096,
-              "heads.ibot.n_prototypes": 4096, "student.pretrained_weights": None, "data.num_workers": 10,
-              "train.activation_checkpointing": ac, "train.compile": compiled, "train.global_batch_size": batch,
-              "train.batch_size_per_gpu": "auto"}  # fmt: skip
+    values = {
+        "data.stores": ["s"],
+        "output_dir": "o",
+        "heads.dino.n_prototypes": 4096,
+        "heads.ibot.n_prototypes": 4096,
+        "student.pretrained_weights": None,
+        "data.num_workers": 10,
+        "train.activation_checkpointing": ac,
+        "train.compile": compiled,
+        "train.global_batch_size": batch,
+        "train.batch_size_per_gpu": "auto",
+    }
     cfg = load_config(C.PretrainConfig, f"{arch}-continued", values, stage="pretrain")
     est = estimate_memory(cfg, model_shape(cfg), micro_batch=micro, step_batch=batch, world_size=1, device_type="cuda")
     assert est.total / 2**30 == pytest.approx(peak_gib, rel=0.05), est.describe()

@@ -72,8 +72,14 @@ def _cycle(layout: CycleLayout, number: int, status: str, promoted: bool | None 
     d = layout.cycle_dir(record.id)
     for sub in ("pretrain/ckpt/7", "pretrain/eval/training_7", "gram/ckpt/9", "model", "evaluation/cache"):
         (d / sub).mkdir(parents=True)
-    files = ("model/backbone.pth", "model/model.onnx", "evaluation/evaluation.json", "evaluation/evaluation.md",
-             "pretrain/eval/training_7/teacher_checkpoint.pth", "pretrain/eval/training_7/probe.json")  # fmt: skip
+    files = (
+        "model/backbone.pth",
+        "model/model.onnx",
+        "evaluation/evaluation.json",
+        "evaluation/evaluation.md",
+        "pretrain/eval/training_7/teacher_checkpoint.pth",
+        "pretrain/eval/training_7/probe.json",
+    )
     for f in files:
         (d / f).write_text("x")
     (d / "snapshot.json").write_text("{}")
@@ -96,10 +102,21 @@ def test_retention_removes_what_it_should_and_nothing_else(tmp_path: Path) -> No
         layout, cycles, RetentionConfig(keep_last=1), running=cycles[6].id, champion_cycle=cycles[3].id
     )
     retention.apply(layout, plan)
-    left = {c.id: sorted(str(p.relative_to(layout.cycle_dir(c.id))) for p in layout.cycle_dir(c.id).rglob("*")
-                         if p.is_file()) for c in cycles}  # fmt: skip
-    everything = ["cycle.json", "evaluation/evaluation.json", "evaluation/evaluation.md", "model/backbone.pth",
-                  "model/model.onnx", "pretrain/eval/training_7/probe.json", "snapshot.json"]  # fmt: skip
+    left = {
+        c.id: sorted(
+            str(p.relative_to(layout.cycle_dir(c.id))) for p in layout.cycle_dir(c.id).rglob("*") if p.is_file()
+        )
+        for c in cycles
+    }
+    everything = [
+        "cycle.json",
+        "evaluation/evaluation.json",
+        "evaluation/evaluation.md",
+        "model/backbone.pth",
+        "model/model.onnx",
+        "pretrain/eval/training_7/probe.json",
+        "snapshot.json",
+    ]
     records = ["cycle.json", "evaluation/evaluation.json", "evaluation/evaluation.md", "snapshot.json"]
     assert left[cycles[0].id] == everything and left[cycles[4].id] == everything
     assert left[cycles[1].id] == records and left[cycles[2].id] == records
@@ -142,10 +159,22 @@ def test_a_champion_of_another_architecture_is_named_before_training(tmp_path: P
 
 
 def _retrain(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "dinov3_core.cli", "retrain", "--slides", str(tmp_path / "slides"), "--root",
-           str(tmp_path / "root"), "--config", "tiny", *args]  # fmt: skip
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dinov3_core.cli",
+        "retrain",
+        "--slides",
+        str(tmp_path / "slides"),
+        "--root",
+        str(tmp_path / "root"),
+        "--config",
+        "tiny",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def test_a_stage_key_typo_fails_before_anything_runs(tmp_path: Path) -> None:
@@ -190,8 +219,9 @@ def test_retention_with_a_real_registry_spares_the_champions_files_cycles_in_use
     outside.mkdir()
     (outside / "precious.pth").write_text("keep me")
     uri = sqlite_uri(tmp_path)
-    cfg = load_retrain_config("tiny", {"slides": str(tmp_path / "slides"), "root": str(root), "tracking.uri": uri,
-                                       "retention.keep_last": 0})  # fmt: skip
+    cfg = load_retrain_config(
+        "tiny", {"slides": str(tmp_path / "slides"), "root": str(root), "tracking.uri": uri, "retention.keep_last": 0}
+    )
     layout = CycleLayout(root)
     cycles = [
         _cycle(layout, 1, "trained", promoted=False),  # an old candidate: its model folder holds the champion
@@ -205,8 +235,9 @@ def test_retention_with_a_real_registry_spares_the_champions_files_cycles_in_use
     champion_weights = layout.cycle_dir(cycles[0].id) / "model" / "backbone.pth"
     client = MlflowClient(tracking_uri=uri)
     client.create_registered_model(cfg.register_name)
-    version = client.create_model_version(cfg.register_name, source=str(champion_weights.parent),
-                                          tags={WEIGHTS_TAG: str(champion_weights)})  # fmt: skip
+    version = client.create_model_version(
+        cfg.register_name, source=str(champion_weights.parent), tags={WEIGHTS_TAG: str(champion_weights)}
+    )
     client.set_registered_model_alias(cfg.register_name, "champion", version.version)
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
 

@@ -82,21 +82,29 @@ def retraining(
 
     def params(*extra: str, labels: Path | None = annotations) -> dict[str, Any]:
         return {
-            "slides": str(cohort), "root": str(root), "annotations": str(labels) if labels else None, "config": "tiny",
-            "overrides": [*FAST, f"evaluate.baseline={baseline}", *extra], "force": False,
+            "slides": str(cohort),
+            "root": str(root),
+            "annotations": str(labels) if labels else None,
+            "config": "tiny",
+            "overrides": [*FAST, f"evaluate.baseline={baseline}", *extra],
+            "force": False,
             "launch": {"nproc_per_node": 1, "retries": 0},
             "tracking": {"tracking_uri": mlflow_tracking.uri, "experiment": mlflow_tracking.experiment},
-        }  # fmt: skip
+        }
 
     def add(name: str, as_name: str | None = None) -> None:
         shutil.copy(by_name(sample_slides, name), cohort / (as_name or name))
 
     def snapshot_of(run: Any) -> dict[str, Any]:
         cycles = sorted((root / "cycles").iterdir())
-        return {"run": run, "cycles": [c.name for c in cycles], "record": read_json(cycles[-1] / "cycle.json"),
-                "features": read_json(root / "features" / "champion.json"),
-                "stores": sorted(p.name for p in (root / "features").glob("*.zarr")),
-                "logs": flow_logs(run.id)}  # fmt: skip
+        return {
+            "run": run,
+            "cycles": [c.name for c in cycles],
+            "record": read_json(cycles[-1] / "cycle.json"),
+            "features": read_json(root / "features" / "champion.json"),
+            "stores": sorted(p.name for p in (root / "features").glob("*.zarr")),
+            "logs": flow_logs(run.id),
+        }
 
     out: dict[str, Any] = {"root": root}
     add("tissue_40x.svs")
@@ -170,8 +178,12 @@ def test_the_next_cycle_warm_starts_from_the_champion_and_the_features_follow_th
     assert second["run"].state.is_completed(), second["run"].state
     assert two["id"] != one["id"] and two["number"] == 2
     # Warm start from cycle 1's champion, on the old and the new slides.
-    assert two["warm_start"] == {"source": "champion", "path": str(root / "cycles" / one["id"] / "model" /
-                                 "backbone.pth"), "version": "1", "cycle": one["id"]}  # fmt: skip
+    assert two["warm_start"] == {
+        "source": "champion",
+        "path": str(root / "cycles" / one["id"] / "model" / "backbone.pth"),
+        "version": "1",
+        "cycle": one["id"],
+    }
     pretrain_cfg = (root / "cycles" / two["id"] / "pretrain" / "config.yaml").read_text()
     for slide in ("tissue_40x", "tissue_20x", "tissue_generic"):
         assert f"- {slide}" in pretrain_cfg
@@ -219,15 +231,25 @@ def test_a_cycle_without_new_slides_is_skipped_with_its_reason(
     assert set(record["stages"]) == {"tile", "extract"} and record["features"]["slides_extracted"] == 0
     # MLflow: one run per cycle with its decision; stage runs nest under it; the snapshot is its dataset input.
     client = MlflowClient(mlflow_tracking.uri)
-    runs = {r.data.tags.get("wsidino.cycle"): r for r in client.search_runs(
-        [mlflow_tracking.experiment_id], "tags.`wsidino.retrain` = 'true'")}  # fmt: skip
+    runs = {
+        r.data.tags.get("wsidino.cycle"): r
+        for r in client.search_runs([mlflow_tracking.experiment_id], "tags.`wsidino.retrain` = 'true'")
+    }
     assert set(runs) >= {retraining[k]["record"]["id"] for k in ("first", "second", "third", "fourth")}
     skipped = runs[record["id"]]
     assert skipped.data.tags["wsidino.cycle_status"] == "skipped" and skipped.info.status == "FINISHED"
     trained = runs[retraining["first"]["record"]["id"]]
     assert trained.data.tags["wsidino.promoted"] == "True" and trained.data.tags["wsidino.warm_start"] == "scratch"
     assert trained.inputs.dataset_inputs[0].dataset.digest == retraining["first"]["record"]["snapshot"]["hash"]
-    children = client.search_runs([mlflow_tracking.experiment_id],
-                                  f"tags.`mlflow.parentRunId` = '{trained.info.run_id}'")  # fmt: skip
+    children = client.search_runs(
+        [mlflow_tracking.experiment_id], f"tags.`mlflow.parentRunId` = '{trained.info.run_id}'"
+    )
     assert {c.data.tags["wsidino.stage"] for c in children} == {
-        "tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"}  # fmt: skip
+        "tile",
+        "pretrain",
+        "gram",
+        "convert",
+        "export",
+        "evaluate",
+        "extract",
+    }

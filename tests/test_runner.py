@@ -24,8 +24,14 @@ def backbone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def export_config(weights: Path, out: Path, uri: str) -> ExportConfig:
-    values = {"weights": str(weights), "output": str(out / "model.onnx"), "register_name": "runner-test",
-              "parity_sizes": [32], "parity_batches": [2], "tracking.uri": uri}  # fmt: skip
+    values = {
+        "weights": str(weights),
+        "output": str(out / "model.onnx"),
+        "register_name": "runner-test",
+        "parity_sizes": [32],
+        "parity_batches": [2],
+        "tracking.uri": uri,
+    }
     return load_config(ExportConfig, None, values)
 
 
@@ -60,15 +66,17 @@ def test_a_rank_that_stops_on_bad_input_is_told_as_its_one_line_cause(
     from dinov3_core.cli_options import job_failed
 
     stderr = "UserWarning: something torch says\nerror: train.global_batch_size=64 is larger than the store; lower it\n"
-    err = TorchrunFailed("dinov3_core.train", exit_code=1, root_cause=stderr, log_dir=tmp_path, rank=1,
-                         rank_exit_code=2)  # fmt: skip
+    err = TorchrunFailed(
+        "dinov3_core.train", exit_code=1, root_cause=stderr, log_dir=tmp_path, rank=1, rank_exit_code=2
+    )
     assert job_failed("pretrain", err, "resume") == 2
     said = capsys.readouterr().err
     assert said.splitlines() == [
         f"wsidino pretrain: train.global_batch_size=64 is larger than the store; lower it (rank 1; every rank's "
         f"output: {tmp_path})"
     ]
-    crash = TorchrunFailed("dinov3_core.train", exit_code=1, root_cause="Traceback ...", log_dir=tmp_path, rank=0,
-                           rank_exit_code=-9)  # fmt: skip
+    crash = TorchrunFailed(
+        "dinov3_core.train", exit_code=1, root_cause="Traceback ...", log_dir=tmp_path, rank=0, rank_exit_code=-9
+    )
     assert job_failed("pretrain", crash, "resume from the last checkpoint") == 1
     assert "Rerun the same command to resume from the last checkpoint." in capsys.readouterr().err

@@ -321,8 +321,15 @@ def test_tile_stage_masks_read_each_demo_stain(spec) -> None:
     from dinov3_core.tiling.tissue import tissue_mask
 
     def thumbnail(pen_mark: bool) -> np.ndarray:  # the pen is planned last: with or without it, the same tissue
-        canvas = TissueCanvas.plan(1536, 2048, rng=np.random.default_rng(5), mpp=0.5, pen_mark=pen_mark,
-                                   pen_color=spec.pen_color, stain=spec.stain)  # fmt: skip
+        canvas = TissueCanvas.plan(
+            1536,
+            2048,
+            rng=np.random.default_rng(5),
+            mpp=0.5,
+            pen_mark=pen_mark,
+            pen_color=spec.pen_color,
+            stain=spec.stain,
+        )
         return canvas.to_array().reshape(768, 2, 1024, 2, 3).mean(axis=(1, 3)).astype(np.uint8)
 
     thumb, plain = thumbnail(True), thumbnail(False)

@@ -220,9 +220,11 @@ def test_auto_schedules_in_the_config(tmp_path) -> None:
     sched = build_schedules(cfg, global_batch=8)
     assert sched.momentum(0) == sched.momentum(999) == pytest.approx(0.98)  # time constant 50 = 5 % of the run
     assert sched.teacher_temp(999) == pytest.approx(0.0408, abs=1e-4)  # upstream's pace: 0.04 + 0.03 · 999 / 37,500
-    explicit = pretrain_config(tmp_path, tmp_path / "o", **{"train.epoch_length": 250,
-                                                            "teacher.final_momentum_teacher": 1,
-                                                            "teacher.warmup_teacher_temp_epochs": 2})  # fmt: skip
+    explicit = pretrain_config(
+        tmp_path,
+        tmp_path / "o",
+        **{"train.epoch_length": 250, "teacher.final_momentum_teacher": 1, "teacher.warmup_teacher_temp_epochs": 2},
+    )
     sched = build_schedules(explicit, global_batch=8)
     assert sched.momentum(999) == 1.0 and sched.teacher_temp(500) == pytest.approx(0.07)
     with pytest.raises(ConfigError, match=r"teacher\.final_momentum_teacher: must be a number or 'auto', got 'soon'"):
@@ -235,8 +237,9 @@ def test_the_start_line_says_how_long_the_run_is_and_where_its_weights_come_from
     from dinov3_core.config import load_config
     from dinov3_core.train import config as C
 
-    cfg = load_config(C.PretrainConfig, "cpu", {"data.stores": ["t.zarr"], "output_dir": "o", "train.stop_at": 100},
-                      stage="pretrain")  # fmt: skip
+    cfg = load_config(
+        C.PretrainConfig, "cpu", {"data.stores": ["t.zarr"], "output_dir": "o", "train.stop_at": 100}, stage="pretrain"
+    )
     assert C.length_summary(cfg) == (
         "1000 iterations = optim.epochs 4 × train.epoch_length 250; this run stops at train.stop_at=100 "
         "(the schedules keep the full length)"

@@ -55,10 +55,14 @@ def logs_with(flow_run_id: Any, *texts: str, timeout: float = 60.0) -> str:
         time.sleep(1.0)
 
 
-def pretrain_params(store: Path, out: Path, tracking: Any, retries: int = 0, stage: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:  # fmt: skip
-    values = {k: v for k, v in pretrain_values(store, out, **(STAGE if stage is None else stage)).items()
-              if k not in ("data.stores", "output_dir", "tracking.enabled")}  # fmt: skip
+def pretrain_params(
+    store: Path, out: Path, tracking: Any, retries: int = 0, stage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    values = {
+        k: v
+        for k, v in pretrain_values(store, out, **(STAGE if stage is None else stage)).items()
+        if k not in ("data.stores", "output_dir", "tracking.enabled")
+    }
     return {
         "stores": [str(store)],
         "output_dir": str(out),
@@ -71,14 +75,34 @@ def pretrain_params(store: Path, out: Path, tracking: Any, retries: int = 0, sta
 def test_the_batch_script_is_one_torchrun_per_node_with_rendezvous_on_the_first(tmp_path) -> None:
     from dinov3_core.launch import TorchrunJob
 
-    job = TorchrunJob(module="dinov3_core.train", args=["--config", "/runs/a b/launch_config.yaml"], nproc_per_node=8,
-                      nnodes=4, env={"MLFLOW_RUN_ID": "r1"}, log_dir=tmp_path / "logs", timeout_s=3 * 3600)  # fmt: skip
-    settings = SlurmSettings(partition="gpu", account="lab", gpus_per_node=8, extra_directives=["--qos=high"],
-                             setup=["module load cuda/12.4"])  # fmt: skip
+    job = TorchrunJob(
+        module="dinov3_core.train",
+        args=["--config", "/runs/a b/launch_config.yaml"],
+        nproc_per_node=8,
+        nnodes=4,
+        env={"MLFLOW_RUN_ID": "r1"},
+        log_dir=tmp_path / "logs",
+        timeout_s=3 * 3600,
+    )
+    settings = SlurmSettings(
+        partition="gpu",
+        account="lab",
+        gpus_per_node=8,
+        extra_directives=["--qos=high"],
+        setup=["module load cuda/12.4"],
+    )
     script = sbatch_script(job, settings, name="wsidino-pretrain", workdir=tmp_path)
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --account=lab", "#SBATCH --time=180", "#SBATCH --qos=high",
-                 "module load cuda/12.4", "export MLFLOW_RUN_ID=r1"):  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --time=180",
+        "#SBATCH --qos=high",
+        "module load cuda/12.4",
+        "export MLFLOW_RUN_ID=r1",
+    ):
         assert line in script.splitlines(), (line, script)
     assert "--rdzv-endpoint=$head:$port" in script and "--nproc-per-node=8" in script
     assert "'/runs/a b/launch_config.yaml'" in script  # quoted for the shell
@@ -88,9 +112,22 @@ def test_the_batch_script_is_one_torchrun_per_node_with_rendezvous_on_the_first(
 
 def test_the_script_of_a_stage_prints_for_submitting_by_hand(stage_tile_store, tmp_path) -> None:
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "tasks.launch_slurm", "pretrain", "--config", "tiny",
-               f"data.stores=[{stage_tile_store}]", f"output_dir={out}", "--nodes", "2", "--nproc-per-node", "8",
-               "--gpus-per-node", "8"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tasks.launch_slurm",
+        "pretrain",
+        "--config",
+        "tiny",
+        f"data.stores=[{stage_tile_store}]",
+        f"output_dir={out}",
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--gpus-per-node",
+        "8",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --gpus-per-node=8" in done.stdout
@@ -111,8 +148,9 @@ def test_a_job_slurm_refuses_is_bad_input_naming_the_settings(slurm, tmp_path) -
 
 @needs_slurm
 @pytest.mark.timeout(600)
-def test_pretrain_on_slurm_through_the_prefect_task(slurm, stage_tile_store, prefect_api, mlflow_tracking,
-                                                    tmp_path) -> None:  # fmt: skip
+def test_pretrain_on_slurm_through_the_prefect_task(
+    slurm, stage_tile_store, prefect_api, mlflow_tracking, tmp_path
+) -> None:
     """One SLURM job of 2 torchrun ranks; rank 0's lines in the Prefect log; one manifest, one MLflow run."""
     from mlflow import MlflowClient
 
@@ -163,8 +201,9 @@ def test_a_crashing_rank_fails_the_job_and_the_retry_resumes_from_its_checkpoint
 
 @needs_slurm
 @pytest.mark.timeout(600)
-def test_cancelling_the_flow_run_cancels_the_slurm_job(slurm, worker, stage_tile_store, mlflow_tracking,
-                                                       tmp_path) -> None:  # fmt: skip
+def test_cancelling_the_flow_run_cancels_the_slurm_job(
+    slurm, worker, stage_tile_store, mlflow_tracking, tmp_path
+) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 

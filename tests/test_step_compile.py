@@ -20,8 +20,11 @@ def test_whole_step_compile_trains_like_eager_and_compiles_once(small_tile_store
     torch._dynamo.reset()
     with torch_threads():
         for mode in (False, "step"):
-            cfg = pretrain_config(small_tile_store, tmp_path / str(mode),
-                                  **{"train.stop_at": 3, "train.compile": mode, "train.log_period": 1})  # fmt: skip
+            cfg = pretrain_config(
+                small_tile_store,
+                tmp_path / str(mode),
+                **{"train.stop_at": 3, "train.compile": mode, "train.log_period": 1},
+            )
             result = run_pretrain(cfg)
             runs[mode] = (result, read_metrics(tmp_path / str(mode) / "training_metrics.json"))
     # What ran compiled is the step's own methods, each compiled once: the teacher temperature moves every

@@ -60,9 +60,16 @@ def abbreviated_tiff(tmp_path_factory) -> Path:
             tiles.append(abbreviated)
     path = tmp_path_factory.mktemp("tiff") / "abbreviated.tif"
     tifffile.imwrite(
-        path, data=iter(tiles), shape=(H, W, 3), dtype="uint8", tile=(T, T), compression="jpeg",
-        photometric="ycbcr", subsampling=(2, 2), extratags=[(347, 7, len(tables), tables, True)],
-    )  # fmt: skip
+        path,
+        data=iter(tiles),
+        shape=(H, W, 3),
+        dtype="uint8",
+        tile=(T, T),
+        compression="jpeg",
+        photometric="ycbcr",
+        subsampling=(2, 2),
+        extratags=[(347, 7, len(tables), tables, True)],
+    )
     with tifffile.TiffFile(path) as tif:
         assert tif.pages[0].jpegtables is not None  # the file really is abbreviated
     return path
@@ -115,8 +122,16 @@ def test_direct_shard_writes_are_byte_identical_to_zarr(tmp_path, compressor):
     root = ts.init_store(tmp_path / "t.zarr")
     made = {}
     for how in ("direct", "zarr"):
-        incoming = ts.begin_slide(root, how, n_tiles=10, tile_size=64, tiles_per_shard=4, compressor=compressor,
-                                  compression_level=1, jpeg_quality=90)  # fmt: skip
+        incoming = ts.begin_slide(
+            root,
+            how,
+            n_tiles=10,
+            tile_size=64,
+            tiles_per_shard=4,
+            compressor=compressor,
+            compression_level=1,
+            jpeg_quality=90,
+        )
         array = None if how == "direct" else incoming.tiles_array()
         for a, b in incoming.shard_ranges():
             incoming.write_tiles(a, tiles[a:b], array)

@@ -155,9 +155,12 @@ def dask_cluster(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> 
 def dask_params(listing: Path, output: Path, dask: DaskParams) -> TileParams:
     overrides = [f"{k}={v}" for k, v in OVERRIDES.items()]
     return TileParams(
-        input=str(listing), output=str(output), stage=StageOptions(config="default", overrides=overrides),
-        tracking=TrackingParams(enabled=False), dask=dask,
-    )  # fmt: skip
+        input=str(listing),
+        output=str(output),
+        stage=StageOptions(config="default", overrides=overrides),
+        tracking=TrackingParams(enabled=False),
+        dask=dask,
+    )
 
 
 def run_flow(params: TileParams) -> dict[str, Any]:

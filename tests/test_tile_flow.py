@@ -70,9 +70,11 @@ def params_for(input: Path, output: Path, tracking: MlflowTracking | None, *over
         else TrackingParams(enabled=False)
     )
     return TileParams(
-        input=str(input), output=str(output), stage=StageOptions(config="default", overrides=list(overrides)),
+        input=str(input),
+        output=str(output),
+        stage=StageOptions(config="default", overrides=list(overrides)),
         tracking=mlflow,
-    )  # fmt: skip
+    )
 
 
 def task_runs(flow_run_id: UUID, timeout: float = 15.0) -> list[Any]:

@@ -208,8 +208,19 @@ def test_symlink_loops_and_broken_links_are_failed_rows_naming_them(sample_slide
     broken.symlink_to(tmp_path / "gone.svs")
     store = tmp_path / "tiles.zarr"
 
-    code = cli_main(["tile", "--input", str(folder), "--output", str(store), "progress=false",
-                     "tracking.enabled=false", "tile_size=64", "mpp=2.0"])  # fmt: skip
+    code = cli_main(
+        [
+            "tile",
+            "--input",
+            str(folder),
+            "--output",
+            str(store),
+            "progress=false",
+            "tracking.enabled=false",
+            "tile_size=64",
+            "mpp=2.0",
+        ]
+    )
 
     assert code == 1  # some inputs failed; the batch went on
     rows = {e["source_path"]: e for e in ts.read_manifest(store)["slides"]}
@@ -246,8 +257,17 @@ def test_unreadable_files_and_folders_are_failed_rows_naming_them(sample_slides,
     locked_file.chmod(0)
     locked_dir.chmod(0)
     store = tmp_path / "tiles.zarr"
-    argv = ["tile", "--input", str(folder), "--output", str(store), "progress=false", "tracking.enabled=false",
-            "tile_size=64", "mpp=2.0"]  # fmt: skip
+    argv = [
+        "tile",
+        "--input",
+        str(folder),
+        "--output",
+        str(store),
+        "progress=false",
+        "tracking.enabled=false",
+        "tile_size=64",
+        "mpp=2.0",
+    ]
     try:
         run = subprocess.run(
             [*prefix, sys.executable, "-c", f"from dinov3_core.cli import main; raise SystemExit(main({argv!r}))"],

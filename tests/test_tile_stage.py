@@ -379,9 +379,16 @@ def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, pen_filter):
     filters = {"filters.pen_filter": True, "filters.pen_max_fraction": 0.05} if pen_filter else {}
     cfg = tile_config(slide, slide.parent / "unused.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
     plan = plan_slide(SlideTask(slide.stem, slide), cfg, {})
-    picture, entries = qc.draw_qc_picture(plan.qc_image, plan.qc_scale, plan.tissue_mask, plan.pen_mask,
-                                          plan.coords, plan.dropped_coords, plan.read.tile_size_level0,
-                                          pen_filter=pen_filter)  # fmt: skip
+    picture, entries = qc.draw_qc_picture(
+        plan.qc_image,
+        plan.qc_scale,
+        plan.tissue_mask,
+        plan.pen_mask,
+        plan.coords,
+        plan.dropped_coords,
+        plan.read.tile_size_level0,
+        pen_filter=pen_filter,
+    )
     drawing, legend = np.asarray(picture)[:-18], np.asarray(picture)[-18:]
     outlines = (qc.TISSUE_CONTOUR, qc.TILE_OUTLINE, qc.DROPPED_OUTLINE)
     drawn = {c for c in outlines if (drawing == c).all(axis=-1).any()}
@@ -435,8 +442,19 @@ def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash_but_not_their
 
     old = tile_config("x", tmp_path / "t.zarr", compressor="zstd", scaled_decode=False)
     params = plan.tiling_params(old)
-    assert set(params) == {"mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader",
-                           "compressor", "jpeg_quality", "compression_level", "tissue_mask_version"}  # fmt: skip
+    assert set(params) == {
+        "mpp",
+        "mpp_tolerance",
+        "tile_size",
+        "stride",
+        "tissue",
+        "filters",
+        "reader",
+        "compressor",
+        "jpeg_quality",
+        "compression_level",
+        "tissue_mask_version",
+    }
     assert params["tissue_mask_version"] == TISSUE_MASK_VERSION >= 2
     new = tile_config("x", tmp_path / "t.zarr", compressor="zstd")
     assert plan.slide_params_hash(new, None) != plan.slide_params_hash(old, None)

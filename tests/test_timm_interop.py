@@ -23,8 +23,13 @@ def test_timm_loads_the_released_layout_and_gives_the_same_features(tmp_path: Pa
             block.ls1.gamma.fill_(1.0)
             block.ls2.gamma.fill_(1.0)
     weights = save_backbone(ours, tmp_path / "backbone.pth")
-    model = timm.create_model("vit_small_patch16_dinov3_qkvb", pretrained=True, num_classes=0, global_pool="token",
-                              pretrained_cfg_overlay={"file": str(weights)}).eval()  # fmt: skip
+    model = timm.create_model(
+        "vit_small_patch16_dinov3_qkvb",
+        pretrained=True,
+        num_classes=0,
+        global_pool="token",
+        pretrained_cfg_overlay={"file": str(weights)},
+    ).eval()
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         tokens = model.forward_features(x)  # [B, 1 + 4 registers + patches, D], after the final norm

@@ -20,9 +20,16 @@ from tests.helpers import pretrain_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Hot teacher targets (temperature 5 against the student's 0.1) carry no information: the student cannot leave ln K.
-INERT = {"teacher.teacher_temp": 5.0, "teacher.warmup_teacher_temp": 5.0, "teacher.warmup_teacher_temp_epochs": 0,
-         "optim.warmup_epochs": 0, "optim.freeze_last_layer_epochs": 0, "train.stop_at": 12,
-         "health.patience": 6, "health.judge_at": 0.0}  # fmt: skip
+INERT = {
+    "teacher.teacher_temp": 5.0,
+    "teacher.warmup_teacher_temp": 5.0,
+    "teacher.warmup_teacher_temp_epochs": 0,
+    "optim.warmup_epochs": 0,
+    "optim.freeze_last_layer_epochs": 0,
+    "train.stop_at": 12,
+    "health.patience": 6,
+    "health.judge_at": 0.0,
+}
 
 
 def test_an_inert_run_is_called_not_learning_and_names_the_keys(small_tile_store: Path, tmp_path: Path) -> None:
@@ -82,12 +89,32 @@ def test_stop_policy_ends_the_run_with_the_message(small_tile_store: Path, tmp_p
     ):
         run_pretrain(cfg)
     # Through the CLI (torchrun): bad-input exit code 2, and the rank's own message as the root cause.
-    args = [f"{k}={v}" for k, v in {**INERT, "health.policy": "stop", "tracking.enabled": False,
-                                    "optim.warmup_epochs": 0, "train.global_batch_size": 8}.items()]  # fmt: skip
+    args = [
+        f"{k}={v}"
+        for k, v in {
+            **INERT,
+            "health.policy": "stop",
+            "tracking.enabled": False,
+            "optim.warmup_epochs": 0,
+            "train.global_batch_size": 8,
+        }.items()
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--store", str(small_tile_store), "--output-dir",
-         str(tmp_path / "cli"), *args], capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dinov3_core.cli",
+            "pretrain",
+            "--store",
+            str(small_tile_store),
+            "--output-dir",
+            str(tmp_path / "cli"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "not learning" in done.stderr and "teacher.teacher_temp" in done.stderr
 
@@ -102,14 +129,16 @@ def test_schedules_that_cannot_work_for_the_run_length(tmp_path: Path) -> None:
         C.validate(pretrain_config(tmp_path, tmp_path / "a", **{"teacher.warmup_teacher_temp_epochs": 4}))
     with pytest.raises(ConfigError, match=r"optim\.freeze_last_layer_epochs=5(\.0)? epochs"):
         C.validate(pretrain_config(tmp_path, tmp_path / "b", **{"optim.freeze_last_layer_epochs": 5}))
-    slow = pretrain_config(tmp_path, tmp_path / "c", **{"teacher.warmup_teacher_temp_epochs": 3,
-                                                         "teacher.momentum_teacher": 0.5})  # fmt: skip
+    slow = pretrain_config(
+        tmp_path, tmp_path / "c", **{"teacher.warmup_teacher_temp_epochs": 3, "teacher.momentum_teacher": 0.5}
+    )
     C.validate(slow)  # possible, but most of the run learns from soft targets: said at start
     warnings = schedule_warnings(slow, stop_iteration=20)
     assert any("teacher.warmup_teacher_temp_epochs" in w for w in warnings)
     assert any("no health verdict" in w for w in warnings)  # 0 + 50 > 20
-    frozen = pretrain_config(tmp_path, tmp_path / "e", **{"train.epoch_length": 250,
-                                                           "teacher.final_momentum_teacher": 1.0})  # fmt: skip
+    frozen = pretrain_config(
+        tmp_path, tmp_path / "e", **{"train.epoch_length": 250, "teacher.final_momentum_teacher": 1.0}
+    )
     (warning,) = schedule_warnings(frozen, stop_iteration=1000)
     assert "barely moves after iteration 509 of 1000" in warning and "final_momentum_teacher=auto" in warning
     auto = {
@@ -131,8 +160,9 @@ def test_every_shipped_training_recipe_fits_its_length(path: Path, tmp_path: Pat
 
     schema = GramConfig if path.parent.name == "gram" else C.PretrainConfig
     required = ["data.stores=[x]", f"output_dir={tmp_path}", "student.pretrained_weights=w.pth", "pretrain_dir=p"]
-    cfg = load_config(schema, str(path), [o for o in required if o.split("=")[0] in _keys(schema)],
-                      stage=path.parent.name)  # fmt: skip
+    cfg = load_config(
+        schema, str(path), [o for o in required if o.split("=")[0] in _keys(schema)], stage=path.parent.name
+    )
     C.validate(cfg)
     warnings = [w for w in schedule_warnings(cfg, C.total_iterations(cfg)) if "no health verdict" not in w]
     if path.stem == "tiny":  # test-sized (20 iterations): too short for any EMA teacher, and it says so
@@ -213,8 +243,9 @@ def test_probe_scores_do_not_depend_on_the_number_of_processes(small_tile_store:
     from tests.helpers import PRETRAIN_RUNS_SCRIPT, pretrain_values, torchrun
 
     out = tmp_path / "two"
-    values = pretrain_values(small_tile_store, out, **{"train.stop_at": 2, "train.batch_size_per_gpu": 4,
-                                                       "health.probe_tiles": 40})  # fmt: skip
+    values = pretrain_values(
+        small_tile_store, out, **{"train.stop_at": 2, "train.batch_size_per_gpu": 4, "health.probe_tiles": 40}
+    )
     torchrun(str(PRETRAIN_RUNS_SCRIPT), json.dumps(values), timeout=300)
     (logged,) = [r for r in read_metrics(out / "training_metrics.json") if "effective_rank" in r]
     alone = probe_scores(out, out / "eval" / "training_1" / "teacher_checkpoint.pth")
@@ -267,8 +298,9 @@ def test_held_out_slides_leave_training_and_are_recorded(three_slides: Path, tmp
 
     everything = TileDataset(three_slides)
     out = tmp_path / "held"
-    cfg = pretrain_config(three_slides, out, **{"health.holdout_slides": 1, "train.stop_at": 2,
-                                                "evaluation.eval_period_iterations": 2})  # fmt: skip
+    cfg = pretrain_config(
+        three_slides, out, **{"health.holdout_slides": 1, "train.stop_at": 2, "evaluation.eval_period_iterations": 2}
+    )
     trainer = Trainer(cfg, DistEnv())
     try:
         record = json.loads((out / PROBE_FILE).read_text())
@@ -305,9 +337,11 @@ def test_prefect_flow_follows_the_run_and_ends_with_the_verdict(
 
     inert = {**INERT, "evaluation.eval_period_iterations": 6, "train.global_batch_size": 8}
     params = PretrainParams(
-        stores=[str(small_tile_store)], output_dir=str(tmp_path / "run"), tracking=TrackingParams(enabled=False),
+        stores=[str(small_tile_store)],
+        output_dir=str(tmp_path / "run"),
+        tracking=TrackingParams(enabled=False),
         stage=StageOptions(config="tiny", overrides=[f"{k}={json.dumps(v)}" for k, v in inert.items()]),
-    )  # fmt: skip
+    )
     state = pretrain_flow(params, return_state=True)
     assert state.is_completed() and state.message.startswith("pretrain: not learning: by iteration 5")
     outcome = state.result()

@@ -19,8 +19,12 @@ from dinov3_core.train.metrics import read_metrics
 from tests.helpers import tile_store
 
 SHORT = {"tracking.enabled": False, "health.probe_tiles": 64}  # the recipe as shipped, a smaller health probe
-UPSTREAM = {"teacher.momentum_teacher": 0.992, "teacher.final_momentum_teacher": 1.0,
-            "teacher.warmup_teacher_temp": 0.04, "teacher.warmup_teacher_temp_epochs": 1.2}  # fmt: skip
+UPSTREAM = {
+    "teacher.momentum_teacher": 0.992,
+    "teacher.final_momentum_teacher": 1.0,
+    "teacher.warmup_teacher_temp": 0.04,
+    "teacher.warmup_teacher_temp_epochs": 1.2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,21 @@ def pretrain(store: Path, out: Path, overrides: dict[str, Any]) -> list[dict[str
     args = [f"{k}={v}" for k, v in {**SHORT, **overrides}.items()]
     # Two processes of one thread each, as `make demo` runs it: one process of two threads slowed to ~10 img/s
     # (from ~200) when another job took a core, its OpenMP threads waiting on each other; it then timed out.
-    cmd = [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--config", "cpu", "--store", str(store),
-           "--output-dir", str(out), "--nproc-per-node", "2", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dinov3_core.cli",
+        "pretrain",
+        "--config",
+        "cpu",
+        "--store",
+        str(store),
+        "--output-dir",
+        str(out),
+        "--nproc-per-node",
+        "2",
+        *args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(out / "training_metrics.json")
@@ -67,9 +84,16 @@ def test_the_cpu_recipe_learns_and_beats_its_initialisation(store: Path, demo_sl
 
     convert = {"input": str(tmp_path / "run"), "output_dir": str(tmp_path / "model")}
     backbone = run_convert(load_config(ConvertConfig, None, convert)).backbone
-    values = {"store": str(store), "candidate": str(backbone), "output": str(tmp_path / "eval"),
-              "annotations": str(demo_slides.root / "annotations"), "baseline": "init", "progress": False,
-              "tracking.enabled": False, "probe.bootstrap": 50}  # fmt: skip
+    values = {
+        "store": str(store),
+        "candidate": str(backbone),
+        "output": str(tmp_path / "eval"),
+        "annotations": str(demo_slides.root / "annotations"),
+        "baseline": "init",
+        "progress": False,
+        "tracking.enabled": False,
+        "probe.bootstrap": 50,
+    }
     models = run_evaluate(load_config(EvaluateConfig, None, values)).evaluation["models"]
     linear = {role: models[role]["probes"]["linear"]["balanced_accuracy"]["value"] for role in models}
     assert linear["candidate"] > linear["baseline"] + 0.05, linear

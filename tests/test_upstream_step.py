@@ -29,8 +29,17 @@ def load_script() -> ModuleType:
 @pytest.mark.timeout(300)
 def test_without_a_checkout_the_upstream_rows_are_skipped_and_ours_run(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    cmd = [sys.executable, str(SCRIPT), "--shapes", "vit_test", "--rounds", "1", "--no-compile",
-           "--output", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--shapes",
+        "vit_test",
+        "--rounds",
+        "1",
+        "--no-compile",
+        "--output",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert load_script().SKIP_MESSAGE in proc.stderr

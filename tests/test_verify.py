@@ -46,8 +46,9 @@ def test_a_checkpoint_carries_checksums_and_a_damaged_one_is_found(run_copy: Pat
     shard = next(ckpts[-1][1].glob("*.distcp"))
     flip_bytes(shard, 192)
     assert checksums.check_directory(ckpts[-1][1]) == []  # size and mtime kept: a cheap check cannot see it
-    assert checksums.check_directory(ckpts[-1][1], full=True) == [f"{shard}: its content differs from what was "
-                                                                   "written (CRC-32C)"]  # fmt: skip
+    assert checksums.check_directory(ckpts[-1][1], full=True) == [
+        f"{shard}: its content differs from what was written (CRC-32C)"
+    ]
     assert latest_intact_checkpoint(run_copy / "ckpt") == ckpts[0][1]  # falls back, naming the damaged one
 
 
@@ -69,14 +70,23 @@ def test_a_resume_never_trains_on_a_damaged_checkpoint(
 @pytest.mark.timeout(300)
 def test_damaged_model_files_rerun_their_stage_and_a_replaced_input_is_refused(run_copy: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
-    convert_cfg = load_config(ConvertConfig, None, {"input": str(run_copy), "output_dir": str(model),
-                                                    "tracking.enabled": False})  # fmt: skip
+    convert_cfg = load_config(
+        ConvertConfig, None, {"input": str(run_copy), "output_dir": str(model), "tracking.enabled": False}
+    )
     first = run_stage("convert", convert_cfg)
     backbone = model / "backbone.pth"
     assert first.manifest.artifacts["backbone"]["sha256"] == checksums.sha256(backbone)
-    export_cfg = load_config(ExportConfig, None, {"weights": str(backbone), "output": str(model / "model.onnx"),
-                                                  "parity_sizes": [32], "parity_batches": [2],
-                                                  "tracking.enabled": False})  # fmt: skip
+    export_cfg = load_config(
+        ExportConfig,
+        None,
+        {
+            "weights": str(backbone),
+            "output": str(model / "model.onnx"),
+            "parity_sizes": [32],
+            "parity_batches": [2],
+            "tracking.enabled": False,
+        },
+    )
     run_stage("export", export_cfg)
     assert run_stage("convert", convert_cfg).status == "skipped"
 
@@ -86,8 +96,11 @@ def test_damaged_model_files_rerun_their_stage_and_a_replaced_input_is_refused(r
     assert "model.onnx: its content differs" in again.reason
 
     flip_bytes(backbone)
-    with pytest.raises(mf.ManifestError, match=r"weights: .*backbone.pth: its content differs .* not the output the "
-                                               r"convert stage wrote\. Rerun convert"):  # fmt: skip
+    with pytest.raises(
+        mf.ManifestError,
+        match=r"weights: .*backbone.pth: its content differs .* not the output the "
+        r"convert stage wrote\. Rerun convert",
+    ):
         run_stage("export", export_cfg, force=True)  # not exported, not registered, even when forced
     redo = run_stage("convert", convert_cfg)  # the producer sees its own output damaged and writes it again
     assert redo.status == "ran" and "backbone.pth: its content differs" in redo.reason

@@ -71,10 +71,29 @@ def install(wheel: Path, root: Path) -> Path:
     venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
     python = root / "bin" / "python"
     # pip of this venv, run by the new interpreter (which sees only its own, empty site-packages yet).
-    ok(run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-            str(wheel)], cwd=root, env=clean_env()))  # fmt: skip
-    purelib = Path(ok(run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root,
-                          clean_env())).strip())  # fmt: skip
+    ok(
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(python),
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                str(wheel),
+            ],
+            cwd=root,
+            env=clean_env(),
+        )
+    )
+    purelib = Path(
+        ok(
+            run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root, clean_env())
+        ).strip()
+    )
     deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     (purelib / "zz-wsidino-test-deps.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
     return root / "bin"
@@ -109,19 +128,49 @@ def test_the_installed_wheel_runs_stages_with_its_packaged_configs(installed: tu
     ok(run([str(bin_dir / "wsidino-dev"), "samples", "slides", "--preset", "test", "--no-negatives"], work, env))
     slide = work / "slides" / "tissue_20x.svs"
     assert slide.is_file()
-    tile = [str(bin_dir / "wsidino"), "tile", "--config", "default", "--input", str(slide), "--output", "tiles.zarr",
-            "tile_size=64", "mpp=2.0", "progress=false", "tracking.enabled=false"]  # fmt: skip
+    tile = [
+        str(bin_dir / "wsidino"),
+        "tile",
+        "--config",
+        "default",
+        "--input",
+        str(slide),
+        "--output",
+        "tiles.zarr",
+        "tile_size=64",
+        "mpp=2.0",
+        "progress=false",
+        "tracking.enabled=false",
+    ]
     out = ok(run(tile, work, env))
     assert "config default" in out, out
     complete = "from dinov3_core.tiling.store import complete_slide_ids as c; print(c('tiles.zarr'))"
     assert ok(run([str(bin_dir / "python"), "-c", complete], work, env)).strip() == "['tissue_20x']"
 
     # Named configs of the training stages and the chains resolve from the package.
-    pretrain = [str(bin_dir / "wsidino"), "pretrain", "--config", "tiny", "--store", "tiles.zarr", "--output-dir",
-                "pretrain", "--print-config"]  # fmt: skip
+    pretrain = [
+        str(bin_dir / "wsidino"),
+        "pretrain",
+        "--config",
+        "tiny",
+        "--store",
+        "tiles.zarr",
+        "--output-dir",
+        "pretrain",
+        "--print-config",
+    ]
     assert "arch: vit_test" in ok(run(pretrain, work, env))  # configs/pretrain/tiny.yaml, not the schema default
-    pipeline = [str(bin_dir / "wsidino"), "pipeline", "--config", "cpu", "--slides", "slides", "--workdir", "run",
-                "--print-config"]  # fmt: skip
+    pipeline = [
+        str(bin_dir / "wsidino"),
+        "pipeline",
+        "--config",
+        "cpu",
+        "--slides",
+        "slides",
+        "--workdir",
+        "run",
+        "--print-config",
+    ]
     assert "pretrain:\n  config: cpu\n" in ok(run(pipeline, work, env))  # configs/pipeline/cpu.yaml
 
 

@@ -36,16 +36,26 @@ from wsidino_dev.serve.deployments import (
 from wsidino_dev.serve.servers import start_prefect_server, start_sample_slides, start_worker, wait_prefect_server
 
 OUT_DIR = REPO_ROOT / "docs" / "images"
-_TRAIN = ["config=tiny", "train.global_batch_size=8", "train.batch_size_per_gpu=4", "optim.warmup_epochs=0",
-          "optim.freeze_last_layer_epochs=0", "train.stop_at=4", "checkpointing.period=2",
-          "evaluation.eval_period_iterations=2"]  # fmt: skip
+_TRAIN = [
+    "config=tiny",
+    "train.global_batch_size=8",
+    "train.batch_size_per_gpu=4",
+    "optim.warmup_epochs=0",
+    "optim.freeze_last_layer_epochs=0",
+    "train.stop_at=4",
+    "checkpointing.period=2",
+    "evaluation.eval_period_iterations=2",
+]
 # Pipeline overrides of the shortened run: every stage, training cut to 4 iterations (what tests/test_pipeline_flow.py
 # runs), so the picture shows a complete run without the cpu recipe's hour of training.
 SHORT_RUN = [
-    "tile.tile_size=64", "tile.mpp=2.0", "tile.workers=1",
+    "tile.tile_size=64",
+    "tile.mpp=2.0",
+    "tile.workers=1",
     *(f"{stage}.{item}" for stage in ("pretrain", "gram") for item in _TRAIN),
-    "export.parity_sizes=[32]", "export.parity_batches=[2]",
-]  # fmt: skip
+    "export.parity_sizes=[32]",
+    "export.parity_batches=[2]",
+]
 FORM_PNG = "prefect-pipeline-form.png"
 RUN_PNG = "prefect-run.png"
 
@@ -64,9 +74,17 @@ def screenshot(url: str, out: Path, size: tuple[int, int], budget_ms: int = 30_0
 
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_suffix(".raw.png")
-    command = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               f"--window-size={size[0]},{size[1]}", f"--virtual-time-budget={budget_ms}", f"--screenshot={raw}",
-               url]  # fmt: skip
+    command = [
+        chromium(),
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--window-size={size[0]},{size[1]}",
+        f"--virtual-time-budget={budget_ms}",
+        f"--screenshot={raw}",
+        url,
+    ]
     subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     with Image.open(raw) as image:
         image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(out, optimize=True)

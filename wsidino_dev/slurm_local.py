@@ -67,26 +67,56 @@ class LocalSlurm:
         os.chmod(r / "munge", 0o700)
         os.chmod(key, 0o400)
         socket_path = r / "munge" / "munge.socket"
-        subprocess.run(["munged", "--force", f"--socket={socket_path}", f"--key-file={key}",
-                        f"--log-file={r / 'log' / 'munged.log'}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-                        f"--seed-file={r / 'munge' / 'munged.seed'}"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--seed-file={r / 'munge' / 'munged.seed'}",
+            ],
+            check=True,
+        )
         user = getpass.getuser()
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-        self.conf.write_text("\n".join([
-            "ClusterName=wsidino-local", f"SlurmctldHost={self.host}", f"SlurmUser={user}", f"SlurmdUser={user}",
-            "AuthType=auth/munge", f"AuthInfo=socket={socket_path}", "CredType=cred/munge",
-            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill", "ReturnToService=2", "MpiDefault=none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            "KillWait=5", "MinJobAge=600",
-            f"NodeName={self.host} CPUs={self.cpus} RealMemory={max(1, memory_mb - 1024)} State=UNKNOWN",
-            f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
-            "",
-        ]))  # fmt: skip
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=wsidino-local",
+                    f"SlurmctldHost={self.host}",
+                    f"SlurmUser={user}",
+                    f"SlurmdUser={user}",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={socket_path}",
+                    "CredType=cred/munge",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "SchedulerType=sched/backfill",
+                    "ReturnToService=2",
+                    "MpiDefault=none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "KillWait=5",
+                    "MinJobAge=600",
+                    f"NodeName={self.host} CPUs={self.cpus} RealMemory={max(1, memory_mb - 1024)} State=UNKNOWN",
+                    f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP "
+                    "OverSubscribe=FORCE:4",
+                    "",
+                ]
+            )
+        )
         env = {**os.environ, **self.env}
         subprocess.run(["slurmctld", "-c"], env=env, check=True)
         subprocess.run(["slurmd"], env=env, check=True)

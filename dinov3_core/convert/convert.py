@@ -256,9 +256,13 @@ def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> C
     if cfg.save_adapter:
         adapter_path = out / ADAPTER_FILE
         _save_tensors(adapter, adapter_path)
-        doc = {"lora": lora, "scaling": float(lora["alpha"]) / int(lora["rank"]),
-               "target_modules": sorted({k.split(".lora_")[0] for k in adapter}),
-               "base": {"arch": arch, "backbone_kwargs": kwargs}, "source": str(ckpt.resolve())}  # fmt: skip
+        doc = {
+            "lora": lora,
+            "scaling": float(lora["alpha"]) / int(lora["rank"]),
+            "target_modules": sorted({k.split(".lora_")[0] for k in adapter}),
+            "base": {"arch": arch, "backbone_kwargs": kwargs},
+            "source": str(ckpt.resolve()),
+        }
         with atomic_path(out / ADAPTER_CONFIG) as tmp:
             tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
     arch_doc = {
@@ -288,11 +292,22 @@ def run_convert(cfg: ConvertConfig, choose: ChooseCheckpoint | None = None) -> C
     )
     logger.info(
         "converted %s (%s, it %s) → %s: %d tensors, %.1f MB (checkpoint %.1f MB)",
-        ckpt, cfg.which, iteration, backbone, len(sd), result.backbone_bytes / 1e6, result.checkpoint_bytes / 1e6,
-    )  # fmt: skip
+        ckpt,
+        cfg.which,
+        iteration,
+        backbone,
+        len(sd),
+        result.backbone_bytes / 1e6,
+        result.checkpoint_bytes / 1e6,
+    )
     if cfg.tracking.enabled:
-        params = {"which": cfg.which, "arch": arch, "checkpoint": str(ckpt), "iteration": iteration,
-                  "select": cfg.select}  # fmt: skip
+        params = {
+            "which": cfg.which,
+            "arch": arch,
+            "checkpoint": str(ckpt),
+            "iteration": iteration,
+            "select": cfg.select,
+        }
         with tracking.into_active_run(cfg.tracking, params=params) as run:
             if run is None:  # called without the stage runner: nothing to log into
                 return result

@@ -77,8 +77,10 @@ class CohortStain:
             logger.warning(
                 "crops.stain_norm_p: %d of %d slides have no stain statistics (e.g. %s) and are left out of the "
                 "cohort's stain distribution — re-tile them to include them",
-                len(missing), len(dataset.slide_ids), missing[0],
-            )  # fmt: skip
+                len(missing),
+                len(dataset.slide_ids),
+                missing[0],
+            )
         return cls.from_slide_stats(means, stds)
 
 

@@ -63,8 +63,13 @@ class KnnCurve:
         return max(self.points, key=lambda p: (p.knn_balanced_accuracy, -p.iteration))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"points": [asdict(p) for p in self.points], "best": asdict(self.best), "split": self.split,
-                "labelled_tiles": self.labelled_tiles, "warnings": self.warnings}  # fmt: skip
+        return {
+            "points": [asdict(p) for p in self.points],
+            "best": asdict(self.best),
+            "split": self.split,
+            "labelled_tiles": self.labelled_tiles,
+            "warnings": self.warnings,
+        }
 
 
 def knn_curve(
@@ -120,8 +125,12 @@ def best_knn_checkpoint(
     iteration, the whole curve)."""
     curve = knn_curve(run_dir, store, annotations)
     best = curve.best
-    logger.info("best_knn: iteration %d (kNN balanced accuracy %.4f) of %s", best.iteration,
-                best.knn_balanced_accuracy, [p.iteration for p in curve.points])  # fmt: skip
+    logger.info(
+        "best_knn: iteration %d (kNN balanced accuracy %.4f) of %s",
+        best.iteration,
+        best.knn_balanced_accuracy,
+        [p.iteration for p in curve.points],
+    )
     obj = torch.load(best.path, map_location="cpu", weights_only=True)
     sd = {k: v.contiguous() for k, v in unwrap_backbone_state_dict(obj, source=best.path).items()}
     return Path(best.path).parent, sd, best.iteration, curve

@@ -103,9 +103,13 @@ class DenseTokens:
     def counts(self) -> dict[str, Any]:
         kept = self.labels[self.positions >= 0]
         names, n = np.unique(kept.astype(str), return_counts=True)
-        return {"tokens": len(kept), "tiles_with_tokens": int((self.positions >= 0).any(axis=1).sum()),
-                "grid": f"{self.side}x{self.side}", "tokens_per_tile": int(self.positions.shape[1]),
-                "classes": {str(c): int(k) for c, k in zip(names, n, strict=True)}}  # fmt: skip
+        return {
+            "tokens": len(kept),
+            "tiles_with_tokens": int((self.positions >= 0).any(axis=1).sum()),
+            "grid": f"{self.side}x{self.side}",
+            "tokens_per_tile": int(self.positions.shape[1]),
+            "classes": {str(c): int(k) for c, k in zip(names, n, strict=True)},
+        }
 
 
 def dense_tokens(
@@ -199,5 +203,16 @@ def predict(
     return P.Predictions(classes, scores), chosen
 
 
-__all__ = ["DENSE_METRICS", "DenseSet", "DenseTokens", "class_unions", "dense_set", "dense_tokens",
-           "miou", "pick_tokens", "predict", "token_centres", "token_classes"]  # fmt: skip
+__all__ = [
+    "DENSE_METRICS",
+    "DenseSet",
+    "DenseTokens",
+    "class_unions",
+    "dense_set",
+    "dense_tokens",
+    "miou",
+    "pick_tokens",
+    "predict",
+    "token_centres",
+    "token_classes",
+]

@@ -90,8 +90,10 @@ def run_rank(spec: EmbedSpec, team: Any) -> Path | None:
         device, device_id = rank_device(spec.device, team)
         model = F.open_model(spec.model, threads=threads, device=device, precision=spec.precision, device_id=device_id)
         if model.hash != spec.model_hash:
-            raise EvaluateError(f"model {spec.model} changed while the evaluation ran (hash {model.hash}, expected "
-                                f"{spec.model_hash}); rerun the evaluation")  # fmt: skip
+            raise EvaluateError(
+                f"model {spec.model} changed while the evaluation ran (hash {model.hash}, expected "
+                f"{spec.model_hash}); rerun the evaluation"
+            )
         ds = TileDataset(spec.store, image_format="numpy", mpp=spec.mpp)
         out = F.compute(model, ds, share, spec.batch_size, spec.loader_threads, spec.prefetch_batches, tokens=tokens)
         part = parts_dir(output) / f"part-{team.rank:05d}.npz"
@@ -151,10 +153,21 @@ def launch_embedding(
         token_file = jobs / f"{output.stem}.tokens.npy"
         with atomic_path(token_file) as tmp:
             np.save(tmp, np.ascontiguousarray(tokens, np.int64))
-    spec = EmbedSpec(str(Path(cfg.store).resolve()), str(model.path.resolve()), model.hash, str(ids.resolve()),
-                     str(output.resolve()), cfg.batch_size, cfg.num_threads, cfg.loader_threads,
-                     cfg.prefetch_batches, cfg.device, precision_of(model.path, cfg.precision),
-                     str(token_file.resolve()) if token_file else None, cfg.mpp)  # fmt: skip
+    spec = EmbedSpec(
+        str(Path(cfg.store).resolve()),
+        str(model.path.resolve()),
+        model.hash,
+        str(ids.resolve()),
+        str(output.resolve()),
+        cfg.batch_size,
+        cfg.num_threads,
+        cfg.loader_threads,
+        cfg.prefetch_batches,
+        cfg.device,
+        precision_of(model.path, cfg.precision),
+        str(token_file.resolve()) if token_file else None,
+        cfg.mpp,
+    )
     spec_path = write_text_atomic(jobs / f"{output.stem}.json", json.dumps(asdict(spec), indent=1))
     job = TorchrunJob(
         module=MODULE,
@@ -167,8 +180,10 @@ def launch_embedding(
         log_dir=out / LOGS_DIR,
         timeout_s=launch.timeout_hours * 3600 if launch.timeout_hours else None,
     )
-    log(f"evaluate: embedding {len(indices)} tiles with {model.path.name}: torchrun {job.nproc_per_node} "
-        f"process(es) × {job.nnodes} node(s), logs in {job.log_dir}")  # fmt: skip
+    log(
+        f"evaluate: embedding {len(indices)} tiles with {model.path.name}: torchrun {job.nproc_per_node} "
+        f"process(es) × {job.nnodes} node(s), logs in {job.log_dir}"
+    )
     guard = hold_resources(launch) if hold_resources is not None else contextlib.nullcontext()
     with guard:
         (run_job or run_torchrun)(job, log=log)

@@ -136,9 +136,12 @@ def _grid_side(fm: F.FeatureModel, image: np.ndarray) -> int | None:
 
 
 def _dense_probe(
-    cfg: EvaluateConfig, dense: dict[str, tuple[D.DenseTokens, np.ndarray]], design: S.Design,
-    cv: P.CrossValidation, evaluation: dict[str, Any],
-) -> None:  # fmt: skip
+    cfg: EvaluateConfig,
+    dense: dict[str, tuple[D.DenseTokens, np.ndarray]],
+    design: S.Design,
+    cv: P.CrossValidation,
+    evaluation: dict[str, Any],
+) -> None:
     """The dense probe of every model with labelled tokens, into `probes.dense`, and the paired candidate − other
     differences into the comparisons (only between models of one patch grid: the same tokens, so paired)."""
     preds: dict[str, tuple[D.DenseSet, P.Predictions, S.Design, int]] = {}
@@ -165,8 +168,10 @@ def _dense_probe(
         if other not in preds:
             continue
         if preds[other][3] != side:
-            evaluation["warnings"].append(f"dense probe: the {other}'s patch grid differs from the candidate's, so "
-                                          "their dense metrics are not paired (no dense comparison)")  # fmt: skip
+            evaluation["warnings"].append(
+                f"dense probe: the {other}'s patch grid differs from the candidate's, so "
+                "their dense metrics are not paired (no dense comparison)"
+            )
             continue
         evaluation["comparisons"].setdefault(f"candidate_vs_{other}", {}).update(
             {
@@ -213,9 +218,13 @@ def _score_model(
         name: {k: e.as_dict() for k, e in S.metrics_with_ci(p.codes(y), p, design).items()}
         for name, p in (("knn", knn_p), ("linear", linear_p))
     }
-    probes = {"knn": ci["knn"], "linear": ci["linear"],
-              "few_shot": few, "linear_c": float(values[counts.argmax()]),  # the C most folds chose
-              "linear_c_per_fold": cs}  # fmt: skip
+    probes = {
+        "knn": ci["knn"],
+        "linear": ci["linear"],
+        "few_shot": few,
+        "linear_c": float(values[counts.argmax()]),  # the C most folds chose
+        "linear_c_per_fold": cs,
+    }
     return probes, {"knn": knn_p, "linear": linear_p}
 
 
@@ -272,9 +281,14 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         models.append(baseline)
 
     idx, y, slides, label_info = labelled_tiles(
-        root, ds, cfg.annotations, warnings, min_overlap=cfg.min_overlap, exclude_classes=cfg.exclude_classes,
+        root,
+        ds,
+        cfg.annotations,
+        warnings,
+        min_overlap=cfg.min_overlap,
+        exclude_classes=cfg.exclude_classes,
         max_tiles_per_slide=cfg.max_tiles_per_slide,
-    )  # fmt: skip
+    )
     groups = slides
     patients = _table(cfg.patients, "patients")
     if patients:
@@ -311,15 +325,23 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
             entry["hash"], entry["backend"] = fm.hash, fm.backend
             entry["health"] = F.health(fm, images)
             s = cfg.stain
-            entry["health"]["stain_invariance"] = F.stain_invariance(fm, stain_tiles, s.scale_sigma, s.shift_sigma,
-                                                                     s.seed)  # fmt: skip
+            entry["health"]["stain_invariance"] = F.stain_invariance(
+                fm, stain_tiles, s.scale_sigma, s.shift_sigma, s.seed
+            )
             if len(idx):
                 tokens = None
                 if want_dense:
                     side = _grid_side(fm, images[0])
                     if side is not None and side not in tokens_of:
-                        found = D.dense_tokens(root, ds, str(cfg.annotations), idx, side,
-                                               cfg.probe.dense_tokens_per_tile, cfg.exclude_classes)  # fmt: skip
+                        found = D.dense_tokens(
+                            root,
+                            ds,
+                            str(cfg.annotations),
+                            idx,
+                            side,
+                            cfg.probe.dense_tokens_per_tile,
+                            cfg.exclude_classes,
+                        )
                         tokens_of[side] = found if (found.positions >= 0).any() else None
                     tokens = tokens_of.get(side) if side is not None else None
                 positions = tokens.positions if tokens is not None else None
@@ -330,9 +352,18 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
                         embed_job(fm, path, idx)
                     else:
                         embed_job(fm, path, idx, tokens=positions)
-                raw = F.embed(fm, ds, idx, cache, mkey, cfg.batch_size, precision=precision,
-                              loader_threads=cfg.loader_threads, prefetch_batches=cfg.prefetch_batches,
-                              tokens=positions)  # fmt: skip
+                raw = F.embed(
+                    fm,
+                    ds,
+                    idx,
+                    cache,
+                    mkey,
+                    cfg.batch_size,
+                    precision=precision,
+                    loader_threads=cfg.loader_threads,
+                    prefetch_batches=cfg.prefetch_batches,
+                    tokens=positions,
+                )
                 feats[m.role] = F.represent(raw, cfg.probe.features)
                 if tokens is not None:
                     dense[m.role] = (tokens, raw["dense"])
@@ -380,8 +411,11 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     decision = G.apply(cfg, decision, candidate.version, cand_metrics)
     evaluation["decision"] = decision.as_dict()
     evaluation["evidence"] = evaluation["decision"]["evidence"]  # the protocol's counts and what the gate made of them
-    evaluation["champion_model"] = str(candidate.path) if (decision.applied or same) else (
-        str(champion.path) if champion is not None and champion.path.is_file() else None)  # fmt: skip
+    evaluation["champion_model"] = (
+        str(candidate.path)
+        if (decision.applied or same)
+        else (str(champion.path) if champion is not None and champion.path.is_file() else None)
+    )
     table = report.markdown(evaluation)
     report.write_json(out / "evaluation.json", evaluation)
     (out / "evaluation.md").write_text(table)
@@ -404,8 +438,7 @@ def _qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarr
         size = float(ds.slide_attrs(int(s)).get("tile_size_level0") or ds.tile_size)
         measures = {"confidence": pred.scores[here, predicted[here]], "correct": predicted[here] == truth[here]}
         measures |= {f"p({c})": pred.scores[here, k] for k, c in enumerate(classes)}
-        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here],
-                           measures)  # fmt: skip
+        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here], measures)
     return str(folder)
 
 
@@ -430,9 +463,13 @@ def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], desi
 
 
 def _site_predictability(
-    cfg: EvaluateConfig, feats: dict[str, np.ndarray], slides: np.ndarray, sites: dict[str, str],
-    cv: P.CrossValidation, warnings: list[str],
-) -> dict[str, float]:  # fmt: skip
+    cfg: EvaluateConfig,
+    feats: dict[str, np.ndarray],
+    slides: np.ndarray,
+    sites: dict[str, str],
+    cv: P.CrossValidation,
+    warnings: list[str],
+) -> dict[str, float]:
     """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same folds, pooled over the folds
     whose test sites are all among their training slides: lower is better."""
     s = np.array([sites.get(str(x), "") for x in slides], object)
@@ -441,8 +478,10 @@ def _site_predictability(
         warnings.append("site predictability skipped: no fold has all its test sites among its training slides")
         return {}
     if len(usable) < len(cv.folds):
-        warnings.append(f"site predictability on {len(usable)} of {len(cv.folds)} folds: the others test a site "
-                        "none of their training slides comes from")  # fmt: skip
+        warnings.append(
+            f"site predictability on {len(usable)} of {len(cv.folds)} folds: the others test a site "
+            "none of their training slides comes from"
+        )
     classes = np.unique(s)
     tested = np.concatenate([f.test for f in usable])
     out = {}
@@ -487,8 +526,12 @@ def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> N
 
         if mlflow.active_run() is not None:
             decision = evaluation["decision"]
-            mlflow.set_tags({"wsidino.promotion": "promoted" if decision["applied"] else "kept",
-                             "wsidino.promotion_reason": decision["reason"][:5000]})  # fmt: skip
+            mlflow.set_tags(
+                {
+                    "wsidino.promotion": "promoted" if decision["applied"] else "kept",
+                    "wsidino.promotion_reason": decision["reason"][:5000],
+                }
+            )
 
 
 __all__ = ["EmbedJob", "EvaluateResult", "Probed", "labelled_tiles", "probe_models", "run_evaluate"]

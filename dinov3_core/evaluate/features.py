@@ -154,13 +154,17 @@ def health(model: FeatureModel, images: np.ndarray) -> dict[str, float]:
             return torch.from_numpy(model.run(np.ascontiguousarray(x.numpy()))[1])
 
         dense = dense_scores_of(tokens, torch.from_numpy(images), images.shape[-1] // side)
-        scores |= {"dense_effective_rank": dense["effective_rank"], "dense_agreement": dense["agreement"],
-                   "dense_score": dense["score"]}  # fmt: skip
+        scores |= {
+            "dense_effective_rank": dense["effective_rank"],
+            "dense_agreement": dense["agreement"],
+            "dense_score": dense["score"],
+        }
     return scores
 
 
-def stain_invariance(model: FeatureModel, tiles: np.ndarray, scale_sigma: float, shift_sigma: float,
-                     seed: int) -> float:  # fmt: skip
+def stain_invariance(
+    model: FeatureModel, tiles: np.ndarray, scale_sigma: float, shift_sigma: float, seed: int
+) -> float:
     """Top-1 retrieval accuracy of stain-perturbed tiles among the originals (cosine on CLS): each uint8 tile
     (N, T, T, 3) is re-stained by `hed_jitter` (the training augmentation's stain step) with its own fixed scale
     U(1 ± `scale_sigma`) and shift U(± `shift_sigma`) from a generator seeded with `seed`, and counts as found
@@ -186,5 +190,19 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-__all__ = ["FEATURES", "cache_path", "compute", "embed", "health", "load", "normalise", "open_model", "precision_of",
-           "represent", "save", "selection_key", "stain_invariance", "tokens_key"]  # fmt: skip
+__all__ = [
+    "FEATURES",
+    "cache_path",
+    "compute",
+    "embed",
+    "health",
+    "load",
+    "normalise",
+    "open_model",
+    "precision_of",
+    "represent",
+    "save",
+    "selection_key",
+    "stain_invariance",
+    "tokens_key",
+]

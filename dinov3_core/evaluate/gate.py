@@ -152,15 +152,20 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
         return verdict(False, "the candidate is already the champion", already_champion=True)
     rank = cand_health.get("cls_effective_rank", 0.0)
     if rank < gate.min_effective_rank:
-        return verdict(False, f"collapsed features: CLS effective rank {rank:.4f} < gate.min_effective_rank "
-                              f"{gate.min_effective_rank}")  # fmt: skip
+        return verdict(
+            False,
+            f"collapsed features: CLS effective rank {rank:.4f} < gate.min_effective_rank {gate.min_effective_rank}",
+        )
     champion = models.get("champion")
     if champion is not None and champion.get("error"):
         return verdict(False, f"the champion could not be evaluated ({champion['error']}); nothing is promoted")
     if not evaluation.get("labelled_tiles"):
         if not gate.label_free:
-            return verdict(False, "no annotations: promotion is off (annotate slides, or set gate.label_free=true "
-                                  "to promote on label-free health)")  # fmt: skip
+            return verdict(
+                False,
+                "no annotations: promotion is off (annotate slides, or set gate.label_free=true "
+                "to promote on label-free health)",
+            )
         other = champion or models.get("baseline")
         if other is None:
             return verdict(False, "label-free gate: no champion or baseline to compare the health with")
@@ -176,10 +181,18 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     if _primary(models, "candidate", metric) is None or metric not in comparisons.get(f"candidate_vs_{against}", {}):
         # dense.*: no labelled patch tokens (a CSV of tiles has no polygons) or another patch grid than the other
         # model's; auroc: more than two classes. Nothing measured is nothing promoted.
-        why = ("the dense probe needs GeoJSON polygons and the same patch grid" if metric.startswith("dense.")
-               else "AUROC needs two classes" if metric.endswith(".auroc") else "see the warnings")  # fmt: skip
-        return verdict(False, f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
-                              f"({why}); nothing promoted")  # fmt: skip
+        why = (
+            "the dense probe needs GeoJSON polygons and the same patch grid"
+            if metric.startswith("dense.")
+            else "AUROC needs two classes"
+            if metric.endswith(".auroc")
+            else "see the warnings"
+        )
+        return verdict(
+            False,
+            f"gate.primary_metric={metric} was not measured for the candidate vs the {against} "
+            f"({why}); nothing promoted",
+        )
     diff = S.Comparison.from_dict(comparisons[f"candidate_vs_{against}"][metric])
     needed = S.slides_needed(diff.per_group, gate.alpha)
     evidence.comparison, evidence.metric = f"candidate_vs_{against}", metric

@@ -126,8 +126,10 @@ def annotation_problems(annotations: str | Path) -> list[str]:
             read_csv(source)
             return []
         what = "does not exist" if not source.exists() else "is neither a folder nor a .csv file"
-        raise LabelError(f"{source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
-                         "file with the header slide_id,x,y,label")  # fmt: skip
+        raise LabelError(
+            f"{source} {what}; give a folder of <slide_id>.geojson files exported from QuPath or a CSV "
+            "file with the header slide_id,x,y,label"
+        )
     except LabelError as err:
         return [str(err)]
     except OSError as err:
@@ -237,9 +239,13 @@ def _label_by_polygons(
 
 
 def _edge_centres(
-    hits: np.ndarray, geoms: np.ndarray, klass: np.ndarray, polygon: np.ndarray, tile: np.ndarray,
+    hits: np.ndarray,
+    geoms: np.ndarray,
+    klass: np.ndarray,
+    polygon: np.ndarray,
+    tile: np.ndarray,
     centres: np.ndarray,
-) -> None:  # fmt: skip
+) -> None:
     """A centre on the edge of a polygon of a class that does not already claim it: inside the class's union when
     the union of the class's polygons covering the centre (the only ones near it) has it in its interior."""
     open_ = ~hits[klass[polygon], tile]

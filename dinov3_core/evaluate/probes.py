@@ -272,9 +272,7 @@ def score(y: np.ndarray, p: Predictions, metric: Metric, idx: np.ndarray | None 
 METRICS: dict[str, Metric] = {"balanced_accuracy": balanced_accuracy, "macro_f1": macro_f1, "auroc": auroc}
 
 
-def few_shot_draws(
-    train_y: np.ndarray, shots: Sequence[int], draws: int, seed: int
-) -> dict[int, list[np.ndarray]]:  # fmt: skip
+def few_shot_draws(train_y: np.ndarray, shots: Sequence[int], draws: int, seed: int) -> dict[int, list[np.ndarray]]:
     """Training-tile positions per (shots, draw): n tiles of every class, drawn once for every model."""
     classes = np.unique(train_y)
     out: dict[int, list[np.ndarray]] = {}
@@ -291,7 +289,7 @@ def few_shot_draws(
 
 def few_shot_draws_cv(
     labels: np.ndarray, cv: CrossValidation, shots: Sequence[int], draws: int, seed: int
-) -> dict[int, list[list[np.ndarray]]]:  # fmt: skip
+) -> dict[int, list[list[np.ndarray]]]:
     """{shots: [draw: [fold: positions within that fold's training tiles]]}: the shot counts every fold's training
     side has enough tiles of every class for, drawn once for every model."""
     per_fold = [few_shot_draws(labels[f.train], shots, draws, seed + i) for i, f in enumerate(cv.folds)]

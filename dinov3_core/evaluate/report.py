@@ -49,14 +49,19 @@ def markdown(evaluation: dict[str, Any]) -> str:
         split = evaluation.get("split", {})
         classes = ", ".join(f"{c} {k}" for c, k in evaluation["classes"].items())
         unit = split.get("by", "slide")
-        lines += [f"{n} labelled tiles ({classes}); {split.get('folds')}-fold cross-validation by {unit} "
-                  f"({split.get('scheme')}, seed {split.get('seed')}): every {unit} tested once, by probes fitted on "
-                  f"the other folds; test {unit}s {split.get('test_groups')}. Values: point estimate [bootstrap 95 % "
-                  f"interval over the {len(split.get('test_groups', []))} test {unit}s].", ""]  # fmt: skip
+        lines += [
+            f"{n} labelled tiles ({classes}); {split.get('folds')}-fold cross-validation by {unit} "
+            f"({split.get('scheme')}, seed {split.get('seed')}): every {unit} tested once, by probes fitted on "
+            f"the other folds; test {unit}s {split.get('test_groups')}. Values: point estimate [bootstrap 95 % "
+            f"interval over the {len(split.get('test_groups', []))} test {unit}s].",
+            "",
+        ]
     else:
         lines += ["No annotations: label-free health only.", ""]
-    head = ("| model | kNN bal. acc | linear bal. acc | linear macro-F1 | few-shot kNN | dense bal. acc | dense mIoU "
-            "| CLS eff. rank | dense agreement | stain invariance |")  # fmt: skip
+    head = (
+        "| model | kNN bal. acc | linear bal. acc | linear macro-F1 | few-shot kNN | dense bal. acc | dense mIoU "
+        "| CLS eff. rank | dense agreement | stain invariance |"
+    )
     lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for role in ROLES:
         m = evaluation["models"].get(role)
@@ -77,8 +82,9 @@ def markdown(evaluation: dict[str, Any]) -> str:
             f"| {health.get('cls_effective_rank', math.nan):.3f} | {health.get('dense_agreement', math.nan):.3f} "
             f"| {health.get('stain_invariance', math.nan):.3f} |"
         )
-    counts = next((m["probes"]["dense"]["counts"] for m in evaluation["models"].values()
-                   if "dense" in m.get("probes", {})), None)  # fmt: skip
+    counts = next(
+        (m["probes"]["dense"]["counts"] for m in evaluation["models"].values() if "dense" in m.get("probes", {})), None
+    )
     if counts:
         lines.append(
             f"\nDense probe: {counts['tokens']} labelled patch tokens ({counts['grid']} grid, at most "
@@ -156,10 +162,12 @@ def plot_confusion(path: Path, y: np.ndarray, predicted: np.ndarray, classes: np
     for i in range(n):
         for j in range(n):
             colour = "white" if share[i, j] > 0.6 else "black"
-            ax.text(j, i - 0.12, f"{share[i, j]:.2f}", ha="center", va="center", color=colour,
-                    fontsize=6 if small else 9)  # fmt: skip
-            ax.text(j, i + 0.25, f"n={counts[i, j]}", ha="center", va="center", color=colour,
-                    fontsize=4.5 if small else 6)  # fmt: skip
+            ax.text(
+                j, i - 0.12, f"{share[i, j]:.2f}", ha="center", va="center", color=colour, fontsize=6 if small else 9
+            )
+            ax.text(
+                j, i + 0.25, f"n={counts[i, j]}", ha="center", va="center", color=colour, fontsize=4.5 if small else 6
+            )
     labels = [short_label(c) for c in classes]
     ax.set_xticks(range(n), labels, rotation=40, ha="right", rotation_mode="anchor", fontsize=7)
     ax.set_yticks(range(n), [f"{lab} (n={t})" for lab, t in zip(labels, counts.sum(1), strict=True)], fontsize=7)

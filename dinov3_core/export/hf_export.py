@@ -89,16 +89,25 @@ def hf_config(kwargs: dict[str, Any], sd: dict[str, Tensor]) -> dict[str, Any]:
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _RENAMES = {
-    "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias", "norm2.weight": "norm2.weight",
+    "norm1.weight": "norm1.weight",
+    "norm1.bias": "norm1.bias",
+    "norm2.weight": "norm2.weight",
     "norm2.bias": "norm2.bias",
-    "attn.proj.weight": "attention.o_proj.weight", "attn.proj.bias": "attention.o_proj.bias",
-    "ls1.gamma": "layer_scale1.lambda1", "ls2.gamma": "layer_scale2.lambda1",
-    "mlp.fc1.weight": "mlp.up_proj.weight", "mlp.fc1.bias": "mlp.up_proj.bias",
-    "mlp.fc2.weight": "mlp.down_proj.weight", "mlp.fc2.bias": "mlp.down_proj.bias",
-    "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w1.bias": "mlp.gate_proj.bias",
-    "mlp.w2.weight": "mlp.up_proj.weight", "mlp.w2.bias": "mlp.up_proj.bias",
-    "mlp.w3.weight": "mlp.down_proj.weight", "mlp.w3.bias": "mlp.down_proj.bias",
-}  # fmt: skip
+    "attn.proj.weight": "attention.o_proj.weight",
+    "attn.proj.bias": "attention.o_proj.bias",
+    "ls1.gamma": "layer_scale1.lambda1",
+    "ls2.gamma": "layer_scale2.lambda1",
+    "mlp.fc1.weight": "mlp.up_proj.weight",
+    "mlp.fc1.bias": "mlp.up_proj.bias",
+    "mlp.fc2.weight": "mlp.down_proj.weight",
+    "mlp.fc2.bias": "mlp.down_proj.bias",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w1.bias": "mlp.gate_proj.bias",
+    "mlp.w2.weight": "mlp.up_proj.weight",
+    "mlp.w2.bias": "mlp.up_proj.bias",
+    "mlp.w3.weight": "mlp.down_proj.weight",
+    "mlp.w3.bias": "mlp.down_proj.bias",
+}
 
 
 def hf_state_dict(sd: dict[str, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:

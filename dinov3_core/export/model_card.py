@@ -97,15 +97,19 @@ def _training_section(runs: list[dict[str, Any]]) -> list[str]:
     slides = data["slides"]
     lines = ["## Training", "", f"- Base weights: `{first['start']}`"]
     tiling = ", ".join(f"{k} {v}" for k, v in data["tiling"].items() if v is not None)
-    lines.append(f"- Data: {len(slides)} slide(s), {sum(slides.values())} tiles ({tiling}) from "
-                 f"{', '.join(f'`{s}`' for s in data['stores'])}")  # fmt: skip
+    lines.append(
+        f"- Data: {len(slides)} slide(s), {sum(slides.values())} tiles ({tiling}) from "
+        f"{', '.join(f'`{s}`' for s in data['stores'])}"
+    )
     shown = ", ".join(f"{s} ({n})" for s, n in list(slides.items())[:30])
     lines.append(f"- Slides (tiles): {shown}{' …' if len(slides) > 30 else ''}")
     lines += ["", "| run | arch | iterations | global batch | final losses | health |", "|---|---|---|---|---|---|"]
     for r in reversed(runs):
         losses = ", ".join(f"{k} {v}" for k, v in r["losses"].items())
-        lines.append(f"| {r['stage']} (`{r['dir']}`) | {r['arch']} | {r['trained']} of {r['planned']} | "
-                     f"{r['global_batch'] or '–'} | {losses} | {r['health'] or '–'} |")  # fmt: skip
+        lines.append(
+            f"| {r['stage']} (`{r['dir']}`) | {r['arch']} | {r['trained']} of {r['planned']} | "
+            f"{r['global_batch'] or '–'} | {losses} | {r['health'] or '–'} |"
+        )
     return [*lines, ""]
 
 
@@ -125,8 +129,18 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
     ]
     if export.get("model_version"):
         head.append(f"- Registry: `{export.get('registered_model')}` version {export['model_version']}")
-    text = "\n".join([*head, "", *_training_section(training_record(weights)), EVALUATION_HEADING, "",
-                      "Not evaluated yet (the evaluate stage fills this in).", "", INTENDED_USE])  # fmt: skip
+    text = "\n".join(
+        [
+            *head,
+            "",
+            *_training_section(training_record(weights)),
+            EVALUATION_HEADING,
+            "",
+            "Not evaluated yet (the evaluate stage fills this in).",
+            "",
+            INTENDED_USE,
+        ]
+    )
     return write_text_atomic(onnx.parent / CARD_FILE, text)
 
 

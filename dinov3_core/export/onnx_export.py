@@ -69,8 +69,16 @@ class ExportResult:
 # ------------------------------------------------------------------------------------------ export (child)
 
 
-def _export_onnx(weights: str, output: str, pooled: bool, half: bool, opset: int | None, max_side: int,
-                 example_size: int, external: str) -> dict[str, Any]:  # fmt: skip
+def _export_onnx(
+    weights: str,
+    output: str,
+    pooled: bool,
+    half: bool,
+    opset: int | None,
+    max_side: int,
+    example_size: int,
+    external: str,
+) -> dict[str, Any]:
     """Export one model file (runs in the child process)."""
     backbone = load_backbone(weights)
     model = BackboneFeatures(backbone, pooled).eval()
@@ -232,8 +240,13 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
     with tracking.into_active_run(cfg.tracking, params=params, tags={"wsidino.stage": "export"}) as run:
         if run is None:  # called without the stage runner: it owns the run the model is registered from
             return
-        tracking.log_metrics({"max_abs_error": result.max_abs_error, "max_rel_error": result.max_rel_error,
-                              "export_seconds": result.export_seconds})  # fmt: skip
+        tracking.log_metrics(
+            {
+                "max_abs_error": result.max_abs_error,
+                "max_rel_error": result.max_rel_error,
+                "export_seconds": result.export_seconds,
+            }
+        )
         client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
         key = export_key(cfg)
         existing = registered_version(client, cfg.register_name, key) if cfg.register_name else None
@@ -241,8 +254,13 @@ def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
             result.model_version, result.reused_version = existing, True
             result.model_uri = f"models:/{cfg.register_name}/{existing}"
             mlflow.set_tag("wsidino.reused_model_version", existing)
-            logger.info("export: %s v%s already holds these weights (%s %s): no new version",
-                        cfg.register_name, existing, EXPORT_KEY_TAG, key)  # fmt: skip
+            logger.info(
+                "export: %s v%s already holds these weights (%s %s): no new version",
+                cfg.register_name,
+                existing,
+                EXPORT_KEY_TAG,
+                key,
+            )
             if cfg.register_alias:
                 client.set_registered_model_alias(cfg.register_name, cfg.register_alias, existing)
             return
@@ -270,8 +288,14 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         raise ExportError(f"parity_sizes {bad} are not multiples of the patch size {p}")
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    common = {"weights": str(cfg.weights), "pooled": cfg.pooled, "opset": cfg.opset, "max_side": cfg.max_side,
-              "example_size": cfg.example_size, "external": cfg.external_data}  # fmt: skip
+    common = {
+        "weights": str(cfg.weights),
+        "pooled": cfg.pooled,
+        "opset": cfg.opset,
+        "max_side": cfg.max_side,
+        "example_size": cfg.example_size,
+        "external": cfg.external_data,
+    }
     start = time.perf_counter()
     info = export_in_subprocess(cfg.timeout_s, output=str(out), half=False, **common)
     seconds = time.perf_counter() - start
@@ -293,8 +317,14 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         max_rel_error=parity.worst_rel,
         export_seconds=seconds,
     )
-    logger.info("exported %s: %d nodes in %.1f s, vs PyTorch: max abs error %.2e, relative to the output scale %.2e",
-                out, result.n_nodes, seconds, worst, parity.worst_rel)  # fmt: skip
+    logger.info(
+        "exported %s: %d nodes in %.1f s, vs PyTorch: max abs error %.2e, relative to the output scale %.2e",
+        out,
+        result.n_nodes,
+        seconds,
+        worst,
+        parity.worst_rel,
+    )
     if not parity.within(cfg.parity_tolerance, cfg.parity_rtol):
         raise ExportError(
             f"ONNX model {out} differs from PyTorch by {worst:.3g} (relative {parity.worst_rel:.3g}): more than "
@@ -308,8 +338,9 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         fp16 = check_parity(half, model, list(cfg.parity_sizes)[:1], [1], half=True)
         result.fp16_max_abs_error, result.fp16_max_rel_error = fp16.worst_abs, fp16.worst_rel
         result.fp16_path = half
-        logger.info("fp16 variant %s: vs fp32 PyTorch max abs error %.2e, relative %.2e", half, fp16.worst_abs,
-                    fp16.worst_rel)  # fmt: skip
+        logger.info(
+            "fp16 variant %s: vs fp32 PyTorch max abs error %.2e, relative %.2e", half, fp16.worst_abs, fp16.worst_rel
+        )
     if cfg.tracking.enabled:
         _log_mlflow(cfg, result)
     return result

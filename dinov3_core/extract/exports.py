@@ -19,8 +19,15 @@ def h5_dir(output: str | os.PathLike[str]) -> Path:
     return out.parent / f"{out.stem if out.suffix == '.zarr' else out.name}_h5"
 
 
-def write_h5(path: Path, slide_id: str, features: np.ndarray, coords: np.ndarray, tile_attrs: dict[str, Any],
-             tile_size: int, model: dict[str, Any]) -> None:  # fmt: skip
+def write_h5(
+    path: Path,
+    slide_id: str,
+    features: np.ndarray,
+    coords: np.ndarray,
+    tile_attrs: dict[str, Any],
+    tile_size: int,
+    model: dict[str, Any],
+) -> None:
     """One slide's features as TRIDENT / CLAM write them (h5py reads them as those tools do), written to a temporary
     name and renamed, so a half-written file never has the final name."""
     import h5py

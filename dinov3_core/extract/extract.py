@@ -107,8 +107,10 @@ def _device_memory(device: torch.device | str | None) -> str:
 
 def _does_not_fit(model: FeatureModel, cfg: ExtractConfig, err: BaseException) -> ExtractError:
     where = ", ".join(model.providers) + _device_memory(model.device)
-    return ExtractError(f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where} "
-                        f"({str(err)[:200]}); lower batch_size, or use precision=bf16 (torch)")  # fmt: skip
+    return ExtractError(
+        f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where} "
+        f"({str(err)[:200]}); lower batch_size, or use precision=bf16 (torch)"
+    )
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -145,8 +147,17 @@ def _batch_reader(ds: Any, model: FeatureModel) -> Callable[[Batch], Any]:
 class _UnitWriter:
     """Runs the model over one unit's batches and hands the rows to the background writer."""
 
-    def __init__(self, cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, bar: Any,
-                 batches: Iterator[tuple[Batch, Any]], writer: BackgroundWriter, rank: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ExtractConfig,
+        ds: Any,
+        model: FeatureModel,
+        out: Path,
+        bar: Any,
+        batches: Iterator[tuple[Batch, Any]],
+        writer: BackgroundWriter,
+        rank: int,
+    ) -> None:
         self.cfg, self.ds, self.model, self.out, self.bar = cfg, ds, model, out, bar
         self.batches, self.writer, self.rank = batches, writer, rank
 
@@ -187,15 +198,17 @@ class _UnitWriter:
                 ) from None
             if arrays is None:
                 p = patch.shape[1] if patch is not None else 0
-                arrays = SlideArrays.create(group, unit.n_tiles, cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows,
-                                            cfg.batch_size)  # fmt: skip
+                arrays = SlideArrays.create(
+                    group, unit.n_tiles, cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows, cfg.batch_size
+                )
             self.writer.submit(arrays.write, b0, cls, mean, patch)
             self.bar.update(len(idx))
         self.writer.drain()
 
 
-def _stage_split_slides(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path,
-                        split: dict[int, list[WorkUnit]], offsets: np.ndarray) -> None:  # fmt: skip
+def _stage_split_slides(
+    cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, split: dict[int, list[WorkUnit]], offsets: np.ndarray
+) -> None:
     """Rank 0, before any rank writes: the staging arrays of the slides split over ranks (their width from one
     tile through the model), so every rank only writes rows into arrays that exist."""
     if not split:
@@ -209,18 +222,21 @@ def _stage_split_slides(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: P
         shutil.rmtree(incoming, ignore_errors=True)
         incoming.parent.mkdir(parents=True, exist_ok=True)
         group = zarr.open_group(str(incoming), mode="w")
-        SlideArrays.create(group, int(ds.tile_counts[s]), cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows,
-                           cfg.batch_size)  # fmt: skip
+        SlideArrays.create(
+            group, int(ds.tile_counts[s]), cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows, cfg.batch_size
+        )
 
 
-def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Team,
-          offsets: np.ndarray) -> tuple[list[list[WorkUnit]], list[int]]:  # fmt: skip
+def _plan(
+    cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Team, offsets: np.ndarray
+) -> tuple[list[list[WorkUnit]], list[int]]:
     """Rank 0: (units per rank, slides skipped as up to date), with the split slides' staging arrays created."""
     init_output(out, cfg.store)
     mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
     fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
-    todo = [s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision,
-                                                cfg.mpp)]  # fmt: skip
+    todo = [
+        s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision, cfg.mpp)
+    ]
     align = math.lcm(cfg.chunk_rows, cfg.batch_size) if cfg.patch_tokens else cfg.chunk_rows
     plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
     _stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
@@ -232,8 +248,12 @@ def _plan(cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Tea
     return plan, skipped
 
 
-def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None = None,
-                team: Team | None = None, mlflow_run_id: str | None = None) -> ExtractResult:  # fmt: skip
+def run_extract(
+    cfg: ExtractConfig,
+    progress: Callable[[int, int], None] | None = None,
+    team: Team | None = None,
+    mlflow_run_id: str | None = None,
+) -> ExtractResult:
     """Extract per `cfg`; returns which slides were extracted / skipped and the throughput.
 
     `progress(tiles done, tiles to do)`: called as batches finish (the Prefect progress artifact); with
@@ -250,11 +270,22 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
     try:
         device, device_id = rank_device(cfg.device, team)
         try:
-            model = open_model(cfg.model, cfg.backend, cfg.providers, threads, device, cfg.precision, device_id,
-                               compile=cfg.compile, batch_size=cfg.batch_size)  # fmt: skip
+            model = open_model(
+                cfg.model,
+                cfg.backend,
+                cfg.providers,
+                threads,
+                device,
+                cfg.precision,
+                device_id,
+                compile=cfg.compile,
+                batch_size=cfg.batch_size,
+            )
         except torch.OutOfMemoryError as err:
-            raise ExtractError(f"model {cfg.model} does not fit on {device}{_device_memory(device)} "
-                               f"({str(err)[:300]}); use a GPU with more memory") from None  # fmt: skip
+            raise ExtractError(
+                f"model {cfg.model} does not fit on {device}{_device_memory(device)} "
+                f"({str(err)[:300]}); use a GPU with more memory"
+            ) from None
         if model.patch_size and ds.tile_size % model.patch_size:
             raise ExtractError(
                 f"tile store {cfg.store} has {ds.tile_size} px tiles, not a multiple of the model's patch size "
@@ -271,8 +302,9 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
         label = "extract" if team.world_size == 1 else f"extract rank {team.rank}"
         if team.world_size > 1:  # the launcher adds up the ranks' counts (`job_progress`)
             progress = _RankProgress(out, team.rank)
-        bar = Progress(label, unit="tile", total=total, enabled=cfg.progress, callback=progress,
-                       every_s=cfg.progress_every_s)  # fmt: skip
+        bar = Progress(
+            label, unit="tile", total=total, enabled=cfg.progress, callback=progress, every_s=cfg.progress_every_s
+        )
         params = {"model_hash": model.hash, "backend": model.backend, "store": cfg.store}
         # In process: the runner's active run; a job's rank 0: the runner's run, joined by its id.
         joined = tracking.stage_run(cfg.tracking, "extract", params=params, run_id=mlflow_run_id)
@@ -290,9 +322,15 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
                 writer.close()
                 bar.close()
             work_s = time.perf_counter() - work_start
-            ranks = team.gather({"rank": team.rank, "tiles": total, "seconds": round(work_s, 3),
-                                 "tiles_per_s": round(total / max(work_s, 1e-9), 1),
-                                 "device": ",".join(model.providers)})  # fmt: skip
+            ranks = team.gather(
+                {
+                    "rank": team.rank,
+                    "tiles": total,
+                    "seconds": round(work_s, 3),
+                    "tiles_per_s": round(total / max(work_s, 1e-9), 1),
+                    "device": ",".join(model.providers),
+                }
+            )
             split = split_slides(plan)
             for s in split:  # every rank is done (the gather): the split slides' rows are all written
                 if committer(plan, s) == team.rank:
@@ -301,8 +339,9 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
             seconds = time.perf_counter() - start_time
             tiles = sum(r["tiles"] for r in ranks)
             if cfg.tracking.enabled and team.is_main:
-                tracking.log_metrics({"tiles": tiles, "tiles_per_s": tiles / max(seconds, 1e-9),
-                                      "ranks": team.world_size})  # fmt: skip
+                tracking.log_metrics(
+                    {"tiles": tiles, "tiles_per_s": tiles / max(seconds, 1e-9), "ranks": team.world_size}
+                )
     finally:
         torch.set_num_threads(torch_threads)
     result = ExtractResult(
@@ -319,8 +358,15 @@ def run_extract(cfg: ExtractConfig, progress: Callable[[int, int], None] | None 
     )
     if team.is_main:
         _write_run_record(cfg, result)
-        logger.info("extracted %d tiles of %d slides (%d skipped) in %.1f s: %.1f tiles/s on %d rank(s)", tiles,
-                    len(result.extracted), len(skipped), seconds, result.tiles_per_s, team.world_size)  # fmt: skip
+        logger.info(
+            "extracted %d tiles of %d slides (%d skipped) in %.1f s: %.1f tiles/s on %d rank(s)",
+            tiles,
+            len(result.extracted),
+            len(skipped),
+            seconds,
+            result.tiles_per_s,
+            team.world_size,
+        )
     return result
 
 

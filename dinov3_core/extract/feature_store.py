@@ -44,13 +44,21 @@ def export_h5(out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: i
     group = zarr.open_group(str(out / "slides" / slide_id), mode="r")
     attrs = group.attrs.asdict().get(ATTRS_KEY, {})
     path = h5_dir(out) / f"{slide_id}.h5"
-    write_h5(path, slide_id, np.asarray(group["cls"][:]), np.asarray(group["coords"][:]), tile_attrs, tile_size,
-             {k: attrs[k] for k in ("model_path", "model_hash", "precision") if k in attrs})  # fmt: skip
+    write_h5(
+        path,
+        slide_id,
+        np.asarray(group["cls"][:]),
+        np.asarray(group["coords"][:]),
+        tile_attrs,
+        tile_size,
+        {k: attrs[k] for k in ("model_path", "model_hash", "precision") if k in attrs},
+    )
     return path
 
 
-def is_extracted(out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str,
-                 mpp: float | None = None) -> bool:  # fmt: skip
+def is_extracted(
+    out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str, mpp: float | None = None
+) -> bool:
     """Extracted completely, with this model and precision, from this version of the slide (a re-scanned slide that
     was re-tiled under the same id has another source fingerprint: its features are stale), at the `mpp` µm/px
     level of its tile store (the level as tiled, `mpp_requested`; features from before levels were recorded
@@ -107,11 +115,14 @@ class SlideArrays:
         self.buffers = {name: np.empty((chunk, d), np.float32) for name in arrays}
 
     @classmethod
-    def create(cls, group: Any, n: int, d: int, p: int, patch_tokens: bool, chunk_rows: int,
-               batch_size: int) -> SlideArrays:  # fmt: skip
+    def create(
+        cls, group: Any, n: int, d: int, p: int, patch_tokens: bool, chunk_rows: int, batch_size: int
+    ) -> SlideArrays:
         chunk = max(1, min(n, chunk_rows))
-        arrays = {name: group.create_array(name, shape=(n, d), chunks=(chunk, d), dtype="float32")
-                  for name in ("cls", "mean_patch")}  # fmt: skip
+        arrays = {
+            name: group.create_array(name, shape=(n, d), chunks=(chunk, d), dtype="float32")
+            for name in ("cls", "mean_patch")
+        }
         patch = None
         if patch_tokens:  # one chunk per batch: written whole as it comes
             pc = max(1, min(n, batch_size))
@@ -279,11 +290,16 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         rgb, _ = pca_rgb(cls_all)
         labels = cluster_tiles(cls_all, cfg.qupath_clusters)
         classes = [f"cluster {i + 1}" for i in range(int(labels.max()) + 1)]
-        measures = {"PC1 (0-1 in slide)": rgb[:, 0], "PC2 (0-1 in slide)": rgb[:, 1], "PC3 (0-1 in slide)": rgb[:, 2],
-                    "cluster": labels + 1}  # fmt: skip
+        measures = {
+            "PC1 (0-1 in slide)": rgb[:, 0],
+            "PC2 (0-1 in slide)": rgb[:, 1],
+            "PC3 (0-1 in slide)": rgb[:, 2],
+            "cluster": labels + 1,
+        }
         tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
-        write_qupath_tiles(pictures_dir(out) / slide_id / "tiles.geojson", coords, tile_level0, classes, labels,
-                           measures)  # fmt: skip
+        write_qupath_tiles(
+            pictures_dir(out) / slide_id / "tiles.geojson", coords, tile_level0, classes, labels, measures
+        )
     final = out / "slides" / slide_id
     if final.exists():
         shutil.rmtree(final)  # extracted with another model: replaced

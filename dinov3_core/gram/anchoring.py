@@ -130,9 +130,14 @@ class GramMetaArch(SSLMetaArch):
         object.__setattr__(self, "_gram", gram)  # not a registered submodule: no state_dict, no FSDP wrapping
 
     def loss_from_outputs(  # type: ignore[override]
-        self, global_crops: Tensor, cls_global: Tensor, dino_logits: Tensor, patch_global: Tensor, *args: Any,
+        self,
+        global_crops: Tensor,
+        cls_global: Tensor,
+        dino_logits: Tensor,
+        patch_global: Tensor,
+        *args: Any,
         **kwargs: Any,
-    ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The SSL terms plus the gram term on the student's patch tokens (with and without a pipeline: this is
         also the last pipeline stage's loss)."""
         total, parts = super().loss_from_outputs(global_crops, cls_global, dino_logits, patch_global, *args, **kwargs)

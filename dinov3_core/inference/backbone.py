@@ -15,8 +15,7 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DinoVisionTransformer, ReleasedWeightsError, load_released_backbone
 from dinov3_core.models.state_dict_check import UnreadableWeights
 
-__all__ = ["ARCH_FILE", "INFERENCE_OVERRIDES", "BackboneFeatures", "WeightsError", "load_backbone",
-           "read_arch_config"]  # fmt: skip
+__all__ = ["ARCH_FILE", "INFERENCE_OVERRIDES", "BackboneFeatures", "WeightsError", "load_backbone", "read_arch_config"]
 
 ARCH_FILE = "config.yaml"  # beside a converted backbone: {"arch": ..., "backbone_kwargs": {...}}
 INFERENCE_OVERRIDES = {"pos_embed_rope_dtype": "fp32"}

@@ -91,9 +91,17 @@ def torch_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: list[str] | None = None,
-               threads: int = 0, device: str | None = "cpu", precision: str = "fp32",
-               device_id: int = 0, compile: bool = False, batch_size: int | None = None) -> FeatureModel:  # fmt: skip
+def open_model(
+    path: str | os.PathLike[str],
+    backend: str = "auto",
+    providers: list[str] | None = None,
+    threads: int = 0,
+    device: str | None = "cpu",
+    precision: str = "fp32",
+    device_id: int = 0,
+    compile: bool = False,
+    batch_size: int | None = None,
+) -> FeatureModel:
     """`device` (PyTorch): None → CUDA when available; `precision` "bf16" / "fp16": PyTorch autocast (ONNX: export
     fp16); `device_id`: the GPU of ONNX Runtime's CUDA provider (one per rank of a job); `compile` (PyTorch):
     `torch.compile` the backbone, every forward padded to `batch_size` rows (None: the largest batch seen)."""
@@ -106,8 +114,10 @@ def open_model(path: str | os.PathLike[str], backend: str = "auto", providers: l
         if precision != "fp32":
             raise ExtractError(f"precision={precision} is for the torch backend; for ONNX export with fp16=true")
         if compile:
-            raise ExtractError(f"compile=true applies to .pth / .safetensors models (torch backend) only, not to the "
-                               f"ONNX model {p}; drop compile=true, or give the backbone.pth")  # fmt: skip
+            raise ExtractError(
+                f"compile=true applies to .pth / .safetensors models (torch backend) only, not to the "
+                f"ONNX model {p}; drop compile=true, or give the backbone.pth"
+            )
         return _onnx_model(p, providers, threads, device_id)
     if backend == "torch":
         return _torch_model(p, torch_device(device), precision, compile, batch_size)
@@ -128,8 +138,9 @@ def _onnx_model(p: Path, providers: list[str] | None, threads: int, device_id: i
         logger.warning(
             "extract: this host has a GPU but ONNX Runtime runs %s on the CPU (providers %s): install onnxruntime-gpu "
             "in place of onnxruntime (docs/stages.md: Extraction on several GPUs), or give the backbone.pth beside it",
-            p, session.get_providers(),
-        )  # fmt: skip
+            p,
+            session.get_providers(),
+        )
     else:
 
         def run(x: np.ndarray) -> Features:
@@ -161,12 +172,14 @@ def bound_runner(session: Any, device: str, device_id: int = 0) -> Callable[[np.
     return run
 
 
-def _torch_model(p: Path, device: torch.device, precision: str, compile: bool = False,
-                 batch_size: int | None = None) -> FeatureModel:  # fmt: skip
+def _torch_model(
+    p: Path, device: torch.device, precision: str, compile: bool = False, batch_size: int | None = None
+) -> FeatureModel:
     model = BackboneFeatures(load_backbone(p, device=str(device))).eval()
     runner = TorchRunner(model, device, AUTOCAST[precision], compile, batch_size)
-    fm = FeatureModel("torch", p, file_hash(p), runner.run, [f"torch-{device}"], model.backbone.patch_size,
-                      device=device)  # fmt: skip
+    fm = FeatureModel(
+        "torch", p, file_hash(p), runner.run, [f"torch-{device}"], model.backbone.patch_size, device=device
+    )
     if device.type == "cuda":  # CPU keeps numpy's normalise and mean: the features stay what they were
         fm.prepare, fm.infer = runner.prepare_uint8, runner.infer_uint8
     return fm
@@ -181,8 +194,14 @@ class TorchRunner:
     `compile`: `torch.compile(model, dynamic=False)`, each forward padded to `rows` rows (`batch_size`, else the
     largest batch so far) so that one graph serves every batch; the padded rows are dropped from the outputs."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, autocast: torch.dtype | None = None,
-                 compile: bool = False, batch_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        autocast: torch.dtype | None = None,
+        compile: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
         self.device, self.autocast, self.compiled = device, autocast, compile
         self.model: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         self.model = torch.compile(model, dynamic=False) if compile else model  # type: ignore[assignment]

@@ -36,8 +36,9 @@ def session_options(threads: int = 0) -> Any:
     return opts
 
 
-def ort_session(path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0,
-                device_id: int = 0) -> Any:  # fmt: skip
+def ort_session(
+    path: str | os.PathLike[str], providers: list[str] | None = None, threads: int = 0, device_id: int = 0
+) -> Any:
     """An ONNX Runtime session with `session_options`; providers None → CUDA when available (on GPU `device_id`:
     `onnxruntime-gpu`, the `gpu` extra), then CPU."""
     # deferred: onnxruntime, only where an ONNX model runs

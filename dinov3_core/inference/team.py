@@ -34,8 +34,10 @@ def rank_device(device: str | None, team: Team) -> tuple[str | None, int]:
         return device, 0
     gpus = torch.cuda.device_count()
     if team.local_world_size > gpus:
-        raise ExtractError(f"{team.local_world_size} ranks on this node but {gpus} GPU(s): set --nproc-per-node to "
-                           f"at most {gpus} (one rank per GPU)")  # fmt: skip
+        raise ExtractError(
+            f"{team.local_world_size} ranks on this node but {gpus} GPU(s): set --nproc-per-node to "
+            f"at most {gpus} (one rank per GPU)"
+        )
     return f"cuda:{team.local_rank}", team.local_rank
 
 
@@ -61,8 +63,12 @@ class Team:
     def from_env(cls) -> Team:
         """torchrun's RANK / WORLD_SIZE / LOCAL_RANK; joins (or starts) a gloo process group when there are several."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        team = cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))  # fmt: skip
+        team = cls(
+            int(os.environ.get("RANK", "0")),
+            world,
+            int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
             team.owns_group = True

@@ -29,42 +29,60 @@ class LaunchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", title="Launch")
 
     nproc_per_node: int = Field(
-        1, ge=1, le=64, title="Processes per node", description="torchrun processes per node (one per GPU).",
+        1,
+        ge=1,
+        le=64,
+        title="Processes per node",
+        description="torchrun processes per node (one per GPU).",
         json_schema_extra=ui(0),
-    )  # fmt: skip
+    )
     nnodes: int = Field(
-        1, ge=1, le=1024, title="Nodes",
+        1,
+        ge=1,
+        le=1024,
+        title="Nodes",
         description="Nodes in the job; more than 1 needs a rendezvous endpoint, and the same launch on every node.",
         json_schema_extra=ui(1),
-    )  # fmt: skip
+    )
     rdzv_endpoint: str | None = Field(
-        None, title="Rendezvous endpoint", pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
+        None,
+        title="Rendezvous endpoint",
+        pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
         description="host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
         json_schema_extra=ui(2),
-    )  # fmt: skip
+    )
     cuda_visible_devices: str | None = Field(
-        None, title="CUDA_VISIBLE_DEVICES", pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
+        None,
+        title="CUDA_VISIBLE_DEVICES",
+        pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
         description="GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
         json_schema_extra=ui(3),
-    )  # fmt: skip
+    )
     timeout_hours: float | None = Field(
-        None, gt=0, le=24 * 30, title="Wall-clock limit (hours)",
+        None,
+        gt=0,
+        le=24 * 30,
+        title="Wall-clock limit (hours)",
         description="Kill the whole job after this long (it resumes from its last checkpoint when rerun). "
         "Empty: no limit.",
         json_schema_extra=ui(4),
-    )  # fmt: skip
+    )
     retries: int = Field(
-        1, ge=0, le=10, title="Retries",
+        1,
+        ge=0,
+        le=10,
+        title="Retries",
         description="Relaunches after a crash (not after bad input); each resumes from the last checkpoint. "
         "Prefect runs only: on the command line, rerun the same command.",
         json_schema_extra=ui(5),
-    )  # fmt: skip
+    )
     gpu_slots: str | None = Field(
-        None, title="GPU slot limit",
+        None,
+        title="GPU slot limit",
         description="Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
         "nproc_per_node slots while it runs. Empty: no limit.",
         json_schema_extra=ui(6),
-    )  # fmt: skip
+    )
 
     @property
     def world_size(self) -> int:

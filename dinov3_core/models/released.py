@@ -125,8 +125,14 @@ def _build_and_load(
     model.to_empty(device=device)
     model.load_state_dict(sd, strict=True)
     millions = sum(t.numel() for t in sd.values()) / 1e6
-    logger.info("loaded backbone (%s, %.2fM parameters) from %s: all %d tensors matched their keys (strict: none "
-                "missing, none unexpected)", label, millions, source, len(sd))  # fmt: skip
+    logger.info(
+        "loaded backbone (%s, %.2fM parameters) from %s: all %d tensors matched their keys (strict: none "
+        "missing, none unexpected)",
+        label,
+        millions,
+        source,
+        len(sd),
+    )
     return model.eval()
 
 

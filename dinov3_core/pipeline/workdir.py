@@ -47,11 +47,17 @@ def layout(cfg: PipelineConfig, weights: Path | None = None) -> ChainPaths:
     """Where each stage reads and writes, under the work directory."""
     root = Path(cfg.workdir).expanduser().resolve()
     paths = ChainPaths(
-        slides=cfg.slides, tile_store=root / "tiles.zarr", pretrain=root / "pretrain", gram=root / "gram",
-        model_dir=root / "model", evaluation=root / "evaluation", features=root / "features.zarr",
-        annotations=cfg.annotations, gram_anchoring=cfg.gram_anchoring,
+        slides=cfg.slides,
+        tile_store=root / "tiles.zarr",
+        pretrain=root / "pretrain",
+        gram=root / "gram",
+        model_dir=root / "model",
+        evaluation=root / "evaluation",
+        features=root / "features.zarr",
+        annotations=cfg.annotations,
+        gram_anchoring=cfg.gram_anchoring,
         weights=str(weights) if weights is not None else None,
-    )  # fmt: skip
+    )
     return replace(paths, extract_model=extraction_model(cfg, paths))
 
 

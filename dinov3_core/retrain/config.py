@@ -102,9 +102,7 @@ class RetrainConfig:
         return getattr(self, stage)
 
 
-def load_retrain_config(
-    config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()
-) -> RetrainConfig:  # fmt: skip
+def load_retrain_config(config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> RetrainConfig:
     """Schema defaults ← named config (dinov3_core/configs/retrain/<name>.yaml) or YAML ← overrides (stage keys
     routed)."""
     values = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)

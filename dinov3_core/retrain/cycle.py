@@ -71,9 +71,12 @@ class _Cycle:
         self.record.stages[name] = {"status": "running", "started_at": utc_now()}
         self.save()
         outcome = self.run_stage(get_stage(name), cfg, self.parent)
-        self.record.stages[name] = {"status": outcome.status, "reason": outcome.reason,
-                                    "seconds": round(time.perf_counter() - start, 1),
-                                    "mlflow_run_id": outcome.mlflow_run_id}  # fmt: skip
+        self.record.stages[name] = {
+            "status": outcome.status,
+            "reason": outcome.reason,
+            "seconds": round(time.perf_counter() - start, 1),
+            "mlflow_run_id": outcome.mlflow_run_id,
+        }
         self.save()
         return outcome
 
@@ -91,8 +94,12 @@ class _Cycle:
         failed = tile.summary.failed_slides
         snap = take_snapshot(self.layout.tile_store, cohort=cohort_ids(tile_cfg))
         write_snapshot(snap, cycle_dir)
-        self.record.snapshot = {"hash": snap.hash, "n_slides": len(snap.slides), "tiles": snap.tiles,
-                                "failed_slides": failed}  # fmt: skip
+        self.record.snapshot = {
+            "hash": snap.hash,
+            "n_slides": len(snap.slides),
+            "tiles": snap.tiles,
+            "failed_slides": failed,
+        }
         if self.parent:
             log_dataset_input(snap, self.parent, registry_uri(self.cfg))
         self.save()
@@ -115,7 +122,8 @@ class _Cycle:
         reference, since = self.reference()
         change = compare(snap, reference)
         needs = f"needs ≥ {max(1, t.min_new_slides)} new slide(s)" + (
-            f" and ≥ {t.min_new_tiles} new tiles" if t.min_new_tiles else "")  # fmt: skip
+            f" and ≥ {t.min_new_tiles} new tiles" if t.min_new_tiles else ""
+        )
         if not snap.slides:
             train, reason = False, f"the tile store {self.layout.tile_store} holds no tiles (check the slides)"
         elif t.force:
@@ -146,8 +154,7 @@ class _Cycle:
                 )
             champion.verified(weights, WEIGHTS_SHA_TAG)  # a replaced or damaged champion file is never trained on
             check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
-            choice = {"source": "champion", "path": str(weights), "version": champion.version,
-                      "cycle": champion.cycle}  # fmt: skip
+            choice = {"source": "champion", "path": str(weights), "version": champion.version, "cycle": champion.cycle}
         elif mode == "champion":
             raise RetrainError(f"warm_start=champion, but {self.cfg.register_name} has no @champion yet")
         elif mode in ("auto", "released") and self.cfg.pretrained_weights:
@@ -216,8 +223,14 @@ class _Cycle:
     def retain(self) -> None:
         champion = registry.champion(self.cfg)
         files = [champion.weights, champion.weights.parent / "model.onnx"] if champion and champion.weights else []
-        plan = retention.plan(self.layout, list_cycles(self.layout), self.cfg.retention, self.record.id,
-                              champion.cycle if champion else None, protected=files)  # fmt: skip
+        plan = retention.plan(
+            self.layout,
+            list_cycles(self.layout),
+            self.cfg.retention,
+            self.record.id,
+            champion.cycle if champion else None,
+            protected=files,
+        )
         retention.apply(self.layout, plan)
         self.record.retention = plan.as_dict(self.layout.root)
         for path in self.record.retention["deleted"]:
@@ -317,10 +330,16 @@ def run_cycle(
 
 
 def _summary_tags(r: CycleRecord) -> dict[str, Any]:
-    return {"wsidino.cycle": r.id, "wsidino.cycle_status": r.status, "wsidino.trigger": r.trigger.get("reason"),
-            "wsidino.snapshot": r.snapshot.get("hash"), "wsidino.warm_start": r.warm_start.get("source"),
-            "wsidino.decision": r.decision.get("reason"), "wsidino.evidence": r.decision.get("evidence"),
-            "wsidino.promoted": r.decision.get("promoted") if r.decision else None}  # fmt: skip
+    return {
+        "wsidino.cycle": r.id,
+        "wsidino.cycle_status": r.status,
+        "wsidino.trigger": r.trigger.get("reason"),
+        "wsidino.snapshot": r.snapshot.get("hash"),
+        "wsidino.warm_start": r.warm_start.get("source"),
+        "wsidino.decision": r.decision.get("reason"),
+        "wsidino.evidence": r.decision.get("evidence"),
+        "wsidino.promoted": r.decision.get("promoted") if r.decision else None,
+    }
 
 
 def message(r: CycleRecord) -> str:

@@ -46,9 +46,12 @@ def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> N
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     client.log_dict(run_id, asdict(record), "cycle.json")
-    figures = {"snapshot_slides": record.snapshot.get("n_slides"), "snapshot_tiles": record.snapshot.get("tiles"),
-               "new_slides": record.trigger.get("change", {}).get("added"),
-               "promoted": float(record.promoted) if record.decision else None}  # fmt: skip
+    figures = {
+        "snapshot_slides": record.snapshot.get("n_slides"),
+        "snapshot_tiles": record.snapshot.get("tiles"),
+        "new_slides": record.trigger.get("change", {}).get("added"),
+        "promoted": float(record.promoted) if record.decision else None,
+    }
     for key, value in figures.items():
         if isinstance(value, int | float):
             client.log_metric(run_id, key, float(value))

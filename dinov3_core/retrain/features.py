@@ -43,8 +43,10 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
         return {"status": "none", "reason": "no @champion"}
     onnx = champion.onnx
     if onnx is None:
-        reason = (f"the champion v{champion.version}'s model.onnx is not on this machine (beside "
-                  f"{champion.weights}); features not extracted")  # fmt: skip
+        reason = (
+            f"the champion v{champion.version}'s model.onnx is not on this machine (beside "
+            f"{champion.weights}); features not extracted"
+        )
         log(f"retrain {cid}: {reason}")
         return {"status": "missing", "reason": reason}
 
@@ -56,8 +58,14 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
     outcome: StageOutcome[ExtractSummary] = cycle.stage("extract", cfg)
     summary = outcome.summary
     changed = previous.get("store") not in (None, str(store))
-    record = {"store": str(store), "model": str(onnx), "model_hash": model_hash, "version": champion.version,
-              "cycle": champion.cycle, "updated_at": utc_now()}  # fmt: skip
+    record = {
+        "store": str(store),
+        "model": str(onnx),
+        "model_hash": model_hash,
+        "version": champion.version,
+        "cycle": champion.cycle,
+        "updated_at": utc_now(),
+    }
     write_text_atomic(layout.features / POINTER, json.dumps(record, indent=1) + "\n")
     replaced = None
     if changed and cycle.cfg.retention.delete_replaced_features and Path(previous["store"]).is_dir():
@@ -67,9 +75,14 @@ def extract_with_champion(cycle: _Cycle, champion: Champion | None, slide_ids: l
         log(f"retrain {cid}: features of the previous champion ({replaced}) replaced by {store}")
     scope = "every slide (new champion)" if changed or not previous else "new slides only (same champion)"
     ran = outcome.status == "ran"
-    return {**record, "status": outcome.status, "scope": scope, "replaced": replaced,
-            "slides_extracted": summary.slides_extracted if ran else 0,
-            "slides_up_to_date": summary.slides_up_to_date if ran else None}  # fmt: skip
+    return {
+        **record,
+        "status": outcome.status,
+        "scope": scope,
+        "replaced": replaced,
+        "slides_extracted": summary.slides_extracted if ran else 0,
+        "slides_up_to_date": summary.slides_up_to_date if ran else None,
+    }
 
 
 __all__ = ["POINTER", "current_features", "extract_with_champion"]

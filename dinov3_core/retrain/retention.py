@@ -56,9 +56,13 @@ def _all_but_records(cycle_dir: Path) -> list[Path]:
 
 
 def plan(
-    layout: CycleLayout, cycles: list[CycleRecord], cfg: RetentionConfig, running: str, champion_cycle: str | None,
+    layout: CycleLayout,
+    cycles: list[CycleRecord],
+    cfg: RetentionConfig,
+    running: str,
+    champion_cycle: str | None,
     protected: Iterable[Path] = (),
-) -> RetentionPlan:  # fmt: skip
+) -> RetentionPlan:
     """What to delete. `protected`: files that must survive (the champion's), with every folder holding them."""
     result = RetentionPlan()
     others = 0

@@ -48,8 +48,13 @@ class Snapshot:
         return [s.slide_id for s in self.slides]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"store": self.store, "hash": self.hash, "n_slides": len(self.slides), "tiles": self.tiles,
-                "slides": [asdict(s) for s in self.slides]}  # fmt: skip
+        return {
+            "store": self.store,
+            "hash": self.hash,
+            "n_slides": len(self.slides),
+            "tiles": self.tiles,
+            "slides": [asdict(s) for s in self.slides],
+        }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Snapshot:
@@ -129,8 +134,9 @@ def log_dataset_input(snapshot: Snapshot, run_id: str, tracking_uri: str) -> Non
     tags = [InputTag(key="mlflow.data.context", value="training")]
     with warnings.catch_warnings():  # source-type and integer-schema hints: this table is no model input
         warnings.simplefilter("ignore", UserWarning)
-        dataset = mlflow.data.from_pandas(frame, source=snapshot.store, name=f"cohort-{snapshot.hash}",
-                                          digest=snapshot.hash)  # fmt: skip
+        dataset = mlflow.data.from_pandas(
+            frame, source=snapshot.store, name=f"cohort-{snapshot.hash}", digest=snapshot.hash
+        )
         client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags)])
 
 

@@ -31,13 +31,21 @@ def cycle_paths(
     with and its feature store."""
     dirs = layout.stage_dirs(cycle_id)
     return ChainPaths(
-        slides=cfg.slides, tile_store=layout.tile_store, pretrain=dirs["pretrain"], gram=dirs["gram"],
-        model_dir=dirs["model"], evaluation=dirs["evaluation"],
+        slides=cfg.slides,
+        tile_store=layout.tile_store,
+        pretrain=dirs["pretrain"],
+        gram=dirs["gram"],
+        model_dir=dirs["model"],
+        evaluation=dirs["evaluation"],
         features=Path(output) if output is not None else layout.features / f"{cycle_id}.zarr",
-        annotations=cfg.annotations, gram_anchoring=cfg.gram_anchoring, register_name=cfg.register_name,
-        weights=weights if isinstance(weights, str) else None, weights_decided=weights is not False,
-        slide_ids=slide_ids, extract_model=str(model) if model is not None else None,
-    )  # fmt: skip
+        annotations=cfg.annotations,
+        gram_anchoring=cfg.gram_anchoring,
+        register_name=cfg.register_name,
+        weights=weights if isinstance(weights, str) else None,
+        weights_decided=weights is not False,
+        slide_ids=slide_ids,
+        extract_model=str(model) if model is not None else None,
+    )
 
 
 def training_length(cfg: RetrainConfig, pretrain: Any, tiles: int) -> dict[str, Any]:
@@ -52,9 +60,14 @@ def training_length(cfg: RetrainConfig, pretrain: Any, tiles: int) -> dict[str, 
 
 
 def build(
-    cfg: RetrainConfig, stage: Stage[Any] | str, layout: CycleLayout, cycle_id: str, *,
-    length: dict[str, Any] | None = None, **given: Any,
-) -> Any:  # fmt: skip
+    cfg: RetrainConfig,
+    stage: Stage[Any] | str,
+    layout: CycleLayout,
+    cycle_id: str,
+    *,
+    length: dict[str, Any] | None = None,
+    **given: Any,
+) -> Any:
     """The stage's config in cycle `cycle_id`. `given`: `cycle_paths`'s keywords; `length`: pretrain's length
     (`training_length`), set by the cycle like its paths."""
     stage = get_stage(stage)
@@ -72,8 +85,15 @@ def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
     for stage in STAGES:
         if stage.name == "gram" and not cfg.gram_anchoring:
             continue
-        configs[stage.name] = build(cfg, stage, layout, "validate", weights="(warm start)", model="model.onnx",
-                                    output=str(layout.features / "validate.zarr"))  # fmt: skip
+        configs[stage.name] = build(
+            cfg,
+            stage,
+            layout,
+            "validate",
+            weights="(warm start)",
+            model="model.onnx",
+            output=str(layout.features / "validate.zarr"),
+        )
     checks = {"evaluate": configs["evaluate"]}
     if cfg.pretrained_weights:  # the released weights a cycle may warm-start from: opened and read now
         checks["pretrain"] = build(cfg, "pretrain", layout, "validate", weights=cfg.pretrained_weights)

@@ -17,8 +17,15 @@ from dinov3_core.config import ConfigError
 from dinov3_core.stages import convert, evaluate, export, extract, gram, pretrain, tile
 from dinov3_core.stages.base import ChainPaths, CliOption, PreflightFacts, Problem, RunHooks, Stage, Summary
 
-STAGES: tuple[Stage[Any], ...] = (tile.STAGE, pretrain.STAGE, gram.STAGE, convert.STAGE, export.STAGE,
-                                  evaluate.STAGE, extract.STAGE)  # fmt: skip
+STAGES: tuple[Stage[Any], ...] = (
+    tile.STAGE,
+    pretrain.STAGE,
+    gram.STAGE,
+    convert.STAGE,
+    export.STAGE,
+    evaluate.STAGE,
+    extract.STAGE,
+)
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 StageName = Literal[STAGE_NAMES]  # type: ignore[valid-type]  # the forms' choices, derived from STAGES
 _BY_NAME = {s.name: s for s in STAGES}

@@ -104,9 +104,16 @@ class ChainPaths:
 
     def named(self) -> dict[str, Path]:
         """Every location by name (the pipeline summary's `paths`)."""
-        return {"tile_store": self.tile_store, "pretrain": self.pretrain, "gram": self.gram,
-                "model_dir": self.model_dir, "backbone": self.backbone, "onnx": self.onnx,
-                "evaluation": self.evaluation, "features": self.features}  # fmt: skip
+        return {
+            "tile_store": self.tile_store,
+            "pretrain": self.pretrain,
+            "gram": self.gram,
+            "model_dir": self.model_dir,
+            "backbone": self.backbone,
+            "onnx": self.onnx,
+            "evaluation": self.evaluation,
+            "features": self.features,
+        }
 
 
 # ------------------------------------------------------------------------------------------------- the stage

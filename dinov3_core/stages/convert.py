@@ -25,8 +25,9 @@ def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
 
     r = run_convert(cfg, choose=best_knn_checkpoint)  # select=best_knn: the kNN curve of the run's eval checkpoints
     hooks.log(f"convert: {r.checkpoint} → {r.backbone}")
-    return r, ConvertSummary(str(r.checkpoint), r.iteration, r.arch, round(r.backbone_bytes / 1e6, 2),
-                             round(r.checkpoint_bytes / 1e6, 2))  # fmt: skip
+    return r, ConvertSummary(
+        str(r.checkpoint), r.iteration, r.arch, round(r.backbone_bytes / 1e6, 2), round(r.checkpoint_bytes / 1e6, 2)
+    )
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:

@@ -72,9 +72,15 @@ def _inputs(cfg: Any) -> dict[str, Any]:
     from dinov3_core.evaluate.models import champion_state
 
     baseline = cfg.baseline if cfg.baseline not in (None, "auto", "init") else None
-    return {"tile_store": cfg.store, "candidate": cfg.candidate, "annotations": cfg.annotations,
-            "baseline": baseline, "patients": cfg.patients, "sites": cfg.sites,
-            "champion": champion_state(cfg)}  # fmt: skip
+    return {
+        "tile_store": cfg.store,
+        "candidate": cfg.candidate,
+        "annotations": cfg.annotations,
+        "baseline": baseline,
+        "patients": cfg.patients,
+        "sites": cfg.sites,
+        "champion": champion_state(cfg),
+    }
 
 
 def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
@@ -86,8 +92,14 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     if hooks.launch is not None and hooks.launch.nproc_per_node > 1:  # each model's labelled tiles: a job on this node
         from dinov3_core.evaluate.embed_job import launch_embedding
 
-        embed_job = functools.partial(launch_embedding, cfg, hooks.launch, log=hooks.log,
-                                      hold_resources=hooks.hold_resources, run_job=hooks.run_job)  # fmt: skip
+        embed_job = functools.partial(
+            launch_embedding,
+            cfg,
+            hooks.launch,
+            log=hooks.log,
+            hold_resources=hooks.hold_resources,
+            run_job=hooks.run_job,
+        )
     r = run_evaluate(cfg, embed_job)
     for line in r.table.splitlines():
         hooks.log(line)
@@ -99,11 +111,17 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
     return r, EvaluateSummary(
-        labelled_tiles=r.evaluation["labelled_tiles"], promoted=d.applied, promote=d.promote, decision=d.reason,
-        evidence=line, champion_model=r.champion_model,
-        primary_metric=cfg.gate.primary_metric if value is not None else None, primary_value=value,
-        cls_effective_rank=cand["health"].get("cls_effective_rank"), seconds=round(r.seconds, 1),
-    )  # fmt: skip
+        labelled_tiles=r.evaluation["labelled_tiles"],
+        promoted=d.applied,
+        promote=d.promote,
+        decision=d.reason,
+        evidence=line,
+        champion_model=r.champion_model,
+        primary_metric=cfg.gate.primary_metric if value is not None else None,
+        primary_value=value,
+        cls_effective_rank=cand["health"].get("cls_effective_rank"),
+        seconds=round(r.seconds, 1),
+    )
 
 
 def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
@@ -118,8 +136,12 @@ def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    values: dict[str, Any] = {"store": str(p.tile_store), "candidate": str(p.onnx), "output": str(p.evaluation),
-                              "annotations": p.annotations}  # fmt: skip
+    values: dict[str, Any] = {
+        "store": str(p.tile_store),
+        "candidate": str(p.onnx),
+        "output": str(p.evaluation),
+        "annotations": p.annotations,
+    }
     if p.register_name is not None:
         values["register_name"] = p.register_name
     return values

@@ -38,26 +38,53 @@ def _work(cfg: ExportConfig, hooks: RunHooks) -> tuple[Any, ExportSummary]:
     from dinov3_core.export.onnx_export import run_export
 
     r = run_export(cfg)
-    hooks.log(f"export: {r.path} (ONNX Runtime vs PyTorch: max abs error {r.max_abs_error:.2e}, "
-              f"{r.max_rel_error:.1e} of the output scale)")  # fmt: skip
-    card = write_model_card(r.path, Path(cfg.weights), {"outputs": r.outputs, "max_abs_error": r.max_abs_error,
-                            "max_rel_error": r.max_rel_error, "model_version": r.model_version,
-                            "registered_model": cfg.register_name})  # fmt: skip
+    hooks.log(
+        f"export: {r.path} (ONNX Runtime vs PyTorch: max abs error {r.max_abs_error:.2e}, "
+        f"{r.max_rel_error:.1e} of the output scale)"
+    )
+    card = write_model_card(
+        r.path,
+        Path(cfg.weights),
+        {
+            "outputs": r.outputs,
+            "max_abs_error": r.max_abs_error,
+            "max_rel_error": r.max_rel_error,
+            "model_version": r.model_version,
+            "registered_model": cfg.register_name,
+        },
+    )
     describe_version(cfg, cfg.register_name, r.model_version, card)
-    s = ExportSummary(onnx=str(r.path), n_nodes=r.n_nodes, max_abs_error=r.max_abs_error,
-                      max_rel_error=r.max_rel_error, fp16_max_rel_error=r.fp16_max_rel_error, model_uri=r.model_uri,
-                      registered_model=cfg.register_name if r.model_version else None,
-                      model_version=r.model_version, alias=cfg.register_alias if r.model_version else None)  # fmt: skip
+    s = ExportSummary(
+        onnx=str(r.path),
+        n_nodes=r.n_nodes,
+        max_abs_error=r.max_abs_error,
+        max_rel_error=r.max_rel_error,
+        fp16_max_rel_error=r.fp16_max_rel_error,
+        model_uri=r.model_uri,
+        registered_model=cfg.register_name if r.model_version else None,
+        model_version=r.model_version,
+        alias=cfg.register_alias if r.model_version else None,
+    )
     if cfg.huggingface:
         from dinov3_core.export.hf_export import write_hf_model
         from dinov3_core.export.model_card import HF_DIR
 
-        h = write_hf_model(Path(cfg.weights), r.path.parent / HF_DIR, card=card.read_text(),
-                           atol=cfg.parity_tolerance, rtol=cfg.parity_rtol)  # fmt: skip
-        hooks.log(f"export: {h.path} (transformers vs PyTorch: {h.max_rel_error:.1e} of the output scale; as "
-                  f"loaded, with transformers' own RoPE frequencies: {h.as_loaded_rel_error:.1e})")  # fmt: skip
+        h = write_hf_model(
+            Path(cfg.weights),
+            r.path.parent / HF_DIR,
+            card=card.read_text(),
+            atol=cfg.parity_tolerance,
+            rtol=cfg.parity_rtol,
+        )
+        hooks.log(
+            f"export: {h.path} (transformers vs PyTorch: {h.max_rel_error:.1e} of the output scale; as "
+            f"loaded, with transformers' own RoPE frequencies: {h.as_loaded_rel_error:.1e})"
+        )
         s.huggingface, s.hf_max_rel_error, s.hf_as_loaded_rel_error = (
-            str(h.path), h.max_rel_error, h.as_loaded_rel_error)  # fmt: skip
+            str(h.path),
+            h.max_rel_error,
+            h.as_loaded_rel_error,
+        )
     return r, s
 
 

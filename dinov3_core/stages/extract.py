@@ -28,8 +28,14 @@ class ExtractSummary(Summary):
 
 def summarize(r: Mapping[str, Any]) -> ExtractSummary:
     """An extract run (`ExtractResult` as a dict, or the job's run record) as the manifest keeps it."""
-    s = ExtractSummary(len(r.get("extracted", [])), len(r.get("skipped", [])), r.get("tiles"),
-                       round(float(r.get("tiles_per_s", 0.0)), 1), r.get("model_hash"), r.get("backend"))  # fmt: skip
+    s = ExtractSummary(
+        len(r.get("extracted", [])),
+        len(r.get("skipped", [])),
+        r.get("tiles"),
+        round(float(r.get("tiles_per_s", 0.0)), 1),
+        r.get("model_hash"),
+        r.get("backend"),
+    )
     ranks = r.get("ranks") or []
     if len(ranks) > 1:
         s.ranks, s.tiles_per_s_per_rank = len(ranks), [x["tiles_per_s"] for x in ranks]
@@ -89,8 +95,11 @@ def _pictures(cfg: ExtractConfig) -> list[tuple[Path, str]]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    values: dict[str, Any] = {"store": str(p.tile_store), "model": p.extract_model or str(p.onnx),
-                              "output": str(p.features)}  # fmt: skip
+    values: dict[str, Any] = {
+        "store": str(p.tile_store),
+        "model": p.extract_model or str(p.onnx),
+        "output": str(p.features),
+    }
     if p.slide_ids is not None:
         values["slide_ids"] = p.slide_ids
     return values

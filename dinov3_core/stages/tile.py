@@ -52,8 +52,9 @@ def _work(cfg: TileConfig, hooks: RunHooks) -> tuple[Any, TileSummary]:
 
     result = run_tile(cfg, progress=hooks.progress, on_slide=hooks.on_slide, run_groups=hooks.run_groups)
     failed = [o.slide_id for o in result.outcomes if o.status == "failed"]
-    summary = TileSummary(**result.counts, duplicate=result.duplicates, tiles_total=result.total_tiles,
-                          failed_slides=failed)  # fmt: skip
+    summary = TileSummary(
+        **result.counts, duplicate=result.duplicates, tiles_total=result.total_tiles, failed_slides=failed
+    )
     return result, summary
 
 

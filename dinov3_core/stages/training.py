@@ -116,18 +116,23 @@ def preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
     if tiles is not None and batch is not None and tiles < batch:
         fits = max(1, tiles // max(1, facts.world_size))
         if key == "train.global_batch_size":
-            fix = (f"set {k(key)}={_floor_multiple(tiles, facts.world_size)} (or fewer) and "
-                   f"{k('train.batch_size_per_gpu')} to a divisor of it, or add slides")  # fmt: skip
+            fix = (
+                f"set {k(key)}={_floor_multiple(tiles, facts.world_size)} (or fewer) and "
+                f"{k('train.batch_size_per_gpu')} to a divisor of it, or add slides"
+            )
         else:
             fix = f"set {k(key)}={fits} (or fewer), or add slides"
         problems.append(Problem(k(key), f"one batch is {batch} tiles but the tile store holds {tiles}", fix))
     if tile_size is not None and cfg.crops.global_size > tile_size:
         # A larger crop than its tile is all upsampled pixels: legal for the augmentation, never what was meant.
-        problems.append(Problem(
-            k("crops.global_size"), f"{cfg.crops.global_size} px is larger than the store's {tile_size} px tiles",
-            f"set {k('crops.global_size')} to at most {tile_size} (a multiple of the patch size), or tile "
-            "larger (tile.tile_size)",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                k("crops.global_size"),
+                f"{cfg.crops.global_size} px is larger than the store's {tile_size} px tiles",
+                f"set {k('crops.global_size')} to at most {tile_size} (a multiple of the patch size), or tile "
+                "larger (tile.tile_size)",
+            )
+        )
     return problems
 
 

@@ -165,9 +165,9 @@ def _tile_one(
     return outcome
 
 
-def remote_job(cfg: TileConfig, root: Path, todo: Sequence[SlideTask], overrides: dict[str, float]) -> tuple[
-    GroupJob, list[SlideTask]
-]:  # fmt: skip
+def remote_job(
+    cfg: TileConfig, root: Path, todo: Sequence[SlideTask], overrides: dict[str, float]
+) -> tuple[GroupJob, list[SlideTask]]:
     """The job and slides with absolute paths: a worker on another host (or in another directory) must find the
     same files. A µm/px override keyed by a slide's relative path also applies under its absolute path."""
     tasks = [SlideTask(t.slide_id, t.path.absolute()) for t in todo]
@@ -213,8 +213,9 @@ def collect_groups(
             continue
         for group, result in run_groups(job, tasks, isolate=isolate):
             if isinstance(result, BaseException):
-                log.warning("slide group %d (%d slides) was lost: %s", group.index, len(group.tasks),
-                            error_text(result))  # fmt: skip
+                log.warning(
+                    "slide group %d (%d slides) was lost: %s", group.index, len(group.tasks), error_text(result)
+                )
                 group_outcomes = [_lost_slide(job, task, result, last_try=isolate) for task in group.tasks]
                 retry.extend(t for t, o in zip(group.tasks, group_outcomes, strict=True) if o.status == "retry")
             else:

@@ -22,8 +22,12 @@ def _fit(image: np.ndarray, max_side: int) -> tuple[Image.Image, float]:
     return img, factor
 
 
-LEGEND = (("tissue contour", TISSUE_CONTOUR), ("pen ink", PEN_TINT), ("kept tile", TILE_OUTLINE),
-          ("dropped by a QC filter", DROPPED_OUTLINE))  # fmt: skip
+LEGEND = (
+    ("tissue contour", TISSUE_CONTOUR),
+    ("pen ink", PEN_TINT),
+    ("kept tile", TILE_OUTLINE),
+    ("dropped by a QC filter", DROPPED_OUTLINE),
+)
 
 
 def pen_label(pen_filter: bool | None) -> str:
@@ -108,8 +112,12 @@ def draw_qc_picture(
     if title:
         draw.rectangle((0, 0, min(picture.width, 8 * len(title) + 8), 14), fill=(255, 255, 255))
         draw.text((4, 1), title, fill=(0, 0, 0))
-    drawn = {TISSUE_CONTOUR: contour.any(), PEN_TINT: small_pen.any(), TILE_OUTLINE: len(kept_coords) > 0,
-             DROPPED_OUTLINE: len(dropped_coords) > 0}  # fmt: skip
+    drawn = {
+        TISSUE_CONTOUR: contour.any(),
+        PEN_TINT: small_pen.any(),
+        TILE_OUTLINE: len(kept_coords) > 0,
+        DROPPED_OUTLINE: len(dropped_coords) > 0,
+    }
     entries = tuple(
         (pen_label(pen_filter) if colour == PEN_TINT else label, colour) for label, colour in LEGEND if drawn[colour]
     )

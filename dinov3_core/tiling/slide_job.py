@@ -117,13 +117,28 @@ def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.Incomin
     """Create the slide's group under `.incoming/` (and a group inside it for each further µm/px level) and cut
     every level's tiles into shard-aligned write units."""
     codec = {"compressor": cfg.compressor, "compression_level": cfg.compression_level, "jpeg_quality": cfg.jpeg_quality}
-    incoming = ts.begin_slide(root, plan.task.slide_id, n_tiles=plan.n_tiles, tile_size=cfg.tile_size,
-                              tiles_per_shard=cfg.tiles_per_shard, columns=plan.columns(), **codec)  # fmt: skip
+    incoming = ts.begin_slide(
+        root,
+        plan.task.slide_id,
+        n_tiles=plan.n_tiles,
+        tile_size=cfg.tile_size,
+        tiles_per_shard=cfg.tiles_per_shard,
+        columns=plan.columns(),
+        **codec,
+    )
     units = _units(incoming, plan, plan.read, plan.reader, plan.coords)
     for level in plan.levels:
-        into = ts.begin_slide(root, plan.task.slide_id, n_tiles=level.n_tiles, tile_size=cfg.tile_size,
-                              tiles_per_shard=cfg.tiles_per_shard, columns=level.columns(), level_of=incoming,
-                              sub=level.path, **codec)  # fmt: skip
+        into = ts.begin_slide(
+            root,
+            plan.task.slide_id,
+            n_tiles=level.n_tiles,
+            tile_size=cfg.tile_size,
+            tiles_per_shard=cfg.tiles_per_shard,
+            columns=level.columns(),
+            level_of=incoming,
+            sub=level.path,
+            **codec,
+        )
         units += _units(into, plan, level.read, level.reader, level.coords, record_stain=False)
     return incoming, units
 
@@ -176,8 +191,9 @@ def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, se
     attrs = {**slide_attrs(plan, cfg), **stain_attrs}
     for entry in attrs.get("levels", [])[1:]:  # further µm/px levels: their bytes, and their provenance on their group
         stored = ts.stored_bytes(incoming.path / entry["path"] / "tiles")
-        entry.update(bytes_stored=stored, bytes_per_tile=round(stored / entry["tile_count"], 1) if entry["tile_count"]
-                     else 0.0)  # fmt: skip
+        entry.update(
+            bytes_stored=stored, bytes_per_tile=round(stored / entry["tile_count"], 1) if entry["tile_count"] else 0.0
+        )
         ts.set_group_attrs(incoming.path / entry["path"], entry)
     final = ts.commit_slide(incoming, attrs)
     attrs = ts.read_slide_attrs(final.parent.parent, plan.task.slide_id)

@@ -176,8 +176,19 @@ def slide_levels(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
     is read from the slide's own attributes."""
     if attrs.get("levels"):
         return [dict(level) for level in attrs["levels"]]
-    keys = ("mpp_requested", "mpp_effective", "level_used", "level_mpp", "read_size", "tile_size", "stride",
-            "tile_size_level0", "stride_level0", "reader", "tile_count")  # fmt: skip
+    keys = (
+        "mpp_requested",
+        "mpp_effective",
+        "level_used",
+        "level_mpp",
+        "read_size",
+        "tile_size",
+        "stride",
+        "tile_size_level0",
+        "stride_level0",
+        "reader",
+        "tile_count",
+    )
     return [{"index": 0, "path": "", **{k: attrs.get(k) for k in keys}}]
 
 
@@ -250,8 +261,9 @@ class IncomingSlide:
         direct = tile_encoder(self.path / "tiles") if array is None else None
         if direct is not None:  # the same bytes as zarr's, without its codec pipeline's per-chunk overhead
             encode, separator = direct
-            write_shard(self.path / "tiles", start // self.tiles_per_shard, tiles, self.tiles_per_shard, encode,
-                        separator)  # fmt: skip
+            write_shard(
+                self.path / "tiles", start // self.tiles_per_shard, tiles, self.tiles_per_shard, encode, separator
+            )
             return
         # Encode the whole shard's chunks in one batch: zarr's default batch of 1 doubles the write cost.
         with zarr.config.set({"codec_pipeline.batch_size": max(1, len(tiles))}):

@@ -117,8 +117,10 @@ class TiffLevelReader:
         except ValueError as err:
             raise OSError(f"{self._tif.filename}: JPEG tile {index} cannot be decoded ({err})") from None
         if tile.shape[:2] != (self._tile_h, self._tile_w):
-            raise OSError(f"{self._tif.filename}: JPEG tile {index} decoded to {tile.shape[:2]}, expected "
-                          f"{(self._tile_h, self._tile_w)}")  # fmt: skip
+            raise OSError(
+                f"{self._tif.filename}: JPEG tile {index} decoded to {tile.shape[:2]}, expected "
+                f"{(self._tile_h, self._tile_w)}"
+            )
         return tile
 
     def read(self, x: int, y: int, width: int, height: int) -> np.ndarray:

@@ -186,6 +186,7 @@ def write_unit(unit: WriteUnit) -> tuple[str, int, float, int]:
     if unit.record_stain:
         stain.save_unit_sums(unit.incoming.path, unit.start, stain.tile_lab_sums(tiles))
     slide_id = unit.incoming.slide_id
-    events.emit("tile.shard_written", store=str(unit.incoming.root), slide_id=slide_id,
-                start=unit.start, tiles=len(tiles))  # fmt: skip
+    events.emit(
+        "tile.shard_written", store=str(unit.incoming.root), slide_id=slide_id, start=unit.start, tiles=len(tiles)
+    )
     return slide_id, len(tiles), time.perf_counter() - start, os.getpid()

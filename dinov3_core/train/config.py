@@ -47,16 +47,22 @@ def check_mpp_weights(weights: Any) -> dict[float, float] | None:
     """`data.mpp_weights` as {µm/px: weight} with float keys, weights >= 0 summing to more than 0."""
     if weights is None:
         return None
-    require(isinstance(weights, dict) and bool(weights), "mpp_weights",
-            f"must map µm/px to a weight, e.g. {{0.5: 0.7, 1.0: 0.3}}, or be null; got {weights!r}")  # fmt: skip
+    require(
+        isinstance(weights, dict) and bool(weights),
+        "mpp_weights",
+        f"must map µm/px to a weight, e.g. {{0.5: 0.7, 1.0: 0.3}}, or be null; got {weights!r}",
+    )
     out: dict[float, float] = {}
     for key, value in weights.items():
         try:
             mpp, weight = float(key), float(value)
         except (TypeError, ValueError):
             mpp, weight = float("nan"), float("nan")
-        require(mpp > 0 and weight >= 0, "mpp_weights",
-                f"needs positive µm/px keys and weights >= 0, got {key!r}: {value!r}")  # fmt: skip
+        require(
+            mpp > 0 and weight >= 0,
+            "mpp_weights",
+            f"needs positive µm/px keys and weights >= 0, got {key!r}: {value!r}",
+        )
         out[mpp] = weight
     require(sum(out.values()) > 0, "mpp_weights", f"needs a positive weight, got {weights!r}")
     return out
@@ -127,8 +133,9 @@ class StudentConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        require(self.freeze_blocks >= 0, "freeze_blocks", f"must be >= 0 (0: every block trains), got "
-                                                          f"{self.freeze_blocks}")  # fmt: skip
+        require(
+            self.freeze_blocks >= 0, "freeze_blocks", f"must be >= 0 (0: every block trains), got {self.freeze_blocks}"
+        )
         require(
             self.arch != "auto" or bool(self.pretrained_weights),
             "arch",
@@ -201,8 +208,11 @@ class TeacherConfig:
             require(0.0 <= start < 1.0, "momentum_teacher", f"must be in [0, 1), got {start}")
         if not isinstance(final, str):
             low = 0.0 if isinstance(start, str) else start
-            require(low <= final <= 1.0, "final_momentum_teacher", f"must be in [momentum_teacher ({start}), 1], "
-                                                                    f"got {final}")  # fmt: skip
+            require(
+                low <= final <= 1.0,
+                "final_momentum_teacher",
+                f"must be in [momentum_teacher ({start}), 1], got {final}",
+            )
         if not isinstance(self.warmup_teacher_temp_epochs, str):
             _require_epochs(self.warmup_teacher_temp_epochs, "warmup_teacher_temp_epochs")
 
@@ -247,8 +257,15 @@ class TrainConfig:
     memory_watch_threshold: float = 1.0  # share of the budget a window's peak may reach
 
     def __post_init__(self) -> None:
-        for key in ("epoch_length", "accumulation_steps", "log_period", "gc_period", "nan_patience",
-                    "memory_watch_period", "memory_watch_patience"):  # fmt: skip
+        for key in (
+            "epoch_length",
+            "accumulation_steps",
+            "log_period",
+            "gc_period",
+            "nan_patience",
+            "memory_watch_period",
+            "memory_watch_patience",
+        ):
             require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         bs = self.batch_size_per_gpu
         if isinstance(bs, str):
@@ -392,8 +409,10 @@ def start_summary(cfg: PretrainConfig, resume_from: Any = None) -> str:
     if pretrain_dir:
         return f"continues the pretraining run {pretrain_dir} (student, teacher, optimizer)"
     if cfg.student.pretrained_weights:
-        return (f"warm start from {cfg.student.pretrained_weights} (every backbone tensor matched its key, strict; "
-                "the heads start fresh)")  # fmt: skip
+        return (
+            f"warm start from {cfg.student.pretrained_weights} (every backbone tensor matched its key, strict; "
+            "the heads start fresh)"
+        )
     return "backbone from random initialisation (seed train.seed)"
 
 

@@ -112,14 +112,18 @@ def init_distributed(requested_device: str, pp_degree: int = 1) -> DistEnv:
     grid = init_device_mesh(device.type, (pp_degree, world // pp_degree), mesh_dim_names=("pp", "dp"))
     dp_mesh = grid["dp"]
     return DistEnv(
-        rank, world, local_rank, local_world, device,
+        rank,
+        world,
+        local_rank,
+        local_world,
+        device,
         mesh=dp_mesh if dp_mesh.size() > 1 else None,
         owns_process_group=owns,
         pp_size=pp_degree,
         pp_rank=grid.get_local_rank("pp"),
         pp_group=grid.get_group("pp"),
         dp_group=dp_mesh.get_group(),
-    )  # fmt: skip
+    )
 
 
 def shutdown(env: DistEnv) -> None:

@@ -29,15 +29,27 @@ def step_flops_per_image(cfg: C.PretrainConfig, device: torch.device | str = "cp
     model.train()
     patch = model.student["backbone"].patch_size
     crops = MultiCrops(
-        global_stack=torch.randn(cfg.crops.n_global_crops, images, 3, cfg.crops.global_size, cfg.crops.global_size,
-                                 device=device),
-        local_stack=torch.randn(cfg.crops.n_local_crops, images, 3, cfg.crops.local_size, cfg.crops.local_size,
-                                device=device),
-    )  # fmt: skip
+        global_stack=torch.randn(
+            cfg.crops.n_global_crops, images, 3, cfg.crops.global_size, cfg.crops.global_size, device=device
+        ),
+        local_stack=torch.randn(
+            cfg.crops.n_local_crops, images, 3, cfg.crops.local_size, cfg.crops.local_size, device=device
+        ),
+    )
     masks = IBOTMaskSampler(cfg.crops.global_size // patch)(images, cfg.crops.n_global_crops)
     masks = type(masks).from_masks(masks.masks.to(device), cfg.crops.n_global_crops)
     counter = FlopCounterMode(display=False)
     with counter:
-        forward_backward(model, None, DistEnv(device=device), crops, masks, keys=(*LOSS_NAMES, *SIGNAL_NAMES),
-                         n_micro=1, teacher_temp=0.07, koleo_base=0, bf16=False)  # fmt: skip
+        forward_backward(
+            model,
+            None,
+            DistEnv(device=device),
+            crops,
+            masks,
+            keys=(*LOSS_NAMES, *SIGNAL_NAMES),
+            n_micro=1,
+            teacher_temp=0.07,
+            koleo_base=0,
+            bf16=False,
+        )
     return counter.get_total_flops() / images

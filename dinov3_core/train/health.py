@@ -206,13 +206,17 @@ class HealthWatch:
         if self.probe is None:
             return ""
         it, v = self.probe
-        return (f"; probe at iteration {it}: effective rank {v['effective_rank']:.3f}, augmentation invariance "
-                f"{v.get('invariance', math.nan):.3f}")  # fmt: skip
+        return (
+            f"; probe at iteration {it}: effective rank {v['effective_rank']:.3f}, augmentation invariance "
+            f"{v.get('invariance', math.nan):.3f}"
+        )
 
     def _gap_verdict(self) -> str:
         if self.learning_at is not None and self.message is not None:
-            return (f"learning late: the DINO loss left its no-information level only by iteration "
-                    f"{self.learning_at}, after the alarm; {ADVICE}")  # fmt: skip
+            return (
+                f"learning late: the DINO loss left its no-information level only by iteration "
+                f"{self.learning_at}, after the alarm; {ADVICE}"
+            )
         if self.message is not None:
             return self.message
         if self.learning_at is not None:

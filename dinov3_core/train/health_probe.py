@@ -65,9 +65,15 @@ class ProbeSet:
         return hashlib.sha256(json.dumps([self.stores, self.tiles]).encode()).hexdigest()[:16]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": VERSION, "stores": self.stores, "holdout_slides": self.holdout, "hash": self.hash,
-                "n_tiles": len(self.tiles), "tiles": [list(t) for t in self.tiles],
-                "views": self.views.as_dict()}  # fmt: skip
+        return {
+            "version": VERSION,
+            "stores": self.stores,
+            "holdout_slides": self.holdout,
+            "hash": self.hash,
+            "n_tiles": len(self.tiles),
+            "tiles": [list(t) for t in self.tiles],
+            "views": self.views.as_dict(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProbeSet:
@@ -108,8 +114,10 @@ def choose(cfg: C.PretrainConfig, tiles: TileDataset, patch_size: int) -> ProbeS
     slide_index, rows = tiles.locate_many(starts[which] + drawn - (ends - counts)[which])
     stores = [str(p) for p in tiles.stores]
     position = {str(p): i for i, p in enumerate(tiles.stores)}
-    chosen = [(position[str(tiles.slide_store(int(s)))], tiles.slide_ids[int(s)], int(r)) for s, r in
-              zip(slide_index, rows, strict=True)]  # fmt: skip
+    chosen = [
+        (position[str(tiles.slide_store(int(s)))], tiles.slide_ids[int(s)], int(r))
+        for s, r in zip(slide_index, rows, strict=True)
+    ]
     holdout = [tiles.slide_ids[s] for s in slides] if h.holdout_slides else []
     views = LF.ProbeViews.of(cfg.crops, patch_size, tiles.tile_size, cfg.train.seed)
     return ProbeSet(stores, holdout, chosen, views)
@@ -146,8 +154,12 @@ def record(cfg: C.PretrainConfig, probe: ProbeSet | None) -> None:
     """`<output_dir>/health_probe.json` (rank 0, after the output directory exists)."""
     if probe is not None:
         write_text_atomic(Path(cfg.output_dir) / PROBE_FILE, json.dumps(probe.as_dict(), indent=1) + "\n")
-        logger.info("health probe: %d tiles (selection %s)%s", len(probe.tiles), probe.hash,
-                    f", slides held out of training: {', '.join(probe.holdout)}" if probe.holdout else "")  # fmt: skip
+        logger.info(
+            "health probe: %d tiles (selection %s)%s",
+            len(probe.tiles),
+            probe.hash,
+            f", slides held out of training: {', '.join(probe.holdout)}" if probe.holdout else "",
+        )
 
 
 def _without_holdout(cfg: C.PretrainConfig) -> C.PretrainConfig:
@@ -182,8 +194,9 @@ class HealthProbe:
         start = time.perf_counter()
         env = self.env
         with autocast(env, self.bf16):
-            local = torch.stack([LF.embed_group(embed, t, g, self.probe.views) for t, g in
-                                 zip(self.tiles, self.groups, strict=True)])  # fmt: skip
+            local = torch.stack(
+                [LF.embed_group(embed, t, g, self.probe.views) for t, g in zip(self.tiles, self.groups, strict=True)]
+            )
         if env.data_parallel:  # process r holds groups r, r + dp, …: interleave back into group order
             parts = [torch.empty_like(local) for _ in range(env.dp_size)]
             dist.all_gather(parts, local.contiguous(), group=env.dp_group)

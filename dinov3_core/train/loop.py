@@ -108,8 +108,10 @@ class Trainer:
         self.stop_iteration = min(self.total_iterations, cfg.train.stop_at or self.total_iterations)
         self.bf16 = cfg.train.uses_bf16(env.device.type)
         if self.bf16 and env.device.type == "cpu" and not cpu_has_bf16_matmul():
-            logger.warning("train.precision=bf16 on a CPU without bf16 matrix instructions (AMX / AVX512-BF16): "
-                           "slower than fp32 here; set train.precision=fp32")  # fmt: skip
+            logger.warning(
+                "train.precision=bf16 on a CPU without bf16 matrix instructions (AMX / AVX512-BF16): "
+                "slower than fp32 here; set train.precision=fp32"
+            )
 
         # Data source (host side). Raises for missing / empty stores before anything is written.
         self.tiles = open_tiles(cfg)
@@ -214,8 +216,14 @@ class Trainer:
         if self.cfg.parallelism.enabled and (self.pipeline is None or self.pipeline.micro_batch != plan.micro_batch):
             patch = self.model.teacher["backbone"].patch_size
             grids = [(self.cfg.crops.global_size // patch,) * 2, (self.cfg.crops.local_size // patch,) * 2]
-            self.pipeline = Pipeline(self.model, self.env, self.cfg.parallelism, micro_batch=plan.micro_batch,
-                                     accumulation=plan.accumulation_steps, grids=grids)  # fmt: skip
+            self.pipeline = Pipeline(
+                self.model,
+                self.env,
+                self.cfg.parallelism,
+                micro_batch=plan.micro_batch,
+                accumulation=plan.accumulation_steps,
+                grids=grids,
+            )
 
     def inherited_probe(self, cfg: C.PretrainConfig) -> Path | None:
         """A probe record to reuse when the run has none of its own (the gram stage: its pretraining run's)."""
@@ -336,8 +344,13 @@ class Trainer:
                     )
                 if (iteration + 1) % cfg.checkpointing.period == 0 or last:
                     result.last_checkpoint = self.save(iteration)
-                    events.emit("train.checkpoint", stage=self.stage, output_dir=str(self.output_dir),
-                                iteration=iteration, rank=env.rank)  # fmt: skip
+                    events.emit(
+                        "train.checkpoint",
+                        stage=self.stage,
+                        output_dir=str(self.output_dir),
+                        iteration=iteration,
+                        rank=env.rank,
+                    )
         finally:
             del data_iter  # stops loader workers
             memory.stop()
@@ -346,11 +359,13 @@ class Trainer:
         result.micro_batch, result.accumulation_steps = self.micro_batch, self.accumulation_steps  # as re-planned
         result.memory_replans = self.memory_replans
         if env.is_main:  # the run's verdict for the stage summary (dinov3_core.runner) and whoever looks at the run
-            (self.output_dir / HEALTH_FILE).write_text(json.dumps({"iteration": result.end_iteration,
-                                                                   "verdict": result.health}) + "\n")  # fmt: skip
+            (self.output_dir / HEALTH_FILE).write_text(
+                json.dumps({"iteration": result.end_iteration, "verdict": result.health}) + "\n"
+            )
         steady = result.end_iteration - result.start_iteration - 1
-        result.images_per_second = (self.global_batch * steady / run_time if steady else
-                                    self.global_batch / result.first_step_seconds)  # fmt: skip
+        result.images_per_second = (
+            self.global_batch * steady / run_time if steady else self.global_batch / result.first_step_seconds
+        )
         if env.is_main:
             result.loss_curve = M.plot_loss_curve(
                 self.metrics.path,
@@ -385,8 +400,9 @@ class Trainer:
                 release_freed_memory()
                 self.replan(iteration, "device", why, on_metrics=on_metrics, step_done=False)
 
-    def replan(self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None,
-               step_done: bool = True) -> bool:  # fmt: skip
+    def replan(
+        self, iteration: int, pressure: Pressure, why: str, *, on_metrics: Any = None, step_done: bool = True
+    ) -> bool:
         """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
         must be rebuilt. With nothing left: checkpoint (`step_done`: the step completed, else the last checkpoint
         is the state), then stop with what to change."""
@@ -407,8 +423,13 @@ class Trainer:
         self.metrics.write(event)
         logger.warning(  # every rank: its own log file shows it took the same decision
             "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",
-            self.stage, iteration, why, step.what, step.before.describe(), step.after.describe(),
-        )  # fmt: skip
+            self.stage,
+            iteration,
+            why,
+            step.what,
+            step.before.describe(),
+            step.after.describe(),
+        )
         if on_metrics is not None and self.env.is_main:
             on_metrics(event)
         return step.before.num_workers != step.after.num_workers
@@ -461,15 +482,31 @@ class Trainer:
             group_size=cfg.crops.rng_group_size,
         )
         masks = IBOTMasks.from_masks(batch.masks.to(env.device, non_blocking=True), cfg.crops.n_global_crops)
-        events.emit("train.step", stage=self.stage, output_dir=str(self.output_dir), iteration=iteration,
-                    micro_batch=self.micro_batch, rank=env.rank)  # fmt: skip
+        events.emit(
+            "train.step",
+            stage=self.stage,
+            output_dir=str(self.output_dir),
+            iteration=iteration,
+            micro_batch=self.micro_batch,
+            rank=env.rank,
+        )
         koleo_base = env.dp_rank * self.rank_batch if cfg.losses.koleo_scope == "global" else 0
         keys = (*LOSS_NAMES, *SIGNAL_NAMES, *self.extra_loss_names)
         temp: float | torch.Tensor = sched.teacher_temp
         if cfg.train.compile_step:  # a tensor: Dynamo would specialise on a float and recompile when it changes
             temp = torch.tensor(temp, device=env.device)
-        loss_sum = self.step_fn(model, self.pipeline, env, crops, masks, keys=keys, n_micro=n_micro,
-                                teacher_temp=temp, koleo_base=koleo_base, bf16=self.bf16)  # fmt: skip
+        loss_sum = self.step_fn(
+            model,
+            self.pipeline,
+            env,
+            crops,
+            masks,
+            keys=keys,
+            n_micro=n_micro,
+            teacher_temp=temp,
+            koleo_base=koleo_base,
+            bf16=self.bf16,
+        )
         del crops
 
         if env.distributed:  # the mean over data-parallel processes is the loss of the global batch

@@ -152,8 +152,15 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Bytes per process; with pipeline parallelism those of its worst stage (`pp_memory`)."""
     if cfg.parallelism.enabled:
-        stages = pp_stage_estimates(cfg, shape, micro_batch=micro_batch, step_batch=step_batch, world_size=world_size,
-                                 device_type=device_type, tile_size=tile_size)  # fmt: skip
+        stages = pp_stage_estimates(
+            cfg,
+            shape,
+            micro_batch=micro_batch,
+            step_batch=step_batch,
+            world_size=world_size,
+            device_type=device_type,
+            tile_size=tile_size,
+        )
         return max(stages, key=lambda e: e.total)  # every process must fit: the stage needing the most
     bf16 = cfg.train.uses_bf16(device_type)
     shard = world_size  # FSDP shards over every rank (one process: world_size 1)

@@ -274,8 +274,10 @@ def plot_loss_curve(
     ax_gap.set_title("DINO loss below ln K (nats)" + ("" if "dino_gap" in series else f": {none}"))
     ax_gap.set_xlabel("iteration")
     ax_gap.legend(fontsize=7)
-    for key, label, colour in (("teacher_entropy", "teacher entropy / ln K (1: uniform)", "tab:purple"),
-                               ("agreement", "student–teacher agreement", "tab:green")):  # fmt: skip
+    for key, label, colour in (
+        ("teacher_entropy", "teacher entropy / ln K (1: uniform)", "tab:purple"),
+        ("agreement", "student–teacher agreement", "tab:green"),
+    ):
         if key in series:
             ax_ent.plot(*series[key], color=colour, lw=0.8, label=label)
     if n_prototypes and "agreement" in series:
@@ -288,8 +290,13 @@ def plot_loss_curve(
     if "effective_rank" in series:
         ax_rank.plot(*series["effective_rank"], "o-", color="tab:orange", label="probe tiles, teacher CLS")
     if min_effective_rank is not None:
-        ax_rank.axhline(min_effective_rank, color="tab:red", ls="--", lw=1,
-                        label=f"collapse alarm: health.min_effective_rank {min_effective_rank:g}")  # fmt: skip
+        ax_rank.axhline(
+            min_effective_rank,
+            color="tab:red",
+            ls="--",
+            lw=1,
+            label=f"collapse alarm: health.min_effective_rank {min_effective_rank:g}",
+        )
     ax_rank.set_ylim(0, 1.05)
     ax_rank.set_title("effective rank at eval checkpoints" + ("" if "effective_rank" in series else f": {none}"))
     ax_rank.set_xlabel("iteration")

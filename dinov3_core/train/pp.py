@@ -90,16 +90,18 @@ class Pipeline:
         def schedule(loss_fn: Callable | None) -> PipelineScheduleSingle:
             # scale_grads=False: the loss is scaled by 1/(accumulation × PP micro-batches); torch's scaling would
             # also divide the gradients earlier accumulation steps left in .grad.
-            return cls(self.pipe_stage, n_microbatches=self.n_mb, loss_fn=loss_fn, args_chunk_spec=chunks,
-                       scale_grads=False)  # fmt: skip
+            return cls(
+                self.pipe_stage, n_microbatches=self.n_mb, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False
+            )
 
         self.train_schedule = schedule(self._loss if stage.is_last else _no_loss)
         self.forward_schedule = schedule(None)
         # The teacher: the whole step in micro-batches of the student's size, forward only (GPipe = all forwards).
         self.teacher = teacher
         teacher_stage = PipelineStage(teacher, env.pp_rank, env.pp_size, env.device, group=env.pp_group)
-        self.teacher_schedule = ScheduleGPipe(teacher_stage, n_microbatches=accumulation * self.n_mb,
-                                              args_chunk_spec=(TensorChunkSpec(1),))  # fmt: skip
+        self.teacher_schedule = ScheduleGPipe(
+            teacher_stage, n_microbatches=accumulation * self.n_mb, args_chunk_spec=(TensorChunkSpec(1),)
+        )
         self.probe_schedules: dict[tuple[int, ...], ScheduleGPipe] = {}  # per probe input shape
 
     def describe(self) -> str:
@@ -169,8 +171,9 @@ class Pipeline:
         key = tuple(images.shape)
         self.teacher.set_grids([(images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size)])
         if key not in self.probe_schedules:  # a stage per input shape: the pipeline infers shapes once
-            stage = PipelineStage(self.teacher, self.env.pp_rank, self.env.pp_size, self.env.device,
-                                  group=self.env.pp_group)  # fmt: skip
+            stage = PipelineStage(
+                self.teacher, self.env.pp_rank, self.env.pp_size, self.env.device, group=self.env.pp_group
+            )
             self.probe_schedules[key] = ScheduleGPipe(stage, n_microbatches=1, args_chunk_spec=(TensorChunkSpec(1),))
         schedule = self.probe_schedules[key]
         out = schedule.step(images.unsqueeze(0)) if self.stage.is_first else schedule.step()
@@ -202,10 +205,13 @@ class Pipeline:
         grid = masks.masks.view(n_global, batch, -1)
         step = self.micro_batch
         return [
-            (global_crops[:, g * step : (g + 1) * step], local_crops[:, g * step : (g + 1) * step],
-             grid[:, g * step : (g + 1) * step])
+            (
+                global_crops[:, g * step : (g + 1) * step],
+                local_crops[:, g * step : (g + 1) * step],
+                grid[:, g * step : (g + 1) * step],
+            )
             for g in range(self.accumulation)
-        ]  # fmt: skip
+        ]
 
 
 def _no_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -225,11 +231,14 @@ def clip_gradients_pp(stage: nn.ModuleDict, max_norm: float) -> dict[str, Tensor
         if param.grad is not None:
             grads[name.split(".", 1)[0]].append(_local(param.grad))
     device = next(stage.parameters()).device
-    squares = torch.stack([
-        torch.stack([g.detach().float().pow(2).sum() for g in grads[n]]).sum() if grads[n]
-        else torch.zeros((), device=device)
-        for n in SUBMODULES
-    ])  # fmt: skip
+    squares = torch.stack(
+        [
+            torch.stack([g.detach().float().pow(2).sum() for g in grads[n]]).sum()
+            if grads[n]
+            else torch.zeros((), device=device)
+            for n in SUBMODULES
+        ]
+    )
     if dist.is_initialized():
         dist.all_reduce(squares)
     norms = squares.sqrt()

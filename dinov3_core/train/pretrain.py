@@ -70,8 +70,11 @@ MLFLOW_METRICS = (
     "accumulation_steps",
 )
 # The probe's scores (at eval checkpoints only), under the names the issue asks for.
-PROBE_METRICS = {"effective_rank": "health/effective_rank", "invariance": "health/invariance",
-                 "probe_seconds": "health/probe_seconds"}  # fmt: skip
+PROBE_METRICS = {
+    "effective_rank": "health/effective_rank",
+    "invariance": "health/invariance",
+    "probe_seconds": "health/probe_seconds",
+}
 
 
 def run_pretrain(cfg: C.PretrainConfig, mlflow_run_id: str | None = None) -> PretrainResult:

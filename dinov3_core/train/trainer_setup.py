@@ -67,8 +67,14 @@ def open_levels(cfg: C.PretrainConfig, tiles: TileDataset) -> tuple[LevelTiles, 
     weights = {m: w for m, w in (cfg.data.mpp_weights or {}).items() if w > 0}
     if not weights:
         return None
-    have = sorted({float(lv["mpp_requested"]) for s in range(len(tiles.slide_ids))
-                   for lv in ts.slide_levels(tiles.slide_attrs(s)) if lv.get("mpp_requested") is not None})  # fmt: skip
+    have = sorted(
+        {
+            float(lv["mpp_requested"])
+            for s in range(len(tiles.slide_ids))
+            for lv in ts.slide_levels(tiles.slide_attrs(s))
+            if lv.get("mpp_requested") is not None
+        }
+    )
     for mpp in weights:
         if not any(abs(mpp - h) <= 1e-6 * mpp for h in have):
             near = min(have, key=lambda h: abs(h - mpp)) if have else None
@@ -80,8 +86,9 @@ def open_levels(cfg: C.PretrainConfig, tiles: TileDataset) -> tuple[LevelTiles, 
             )
     try:
         keep = cfg.data.min_tissue_fraction
-        datasets = [TileDataset(cfg.data.stores, slide_ids=tiles.slide_ids, min_tissue_fraction=keep, mpp=m)
-                    for m in weights]  # fmt: skip
+        datasets = [
+            TileDataset(cfg.data.stores, slide_ids=tiles.slide_ids, min_tissue_fraction=keep, mpp=m) for m in weights
+        ]
     except ts.TileStoreError as err:  # a slide lacking one of the levels (a store of mixed tilings)
         raise core_config.ConfigError(str(err), key="data.mpp_weights") from None
     except ValueError as err:

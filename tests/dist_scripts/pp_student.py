@@ -142,10 +142,11 @@ def microbatch_sinkhorn_kl(meta: SSLMetaArch, batch, n_mb: int) -> float:
     whole = meta.teacher_targets(global_crops, masks, n_micro=1, teacher_temp=TEMP).dino  # [S_g, B, K]
     b = B // n_mb
     parts = [
-        meta.teacher_targets(global_crops[:, m * b : (m + 1) * b], masks.microbatch(m, n_mb)[0], n_micro=1,
-                             teacher_temp=TEMP).dino
+        meta.teacher_targets(
+            global_crops[:, m * b : (m + 1) * b], masks.microbatch(m, n_mb)[0], n_micro=1, teacher_temp=TEMP
+        ).dino
         for m in range(n_mb)
-    ]  # fmt: skip
+    ]
     per_micro = torch.cat(parts, dim=1)
     return float((whole * (whole.clamp_min(1e-12).log() - per_micro.clamp_min(1e-12).log())).sum(-1).mean())
 

@@ -68,17 +68,57 @@ def _preset(big: bool) -> list[SlideSpec]:
     return [
         SlideSpec("tissue_40x.svs", "svs", svs40[0], svs40[1], 0.25, 40, levels=svs40[2], pen_color="blue"),
         SlideSpec("tissue_20x.svs", "svs", svs20[0], svs20[1], 0.5, 20, levels=svs20[2], pen_color="green"),
-        SlideSpec("tissue_generic.tiff", "tiff", generic[0], generic[1], 0.25, levels=generic[2],
-                  compression="zlib", pen_color="black"),
-        SlideSpec("negatives/no_mpp.tiff", "tiff", nw, nh, None, levels=3, pen_color="blue",
-                  negative="no_mpp", expect="opens as generic-tiff; no openslide.mpp-x/y"),
-        SlideSpec("negatives/truncated.svs", "truncated", nw, nh, 0.25, 40, levels=3,
-                  negative="truncated", expect="valid SVS cut to 60 % of its bytes; see negatives.truncate"),
-        SlideSpec("negatives/not_a_slide.svs", "text", negative="not_a_slide",
-                  expect="text with a slide extension; OpenSlideUnsupportedFormatError"),
-        SlideSpec("negatives/no_tissue.svs", "svs", nw, nh, 0.25, 40, levels=3, content="blank",
-                  negative="no_tissue", expect="opens with MPP; blank glass only"),
-    ]  # fmt: skip
+        SlideSpec(
+            "tissue_generic.tiff",
+            "tiff",
+            generic[0],
+            generic[1],
+            0.25,
+            levels=generic[2],
+            compression="zlib",
+            pen_color="black",
+        ),
+        SlideSpec(
+            "negatives/no_mpp.tiff",
+            "tiff",
+            nw,
+            nh,
+            None,
+            levels=3,
+            pen_color="blue",
+            negative="no_mpp",
+            expect="opens as generic-tiff; no openslide.mpp-x/y",
+        ),
+        SlideSpec(
+            "negatives/truncated.svs",
+            "truncated",
+            nw,
+            nh,
+            0.25,
+            40,
+            levels=3,
+            negative="truncated",
+            expect="valid SVS cut to 60 % of its bytes; see negatives.truncate",
+        ),
+        SlideSpec(
+            "negatives/not_a_slide.svs",
+            "text",
+            negative="not_a_slide",
+            expect="text with a slide extension; OpenSlideUnsupportedFormatError",
+        ),
+        SlideSpec(
+            "negatives/no_tissue.svs",
+            "svs",
+            nw,
+            nh,
+            0.25,
+            40,
+            levels=3,
+            content="blank",
+            negative="no_tissue",
+            expect="opens with MPP; blank glass only",
+        ),
+    ]
 
 
 # The demo's further annotated slides, after its negatives (indices 7 to 12): small (4096×3072 at 0.5 µm/px, 20×, as
@@ -99,8 +139,9 @@ DEMO_STAINS = [
 
 # One annotated slide whose stain no "demo" or "test" slide has: a held-out-lab test slide (benchmarks/adaptation.py).
 # Its index 0 shares the demo's first slide's random stream: make it with another seed for different tissue.
-HELDOUT = [SlideSpec("tissue_heldout_stain.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green",
-                     stain=HELDOUT_STAIN)]  # fmt: skip
+HELDOUT = [
+    SlideSpec("tissue_heldout_stain.svs", "svs", 4096, 3072, 0.5, 20, levels=3, pen_color="green", stain=HELDOUT_STAIN)
+]
 
 PRESETS: dict[str, list[SlideSpec]] = {
     "demo": _preset(big=True) + DEMO_STAINS,

@@ -176,12 +176,18 @@ def run(args: argparse.Namespace) -> int:
         for name, why in registration.skipped.items():
             print(f"serve: WARNING: deployment {name!r} not registered: {why}", file=sys.stderr, flush=True)
         if registration.removed:
-            print(f"serve: removed {', '.join(registration.removed)} (an earlier session's; no worker here polls "
-                  "their pools)", flush=True)  # fmt: skip
+            print(
+                f"serve: removed {', '.join(registration.removed)} (an earlier session's; no worker here polls "
+                "their pools)",
+                flush=True,
+            )
         for name in registration.kept:
-            print(f"serve: {name} stays registered although no worker here polls its pool (shown \"Not Ready\"): "
-                  f"it has flow runs, which deleting it would delete; `prefect deployment delete '{name}'` if they "
-                  "can go", flush=True)  # fmt: skip
+            print(
+                f'serve: {name} stays registered although no worker here polls its pool (shown "Not Ready"): '
+                f"it has flow runs, which deleting it would delete; `prefect deployment delete '{name}'` if they "
+                "can go",
+                flush=True,
+            )
         wait_mlflow_server(mlflow, args.timeout)
         print(f"serve: MLflow server up at {mlflow.url}", flush=True)
         # Each child is in `children` before anything waits on it, so Ctrl-C at any point stops it.

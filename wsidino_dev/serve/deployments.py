@@ -227,8 +227,10 @@ def register_deployments(
                 removed.append(full_name)
         registered = sorted(f"{flows.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
         files: dict[str, Path | None] = {}
-        for flow_name, name, params in ((DEMO_FLOW, DEMO_DEPLOYMENT, demo_params),
-                                        (RETRAIN_FLOW, RETRAIN_DEPLOYMENT, retrain_params)):  # fmt: skip
+        for flow_name, name, params in (
+            (DEMO_FLOW, DEMO_DEPLOYMENT, demo_params),
+            (RETRAIN_FLOW, RETRAIN_DEPLOYMENT, retrain_params),
+        ):
             files[name] = None
             if params is None or f"{flow_name}/{name}" not in registered or name in skipped:
                 continue
@@ -238,6 +240,12 @@ def register_deployments(
             files[name].write_text(json.dumps({"params": params}, indent=2) + "\n")  # type: ignore[union-attr]
     if not registered:
         raise ServeError(f"no deployment was registered; see {log}")
-    return Registration(deployments=registered, skipped=skipped, log=log, demo_params_file=files[DEMO_DEPLOYMENT],
-                        retrain_params_file=files[RETRAIN_DEPLOYMENT], removed=sorted(removed),
-                        kept=sorted(kept))  # fmt: skip
+    return Registration(
+        deployments=registered,
+        skipped=skipped,
+        log=log,
+        demo_params_file=files[DEMO_DEPLOYMENT],
+        retrain_params_file=files[RETRAIN_DEPLOYMENT],
+        removed=sorted(removed),
+        kept=sorted(kept),
+    )
