@@ -151,6 +151,62 @@ def demo_shaped(rows: list[dict[str, Any]]) -> None:
         rows.append({"set": "demo-shaped, 2 models", "part": name, "old_s": t_old, "new_s": t_new, "note": ""})
 
 
+def demo_cohort(rows: list[dict[str, Any]], workdir: Path, annotations: Path, base: Any) -> None:
+    """The demo's own evaluation, from a `make demo` work directory: its labelled tiles, the cached features of its
+    candidate and baseline, the dense tokens and the stage's folds; old vs torch vs the torch baseline."""
+    from dinov3_core.data.tile_dataset import TileDataset
+    from dinov3_core.evaluate import dense as D
+    from dinov3_core.evaluate import features as F
+    from dinov3_core.evaluate.evaluation import labelled_tiles
+    from dinov3_core.tiling import store as ts
+
+    root = ts.check_store(str(workdir / "tiles.zarr"))
+    ds = TileDataset(root, image_format="numpy")
+    idx, labels, slides, _ = labelled_tiles(root, ds, str(annotations), [], max_tiles_per_slide=2000)
+    classes = np.unique(labels)
+    y = np.searchsorted(classes, labels)
+    cv, fs = folds(labels, slides)
+    draws = P.few_shot_draws_cv(labels, cv, [1, 2, 4, 8, 16], 5, 0)
+    caches = sorted((workdir / "evaluation" / "cache").glob("features-*.npz"))
+    models = [np.load(c) for c in caches]
+    # the demo's vit_test sees a 224 px tile as a 14 × 14 patch grid (the stage reads the side off the model)
+    tokens = D.dense_tokens(root, ds, str(annotations), idx, 14, models[0]["dense"].shape[1])
+    dense = [D.dense_set(tokens, raw["dense"]) for raw in models]
+    feats = [F.represent({k: raw[k] for k in raw.files}, "cls+mean_patch") for raw in models]
+    k = len(classes)
+    tag = f"demo cohort ({len(y)} tiles, {len(np.unique(slides))} slides), {len(models)} models"
+    parts = [
+        (
+            f"tile probes (kNN, linear 4 C, few-shot 5 × 5; {feats[0].shape[1]}-d)",
+            lambda: [run_old(x, y, k, cv, fs, draws) for x in feats],
+            lambda mod: [run_with(mod, x, y, k, cv, fs, draws) for x in feats],
+        ),
+        (
+            f"dense probe ({len(dense[0].y)} tokens × {dense[0].x.shape[1]}, 4 C)",
+            lambda: [
+                old_linear(d.x[f.train], np.searchsorted(classes, d.y)[f.train], f.val, d.x[f.test], CS)
+                for d in dense
+                for f in token_folds(cv, d.tile)
+            ],
+            lambda mod: [
+                mod.linear_probe_cv(d.x, np.searchsorted(classes, d.y), k, token_folds(cv, d.tile), CS) for d in dense
+            ],
+        ),
+    ]
+    for name, old, new in parts:
+        row = {"set": tag, "part": name, "old_s": timed(old), "new_s": timed(new, C), "note": "real features"}
+        if base is not None:
+            row["base_s"] = timed(new, base)
+        rows.append(row)
+
+
+def run_with(mod: Any, x: np.ndarray, y: np.ndarray, k: int, cv: P.CrossValidation, fs: list, draws: dict) -> None:
+    """`run_new` with the classifiers of module `mod` (today's, or the baseline revision's)."""
+    mod.knn_cv(x, y, [f.test for f in cv.folds], k, 20, 0.07)
+    mod.linear_probe_cv(x, y, k, fs, CS)
+    mod.knn_few_shot(x, y, [(f.train, f.test) for f in cv.folds], draws, k, 20, 0.07)
+
+
 def baseline_module(rev: str) -> Any:
     """The torch classifiers as of git revision `rev` (one module then), loaded from git: the side-by-side baseline."""
     root = Path(__file__).resolve().parent.parent
@@ -220,8 +276,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--baseline", default=BASELINE, help="git revision of the torch classifiers to time side by side ('' for none)"
     )
+    parser.add_argument("--demo-dir", default=None, help="a `make demo` work directory: its own features, timed")
+    parser.add_argument("--annotations", default=None, help="with --demo-dir: its annotations (default DIR/slides/…)")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
+    if args.demo_dir:
+        demo = Path(args.demo_dir)
+        notes = Path(args.annotations) if args.annotations else demo / "slides" / "annotations"
+        demo_cohort(rows, demo, notes, baseline_module(args.baseline) if args.baseline else None)
     if not args.lab_only:
         demo_shaped(rows)
     if not args.skip_lab:

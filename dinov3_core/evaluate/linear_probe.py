@@ -224,13 +224,16 @@ def _fit_newton(
             val = torch.as_tensor(np.asarray(f.train[f.val], np.int64), device=dev)
             truth = y[val].cpu().numpy()
             best = -1.0
-            for c, solved in zip(cs, newton.fit(xt[fit_t], y[fit_t], k, cs), strict=True):
+            with torch_threads(newton.threads(len(fit), x.shape[1], k, dev)):
+                path = newton.fit(xt[fit_t], y[fit_t], k, cs)
+            for c, solved in zip(cs, path, strict=True):
                 acc = balanced_accuracy(truth, solved.proba(xt[val]).argmax(1).cpu().numpy(), k)
                 if acc > best + 1e-9:  # ties: the smaller C (the sweep's order)
                     best, best_c, start = acc, c, solved
         present = torch.bincount(y[train], minlength=k) > 0
         warm = start.theta if start is not None and bool((start.classes == present).all()) else None
-        final = newton.fit(xt[train], y[train], k, [best_c], start=warm)[0]
+        with torch_threads(newton.threads(len(train), x.shape[1], k, dev)):
+            final = newton.fit(xt[train], y[train], k, [best_c], start=warm)[0]
         scores[f.test] = final.proba(xt[torch.as_tensor(np.asarray(f.test, np.int64), device=dev)]).cpu().numpy()
         chosen.append(best_c)
     return scores, chosen

@@ -136,9 +136,21 @@ def fit(
     return [out[float(c)] for c in cs]
 
 
+# Below this many multiply-adds in a step's Hessian product a step is a few small ops: one thread, since waking
+# others (often busy on a shared machine) costs more than the op.
+_ONE_THREAD_MACS = 1 << 27
+
+
+def threads(n_rows: int, n_features: int, n_classes: int, device: torch.device) -> int:
+    """torch threads for a solve of this size (0: the library default)."""
+    pairs = n_classes * (n_classes + 1) // 2
+    small = n_rows * (n_features + 1) ** 2 * pairs < _ONE_THREAD_MACS
+    return 1 if small and device.type == "cpu" else 0
+
+
 def fits_newton(n_features: int, n_classes: int) -> bool:
     """Whether Newton's method is the cheaper solver for this width."""
     return (n_features + 1) * n_classes <= MAX_PARAMETERS
 
 
-__all__ = ["MAX_PARAMETERS", "Solution", "fit", "fits_newton", "standardisation"]
+__all__ = ["MAX_PARAMETERS", "Solution", "fit", "fits_newton", "standardisation", "threads"]
