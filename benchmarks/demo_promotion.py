@@ -10,7 +10,7 @@ Per seed: wall time, the gate's evidence line (linear-probe balanced accuracy vs
 permutation test's p-value) and whether `@champion` moved. Then the seed-0 command again with nothing changed: every
 stage must be skipped and the registry's aliases must be as they were (a rerun promotes nothing new).
 
-Usage: python benchmarks/demo_promotion.py [--seeds 0 1 2 3 4] [--output bench-output]
+Usage: python benchmarks/demo_promotion.py [--seeds 0 1 2 3 4 | --quick] [--output bench-output]
        (writes OUTPUT/demo_promotion.json; ~5 min a seed on a quiet 2-core box)
 """
 
@@ -86,7 +86,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--output", default="bench-output")
     parser.add_argument("--workdir", default=None, help="where the runs go (default: OUTPUT/demo_promotion)")
+    parser.add_argument("--quick", action="store_true", help="seed 0 only (make demo itself) and its rerun")
     args = parser.parse_args()
+    if args.quick:
+        args.seeds = [0]
     out = Path(args.output).resolve()
     base = Path(args.workdir).resolve() if args.workdir else out / "demo_promotion"
     base.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ SCRIPTS = [
     "extract_ranks.py",
     "evaluate.py",
     "gate_calibration.py",
+    "demo_promotion.py",
     "training_health.py",
     "stage_manifest.py",
     "verify_cost.py",

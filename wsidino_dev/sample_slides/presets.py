@@ -21,7 +21,7 @@ assert HELDOUT_STAIN.hematoxylin_amount < np.exp(HEMATOXYLIN_AMOUNT[0]) and HELD
 )
 
 # Stains of the demo's further slides (`DEMO_STAINS`), each a look no drawn stain has: distinct labs for the slide-level
-# promotion test, which needs ≥ 6 annotated slides. None is over-eosinated like HELDOUT_STAIN: benchmarks/adaptation.py
+# promotion test (nine annotated slides give the demo its evidence). None is over-eosinated like HELDOUT_STAIN: benchmarks/adaptation.py
 # trains on the demo and tests on that stain as a lab it has not seen. DAB's unit OD vector (R, G, B) is scikit-image's
 # (`skimage.color.rgb_from_hed`, after Ruifrok & Johnston), normalised.
 _DAB = np.array([0.27, 0.57, 0.78])
