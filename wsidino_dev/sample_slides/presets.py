@@ -20,10 +20,10 @@ assert HELDOUT_STAIN.hematoxylin_amount < np.exp(HEMATOXYLIN_AMOUNT[0]) and HELD
     EOSIN_AMOUNT[1]
 )
 
-# Stains of the demo's further slides (`DEMO_STAINS`), each a look no drawn stain has: distinct labs for the slide-level
-# promotion test (nine annotated slides give the demo its evidence). None is over-eosinated like HELDOUT_STAIN: benchmarks/adaptation.py
-# trains on the demo and tests on that stain as a lab it has not seen. DAB's unit OD vector (R, G, B) is scikit-image's
-# (`skimage.color.rgb_from_hed`, after Ruifrok & Johnston), normalised.
+# Stains of the demo's further slides (`DEMO_STAINS`), each a look of its own: distinct labs for the slide-level
+# promotion test (nine annotated slides give the demo its evidence). None is over-eosinated like HELDOUT_STAIN:
+# benchmarks/adaptation.py trains on the demo and tests on that stain as a lab it has not seen. DAB's unit OD vector
+# (R, G, B) is scikit-image's (`skimage.color.rgb_from_hed`, after Ruifrok & Johnston), normalised.
 _DAB = np.array([0.27, 0.57, 0.78])
 DAB_OD: tuple[float, float, float] = tuple(float(x) for x in _DAB / np.linalg.norm(_DAB))  # type: ignore[assignment]
 PALE_STAIN = SlideStain(hematoxylin_amount=float(np.exp(-0.5)), eosin_amount=float(np.exp(-0.5)))  # faded, thin
