@@ -170,7 +170,7 @@ def test_miou_from_the_pooled_confusion_matrix() -> None:
 
 
 def test_the_stage_reports_dense_metrics_and_stain_invariance_and_gates_on_dense_miou(cohort: dict[str, Any]) -> None:
-    # three slides reach p = 1/8 at best: alpha 0.125 lets the gate decide on them (the default 0.05 needs 5)
+    # three slides reach p = 1/8 at best: alpha 0.125 lets the gate decide on them (the default 0.025 needs 6)
     ev = evaluate(cohort, "eval-dense", **{"gate.primary_metric": "dense.miou", "gate.alpha": 0.125})
     assert set(ev["models"]) == {"candidate", "champion", "baseline"}
     counts = None

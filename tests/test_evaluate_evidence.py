@@ -155,7 +155,7 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
         "noise": export(noise_backbone(trained, root / "noise"), uri),
     }
     # The trained model becomes the registry's first champion through the gate, against the untrained init. Three
-    # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.05 needs 5).
+    # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.025 needs 6).
     _, ev = evaluate(cohort, "trained", "eval-trained", baseline="init", **{"gate.alpha": 0.125})
     cohort["first"] = ev
     assert ev["decision"]["applied"], ev["decision"]["reason"]
@@ -214,8 +214,8 @@ def test_two_annotated_slides_are_not_enough_evidence(cohort: dict[str, Any]) ->
     assert not ev["decision"]["promote"] and champion_version(cohort) == champion
     assert reason.startswith(
         "not enough evidence: 2 test slide(s): a permutation test over 2 slide(s) cannot give "
-        "a p-value below 2^-2 = 0.25 > gate.alpha 0.05, so nothing can be promoted on fewer "
-        "than 5; annotate at least 3 more slide(s)"
+        "a p-value below 2^-2 = 0.25 > gate.alpha 0.025, so nothing can be promoted on fewer "
+        "than 6; annotate at least 4 more slide(s)"
     ), reason
     assert ev["evidence"]["test_groups"] == 2 and ev["evidence"]["sufficient"] is False
     assert any("only 2 annotated slides" in w for w in ev["warnings"])

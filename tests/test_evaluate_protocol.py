@@ -131,7 +131,19 @@ def test_few_shot_draws_are_shared_and_per_class() -> None:
 
 
 def gate_cfg(**values: Any) -> EvaluateConfig:
+    """The gate at alpha 0.05 unless `values` say otherwise (the wording below is written for it; the default,
+    0.025, has its own test)."""
+    values = {"gate.alpha": 0.05, **values}
     return load_config(EvaluateConfig, None, {"store": "s", "candidate": "c.onnx", "output": "o", **values})
+
+
+def test_the_default_alpha_is_one_sided_0025_and_needs_six_slides() -> None:
+    cfg = load_config(EvaluateConfig, None, {"store": "s", "candidate": "c.onnx", "output": "o"})
+    assert cfg.gate.alpha == 0.025 and cfg.gate.required_test_slides() == 6
+    five = decide(cfg, evaluation(0.5, 1 / 32, test_groups=5))
+    assert not five.promote and "2^-5 = 0.0312 > gate.alpha 0.025" in five.reason and "fewer than 6" in five.reason
+    assert decide(cfg, evaluation(0.1, 1 / 64, test_groups=6)).promote
+    assert not decide(cfg, evaluation(0.1, 0.03, test_groups=9)).promote  # promoted at 0.05, not at 0.025
 
 
 def diff(value: float, p: float, groups: int, spread: float = 0.02) -> dict[str, Any]:

@@ -148,7 +148,7 @@ def test_worse_first_model_is_not_promoted_over_the_baseline(setup: dict[str, An
 
 def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None:
     baseline = str(setup["worse"].parent / "backbone.pth")
-    # Three slides: a permutation test reaches p = 1/8 at best, so alpha 0.125 (the default 0.05 needs 5 slides).
+    # Three slides: a permutation test reaches p = 1/8 at best, so alpha 0.125 (the default 0.025 needs 6 slides).
     gate = {"gate.alpha": 0.125}
     out = evaluate(setup, "better", "eval-better", baseline=baseline, **gate)
     ev = json.loads((setup["root"] / "eval-better" / "evaluation.json").read_text())

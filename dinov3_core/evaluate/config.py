@@ -78,13 +78,15 @@ class GateConfig:
     promote: bool = True  # false: measure and record only, never move the alias
     primary_metric: str = "linear.balanced_accuracy"  # <probe>.<metric>, probe linear, knn or dense (mIoU too)
     # Promotion needs the paired permutation test over test slides (dinov3_core.evaluate.statistics) at p ≤ alpha
-    # and the observed difference (candidate − champion) above margin.
-    alpha: float = 0.05
+    # and the observed difference (candidate − champion) above margin. One-sided 0.025: the conventional level of a
+    # one-sided claim of superiority (a two-sided 5 % test), and the level whose false-promotion rate on null pairs
+    # of models stayed under 5 % (docs/evaluation.md, "Calibration").
+    alpha: float = 0.025
     margin: float = 0.0
     min_effective_rank: float = 0.02  # label-free health: below this the features have collapsed
     label_free: bool = False  # without annotations, promote a healthy candidate that beats the baseline's health
     # Evidence: the test over n slides (or patient groups with patients=CSV) cannot give p < 2^-n, so below
-    # ceil(log2(1 / alpha)) test slides (5 at alpha 0.05) nothing can be promoted. null: that minimum; a number
+    # ceil(log2(1 / alpha)) test slides (6 at alpha 0.025) nothing can be promoted. null: that minimum; a number
     # (at least that minimum) asks for more slides than the test needs.
     min_test_slides: int | None = None
     # Explicit opt-out: on fewer test slides than that, decide on the point estimate (difference > margin) all the

@@ -10,7 +10,7 @@ The rule, in order (the first that applies decides, and its reason is recorded):
 4. evidence: the comparison that decides (candidate − champion, or − baseline for the registry's first model) is
    tested by an exact paired permutation test over the test slides (patient groups with patients=CSV;
    `statistics.permutation_test`), whose least p-value on n slides is 2^-n: below `gate.min_test_slides` (default
-   the least n with 2^-n ≤ `gate.alpha`: 5 at 0.05) nothing can be promoted, and the reason says so and how many
+   the least n with 2^-n ≤ `gate.alpha`: 6 at 0.025) nothing can be promoted, and the reason says so and how many
    slides the measured effect would need. `gate.allow_point_estimate=true` is the explicit opt-out (recorded in the
    reason and in `evaluation.json`'s `evidence`): on fewer slides, decide on the point estimate > margin;
 5. a candidate below the baseline on the primary metric is not promoted (a primary metric that was not measured,
@@ -45,7 +45,7 @@ class Evidence:
     test_groups: int = 0
     folds: int = 0
     min_test_slides: int = 0  # needed before the test can promote (gate.min_test_slides, or derived from alpha)
-    alpha: float = 0.05
+    alpha: float = 0.025
     allow_point_estimate: bool = False
     sufficient: bool | None = None  # None: not assessed (the verdict came before the evidence rule)
     point_estimate: bool = False  # decided on the point estimate (gate.allow_point_estimate) on too few slides

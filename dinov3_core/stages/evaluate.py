@@ -29,11 +29,11 @@ protocol:
 
 gate:
   The candidate becomes <register_name>@champion when an exact paired permutation test over the test
-  slides (patients) gives p <= gate.alpha (0.05) for its difference to the champion on
+  slides (patients) gives p <= gate.alpha (0.025) for its difference to the champion on
   gate.primary_metric (default linear.balanced_accuracy; dense.miou for the dense probe), that
   difference exceeds gate.margin, it is not below the baseline, and its features did not collapse.
   The first model is tested against the baseline. On n slides the least p-value is 2^-n: fewer than
-  5 test slides (at alpha 0.05) never promote, and the reason says how many the measured effect
+  6 test slides (at alpha 0.025) never promote, and the reason says how many the measured effect
   would need; gate.allow_point_estimate=true decides on the point estimate instead (recorded).
   The bootstrap intervals are for display.
   Without annotations promotion is off (gate.label_free=true opts into a health-only gate);
