@@ -55,6 +55,24 @@ def aliases(workdir: Path) -> dict[str, Any]:
     return out
 
 
+def pipeline_command(slides: Path, workdir: Path, seed: int) -> list[str]:
+    """`make demo`'s pipeline command, training with `seed` (0: the recipe's own, as make demo runs it)."""
+    overrides = [f"pretrain.train.seed={seed}", f"gram.train.seed={seed}"] if seed else []
+    return [
+        str(BIN / "wsidino"),
+        "pipeline",
+        "--slides",
+        str(slides),
+        "--workdir",
+        str(workdir),
+        "--annotations",
+        str(slides / "annotations"),
+        "--nproc-per-node",
+        "2",
+        *overrides,
+    ]
+
+
 def stage_statuses(output: str) -> set[str]:
     """The statuses in the pipeline's `=== stages` table (the last one printed in `output`)."""
     block = output.rsplit("=== stages", 1)[-1].split("\n\n", 1)[0]
@@ -101,21 +119,7 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         workdir = base / f"seed{seed}"
-        overrides = [f"pretrain.train.seed={seed}", f"gram.train.seed={seed}"] if seed else []
-        cmd = [
-            str(BIN / "wsidino"),
-            "pipeline",
-            "--slides",
-            str(slides),
-            "--workdir",
-            str(workdir),
-            "--annotations",
-            str(slides / "annotations"),
-            "--nproc-per-node",
-            "2",
-            *overrides,
-        ]
-        seconds = run(cmd, logfile)
+        seconds = run(pipeline_command(slides, workdir, seed), logfile)
         rows.append(seed_row(seed, workdir, seconds))
         r = rows[-1]
         log(
@@ -127,22 +131,8 @@ def main() -> None:
         seed = args.seeds[0]
         workdir = base / f"seed{seed}"
         before = aliases(workdir)
-        overrides = [f"pretrain.train.seed={seed}", f"gram.train.seed={seed}"] if seed else []
-        cmd = [
-            str(BIN / "wsidino"),
-            "pipeline",
-            "--slides",
-            str(slides),
-            "--workdir",
-            str(workdir),
-            "--annotations",
-            str(slides / "annotations"),
-            "--nproc-per-node",
-            "2",
-            *overrides,
-        ]
         start = logfile.stat().st_size
-        seconds = run(cmd, logfile)
+        seconds = run(pipeline_command(slides, workdir, seed), logfile)
         text = logfile.read_text()[start:]
         after = aliases(workdir)
         rerun = {
