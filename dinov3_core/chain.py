@@ -1,8 +1,11 @@
-"""What every chain of stages shares (the pipeline in one work directory, a retraining cycle): a stage's named
-config and overrides (`StageChoice`), how the chain turns them into the stage's typed config with its own paths on
-top (`chain_config`), the one `StageRunner` signature, and the checks before work (`check_before_work`).
+"""What every chain of stages shares (the pipeline in one work directory, a retraining cycle): each stage's named
+config and overrides (`StageChoice`, in `ChainConfig.stages`), where the chain puts each stage (`chain_paths`), how
+it turns them into the stage's typed config with its own paths on top (`chain_config`), the one `StageRunner`
+signature, and the checks before work (`check_before_work`). Nothing here names a stage but gram (which
+`gram_anchoring=false` leaves out): every stage of `STAGES` gets the same treatment.
 
-    wsidino pipeline ... pretrain.train.stop_at=100      # → pretrain.overrides += ["train.stop_at=100"]
+    wsidino pipeline ... pretrain.train.stop_at=100      # → stages.pretrain.overrides += ["train.stop_at=100"]
+    wsidino pipeline ... pretrain.config=vitb16-1gpu     # → stages.pretrain.config
 
 A key that starts with a stage name and is not one of `StageChoice`'s own fields is that stage's override; it is
 checked against the stage's schema when the chain builds the stage configs, before anything runs. Problems are
@@ -12,13 +15,13 @@ reported with the keys as the user types them in the chain (`gram.train.global_b
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from dinov3_core.config import ConfigError, load_config, named_config_keys, parse_overrides
-from dinov3_core.stages import STAGE_NAMES, ChainPaths, PreflightFacts, Problem, Stage, get_stage
+from dinov3_core.stages import STAGES, ChainPaths, PreflightFacts, Problem, Stage, get_stage
 from dinov3_core.tracking import TrackingConfig
 
 if TYPE_CHECKING:
@@ -42,25 +45,79 @@ class StageChoice:
     overrides: list[str] = field(default_factory=list)
 
 
+def default_choices() -> dict[str, StageChoice]:
+    """Every stage with its own default named config (`Stage.default_config`)."""
+    return {s.name: StageChoice(s.default_config) for s in STAGES}
+
+
+class ChainConfig:
+    """What the pipeline's and the retraining cycle's configs share (each declares the fields, in its own order):
+    the slides, the annotations, gram anchoring on or off, each stage's choice and MLflow."""
+
+    # A named config of an earlier version put each stage's choice at the top level.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {s: f"stages.{s}" for s in STAGES.names}
+    if TYPE_CHECKING:
+        slides: str
+        annotations: str | None
+        gram_anchoring: bool
+        stages: dict[str, StageChoice]
+        tracking: TrackingConfig
+
+    def __post_init__(self) -> None:
+        for name in self.stages:
+            get_stage(name, f"stages.{name}")  # a ConfigError naming the key and the closest stage
+
+    def choice(self, stage: str) -> StageChoice:
+        """The stage's choice; a stage added since the config was written gets its default."""
+        if stage not in self.stages:
+            self.stages[stage] = StageChoice(get_stage(stage).default_config)
+        return self.stages[stage]
+
+    def chained(self, stages: Iterable[str]) -> list[str]:
+        """`stages` without those this chain leaves out (gram when gram anchoring is off)."""
+        return [s for s in stages if s != "gram" or self.gram_anchoring]
+
+
 def route_overrides(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Split `pretrain.train.stop_at=4` (a stage's override) from the run's own keys (`pretrain.config=cpu`,
-    `workdir=…`): (the run's own values, each stage's extra overrides)."""
+    """Split `pretrain.train.stop_at=4` (a stage's override) from the run's own keys (`pretrain.config=cpu` →
+    `stages.pretrain.config`, `workdir=…`): (the run's own values, each stage's extra overrides)."""
     own: dict[str, Any] = {}
     extra: dict[str, list[str]] = {}
     for key, value in values.items():
         stage, _, rest = key.partition(".")
-        if stage in STAGE_NAMES and rest and rest not in _CHOICE_KEYS:
+        if stage == "stages":  # stages.<stage>.config: the stage must exist (a typo gets the closest name)
+            name = rest.partition(".")[0]
+            get_stage(name, f"stages.{name}")
+        if stage in STAGES.names and rest and rest not in _CHOICE_KEYS:
             extra.setdefault(stage, []).append(f"{rest}={value if isinstance(value, str) else json.dumps(value)}")
+        elif stage in STAGES.names and rest:
+            own[f"stages.{key}"] = value
         else:
             own[key] = value
     return own, extra
 
 
-def add_stage_overrides(cfg: Any, extra: Mapping[str, list[str]]) -> None:
+def add_stage_overrides(cfg: ChainConfig, extra: Mapping[str, list[str]]) -> None:
     """Append each stage's extra overrides after those its named config already lists (they win on a clash)."""
     for stage, items in extra.items():
-        choice = getattr(cfg, stage)
+        choice = cfg.choice(stage)
         choice.overrides = [*choice.overrides, *items]
+
+
+def chain_paths(
+    cfg: ChainConfig, root: Path, cycle_dir: Path, runs: Sequence[str] | None = None, **decided: Any
+) -> ChainPaths:
+    """Where each stage of a chain reads and writes (`root` for the cohort's outputs, `cycle_dir` for the run's
+    own), and what the chain decided for them (`ChainPaths`'s other fields)."""
+    return ChainPaths(
+        root=root,
+        cycle_dir=cycle_dir,
+        slides=cfg.slides,
+        runs=tuple(cfg.chained(STAGES.names if runs is None else runs)),
+        annotations=cfg.annotations,
+        places=STAGES.places(),
+        **decided,
+    )
 
 
 def tracking_values(t: TrackingConfig) -> dict[str, Any]:
@@ -154,12 +211,15 @@ def check_before_work(
 
 
 __all__ = [
+    "ChainConfig",
     "StageChoice",
     "StageRunner",
     "add_stage_overrides",
     "build_stage_config",
     "chain_config",
+    "chain_paths",
     "check_before_work",
+    "default_choices",
     "route_overrides",
     "tracking_values",
 ]

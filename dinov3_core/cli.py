@@ -55,7 +55,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     launch = launch_from(args) if stage.launch_help else None
     if stage.preflight is not None:  # what would stop it minutes in (a training job, unreadable annotations)
         check_before_work({stage.name: cfg}, None, launch.world_size if launch else 1, prefix=False)
-    if stage.progress_bar or (stage.job_log is not None and stage.as_job(launch)):
+    if stage.shows_progress(launch):
         hooks.progress, close_bar = tile_progress(stage.name, cfg)  # a job's progress: the sum over its ranks
     try:
         outcome = run_stage(stage, cfg, force=args.force, launch=launch, hooks=hooks)

@@ -1,5 +1,5 @@
 """`wsidino pipeline` and `wsidino retrain`: the commands that chain stages. Each is the plain function its Prefect
-flow runs (`dinov3_core.pipeline.workdir.run_pipeline`, `dinov3_core.retrain.cycle.run_cycle`) with the stage
+flow runs (`dinov3_core.pipeline.run.run_pipeline`, `dinov3_core.retrain.cycle.run_cycle`) with the stage
 runner of this process (`dinov3_core.runner.run_stage`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from dinov3_core.cli_options import job_failed, launch_from, launch_options, tile_progress
 from dinov3_core.config import parse_overrides
 from dinov3_core.errors import EXIT_FAILED, EXIT_OK
-from dinov3_core.stages import STAGE_NAMES, Stage
+from dinov3_core.stages import STAGES, Stage
 
 
 def local_runner(launch: Any, bars: bool = True) -> Any:
@@ -21,7 +21,7 @@ def local_runner(launch: Any, bars: bool = True) -> Any:
     def run(stage: Stage[Any], stage_cfg: Any, parent: str | None, force: bool = False) -> StageOutcome[Any]:
         hooks = RunHooks(parent_run_id=parent)
         close_bar: Callable[[], None] = lambda: None  # noqa: E731
-        if bars and stage.progress_bar:
+        if bars and stage.shows_progress(launch):
             hooks.progress, close_bar = tile_progress(stage.name, stage_cfg)
         try:
             return run_stage(stage, stage_cfg, force=force, launch=launch, hooks=hooks)
@@ -32,14 +32,14 @@ def local_runner(launch: Any, bars: bool = True) -> Any:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    """Every stage on the user's slides: the pipeline flow's code path (`dinov3_core.pipeline.workdir.run_pipeline`)
+    """Every stage on the user's slides: the pipeline flow's code path (`dinov3_core.pipeline.run.run_pipeline`)
     with the stage runner of this process."""
     import time
 
     from dinov3_core.launch import TorchrunFailed
     from dinov3_core.pipeline.config import load_pipeline_config
     from dinov3_core.pipeline.report import final_report
-    from dinov3_core.pipeline.workdir import run_pipeline
+    from dinov3_core.pipeline.run import run_pipeline
 
     values = parse_overrides(args.overrides)
     for key, dest in PIPELINE_OPTIONS.items():
@@ -157,15 +157,17 @@ def add_chain_commands(sub: Any) -> None:
     pipeline.add_argument(
         "--from",
         dest="start_from",
-        choices=STAGE_NAMES,
+        choices=STAGES.names,
         metavar="STAGE",
         help="start at this stage (earlier outputs are used as they are)",
     )
-    pipeline.add_argument("--to", dest="stop_after", choices=STAGE_NAMES, metavar="STAGE", help="stop after this stage")
+    pipeline.add_argument(
+        "--to", dest="stop_after", choices=STAGES.names, metavar="STAGE", help="stop after this stage"
+    )
     pipeline.add_argument(
         "--force",
         action="append",
-        choices=STAGE_NAMES,
+        choices=STAGES.names,
         metavar="STAGE",
         help="rerun this stage even when up to date (repeat for several)",
     )

@@ -367,6 +367,11 @@ def completion_fingerprint(m: StageManifest) -> str:
     return _sha(m.stage, m.config_hash, m.inputs, {k: [v, output_content(v)] for k, v in sorted(m.outputs.items())})
 
 
+def lineage_tags(lineage: dict[str, str]) -> dict[str, str]:
+    """A manifest's lineage (stage → MLflow run id) as MLflow tags."""
+    return {f"wsidino.lineage.{stage}_run_id": run_id for stage, run_id in lineage.items()}
+
+
 __all__ = [
     "MANIFEST_NAME",
     "Decision",
@@ -379,6 +384,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_inputs",
     "lineage_of",
+    "lineage_tags",
     "manifest_path",
     "output_lock",
     "producer_manifest",

@@ -38,9 +38,8 @@ from dinov3_core import manifest as mf
 from dinov3_core.config import describe_changes, flat_params, to_yaml
 from dinov3_core.errors import RunStopped, WsidinoError
 from dinov3_core.launch import TorchrunFailed, run_torchrun
-from dinov3_core.launch.training import LaunchSettings, stage_job
+from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.stages import RunHooks, Stage, StageName, Summary, get_stage
-from dinov3_core.stages.versions import lineage_tags
 
 S = TypeVar("S", bound=Summary)
 
@@ -72,7 +71,7 @@ class StageOutcome(Generic[S]):
             "outputs": dict(m.outputs),
             "mlflow_run_id": m.mlflow_run_id,
             "lineage": dict(m.lineage),
-            "summary": self.summary.as_dict(),
+            "summary": self.summary.to_json(),
         }
 
 
@@ -136,7 +135,7 @@ def run_stage(
         )  # a retry of a failed attempt keeps its MLflow run
         tags = {
             "wsidino.output": str(Path(spec.output(cfg)).resolve()),
-            **lineage_tags(m.lineage),
+            **mf.lineage_tags(m.lineage),
             **{f"wsidino.input.{k}": v["path"] for k, v in inputs.items()},
         }
         background = spec.log_after_work is not None
@@ -169,7 +168,7 @@ def run_stage(
                     run = record_run()
                 if run is not None and spec.log_after_work is not None:
                     spec.log_after_work(cfg, result)
-            m.summary = summary.as_dict()
+            m.summary = summary.to_json()
             if run is not None:
                 if not spec.always_job:
                     _log_stage_artifacts(spec, cfg)
@@ -276,7 +275,7 @@ def _record_skip(spec: Stage[S], cfg: Any, decision: mf.Decision, hooks: RunHook
         tags = {
             "wsidino.status": "skipped",
             "wsidino.reused_run_id": previous.mlflow_run_id or "",
-            **lineage_tags(previous.lineage),
+            **mf.lineage_tags(previous.lineage),
         }
         quiet = dataclasses.replace(cfg.tracking, system_metrics=False)  # a record, not a workload to monitor
         with _stage_mlflow_run(quiet, spec.name, hooks, tags, None) as pending:
@@ -287,7 +286,7 @@ def _record_skip(spec: Stage[S], cfg: Any, decision: mf.Decision, hooks: RunHook
 
 def _run_job(spec: Stage[S], cfg: Any, launch: LaunchSettings, run: Any, hooks: RunHooks) -> S:
     """The stage as a torchrun job (rank 0 joins `run`); returns the summary kept in the manifest."""
-    job = stage_job(spec, cfg, launch, env=tracking.run_env(run, cfg.tracking))
+    job = spec.torchrun_job(cfg, launch, env=tracking.run_env(run, cfg.tracking))
     hooks.log(f"{spec.name}: torchrun {job.nproc_per_node} process(es) × {job.nnodes} node(s), logs in {job.log_dir}")
     guard = hooks.hold_resources(launch) if hooks.hold_resources is not None else contextlib.nullcontext()
     log = hooks.log

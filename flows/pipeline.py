@@ -1,4 +1,4 @@
-"""The whole pipeline as one Prefect flow: `dinov3_core.pipeline.workdir.run_pipeline`, each stage as the `run-stage`
+"""The whole pipeline as one Prefect flow: `dinov3_core.pipeline.run.run_pipeline`, each stage as the `run-stage`
 task (artifacts, GPU slots, crash retries of training), under one MLflow run. `wsidino pipeline` runs the same
 function with the in-process stage runner, so the form's fields are the command's options.
 
@@ -22,7 +22,7 @@ from prefect.states import Completed
 
 from dinov3_core import tracking
 from dinov3_core.pipeline.config import load_pipeline_config
-from dinov3_core.pipeline.workdir import run_pipeline
+from dinov3_core.pipeline.run import PipelineResult, run_pipeline
 from tasks.chain_params import PipelineParams
 from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
@@ -52,19 +52,19 @@ def pipeline_flow(params: PipelineParams) -> Any:
         world_size=params.launch.world_size,
     )
     summary = result.as_dict()  # the flow's result: JSON for the Prefect API and UI
-    create_markdown_artifact(_markdown(summary), key="pipeline-summary", description=result.message[:500])
+    create_markdown_artifact(_markdown(result), key="pipeline-summary", description=result.message[:500])
     return Completed(message=result.message[:4000], data=summary)
 
 
-def _markdown(summary: dict[str, Any]) -> str:
-    lines = ["# Pipeline", "", f"Work directory: `{summary['workdir']}`", ""]
+def _markdown(result: PipelineResult) -> str:
+    uri = result.tracking_uri
+    lines = ["# Pipeline", "", f"Work directory: `{result.workdir}`", ""]
     lines += ["| stage | status | MLflow run | health (training stages) |", "|---|---|---|---|"]
-    uri = summary.get("tracking_uri")
-    for stage, o in summary["stages"].items():
-        health = (o.get("summary") or {}).get("health", "")  # pretrain / gram: learning, or not and why
-        lines.append(f"| {stage} | {o.get('status')} | {_run_link(uri, o.get('mlflow_run_id'))} | {health} |")
-    lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in summary["paths"].items()]]
-    lines += ["", f"MLflow pipeline run: {_run_link(uri, summary['mlflow_run_id'])} ({uri})"]
+    for stage, o in result.outcomes.items():
+        health = (o.summary.health_report() or "").split("\n")[0]  # pretrain / gram: learning, or not and why
+        lines.append(f"| {stage} | {o.status} | {_run_link(uri, o.mlflow_run_id)} | {health} |")
+    lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in result.paths.named().items()]]
+    lines += ["", f"MLflow pipeline run: {_run_link(uri, result.mlflow_run_id)} ({uri})"]
     return "\n".join(lines) + "\n"
 
 

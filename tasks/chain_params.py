@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dinov3_core.forms import ui
-from dinov3_core.stages import STAGE_NAMES, StageName
+from dinov3_core.stages import STAGES, StageName
 from tasks.launch_params import LaunchParams, LocalLaunch
 from tasks.params import Override, TrackingParams, merge_values
 
@@ -79,7 +79,7 @@ class PipelineParams(BaseModel):
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
-        if STAGE_NAMES.index(self.start_at) > STAGE_NAMES.index(self.stop_after):
+        if STAGES.names.index(self.start_at) > STAGES.names.index(self.stop_after):
             raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
         return self
 

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from dinov3_core.config import load_config
-    from dinov3_core.launch.training import LaunchSettings, stage_job
+    from dinov3_core.launch.training import LaunchSettings
     from dinov3_core.stages import STAGES, get_stage
 
     p = argparse.ArgumentParser(prog="python -m tasks.launch_slurm", description=main.__doc__)
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = LaunchSettings(
         nproc_per_node=args.nproc_per_node, nnodes=args.nodes, rdzv_endpoint="slurm-head:0" if args.nodes > 1 else None
     )
-    job = stage_job(stage, cfg, launch)
+    job = stage.torchrun_job(cfg, launch)
     settings = SlurmSettings(partition=args.partition, gpus_per_node=args.gpus_per_node)
     sys.stdout.write(sbatch_script(job, settings, name=f"wsidino-{args.stage}", workdir=Path(os.getcwd())))
     return 0

@@ -43,7 +43,6 @@ from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.runner import StageOutcome, run_stage
 from dinov3_core.stages import RunHooks, Stage, get_stage
-from dinov3_core.stages.evaluate import EvaluateSummary
 from tasks.launch_k8s import KubernetesRunner
 from tasks.launch_params import KubernetesLaunch, SlurmLaunch
 from tasks.launch_slurm import SlurmRunner
@@ -260,7 +259,7 @@ def _markdown(o: StageOutcome[Any], cfg: Any) -> str:
         lines.append(f"MLflow run: [{m.mlflow_run_id}]({url})" if url else f"MLflow run: `{m.mlflow_run_id}`")
     if m.outputs:
         lines += ["", "| output | path |", "|---|---|", *[f"| {k} | `{v}` |" for k, v in m.outputs.items()]]
-    figures = o.summary.as_dict()
+    figures = o.summary.to_json()
     if figures:
         lines += ["", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in figures.items()]]
     if m.lineage:
@@ -290,8 +289,9 @@ def run_stage_task(
     logger = get_run_logger()
     run_job = cluster_runner(launch)
     spec = get_stage(stage)
-    tile = _TileArtifacts(str(cfg.output)) if spec.progress_bar else None  # slides as they are tiled
-    extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if spec.job_log is not None else None
+    tile = _TileArtifacts(str(cfg.output)) if spec.reports_slides else None  # slides as they are tiled
+    shows = spec.shows_progress(launch) and tile is None
+    extract = _ProgressArtifact(stage, f"Tiles embedded into {cfg.output}") if shows else None
     training = _TrainingArtifacts(stage, cfg) if spec.always_job else None  # iterations and health
     hooks = RunHooks(
         log=training.wrap(logger.info) if training else logger.info,
@@ -311,9 +311,9 @@ def run_stage_task(
         training.finish(outcome.summary.health)
     if tile is not None and outcome.result is not None:
         tile.finish(outcome.result)
-    if isinstance(outcome.summary, EvaluateSummary) and outcome.result is not None:  # what a reviewer reads first
+    if spec.review is not None and outcome.result is not None:  # what a reviewer reads first
         with contextlib.suppress(Exception):
-            create_markdown_artifact(outcome.result.table, key="evaluation", description="Evaluation and decision")
+            create_markdown_artifact(spec.review(outcome.result), key=stage, description=f"{stage}: read this first")
     with contextlib.suppress(Exception):  # outside a Prefect run (plain Python) there is nowhere to publish
         create_markdown_artifact(_markdown(outcome, cfg), key=f"{stage}-stage", description=f"{stage} stage outcome")
     return outcome

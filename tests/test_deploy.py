@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from dinov3_core.config import packaged_config_dir
 from dinov3_core.pipeline.config import load_pipeline_config
-from dinov3_core.pipeline.workdir import stage_config
+from dinov3_core.pipeline.run import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
 from tasks.chain_params import PipelineParams, RetrainParams
 from tasks.launch_params import LAUNCH, KubernetesLaunch, SlurmLaunch
@@ -201,14 +201,16 @@ def test_gpu_deployments(deployments: dict[str, dict[str, Any]]) -> None:
     assert extract.launch.nproc_per_node == 8 and extract.launch.gpu_slots == "gpu-slots"  # a rank per GPU
     assert "precision=bf16" in extract.stage.overrides
     cfg = load_pipeline_config(pipeline.config, pipeline.config_values())
-    assert cfg.pretrain.config == "vitb16-continued" and cfg.weights == pretrain.pretrained_weights
-    assert cfg.tile.config == "cohort-jpeg" and cfg.tile.overrides[-1] == "workers=16"
+    assert cfg.stages["pretrain"].config == "vitb16-continued" and cfg.weights == pretrain.pretrained_weights
+    assert cfg.stages["tile"].config == "cohort-jpeg" and cfg.stages["tile"].overrides[-1] == "workers=16"
 
 
 def test_cpu_pipeline_is_small_and_local(deployments: dict[str, dict[str, Any]]) -> None:
     params = PipelineParams.model_validate(deployments["pipeline"]["parameters"]["params"])
     cfg = load_pipeline_config(params.config, params.config_values())
-    assert cfg.pretrain.config == "cpu" and cfg.gram.config == "cpu"  # gram: 20 % of the cpu pretraining
+    assert (
+        cfg.stages["pretrain"].config == "cpu" and cfg.stages["gram"].config == "cpu"
+    )  # gram: 20 % of the cpu pretraining
     assert stage_config(cfg, "pretrain").train.device == stage_config(cfg, "gram").train.device == "cpu"
     assert params.launch.nproc_per_node == 1 and params.launch.gpu_slots is None
     # Relative to the checkout (the worker's working directory); make serve replaces them with absolute paths.
@@ -268,7 +270,7 @@ def test_retrain_deployments(deployments: dict[str, dict[str, Any]]) -> None:
     gpu = RetrainParams.model_validate(deployments["retrain"]["parameters"]["params"])
     assert gpu.launch.gpu_slots == "gpu-slots" and gpu.launch.nproc_per_node == 8 and gpu.config == "vitb16"
     cfg = load_retrain_config(gpu.config, gpu.config_values())
-    assert cfg.pretrain.config == "vitb16-continued" and cfg.pretrained_weights.endswith(".pth")
+    assert cfg.stages["pretrain"].config == "vitb16-continued" and cfg.pretrained_weights.endswith(".pth")
     cpu = RetrainParams.model_validate(deployments["retrain-cpu"]["parameters"]["params"])
     assert cpu.config == "tiny" and cpu.launch.gpu_slots is None and not Path(cpu.root).is_absolute()
     for name in ("retrain", "retrain-cpu"):  # one cycle at a time per root: later runs queue
@@ -377,7 +379,7 @@ def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: 
     launch config and torchrun log dir on the shared volume, the MLflow run's environment) in the pods; a worker
     without kubectl gets bad input naming what to do, not a retry."""
     from dinov3_core.errors import WsidinoError
-    from dinov3_core.launch.training import stage_job
+    from dinov3_core.stages import get_stage
     from tasks.launch_k8s import KubernetesRunner, dns_name, render
     from tests.helpers import pretrain_config
 
@@ -385,7 +387,7 @@ def test_the_kubernetes_backend_renders_a_stage_job_and_needs_kubectl(tmp_path: 
     assert isinstance(launch, KubernetesLaunch)
     # 12 processes of 8: a global batch they split (the launcher refuses one they cannot, before any pod starts).
     cfg = pretrain_config(tmp_path / "tiles.zarr", tmp_path / "run", **{"train.global_batch_size": 96})
-    job = stage_job("pretrain", cfg, launch, env={"MLFLOW_RUN_ID": "r1"})
+    job = get_stage("pretrain").torchrun_job(cfg, launch, env={"MLFLOW_RUN_ID": "r1"})
     service, manifest = render(job, launch.kubernetes, name=dns_name("wsidino-pretrain-RUN_1"))
     assert service["metadata"]["name"] == manifest["metadata"]["name"] == "wsidino-pretrain-run-1"
     assert manifest["spec"]["completions"] == manifest["spec"]["parallelism"] == 3
@@ -569,7 +571,7 @@ def test_the_screenshots_short_run_is_a_valid_pipeline(tmp_path: Path) -> None:
     params = serve.demo_pipeline_params(tmp_path)
     params = PipelineParams.model_validate({**params, "overrides": [*params["overrides"], *SHORT_RUN]})
     cfg = load_pipeline_config(params.config, params.config_values())
-    assert cfg.pretrain.config == cfg.gram.config == "tiny"
+    assert cfg.stages["pretrain"].config == cfg.stages["gram"].config == "tiny"
     for stage in STAGES:  # each stage's config loads, every override key checked against its dataclass
         stage_config(cfg, stage)
     assert stage_config(cfg, "pretrain").train.stop_at == stage_config(cfg, "gram").train.stop_at == 4

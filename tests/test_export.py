@@ -160,7 +160,7 @@ def test_the_parity_gate_is_relative_to_the_output_scale(converted, tmp_path) ->
 
 
 def test_a_long_model_card_is_cut_at_a_section_for_the_registry() -> None:
-    from dinov3_core.stages.versions import registry_description
+    from dinov3_core.export.model_card import registry_description
 
     card = "# Model\n\nintro\n\n## Training\n" + "| a | b |\n" * 300 + "\n## Evaluation\n" + "| c | d |\n" * 300
     short = registry_description(card, limit=5000)

@@ -84,13 +84,31 @@ STAGES = {
     "dinov3_core.pipeline",
     "dinov3_core.retrain",
 }
-# package → packages it must never import (its modules, at any depth)
-CORE_FORBIDDEN = {
-    "dinov3_core.evaluate": {"dinov3_core.export"},
-    **{f"dinov3_core.{stage}": {"dinov3_core.evaluate"} for stage in ("convert", "export", "extract")},
-    "dinov3_core.inference": STAGES,
-    **{f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data", "train")},
+# The stage list and what runs it sit above every stage's own code.
+CHAINS = {
+    "dinov3_core.stages",
+    "dinov3_core.runner",
+    "dinov3_core.chain",
+    "dinov3_core.pipeline",
+    "dinov3_core.retrain",
 }
+# package → packages it must never import (its modules, at any depth)
+CORE_FORBIDDEN: dict[str, set[str]] = {}
+for rules in (
+    {"dinov3_core.evaluate": {"dinov3_core.export"}},
+    {f"dinov3_core.{stage}": {"dinov3_core.evaluate"} for stage in ("convert", "export", "extract")},
+    {"dinov3_core.inference": STAGES},
+    {f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data", "train")},
+    # A stage's own code never reaches up to the stage list or the chains; the launcher neither.
+    {f"dinov3_core.{p}": CHAINS for p in ("tiling", "train", "gram", "convert", "export", "evaluate", "extract")},
+    {"dinov3_core.launch": CHAINS, "dinov3_core.stage": CHAINS},  # stage: what a stage is, below every stage
+    {"dinov3_core.train": {"dinov3_core.inference"}},  # the training probes use scoring code below both
+):
+    for package, forbidden in rules.items():
+        CORE_FORBIDDEN[package] = CORE_FORBIDDEN.get(package, set()) | forbidden
+# What a stage's manifest keeps (`<package>/summary.py`) is the typed record other packages read across the stage
+# boundary: importing it is not importing that stage.
+SUMMARIES = {f"{p}.summary" for p in STAGES | {"dinov3_core.tiling", "dinov3_core.train"}}
 LAYER_ALLOWED: set[tuple[str, str]] = set()  # none today
 
 
@@ -197,13 +215,17 @@ def _offenders(graph: dict[str, set[str]], rules: dict[str, set[str]], allowed: 
         for module, targets in sorted(graph.items())
         for target in sorted(targets)
         for package, forbidden in rules.items()
-        if within(module, package) and any(within(target, f) for f in forbidden) and (module, target) not in allowed
+        if within(module, package)
+        and any(within(target, f) for f in forbidden)
+        and target not in SUMMARIES
+        and (module, target) not in allowed
     ]
 
 
 def test_dinov3_core_layers() -> None:
-    """evaluate and export never import each other, the inference layer below them neither, and the model, loss,
-    data and training code no stage-level package (TYPE_CHECKING imports count: they are dependencies too)."""
+    """evaluate and export never import each other, the inference layer below them neither, the model, loss,
+    data and training code no stage-level package, and no stage's own code (nor the launcher) the stage list or a
+    chain (TYPE_CHECKING imports count: they are dependencies too)."""
     graph = import_graph(REPO, "dinov3_core", type_checking=True)
     assert all(package in graph for package in CORE_FORBIDDEN)
     assert _offenders(graph, CORE_FORBIDDEN, LAYER_ALLOWED) == []
@@ -231,14 +253,22 @@ def test_the_cycle_finder_sees_a_lazy_cycle(tmp_path: Path) -> None:
 
 def test_the_layer_rules_see_a_forbidden_import() -> None:
     graph = {
-        "dinov3_core.evaluate.x": {"dinov3_core.export.y"},
-        "dinov3_core.train.z": {"dinov3_core.retrain"},
+        "dinov3_core.evaluate.x": {"dinov3_core.export.y", "dinov3_core.export.summary"},
+        "dinov3_core.train.z": {"dinov3_core.retrain", "dinov3_core.inference.label_free"},
         "dinov3_core.export.y": {"dinov3_core.inference.w"},
+        "dinov3_core.launch.training": {"dinov3_core.stages"},
     }
     assert _offenders(graph, CORE_FORBIDDEN, set()) == [
         "dinov3_core.evaluate.x imports dinov3_core.export.y",
+        "dinov3_core.launch.training imports dinov3_core.stages",
+        "dinov3_core.train.z imports dinov3_core.inference.label_free",
         "dinov3_core.train.z imports dinov3_core.retrain",
     ]
-    assert _offenders(graph, CORE_FORBIDDEN, {("dinov3_core.evaluate.x", "dinov3_core.export.y")}) == [
-        "dinov3_core.train.z imports dinov3_core.retrain"
+    allowed = {
+        ("dinov3_core.evaluate.x", "dinov3_core.export.y"),
+        ("dinov3_core.launch.training", "dinov3_core.stages"),
+    }
+    assert _offenders(graph, CORE_FORBIDDEN, allowed) == [
+        "dinov3_core.train.z imports dinov3_core.inference.label_free",
+        "dinov3_core.train.z imports dinov3_core.retrain",
     ]

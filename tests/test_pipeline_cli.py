@@ -17,7 +17,7 @@ import yaml
 from dinov3_core import cli
 from dinov3_core.config import ConfigError, config_dir
 from dinov3_core.pipeline.config import load_pipeline_config, resolve_weights
-from dinov3_core.pipeline.workdir import stage_config
+from dinov3_core.pipeline.run import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
 from tests.browser import needs_chromium, page_text
 from tests.helpers import by_name, read_json
@@ -298,7 +298,7 @@ def test_every_pipeline_config_builds_every_stage(name: str, tmp_path: Path) -> 
 
 def test_a_stage_key_adds_to_the_named_configs_overrides(tmp_path: Path) -> None:
     cfg = load_pipeline_config("cpu", {"slides": "s/", "workdir": str(tmp_path), "tile.filters.pen_filter": True})
-    assert cfg.tile.overrides == ["workers=2", "filters.pen_filter=true"]
+    assert cfg.stages["tile"].overrides == ["workers=2", "filters.pen_filter=true"]
     cfg = load_pipeline_config("cpu", {"slides": "s/", "workdir": str(tmp_path), "tile.workers": 1})
     assert stage_config(cfg, "tile").workers == 1  # the user's value wins over the named config's
     with pytest.raises(ConfigError, match=r"the pipeline .* sets these itself"):

@@ -297,10 +297,12 @@ def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
 def test_training_job_argv(tmp_path) -> None:
     """The one torchrun launcher builds every training command: the resolved config file, standalone or c10d."""
     from dinov3_core.launch import torchrun_argv
-    from dinov3_core.launch.training import LAUNCH_CONFIG, LaunchSettings, stage_job
+    from dinov3_core.launch.job import LAUNCH_CONFIG
+    from dinov3_core.launch.training import LaunchSettings
+    from dinov3_core.stages import get_stage
 
     cfg = tiny(output_dir=str(tmp_path / "run"))
-    job = stage_job("pretrain", cfg, LaunchSettings(nproc_per_node=4), env={"MLFLOW_RUN_ID": "r1"})
+    job = get_stage("pretrain").torchrun_job(cfg, LaunchSettings(nproc_per_node=4), env={"MLFLOW_RUN_ID": "r1"})
     cmd = torchrun_argv(job)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
@@ -308,7 +310,7 @@ def test_training_job_argv(tmp_path) -> None:
     assert cmd[-4:] == ["-m", "dinov3_core.train", "--config", str(saved.resolve())]
     assert load_config(C.PretrainConfig, saved, {}) == cfg  # every rank loads exactly this config
     multi = torchrun_argv(
-        stage_job("gram", cfg, LaunchSettings(nproc_per_node=8, nnodes=2, rdzv_endpoint="head:29400"))
+        get_stage("gram").torchrun_job(cfg, LaunchSettings(nproc_per_node=8, nnodes=2, rdzv_endpoint="head:29400"))
     )
     assert "--standalone" not in multi and "dinov3_core.gram" in multi
     assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=wsidino-gram-run"} <= set(

@@ -18,7 +18,7 @@ import yaml
 from dinov3_core.config import ConfigError
 from dinov3_core.retrain import retention
 from dinov3_core.retrain.config import RetentionConfig, RetrainError, load_retrain_config
-from dinov3_core.retrain.cycles import CycleLayout, CycleRecord, list_cycles, open_cycle, root_lock
+from dinov3_core.retrain.cycles import CycleLayout, CycleRecord, Decision, list_cycles, open_cycle, root_lock
 from dinov3_core.retrain.snapshot import SlideRecord, Snapshot, compare
 from tests.helpers import REPO
 
@@ -37,12 +37,21 @@ def test_compare_names_new_rescanned_and_removed_slides() -> None:
 
 def test_stage_keys_go_to_their_stage_and_typos_are_named() -> None:
     cfg = load_retrain_config("tiny", ["pretrain.train.stop_at=4", "trigger.min_new_slides=3", "root=r", "slides=s"])
-    assert cfg.pretrain.config == "cpu" and cfg.pretrain.overrides == ["train.stop_at=4"]
+    assert cfg.stages["pretrain"].config == "cpu" and cfg.stages["pretrain"].overrides == ["train.stop_at=4"]
     assert cfg.trigger.min_new_slides == 3
     with pytest.raises(ConfigError, match=r"did you mean 'trigger\.min_new_slides'"):
         load_retrain_config("tiny", ["triger.min_new_slides=3", "root=r", "slides=s"])
     with pytest.raises(ConfigError, match="warm_start=released needs pretrained_weights"):
         load_retrain_config("tiny", ["warm_start=released", "root=r", "slides=s"])
+    with pytest.raises(ConfigError, match=r"stages\.pretrian: 'pretrian' is not a stage \(did you mean 'pretrain'"):
+        load_retrain_config("tiny", ["stages.pretrian.config=cpu", "root=r", "slides=s"])
+
+
+def test_a_config_file_of_the_old_layout_is_told_where_stage_choices_go(tmp_path: Path) -> None:
+    old = tmp_path / "old.yaml"
+    old.write_text("pretrain: {config: cpu}\n")
+    with pytest.raises(ConfigError, match=r"'pretrain' in config file .*old\.yaml is now 'stages\.pretrain'"):
+        load_retrain_config(str(old), ["root=r", "slides=s"])
 
 
 def test_a_retry_resumes_its_cycle_and_a_new_attempt_abandons_an_interrupted_one(tmp_path: Path) -> None:
@@ -68,7 +77,7 @@ def test_one_cycle_per_root_at_a_time(tmp_path: Path) -> None:
 def _cycle(layout: CycleLayout, number: int, status: str, promoted: bool | None = None) -> CycleRecord:
     record = CycleRecord(f"{number:04d}-20261124", number, f"run-{number}", status=status)  # type: ignore[arg-type]
     if promoted is not None:
-        record.decision = {"promoted": promoted}
+        record.decision = Decision(promoted)
     d = layout.cycle_dir(record.id)
     for sub in ("pretrain/ckpt/7", "pretrain/eval/training_7", "gram/ckpt/9", "model", "evaluation/cache"):
         (d / sub).mkdir(parents=True)

@@ -9,9 +9,9 @@ import pytest
 
 from dinov3_core.config import load_config
 from dinov3_core.export.config import ExportConfig
+from dinov3_core.export.summary import ExportSummary
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.runner import run_stage
-from dinov3_core.stages.export import ExportSummary
 from tests.helpers import sqlite_uri
 
 

@@ -109,9 +109,9 @@ def test_damaged_model_files_rerun_their_stage_and_a_replaced_input_is_refused(r
 
 
 def test_a_registered_champion_file_that_is_not_the_registered_one_is_refused(tmp_path: Path) -> None:
+    from dinov3_core.export.summary import ONNX_SHA_TAG
     from dinov3_core.retrain.config import RetrainError
     from dinov3_core.retrain.registry import Champion
-    from dinov3_core.stages.export import ONNX_SHA_TAG
 
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"onnx bytes" * 100)

@@ -21,6 +21,7 @@ import yaml
 from dinov3_core import manifest as mf
 from dinov3_core import tracking
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
+from dinov3_core.export.summary import ExportSummary
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,9 @@ def candidate_model(cfg: EvaluateConfig) -> ModelUnderTest:
     path = Path(cfg.candidate)
     producer = mf.producer_manifest(path)
     version = None
-    if (
-        producer is not None
-        and producer.stage == "export"
-        and producer.summary.get("registered_model") == cfg.register_name
-    ):
-        version = producer.summary.get("model_version")
+    if producer is not None and producer.stage == "export":
+        export = ExportSummary.from_json(producer.summary)
+        version = export.model_version if export.registered_model == cfg.register_name else None
     note = f"registry {cfg.register_name} v{version}" if version else "not registered"
     return ModelUnderTest("candidate", path, f"{path.name} ({note})", str(version) if version else None)
 

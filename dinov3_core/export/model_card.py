@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from dinov3_core import manifest as mf
+from dinov3_core import tracking
 from dinov3_core.files import write_text_atomic
 from dinov3_core.tiling import store as ts
 
@@ -159,4 +160,38 @@ def add_evaluation(candidate: Path, table: str, decision: str) -> Path | None:
     return write_text_atomic(card, text)
 
 
-__all__ = ["CARD_FILE", "HF_CARD", "HF_DIR", "add_evaluation", "training_record", "write_model_card"]
+def describe_version(cfg: Any, name: str, version: str | None, card: Path | None) -> None:
+    """The model card as the registered version's description (what the MLflow UI shows on its page)."""
+    if not version or card is None or not cfg.tracking.enabled:
+        return
+    from mlflow import MlflowClient  # deferred: mlflow is slow to import, and most commands never need it
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
+    client.update_model_version(name, str(version), description=registry_description(card.read_text(), card.name))
+
+
+DESCRIPTION_LIMIT = 5000  # characters MLflow's SQL registry stores for a version's description
+
+
+def registry_description(card: str, name: str = "MODEL_CARD.md", limit: int = DESCRIPTION_LIMIT) -> str:
+    """The card as it fits the registry: whole, or cut before the first section that does not fit (never inside a
+    table or a sentence), with a line saying where the full card is."""
+    if len(card) <= limit:
+        return card
+    note = f"\n\n_The registry keeps {limit:,} characters: the full card is {name} beside the model file._\n"
+    room = limit - len(note)
+    cut = card.rfind("\n## ", 0, room)
+    return card[: cut if cut > 0 else card.rfind("\n", 0, room)].rstrip() + note
+
+
+__all__ = [
+    "CARD_FILE",
+    "DESCRIPTION_LIMIT",
+    "HF_CARD",
+    "HF_DIR",
+    "add_evaluation",
+    "describe_version",
+    "registry_description",
+    "training_record",
+    "write_model_card",
+]

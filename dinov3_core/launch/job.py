@@ -15,6 +15,8 @@ from typing import Any
 
 from dinov3_core.procutil import PARENT_PID_ENV
 
+LAUNCH_CONFIG = "launch_config.yaml"  # the resolved stage config every rank loads, in the job's directory
+
 DEFAULT_RDZV_ID = "wsidino"
 #: Environment variable holding a per-launch token: every process of the job inherits it, so processes orphaned
 #: by a dead torchrun (reparented to init, no longer its descendants) can still be found and stopped.

@@ -1,7 +1,7 @@
 """How a stage runs as a torchrun job: `LaunchSettings` (processes, nodes, GPUs, limits) → one `TorchrunJob`.
 
 Pretrain and gram always run as a job; extract does when the launch asks for more than one process (each stage's
-`Stage.job_module`, `job_dir` and `job_check` say how; `dinov3_core.stages`). The same
+`Stage.job_module`, `job_dir` and `job_check` say how, and `Stage.torchrun_job` builds the job). The same
 settings come from `wsidino pretrain --nproc-per-node …` and from the Prefect forms (this pydantic model is the
 form's "Launch" section), so every bound is declared here once. The resolved stage config is written to
 `<job dir>/launch_config.yaml` (the run directory; for extract the folder beside the feature store) and every rank
@@ -10,17 +10,9 @@ loads it: ranks, retries and the stage manifest all see one config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dinov3_core.forms import ui
-from dinov3_core.launch.job import TorchrunJob
-
-if TYPE_CHECKING:  # the launcher stays light: stages pull in the stage configs
-    from dinov3_core.stages import Stage
-
-LAUNCH_CONFIG = "launch_config.yaml"
 
 
 class LaunchSettings(BaseModel):
@@ -95,39 +87,4 @@ class LaunchSettings(BaseModel):
         return self
 
 
-def stage_job(
-    stage: Stage[Any] | str, cfg: Any, launch: LaunchSettings, env: dict[str, str] | None = None
-) -> TorchrunJob:
-    """The torchrun job of a stage (`pretrain`, `gram`, `extract`) for its resolved config.
-
-    Args:
-        stage: The stage (or its name); its `job_module` is what every rank runs.
-        cfg: The stage's typed config; written to `<job dir>/launch_config.yaml` for the ranks.
-        launch: Processes, nodes, rendezvous, GPUs and the wall-clock limit.
-        env: Extra environment for every rank (the MLflow run to join).
-    """
-    from dinov3_core.config import save_config
-    from dinov3_core.stages import get_stage  # deferred: the launcher itself stays light (no stage configs)
-
-    stage = get_stage(stage)
-    assert stage.job_module is not None and stage.job_dir is not None, f"{stage.name} has no torchrun job"
-    if stage.job_check is not None:
-        # Bad settings fail here with the keys to change (exit code 2), before torchrun starts a rank.
-        stage.job_check(cfg, launch.world_size)
-    where = stage.job_dir(cfg)
-    cfg_path = save_config(cfg, where / LAUNCH_CONFIG)
-    return TorchrunJob(
-        module=stage.job_module,
-        args=["--config", str(cfg_path.resolve())],
-        nproc_per_node=launch.nproc_per_node,
-        nnodes=launch.nnodes,
-        rdzv_endpoint=launch.rdzv_endpoint,
-        rdzv_id=f"wsidino-{stage.name}-{where.name}",
-        cuda_visible_devices=launch.cuda_visible_devices,
-        env=dict(env or {}),
-        log_dir=where / "torchrun_logs",
-        timeout_s=launch.timeout_hours * 3600 if launch.timeout_hours else None,
-    )
-
-
-__all__ = ["LAUNCH_CONFIG", "LaunchSettings", "stage_job"]
+__all__ = ["LaunchSettings"]

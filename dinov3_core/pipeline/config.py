@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from dinov3_core.chain import StageChoice, add_stage_overrides, route_overrides
+from dinov3_core.chain import ChainConfig, StageChoice, add_stage_overrides, default_choices, route_overrides
 from dinov3_core.config import ConfigError, load_config, parse_overrides
-from dinov3_core.stages import STAGE_NAMES, get_stage
+from dinov3_core.stages import STAGES, get_stage
 from dinov3_core.tracking import TrackingConfig
 
 WEIGHTS_DIR_ENV = "WSIDINO_WEIGHTS_DIR"
@@ -33,7 +33,7 @@ def _stage(value: str, key: str) -> None:
 
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(ChainConfig):
     """Slides → tiles → pretraining → gram → backbone → ONNX → evaluation → features under `workdir`."""
 
     slides: str = MISSING  # a directory (searched recursively), a glob, a slide file, or a .txt/.csv list
@@ -50,31 +50,25 @@ class PipelineConfig:
     # champion: extract with the registry's @champion after evaluation (the candidate when it was promoted or
     # there is no champion yet); candidate: with this run's model.
     extract_model: Literal["champion", "candidate"] = "champion"
-    tile: StageChoice = field(default_factory=lambda: StageChoice("default"))
-    pretrain: StageChoice = field(default_factory=lambda: StageChoice("cpu"))
-    gram: StageChoice = field(default_factory=lambda: StageChoice("tiny"))
-    convert: StageChoice = field(default_factory=StageChoice)
-    export: StageChoice = field(default_factory=StageChoice)
-    evaluate: StageChoice = field(default_factory=StageChoice)
-    extract: StageChoice = field(default_factory=StageChoice)
+    # Each stage's named config and overrides (`pretrain.config=vitb16-1gpu`, `pretrain.train.stop_at=100`)
+    stages: dict[str, StageChoice] = field(default_factory=default_choices)
     # uri null: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db (artifacts in <workdir>/mlartifacts)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _stage(self.start_at, "start_at")
         _stage(self.stop_after, "stop_after")
         for name in self.force:
             _stage(name, "force")
-        if STAGE_NAMES.index(self.start_at) > STAGE_NAMES.index(self.stop_after):
+        names = STAGES.names
+        if names.index(self.start_at) > names.index(self.stop_after):
             raise ConfigError(f"{self.start_at} comes after stop_after={self.stop_after}", key="start_at")
-
-    def choice(self, stage: str) -> StageChoice:
-        return getattr(self, stage)
 
     def selected(self) -> list[str]:
         """The stages this run covers, in order (gram left out when gram anchoring is off)."""
-        chosen = STAGE_NAMES[STAGE_NAMES.index(self.start_at) : STAGE_NAMES.index(self.stop_after) + 1]
-        return [s for s in chosen if s != "gram" or self.gram_anchoring]
+        names = STAGES.names
+        return self.chained(names[names.index(self.start_at) : names.index(self.stop_after) + 1])
 
     def tracking_uri(self) -> str:
         """The configured server or store, else $MLFLOW_TRACKING_URI, else a SQLite store in the workdir."""

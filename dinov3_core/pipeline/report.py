@@ -6,15 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dinov3_core.stages.evaluate import EvaluateSummary
-from dinov3_core.stages.export import ExportSummary
-from dinov3_core.stages.training import TrainingSummary
+from dinov3_core.stages import get_stage
 
 if TYPE_CHECKING:
-    from dinov3_core.pipeline.workdir import PipelineResult
-
-# The training summary's health figures (dinov3_core.stages.training), in the order they are printed.
-HEALTH_FIGURES = ("iteration", "dino_gap", "teacher_entropy", "agreement", "effective_rank", "invariance")
+    from dinov3_core.pipeline.run import PipelineResult
 
 
 def stage_table(result: PipelineResult) -> str:
@@ -24,16 +19,10 @@ def stage_table(result: PipelineResult) -> str:
     return "\n".join(lines)
 
 
-def training_health(result: PipelineResult) -> str:
+def training_health(result: PipelineResult) -> str | None:
     """Each training stage's health verdict and last figures, to read beside the evaluation table."""
-    lines = ['\n=== training health (docs/stages.md: "Is it learning?")']
-    for stage, o in result.outcomes.items():
-        if not isinstance(o.summary, TrainingSummary):
-            continue
-        figures = o.summary.as_dict()
-        values = ", ".join(f"{k} {figures[k]}" for k in HEALTH_FIGURES if k in figures)
-        lines.append(f"  {stage:<9} {o.summary.health or 'no verdict'}\n            {values}")
-    return "\n".join(lines)
+    lines = [f"  {stage:<9} {health}" for stage, o in result.outcomes.items() if (health := o.summary.health_report())]
+    return '\n=== training health (docs/stages.md: "Is it learning?")\n' + "\n".join(lines) if lines else None
 
 
 def experiment_page(uri: str, experiment: str) -> str:
@@ -49,32 +38,15 @@ def experiment_page(uri: str, experiment: str) -> str:
 
 
 def where_everything_is(result: PipelineResult, experiment: str, seconds: float) -> str:
-    p = result.paths
-    summaries = {s: o.summary for s, o in result.outcomes.items()}
-    gram = summaries.get("gram")
-    export = summaries.get("export")
-    evaluate = summaries.get("evaluate")
     uri = result.tracking_uri or ""
-    promoted = " → promoted to @champion" if isinstance(evaluate, EvaluateSummary) and evaluate.promoted else ""
-    registered = (
-        f"  (registered as {export.registered_model} v{export.model_version} @{export.alias}{promoted})"
-        if isinstance(export, ExportSummary) and export.registered_model
-        else ""
-    )
-    teacher = gram.gram_teacher if isinstance(gram, TrainingSummary) else None
     status = ", ".join(f"{s} {o.status}" for s, o in result.outcomes.items())
-    lines = [
-        f"\nPipeline finished in {seconds:.0f} s: {status}.",
-        "",
-        f"  tile store        {p.tile_store}  (QC pictures: slides/<id>/qc_thumbnail.png, qc_mask.png)",
-        f"  pretraining       {p.pretrain}  (ckpt/, eval/training_<it>/teacher_checkpoint.pth, loss_curve.png)",
-        f"  gram anchoring    {p.gram}" + (f"  (teacher {teacher})" if teacher else ""),
-        f"  model             {p.model_dir}  (backbone.pth in the released key layout, model.onnx, MODEL_CARD.md)"
-        + registered,
-        f"  evaluation        {p.evaluation}  (evaluation.md, evaluation.json, confusion_*.png, embedding_*.png)",
-        f"  features          {p.features}  (pictures: {p.features.parent / 'features'}/<id>/pca.png)",
-        f"  MLflow            {uri}  (pipeline run {result.mlflow_run_id}, one child run per stage)",
-    ]
+    lines = [f"\nPipeline finished in {seconds:.0f} s: {status}.", ""]
+    for name, path in result.paths.named().items():
+        contents = get_stage(name).place.contents
+        outcome = result.outcomes.get(name)
+        note = outcome.summary.note() if outcome is not None else ""
+        lines.append(f"  {name:<9} {path}" + (f"  ({contents})" if contents else "") + (f"; {note}" if note else ""))
+    lines.append(f"  {'MLflow':<9} {uri}  (pipeline run {result.mlflow_run_id}, one child run per stage)")
     if uri.startswith("sqlite:///"):
         page = experiment_page(uri, experiment)
         lines += [
@@ -103,17 +75,18 @@ def _mlflow_command() -> str:
 
 def final_report(result: PipelineResult, experiment: str, seconds: float) -> str:
     parts = [stage_table(result)]
-    if any(isinstance(o.summary, TrainingSummary) for o in result.outcomes.values()):
-        parts.append(training_health(result))
-    evaluation = result.outcomes.get("evaluate")
-    if evaluation is not None and isinstance(evaluation.summary, EvaluateSummary) and evaluation.summary.evidence:
-        parts.append(f"\n=== gate\n  {evaluation.summary.evidence}")
-    table = result.paths.evaluation / "evaluation.md"
+    health = training_health(result)
+    if health:
+        parts.append(health)
+    verdicts = [f"  {v}" for o in result.outcomes.values() if (v := o.summary.verdict())]
+    if verdicts:
+        parts.append("\n=== gate\n" + "\n".join(verdicts))
+    evaluation = result.paths.output("evaluate") / "evaluation.md" if "evaluate" in result.paths.places else None
     evaluate = result.outcomes.get("evaluate")
-    if evaluate is not None and evaluate.status == "skipped" and table.is_file():  # else just printed
-        parts.append("\n" + table.read_text())
+    if evaluate is not None and evaluate.status == "skipped" and evaluation and evaluation.is_file():  # else printed
+        parts.append("\n" + evaluation.read_text())
     parts.append(where_everything_is(result, experiment, seconds))
     return "\n".join(parts)
 
 
-__all__ = ["HEALTH_FIGURES", "experiment_page", "final_report", "training_health", "where_everything_is"]
+__all__ = ["experiment_page", "final_report", "training_health", "where_everything_is"]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from dinov3_core.chain import StageChoice, add_stage_overrides, route_overrides
+from dinov3_core.chain import ChainConfig, StageChoice, add_stage_overrides, default_choices, route_overrides
 from dinov3_core.config import ConfigError, load_config, parse_overrides, require
 from dinov3_core.errors import WsidinoError
 from dinov3_core.tracking import TrackingConfig
@@ -74,7 +74,7 @@ class RetentionConfig:
 
 
 @dataclass
-class RetrainConfig:
+class RetrainConfig(ChainConfig):
     """One retraining cycle over the cohort under `root` (see docs/retraining.md)."""
 
     slides: str = MISSING  # the cohort's slides: directory, glob, or .txt/.csv list (grows between cycles)
@@ -89,17 +89,9 @@ class RetrainConfig:
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     length: LengthConfig = field(default_factory=LengthConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
-    tile: StageChoice = field(default_factory=lambda: StageChoice("default"))
-    pretrain: StageChoice = field(default_factory=lambda: StageChoice("vitb16-continued"))
-    gram: StageChoice = field(default_factory=lambda: StageChoice("vitb16"))
-    convert: StageChoice = field(default_factory=StageChoice)
-    export: StageChoice = field(default_factory=StageChoice)
-    evaluate: StageChoice = field(default_factory=StageChoice)
-    extract: StageChoice = field(default_factory=StageChoice)
+    # Each stage's named config and overrides (`pretrain.config=vitb16-continued`, `pretrain.train.stop_at=100`)
+    stages: dict[str, StageChoice] = field(default_factory=default_choices)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-
-    def choice(self, stage: str) -> StageChoice:
-        return getattr(self, stage)
 
 
 def load_retrain_config(config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> RetrainConfig:

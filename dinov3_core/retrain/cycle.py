@@ -1,10 +1,16 @@
 """One retraining cycle, top to bottom. `wsidino retrain` and the `retrain` Prefect flow both call `run_cycle`;
 they differ only in the `StageRunner` (the stage runner in this process, or the Prefect stage tasks).
 
-    lock the root → open the cycle (resume it on a retry) → tile the cohort (new slides only) → snapshot →
-    trigger? ─no→ skipped (extract new slides with the champion)
-             └yes→ warm start → pretrain → gram → convert → export (candidate, tagged with cycle + snapshot)
-                   → evaluate (the gate moves @champion or not) → extract with the champion → retention
+    lock the root → open the cycle (resume it on a retry) → every stage of `STAGES` in order:
+      the cohort's stages (`Place.scope == "cohort"`: tile, extract) every cycle,
+      the cycle's own (pretrain … evaluate) only when the trigger says train,
+    with what the cycle adds around a stage in `HOOKS`, keyed by stage:
+      tile → snapshot, trigger?   (the training stages) → warm start, length, batch checks on the snapshot
+      export → version tagged with cycle + snapshot   evaluate → the gate's decision recorded
+      extract → with the champion, into its feature store
+    → retention (a trained cycle)
+
+A stage `STAGES` gains runs in every cycle by that rule; `stage_configs.NOT_IN_A_CYCLE` names those it must not.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Any
 import yaml
 
 from dinov3_core.chain import StageRunner, check_before_work
+from dinov3_core.evaluate.summary import EvaluateSummary
+from dinov3_core.export.summary import WEIGHTS_SHA_TAG, ExportSummary
+from dinov3_core.extract.summary import ExtractSummary
 from dinov3_core.retrain import registry, retention
 from dinov3_core.retrain import stage_configs as sc
 from dinov3_core.retrain.config import RetrainConfig, RetrainError
@@ -26,12 +35,18 @@ from dinov3_core.retrain.cycles import (
     CLI_ATTEMPT,
     CycleLayout,
     CycleRecord,
+    Decision,
+    Retention,
+    SnapshotSummary,
+    StageRun,
+    Trigger,
+    WarmStart,
     list_cycles,
     open_cycle,
     root_lock,
     utc_now,
 )
-from dinov3_core.retrain.features import extract_with_champion
+from dinov3_core.retrain.features import ChampionStore, champion_store, record_features
 from dinov3_core.retrain.snapshot import (
     Snapshot,
     compare,
@@ -41,10 +56,8 @@ from dinov3_core.retrain.snapshot import (
     write_snapshot,
 )
 from dinov3_core.runner import StageOutcome
-from dinov3_core.stages import get_stage
-from dinov3_core.stages.evaluate import EvaluateSummary
-from dinov3_core.stages.export import WEIGHTS_SHA_TAG, ExportSummary
-from dinov3_core.stages.tile import TileSummary
+from dinov3_core.stages import Stage, get_stage
+from dinov3_core.tiling.summary import TileSummary
 
 
 @dataclass
@@ -56,54 +69,106 @@ class CycleResult:
         return {"message": self.message, **asdict(self.record)}
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What a cycle adds around one stage.
+
+    config: the stage's config in this cycle; None when it does not run this time (the hook recorded why).
+        Default: `stage_configs.build` on the snapshot's slides.
+    after: what the cycle does with the stage's outcome (record it, tag it, decide on it).
+    """
+
+    config: Callable[[_Cycle, Stage[Any]], Any] | None = None
+    after: Callable[[_Cycle, StageOutcome[Any]], None] | None = None
+
+
 class _Cycle:
     def __init__(self, cfg: RetrainConfig, run: StageRunner, log: Callable[[str], None], world_size: int = 1) -> None:
         self.cfg, self.run_stage, self.log, self.world_size = cfg, run, log, world_size
         self.layout = CycleLayout(Path(cfg.root).resolve())
         self.record: CycleRecord
         self.parent: str | None = None
+        self.resumed = False
+        self.snap: Snapshot | None = None  # the cycle's data, fixed once recorded (after tile)
+        self.champion: registry.Champion | None = None  # @champion when the cycle's training started
+        self.configs: dict[str, Any] = {}  # each stage's config as it ran
+        self.training: dict[str, Any] | None = None  # the cycle's own stages' configs, checked before the first
+        self.target: ChampionStore | None = None  # where extract puts the champion's features
+        self.candidate_version: str | None = None
+        self.decided: bool | None = None  # the trigger's decision, once taken
 
     def save(self) -> None:
         self.record.save(self.layout)
 
+    def run(self) -> None:
+        """Every stage of the cycle in order, each with its hooks; the cycle's own stages only when it trains."""
+        for name in self.cfg.chained(sc.cycle_stages()):
+            stage = get_stage(name)
+            if stage.place.scope == "cycle" and not self.trains():
+                continue
+            hooks = HOOKS.get(name, Hooks())
+            if stage.place.scope == "cycle":
+                cfg = self.training_configs()[name]
+            else:
+                cfg = (hooks.config or _Cycle.build)(self, stage)
+            if cfg is None:
+                continue
+            self.configs[name] = cfg
+            outcome = self.stage(name, cfg)
+            if hooks.after is not None:
+                hooks.after(self, outcome)
+
     def stage(self, name: str, cfg: Any) -> StageOutcome[Any]:
         start = time.perf_counter()
-        self.record.stages[name] = {"status": "running", "started_at": utc_now()}
+        self.record.stages[name] = StageRun("running", started_at=utc_now())
         self.save()
         outcome = self.run_stage(get_stage(name), cfg, self.parent)
-        self.record.stages[name] = {
-            "status": outcome.status,
-            "reason": outcome.reason,
-            "seconds": round(time.perf_counter() - start, 1),
-            "mlflow_run_id": outcome.mlflow_run_id,
-        }
+        seconds = round(time.perf_counter() - start, 1)
+        self.record.stages[name] = StageRun(
+            outcome.status, self.record.stages[name].started_at, outcome.reason, seconds, outcome.mlflow_run_id
+        )
         self.save()
         return outcome
 
-    # ------------------------------------------------------------------------------------------------ steps
+    def build(self, stage: Stage[Any], **given: Any) -> Any:
+        slide_ids = self.snap.slide_ids if self.snap is not None else None
+        return sc.build(self.cfg, stage, self.layout, self.record.id, **{"slide_ids": slide_ids, **given})
 
-    def snapshot(self, resumed: bool) -> Snapshot:
-        """The cycle's data, fixed once recorded: a resumed cycle trains on what it started with."""
-        cycle_dir = self.layout.cycle_dir(self.record.id)
-        recorded = read_snapshot(cycle_dir) if resumed else None
+    def training_configs(self) -> dict[str, Any]:
+        """The configs of the cycle's own stages, built once before the first of them runs (the warm start is
+        decided then) and checked together on the snapshot's tiles."""
+        if self.training is None:
+            assert self.snap is not None
+            self.champion = registry.champion(self.cfg)
+            names = [n for n in self.cfg.chained(sc.cycle_stages()) if get_stage(n).place.scope == "cycle"]
+            built = {}
+            for name in names:
+                hooks = HOOKS.get(name, Hooks())
+                built[name] = (hooks.config or _Cycle.build)(self, get_stage(name))
+            tiles = self.layout.root / get_stage("tile").place.name
+            check_before_work(built, tiles, self.world_size, when=f"on the snapshot's {self.snap.tiles} tiles")
+            self.training = built
+        return self.training
+
+    # ------------------------------------------------------------------------------------------------ tile
+
+    def tiled_or_recorded(self, stage: Stage[Any]) -> Any:
+        """A resumed cycle trains on the snapshot it started with: its tiles are not looked at again."""
+        recorded = read_snapshot(self.layout.cycle_dir(self.record.id)) if self.resumed else None
         if recorded is not None:
             self.log(f"retrain {self.record.id}: resumed on its recorded snapshot {recorded.hash}")
-            return recorded
-        tile_cfg = sc.build(self.cfg, "tile", self.layout, self.record.id)
-        tile: StageOutcome[TileSummary] = self.stage("tile", tile_cfg)
-        failed = tile.summary.failed_slides
-        snap = take_snapshot(self.layout.tile_store, cohort=cohort_ids(tile_cfg))
-        write_snapshot(snap, cycle_dir)
-        self.record.snapshot = {
-            "hash": snap.hash,
-            "n_slides": len(snap.slides),
-            "tiles": snap.tiles,
-            "failed_slides": failed,
-        }
+            self.snap = recorded
+            return None
+        return sc.build(self.cfg, stage, self.layout, self.record.id)
+
+    def take_snapshot(self, tile: StageOutcome[TileSummary]) -> None:
+        snap = take_snapshot(self.layout.root / get_stage("tile").place.name, cohort=cohort_ids(self.configs["tile"]))
+        write_snapshot(snap, self.layout.cycle_dir(self.record.id))
+        self.record.snapshot = SnapshotSummary(snap.hash, len(snap.slides), snap.tiles, tile.summary.failed_slides)
         if self.parent:
             log_dataset_input(snap, self.parent, registry_uri(self.cfg))
+        self.snap = snap
         self.save()
-        return snap
 
     def reference(self) -> tuple[Snapshot | None, str]:
         """The snapshot new data is counted against: the newest trained cycle's (so a candidate that was not
@@ -115,17 +180,24 @@ class _Cycle:
                     return snap, f"cycle {c.id}"
         return None, "no trained cycle yet"
 
-    def trigger(self, snap: Snapshot) -> bool:
-        if self.record.trigger.get("train"):  # decided by the attempt that crashed
-            return True
-        t = self.cfg.trigger
+    def trains(self) -> bool:
+        """Whether this cycle trains: decided once on the snapshot (a resumed cycle keeps an attempt's decision
+        to train)."""
+        if self.decided is None:
+            # an attempt that crashed decided to train: this one goes on training
+            self.decided = (self.record.trigger is not None and self.record.trigger.train) or self.trigger()
+        return self.decided
+
+    def trigger(self) -> bool:
+        assert self.snap is not None, "the trigger needs the snapshot: tile comes first"
+        snap, t = self.snap, self.cfg.trigger
         reference, since = self.reference()
         change = compare(snap, reference)
         needs = f"needs ≥ {max(1, t.min_new_slides)} new slide(s)" + (
             f" and ≥ {t.min_new_tiles} new tiles" if t.min_new_tiles else ""
         )
         if not snap.slides:
-            train, reason = False, f"the tile store {self.layout.tile_store} holds no tiles (check the slides)"
+            train, reason = False, f"the tile store under {self.layout.root} holds no tiles (check the slides)"
         elif t.force:
             train, reason = True, f"forced (trigger.force); since {since}: {change.describe()}"
         elif reference is None:
@@ -135,15 +207,17 @@ class _Cycle:
             reason = f"since {since}: {change.describe()}" + ("" if train else f"; {needs}")
         if change.removed:
             self.log(f"retrain {self.record.id}: slides gone from the cohort since {since}: {change.removed}")
-        self.record.trigger = {"train": train, "reason": reason, "since": since, "change": change.as_dict()}
+        self.record.trigger = Trigger(train, reason, since, change.as_dict())
         self.save()
         return train
 
-    def warm_start(self, champion: registry.Champion | None, pretrain: Any) -> str | None:
+    # ------------------------------------------------------------------------------------------- training
+
+    def warm_start(self, pretrain: Any) -> str | None:
         """The weights this cycle starts from, recorded in the cycle (a resumed cycle keeps its choice)."""
-        if self.record.warm_start:
-            return self.record.warm_start.get("path")
-        mode = self.cfg.warm_start
+        if self.record.warm_start is not None:
+            return self.record.warm_start.path
+        mode, champion = self.cfg.warm_start, self.champion
         if mode in ("auto", "champion") and champion is not None:
             weights = champion.weights
             if weights is None or not weights.is_file():
@@ -154,13 +228,13 @@ class _Cycle:
                 )
             champion.verified(weights, WEIGHTS_SHA_TAG)  # a replaced or damaged champion file is never trained on
             check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
-            choice = {"source": "champion", "path": str(weights), "version": champion.version, "cycle": champion.cycle}
+            choice = WarmStart("champion", str(weights), champion.version, champion.cycle)
         elif mode == "champion":
             raise RetrainError(f"warm_start=champion, but {self.cfg.register_name} has no @champion yet")
         elif mode in ("auto", "released") and self.cfg.pretrained_weights:
             if not Path(self.cfg.pretrained_weights).is_file():
                 raise RetrainError(f"pretrained_weights={self.cfg.pretrained_weights}: file not found")
-            choice = {"source": "released", "path": str(Path(self.cfg.pretrained_weights).resolve())}
+            choice = WarmStart("released", str(Path(self.cfg.pretrained_weights).resolve()))
         else:
             if pretrain.student.arch == "auto":
                 raise RetrainError(
@@ -168,56 +242,76 @@ class _Cycle:
                     "the architecture from those weights: set pretrain.student.arch (e.g. vitb16) or "
                     "pretrained_weights"
                 )
-            choice = {"source": "scratch", "path": None}
+            choice = WarmStart("scratch")
         self.record.warm_start = choice
         self.save()
-        return choice["path"]
+        return choice.path
 
-    def train_and_gate(self, snap: Snapshot, champion: registry.Champion | None) -> None:
-        cfg, layout, cid = self.cfg, self.layout, self.record.id
-        probe = sc.build(cfg, "pretrain", layout, cid, slide_ids=snap.slide_ids, weights="(warm start)")
-        weights = self.warm_start(champion, probe)
-        length = sc.training_length(cfg, probe, snap.tiles)
-        pretrain = sc.build(cfg, "pretrain", layout, cid, slide_ids=snap.slide_ids, weights=weights, length=length)
+    @property
+    def warm_source(self) -> str | None:
+        return self.record.warm_start.source if self.record.warm_start else None
+
+    def warm_started(self, stage: Stage[Any]) -> Any:
+        """pretrain from the cycle's warm start, as long as the cycle's length says."""
+        assert self.snap is not None
+        weights = self.warm_start(self.build(stage, weights="(warm start)"))
+        length = sc.training_length(self.cfg, self.build(stage, weights=weights), self.snap.tiles)
+        cfg = self.build(stage, weights=weights, length=length)
         self.log(
-            f"retrain {cid}: training {pretrain.optim.epochs * pretrain.train.epoch_length} iterations on "
-            f"{len(snap.slides)} slides ({snap.tiles} tiles), warm start: {self.record.warm_start['source']}"
+            f"retrain {self.record.id}: training {cfg.optim.epochs * cfg.train.epoch_length} iterations on "
+            f"{len(self.snap.slides)} slides ({self.snap.tiles} tiles), warm start: {self.warm_source}"
         )
-        training = {"pretrain": pretrain}
-        if cfg.gram_anchoring:
-            training["gram"] = sc.build(cfg, "gram", layout, cid, slide_ids=snap.slide_ids)
-        check_before_work(training, layout.tile_store, self.world_size, when=f"on the snapshot's {snap.tiles} tiles")
-        self.stage("pretrain", pretrain)
-        if cfg.gram_anchoring:
-            self.stage("gram", training["gram"])
-        self.stage("convert", sc.build(cfg, "convert", layout, cid))
-        export: StageOutcome[ExportSummary] = self.stage("export", sc.build(cfg, "export", layout, cid))
-        version = export.summary.model_version
-        if version:  # before the gate: the version carries its cycle whether it is promoted or not
-            registry.tag_version(
-                cfg,
-                str(version),
-                {
-                    registry.CYCLE_TAG: cid,
-                    registry.SNAPSHOT_TAG: snap.hash,
-                    "wsidino.warm_start": self.record.warm_start["source"],
-                },
-            )
-        evaluation: EvaluateSummary = self.stage("evaluate", sc.build(cfg, "evaluate", layout, cid)).summary
-        self.record.decision = {
-            "promoted": bool(evaluation.promoted),
-            "reason": evaluation.decision,
-            "evidence": evaluation.evidence,  # gate.evidence_line: the line the stage and the pipeline print
-            "candidate_version": version,
-            "champion_before": champion.version if champion else None,
-        }
+        return cfg
+
+    def tag_version(self, export: StageOutcome[ExportSummary]) -> None:
+        """Before the gate: the version carries its cycle whether it is promoted or not."""
+        self.candidate_version = export.summary.model_version
+        if self.candidate_version and self.snap is not None:
+            tags = {
+                registry.CYCLE_TAG: self.record.id,
+                registry.SNAPSHOT_TAG: self.snap.hash,
+                "wsidino.warm_start": self.warm_source,
+            }
+            registry.tag_version(self.cfg, str(self.candidate_version), tags)
+
+    def decide(self, evaluate: StageOutcome[EvaluateSummary]) -> None:
+        evaluation = evaluate.summary
+        self.record.decision = Decision(
+            bool(evaluation.promoted),
+            evaluation.decision,
+            evaluation.evidence,
+            self.candidate_version,
+            self.champion.version if self.champion else None,
+        )
         self.save()
 
-    def serve(self, snap: Snapshot) -> None:
-        """Extract the cohort's features with the champion (whoever it is now)."""
+    # -------------------------------------------------------------------------------------------- features
+
+    def with_champion(self, stage: Stage[Any]) -> Any:
+        """Extract the cohort's features with the champion (whoever it is now), into its own store."""
         champion = registry.champion(self.cfg)
-        self.record.decision["champion_after"] = champion.version if champion else None
-        self.record.features = extract_with_champion(self, champion, snap.slide_ids)
+        self.record.decision = self.record.decision or Decision()
+        self.record.decision.champion_after = champion.version if champion else None
+        target = champion_store(self.layout, champion)
+        if not isinstance(target, ChampionStore):
+            self.log(f"retrain {self.record.id}: {target.reason}; no features extracted")
+            self.record.features = target
+            self.save()
+            return None
+        self.target = target
+        return self.build(stage, model=target.onnx, output=target.store)
+
+    def record_features(self, extract: StageOutcome[ExtractSummary]) -> None:
+        assert self.target is not None
+        delete = self.cfg.retention.delete_replaced_features
+        self.record.features, replaced = record_features(
+            self.layout, self.target, extract.status, extract.summary, delete
+        )
+        if replaced:
+            self.log(
+                f"retrain {self.record.id}: features of the previous champion ({replaced}) replaced by "
+                f"{self.target.store}"
+            )
         self.save()
 
     def retain(self) -> None:
@@ -232,10 +326,20 @@ class _Cycle:
             protected=files,
         )
         retention.apply(self.layout, plan)
-        self.record.retention = plan.as_dict(self.layout.root)
-        for path in self.record.retention["deleted"]:
+        self.record.retention = Retention(**plan.as_dict(self.layout.root))
+        for path in self.record.retention.deleted:
             self.log(f"retrain {self.record.id}: retention deleted {path}")
         self.save()
+
+
+# What a cycle adds around a stage, by stage name; a stage without an entry is built and run as it is.
+HOOKS: dict[str, Hooks] = {
+    "tile": Hooks(config=_Cycle.tiled_or_recorded, after=_Cycle.take_snapshot),
+    "pretrain": Hooks(config=_Cycle.warm_started),
+    "export": Hooks(after=_Cycle.tag_version),
+    "evaluate": Hooks(after=_Cycle.decide),
+    "extract": Hooks(config=_Cycle.with_champion, after=_Cycle.record_features),
+}
 
 
 def cohort_ids(tile_cfg: Any) -> set[str]:
@@ -297,25 +401,19 @@ def run_cycle(
     sc.validate(cfg, c.layout)
     registry.check_reachable(cfg)
     with root_lock(c.layout):
-        c.record, resumed = open_cycle(c.layout, attempt_key)
+        c.record, c.resumed = open_cycle(c.layout, attempt_key)
         log(
-            f"retrain {c.record.id}: {'resumed (attempt ' + str(c.record.attempts) + ')' if resumed else 'started'}"
+            f"retrain {c.record.id}: {'resumed (attempt ' + str(c.record.attempts) + ')' if c.resumed else 'started'}"
             f" under {c.layout.root}"
         )
         try:
             with cycle_mlflow_run(cfg, c.record, tags or {}) as parent:
                 c.parent = c.record.mlflow_run_id = parent
                 c.save()
-                snap = c.snapshot(resumed)
-                champion = registry.champion(cfg)
-                if c.trigger(snap):
-                    c.train_and_gate(snap, champion)
-                    c.serve(snap)
-                    c.record.status = "trained"
+                c.run()
+                c.record.status = "trained" if c.trains() else "skipped"
+                if c.record.status == "trained":
                     c.retain()
-                else:
-                    c.serve(snap)
-                    c.record.status = "skipped"
                 c.record.finished_at = utc_now()
                 c.save()
                 set_tags(cfg, parent, _summary_tags(c.record))
@@ -330,29 +428,31 @@ def run_cycle(
 
 
 def _summary_tags(r: CycleRecord) -> dict[str, Any]:
+    d = r.decision
     return {
         "wsidino.cycle": r.id,
         "wsidino.cycle_status": r.status,
-        "wsidino.trigger": r.trigger.get("reason"),
-        "wsidino.snapshot": r.snapshot.get("hash"),
-        "wsidino.warm_start": r.warm_start.get("source"),
-        "wsidino.decision": r.decision.get("reason"),
-        "wsidino.evidence": r.decision.get("evidence"),
-        "wsidino.promoted": r.decision.get("promoted") if r.decision else None,
+        "wsidino.trigger": r.trigger.reason if r.trigger else None,
+        "wsidino.snapshot": r.snapshot.hash if r.snapshot else None,
+        "wsidino.warm_start": r.warm_start.source if r.warm_start else None,
+        "wsidino.decision": d.reason if d else None,
+        "wsidino.evidence": d.evidence if d else None,
+        "wsidino.promoted": d.promoted if d and d.reason else None,
     }
 
 
 def message(r: CycleRecord) -> str:
     """The cycle in one line: the flow run's final message and the CLI's last line."""
+    reason = r.trigger.reason if r.trigger else None
     if r.status == "skipped":
-        return f"cycle {r.id} skipped: {r.trigger.get('reason')}"
+        return f"cycle {r.id} skipped: {reason}"
     if r.status != "trained":
         return f"cycle {r.id} {r.status}: {r.error or ''}"
     verdict = "promoted to @champion" if r.promoted else "not promoted"
+    d = r.decision or Decision()
     return (
-        f"cycle {r.id} trained ({r.trigger.get('reason')}; warm start: {r.warm_start.get('source')}); "
-        f"candidate v{r.decision.get('candidate_version')} {verdict}: "
-        f"{r.decision.get('evidence') or r.decision.get('reason')}"
+        f"cycle {r.id} trained ({reason}; warm start: {r.warm_start.source if r.warm_start else None}); "
+        f"candidate v{d.candidate_version} {verdict}: {d.evidence or d.reason}"
     )
 
 

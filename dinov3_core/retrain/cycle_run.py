@@ -47,9 +47,9 @@ def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> N
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     client.log_dict(run_id, asdict(record), "cycle.json")
     figures = {
-        "snapshot_slides": record.snapshot.get("n_slides"),
-        "snapshot_tiles": record.snapshot.get("tiles"),
-        "new_slides": record.trigger.get("change", {}).get("added"),
+        "snapshot_slides": record.snapshot.n_slides if record.snapshot else None,
+        "snapshot_tiles": record.snapshot.tiles if record.snapshot else None,
+        "new_slides": record.trigger.change.get("added") if record.trigger else None,
         "promoted": float(record.promoted) if record.decision else None,
     }
     for key, value in figures.items():

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,9 +64,91 @@ class CycleLayout:
         return self.features / f"{model_hash}.zarr"
 
 
+def _typed(kind: type[Any], doc: Mapping[str, Any] | None) -> Any:
+    """A record's part read back: None for a part not written yet (an empty object in older files)."""
+    if not doc:
+        return None
+    names = {f.name for f in fields(kind)}
+    return kind(**{k: v for k, v in doc.items() if k in names})
+
+
+@dataclass
+class Trigger:
+    """Whether the cycle trains, and why: the change since the reference (the newest trained cycle's snapshot)."""
+
+    train: bool
+    reason: str
+    since: str
+    change: dict[str, Any] = field(default_factory=dict)  # `snapshot.Change.as_dict()`: added, new, removed …
+
+
+@dataclass
+class SnapshotSummary:
+    """The cycle's data (the full slide list is in snapshot.json)."""
+
+    hash: str
+    n_slides: int
+    tiles: int
+    failed_slides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WarmStart:
+    source: Literal["champion", "released", "scratch"]
+    path: str | None = None
+    version: str | None = None  # the champion's model version
+    cycle: str | None = None  # the cycle that trained it
+
+
+@dataclass
+class StageRun:
+    status: str  # running, then the outcome's: ran or skipped
+    started_at: str | None = None
+    reason: str | None = None
+    seconds: float | None = None
+    mlflow_run_id: str | None = None
+
+
+@dataclass
+class Decision:
+    """The gate's decision on the cycle's candidate (a skipped cycle records only the champion it extracted with)."""
+
+    promoted: bool = False
+    reason: str | None = None
+    evidence: str | None = None  # gate.evidence_line: the line the stage and the pipeline print
+    candidate_version: str | None = None
+    champion_before: str | None = None
+    champion_after: str | None = None
+
+
+@dataclass
+class Features:
+    """The cohort's features after the cycle: the champion's store, or why there are none."""
+
+    status: str  # ran / skipped (the extract stage), none (no champion), missing (its model file is not here)
+    reason: str | None = None
+    store: str | None = None
+    model: str | None = None
+    model_hash: str | None = None
+    version: str | None = None
+    cycle: str | None = None
+    updated_at: str | None = None
+    scope: str | None = None  # every slide (new champion) or new slides only
+    replaced: str | None = None  # the previous champion's store, deleted
+    slides_extracted: int | None = None
+    slides_up_to_date: int | None = None
+
+
+@dataclass
+class Retention:
+    deleted: list[str] = field(default_factory=list)  # relative to the root
+    kept: dict[str, str] = field(default_factory=dict)  # cycle id → why it keeps what it keeps
+
+
 @dataclass
 class CycleRecord:
-    """`cycle.json`: written when the cycle starts and after every step, atomically."""
+    """`cycle.json`: written when the cycle starts and after every step, atomically. Its parts stay None until the
+    step that fills them ran."""
 
     id: str
     number: int
@@ -76,28 +158,47 @@ class CycleRecord:
     finished_at: str | None = None
     attempts: int = 1
     mlflow_run_id: str | None = None
-    trigger: dict[str, Any] = field(default_factory=dict)  # train, reason, change since the reference
-    snapshot: dict[str, Any] = field(default_factory=dict)  # hash, slides, tiles (full list in snapshot.json)
-    warm_start: dict[str, Any] = field(default_factory=dict)  # source, path, model version
-    stages: dict[str, Any] = field(default_factory=dict)  # stage → status, seconds, MLflow run
-    decision: dict[str, Any] = field(default_factory=dict)  # promoted, reason, candidate and champion versions
-    features: dict[str, Any] = field(default_factory=dict)  # store, model, scope, slides extracted
-    retention: dict[str, Any] = field(default_factory=dict)  # what was deleted, from which cycles
+    trigger: Trigger | None = None
+    snapshot: SnapshotSummary | None = None
+    warm_start: WarmStart | None = None
+    stages: dict[str, StageRun] = field(default_factory=dict)
+    decision: Decision | None = None
+    features: Features | None = None
+    retention: Retention | None = None
     error: str | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CycleRecord:
+        parts = {
+            "trigger": Trigger,
+            "snapshot": SnapshotSummary,
+            "warm_start": WarmStart,
+            "decision": Decision,
+            "features": Features,
+            "retention": Retention,
+        }
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in doc.items() if k in names}
+        values |= {k: _typed(kind, doc.get(k)) for k, kind in parts.items()}
+        values["stages"] = {name: _typed(StageRun, run) for name, run in (doc.get("stages") or {}).items()}
+        return cls(**values)
+
     def save(self, layout: CycleLayout) -> Path:
-        return write_text_atomic(layout.cycle_dir(self.id) / CYCLE_FILE, json.dumps(asdict(self), indent=1) + "\n")
+        return write_text_atomic(layout.cycle_dir(self.id) / CYCLE_FILE, json.dumps(self.to_json(), indent=1) + "\n")
 
     @property
     def promoted(self) -> bool:
-        return bool(self.decision.get("promoted"))
+        return self.decision is not None and self.decision.promoted
 
 
 def read_cycle(path: Path) -> CycleRecord | None:
     file = path / CYCLE_FILE
     if not file.is_file():
         return None
-    return CycleRecord(**json.loads(file.read_text()))
+    return CycleRecord.from_json(json.loads(file.read_text()))
 
 
 def list_cycles(layout: CycleLayout) -> list[CycleRecord]:
@@ -153,6 +254,13 @@ __all__ = [
     "FINISHED",
     "CycleLayout",
     "CycleRecord",
+    "Decision",
+    "Features",
+    "Retention",
+    "SnapshotSummary",
+    "StageRun",
+    "Trigger",
+    "WarmStart",
     "list_cycles",
     "open_cycle",
     "read_cycle",

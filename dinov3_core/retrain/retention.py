@@ -40,7 +40,7 @@ class RetentionPlan:
 
 
 def _checkpoints(cycle_dir: Path) -> list[Path]:
-    return [d for d in (cycle_dir / "pretrain" / "ckpt", cycle_dir / "gram" / "ckpt") if d.is_dir()]
+    return sorted(d for d in cycle_dir.glob("*/ckpt") if d.is_dir())  # every training stage's DCP checkpoints
 
 
 def _eval_checkpoints(cycle_dir: Path) -> list[Path]:

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dinov3_core.convert.config import ConvertConfig
-from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
-
-
-@dataclass
-class ConvertSummary(Summary):
-    checkpoint: str | None = None
-    iteration: int | None = None
-    arch: str | None = None
-    backbone_mb: float | None = None
-    checkpoint_mb: float | None = None
+from dinov3_core.convert.summary import ConvertSummary
+from dinov3_core.stage import ChainPaths, CliOption, Place, RunHooks, Stage
 
 
 def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
@@ -31,8 +22,8 @@ def _work(cfg: ConvertConfig, hooks: RunHooks) -> tuple[Any, ConvertSummary]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    trained = p.gram if p.gram_anchoring else p.pretrain
-    return {"input": str(trained), "output_dir": str(p.model_dir)}
+    trained = p.output("gram" if "gram" in p.runs else "pretrain")  # the last training run of this chain
+    return {"input": str(trained), "output_dir": str(p.output("convert"))}
 
 
 STAGE: Stage[ConvertSummary] = Stage(
@@ -42,6 +33,7 @@ STAGE: Stage[ConvertSummary] = Stage(
     summary_type=ConvertSummary,
     output=lambda c: c.output_dir,
     output_is_dir=True,
+    place=Place("model", contents="backbone.pth in the released key layout, config.yaml"),
     inputs=lambda c: {"checkpoint": c.input, "tile_store": c.store, "annotations": c.annotations},
     outputs=lambda c: {
         "backbone": str(Path(c.output_dir) / "backbone.pth"),

@@ -5,12 +5,11 @@ tiles are embedded by a torchrun job (`dinov3_core.evaluate.embed_job`)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.stages.base import ChainPaths, CliOption, PreflightFacts, Problem, RunHooks, Stage, Summary
-from dinov3_core.stages.versions import describe_version
+from dinov3_core.evaluate.summary import EvaluateSummary
+from dinov3_core.stage import ChainPaths, CliOption, Place, PreflightFacts, Problem, RunHooks, Stage
 
 EPILOG = """\
 protocol:
@@ -46,22 +45,6 @@ examples:
 """
 
 
-@dataclass
-class EvaluateSummary(Summary):
-    labelled_tiles: int | None = None
-    promoted: bool | None = None  # the candidate is @champion now
-    promote: bool | None = None  # the gate's verdict (applied or not: gate.promote=false only measures)
-    decision: str | None = None  # why, in one sentence
-    # The gate's evidence line (`gate.evidence_line`): metric, difference, interval, p-value, slides, verdict; what
-    # the pipeline summary, the retraining cycle and the Prefect artifacts print.
-    evidence: str | None = None
-    champion_model: str | None = None  # the model file @champion points at after the evaluation
-    primary_metric: str | None = None  # gate.primary_metric, e.g. linear.balanced_accuracy
-    primary_value: float | None = None  # the candidate's value of it
-    cls_effective_rank: float | None = None
-    seconds: float | None = None
-
-
 def schema() -> type:
     from dinov3_core.evaluate.config import EvaluateConfig
 
@@ -86,7 +69,7 @@ def _inputs(cfg: Any) -> dict[str, Any]:
 def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     from dinov3_core.evaluate.evaluation import run_evaluate
     from dinov3_core.evaluate.gate import evidence_line
-    from dinov3_core.export.model_card import add_evaluation
+    from dinov3_core.export.model_card import add_evaluation, describe_version
 
     embed_job = None
     if hooks.launch is not None and hooks.launch.nproc_per_node > 1:  # each model's labelled tiles: a job on this node
@@ -137,9 +120,9 @@ def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
     values: dict[str, Any] = {
-        "store": str(p.tile_store),
-        "candidate": str(p.onnx),
-        "output": str(p.evaluation),
+        "store": str(p.output("tile")),
+        "candidate": str(p.output("export")),
+        "output": str(p.output("evaluate")),
         "annotations": p.annotations,
     }
     if p.register_name is not None:
@@ -155,6 +138,7 @@ STAGE: Stage[EvaluateSummary] = Stage(
     summary_type=EvaluateSummary,
     output=lambda c: c.output,
     output_is_dir=True,
+    place=Place("evaluation", contents="evaluation.md, evaluation.json, confusion_*.png, embedding_*.png"),
     inputs=_inputs,
     outputs=lambda c: {"evaluation": str(Path(c.output) / "evaluation.json")},
     chain_values=_chain_values,
@@ -174,4 +158,5 @@ STAGE: Stage[EvaluateSummary] = Stage(
     override_example="gate.margin=0.01 probe.bootstrap=2000",
     epilog=EPILOG,
     rerun_hint="embed again (models already embedded come from the cache)",
+    review=lambda r: r.table,  # the probe table and the decision
 )

@@ -3,38 +3,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dinov3_core import checksums, tracking
 from dinov3_core import manifest as mf
 from dinov3_core.export.config import ExportConfig
-from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
-from dinov3_core.stages.versions import describe_version, lineage_tags
-
-ONNX_SHA_TAG = "wsidino.sha256"  # a registered version's model.onnx on disk
-WEIGHTS_SHA_TAG = "wsidino.weights_sha256"  # the backbone.pth it was exported from
-
-
-@dataclass
-class ExportSummary(Summary):
-    onnx: str | None = None
-    n_nodes: int | None = None
-    max_abs_error: float | None = None
-    max_rel_error: float | None = None
-    fp16_max_rel_error: float | None = None
-    huggingface: str | None = None
-    hf_max_rel_error: float | None = None
-    hf_as_loaded_rel_error: float | None = None
-    model_uri: str | None = None
-    registered_model: str | None = None
-    model_version: str | None = None
-    alias: str | None = None
+from dinov3_core.export.summary import ONNX_SHA_TAG, WEIGHTS_SHA_TAG, ExportSummary
+from dinov3_core.stage import ChainPaths, CliOption, Place, RunHooks, Stage
 
 
 def _work(cfg: ExportConfig, hooks: RunHooks) -> tuple[Any, ExportSummary]:
-    from dinov3_core.export.model_card import write_model_card
+    from dinov3_core.export.model_card import describe_version, write_model_card
     from dinov3_core.export.onnx_export import run_export
 
     r = run_export(cfg)
@@ -100,7 +80,7 @@ def _tag_model_version(cfg: ExportConfig, m: mf.StageManifest) -> None:
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     # (the manifest records the same digests as the run closes: each file is read once per process)
     hashes = {ONNX_SHA_TAG: checksums.sha256(Path(cfg.output)), WEIGHTS_SHA_TAG: checksums.sha256(Path(cfg.weights))}
-    for key, value in {**lineage_tags(m.lineage), "wsidino.weights": str(cfg.weights), **hashes}.items():
+    for key, value in {**mf.lineage_tags(m.lineage), "wsidino.weights": str(cfg.weights), **hashes}.items():
         client.set_model_version_tag(s.registered_model, s.model_version, key, value)
 
 
@@ -115,7 +95,7 @@ def _outputs(cfg: ExportConfig) -> dict[str, str]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    values: dict[str, Any] = {"weights": str(p.backbone), "output": str(p.onnx)}
+    values: dict[str, Any] = {"weights": str(p.output("convert") / "backbone.pth"), "output": str(p.output("export"))}
     if p.register_name is not None:  # a cycle's candidate, under the cycle's model name
         values |= {"register_name": p.register_name, "register_alias": "candidate"}
     return values
@@ -129,6 +109,7 @@ STAGE: Stage[ExportSummary] = Stage(
     summary_type=ExportSummary,
     output=lambda c: c.output,
     output_is_dir=False,
+    place=Place("model/model.onnx", contents="ONNX, MODEL_CARD.md"),
     inputs=lambda c: {"weights": c.weights},
     outputs=_outputs,
     chain_values=_chain_values,

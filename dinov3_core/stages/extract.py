@@ -5,41 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dinov3_core.extract.config import ExtractConfig
-from dinov3_core.stages.base import ChainPaths, CliOption, RunHooks, Stage, Summary
-
-
-@dataclass
-class ExtractSummary(Summary):
-    slides_extracted: int = 0
-    slides_up_to_date: int = 0
-    tiles: int | None = None
-    tiles_per_s: float | None = None
-    model_hash: str | None = None
-    backend: str | None = None
-    ranks: int | None = None  # a job of more than one rank: how many, and each one's rate
-    tiles_per_s_per_rank: list[float] | None = None
-
-
-def summarize(r: Mapping[str, Any]) -> ExtractSummary:
-    """An extract run (`ExtractResult` as a dict, or the job's run record) as the manifest keeps it."""
-    s = ExtractSummary(
-        len(r.get("extracted", [])),
-        len(r.get("skipped", [])),
-        r.get("tiles"),
-        round(float(r.get("tiles_per_s", 0.0)), 1),
-        r.get("model_hash"),
-        r.get("backend"),
-    )
-    ranks = r.get("ranks") or []
-    if len(ranks) > 1:
-        s.ranks, s.tiles_per_s_per_rank = len(ranks), [x["tiles_per_s"] for x in ranks]
-    return s
+from dinov3_core.extract.summary import ExtractSummary, summarize
+from dinov3_core.stage import ChainPaths, CliOption, Place, RunHooks, Stage
 
 
 def _work(cfg: ExtractConfig, hooks: RunHooks) -> tuple[Any, ExtractSummary]:
@@ -96,9 +68,9 @@ def _pictures(cfg: ExtractConfig) -> list[tuple[Path, str]]:
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
     values: dict[str, Any] = {
-        "store": str(p.tile_store),
-        "model": p.extract_model or str(p.onnx),
-        "output": str(p.features),
+        "store": str(p.output("tile")),
+        "model": p.extract_model or str(p.output("export")),
+        "output": str(p.output("extract")),
     }
     if p.slide_ids is not None:
         values["slide_ids"] = p.slide_ids
@@ -112,6 +84,7 @@ STAGE: Stage[ExtractSummary] = Stage(
     summary_type=ExtractSummary,
     output=lambda c: c.output,
     output_is_dir=True,
+    place=Place("features.zarr", "cohort", "PCA pictures: features/<id>/pca.png"),
     inputs=lambda c: {"tile_store": c.store, "model": c.model},
     outputs=lambda c: {"features": c.output},
     chain_values=_chain_values,
@@ -120,6 +93,7 @@ STAGE: Stage[ExtractSummary] = Stage(
     job_dir=_job_dir,
     job_summary=_job_summary,
     job_log=job_progress_log,
+    progress="as_job",
     volatile=(
         "tracking.",
         "progress",

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.stages import training
-from dinov3_core.stages.base import ChainPaths, CliOption, Stage, stores_input
+from dinov3_core.stage import ChainPaths, CliOption, Place, Stage, stores_input
 from dinov3_core.stages.pretrain import TRAINING_VOLATILE
-from dinov3_core.stages.training import TrainingSummary
+from dinov3_core.train import preflight as training
+from dinov3_core.train.summary import TrainingSummary, run_outputs, training_summary
 
 
 def schema() -> type:
@@ -23,7 +23,7 @@ def _inputs(cfg: Any) -> dict[str, str | None]:
 
 
 def _outputs(cfg: Any) -> dict[str, str]:
-    out = training.run_outputs(cfg)
+    out = run_outputs(cfg)
     selection = Path(cfg.output_dir) / "gram_teacher_selection.json"
     if selection.is_file():
         out["teacher_selection"] = str(selection)
@@ -31,9 +31,9 @@ def _outputs(cfg: Any) -> dict[str, str]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    values: dict[str, Any] = {"pretrain_dir": str(p.pretrain), "output_dir": str(p.gram)}
+    values: dict[str, Any] = {"pretrain_dir": str(p.output("pretrain")), "output_dir": str(p.output("gram"))}
     if p.slide_ids is not None:  # a snapshot's slides: the store they are in is named with them
-        values |= {"data.stores": [str(p.tile_store)], "data.slide_ids": p.slide_ids}
+        values |= {"data.stores": [str(p.output("tile"))], "data.slide_ids": p.slide_ids}
     return values
 
 
@@ -44,13 +44,14 @@ STAGE: Stage[TrainingSummary] = Stage(
     summary_type=TrainingSummary,
     output=lambda c: c.output_dir,
     output_is_dir=True,
+    place=Place("gram", contents="gram_teacher_selection.json names the chosen teacher"),
     inputs=_inputs,
     outputs=_outputs,
     chain_values=_chain_values,
     job_module="dinov3_core.gram",
     always_job=True,
     job_dir=lambda c: Path(c.output_dir),
-    job_summary=training.training_summary,
+    job_summary=training_summary,
     job_check=training.check_job,
     volatile=TRAINING_VOLATILE,
     preflight=training.preflight,
@@ -61,5 +62,6 @@ STAGE: Stage[TrainingSummary] = Stage(
         CliOption("--output-dir", "output_dir", "the gram stage's own run directory; = output_dir"),
     ),
     launch_help="training",
+    default_config="tiny",  # the CPU-sized recipe, like pretrain's
     override_example="gram.teacher_policy=best_dense train.stop_at=50",
 )

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.stages import training
-from dinov3_core.stages.base import ChainPaths, CliOption, PreflightFacts, Problem, Stage, stores_input
-from dinov3_core.stages.training import TrainingSummary
+from dinov3_core.stage import ChainPaths, CliOption, Place, PreflightFacts, Problem, Stage, stores_input
+from dinov3_core.train import preflight as training
+from dinov3_core.train.summary import TrainingSummary, run_outputs, training_summary
 
 # What changes neither the model nor its checkpoints.
 TRAINING_VOLATILE = ("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor")
@@ -59,7 +59,7 @@ def weights_problems(weights: Path, cfg: Any, key: str) -> list[Problem]:
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:
-    values: dict[str, Any] = {"data.stores": [str(p.tile_store)], "output_dir": str(p.pretrain)}
+    values: dict[str, Any] = {"data.stores": [str(p.output("tile"))], "output_dir": str(p.output("pretrain"))}
     if p.weights is not None or p.weights_decided:
         values["student.pretrained_weights"] = p.weights
     if p.slide_ids is not None:
@@ -74,13 +74,14 @@ STAGE: Stage[TrainingSummary] = Stage(
     summary_type=TrainingSummary,
     output=lambda c: c.output_dir,
     output_is_dir=True,
+    place=Place("pretrain", contents="ckpt/, eval/training_<it>/teacher_checkpoint.pth, loss_curve.png"),
     inputs=lambda c: {**stores_input(c), "pretrained_weights": c.student.pretrained_weights},
-    outputs=training.run_outputs,
+    outputs=run_outputs,
     chain_values=_chain_values,
     job_module="dinov3_core.train",
     always_job=True,
     job_dir=lambda c: Path(c.output_dir),
-    job_summary=training.training_summary,
+    job_summary=training_summary,
     job_check=training.check_job,
     volatile=TRAINING_VOLATILE,
     preflight=_preflight,

@@ -3,31 +3,12 @@ process (or slide groups on Dask). One bad slide is a failed row, never a failed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dinov3_core.stages.base import CliOption, RunHooks, Stage, Summary
+from dinov3_core.stage import CliOption, Place, RunHooks, Stage
 from dinov3_core.tiling.config import TileConfig
-
-
-@dataclass
-class TileSummary(Summary):
-    ok: int = 0  # slides tiled by this run
-    skipped: int = 0  # slides already in the store with the same settings
-    failed: int = 0  # slides that could not be tiled (their rows say why)
-    duplicate: int = 0  # inputs that are another input's bytes (or part of its DICOM slide): not tiled twice
-    tiles_total: int = 0
-    failed_slides: list[str] = field(default_factory=list)
-
-    @property
-    def failures(self) -> int:
-        return self.failed
-
-    @property
-    def usable(self) -> int:
-        """Slides in the store after this run."""
-        return self.ok + self.skipped
+from dinov3_core.tiling.summary import TileSummary
 
 
 def _inputs(cfg: TileConfig) -> dict[str, Any]:
@@ -45,6 +26,12 @@ def _check(cfg: TileConfig) -> None:
     from dinov3_core.tiling.engine import prepare_store
 
     prepare_store(cfg)
+
+
+def _check_input(cfg: TileConfig) -> None:
+    from dinov3_core.tiling.discovery import discover_slides
+
+    discover_slides(cfg.input, cfg.extensions)  # names the folder when it holds no slide
 
 
 def _work(cfg: TileConfig, hooks: RunHooks) -> tuple[Any, TileSummary]:
@@ -77,12 +64,14 @@ STAGE: Stage[TileSummary] = Stage(
     summary_type=TileSummary,
     output=lambda c: c.output,
     output_is_dir=True,
+    place=Place("tiles.zarr", "cohort", "QC pictures: slides/<id>/qc_thumbnail.png, qc_mask.png"),
     inputs=_inputs,
     outputs=lambda c: {"store": c.output},  # fingerprinted by its slides' tile counts (dinov3_core.manifest)
-    chain_values=lambda p: {"input": p.slides, "output": str(p.tile_store)},
+    chain_values=lambda p: {"input": p.slides, "output": str(p.output("tile"))},
     work=_work,
     volatile=("tracking.", "progress", "workers"),
     check=_check,
+    check_input=_check_input,
     log_after_work=_log_after_work,
     options=(
         CliOption("--input", "input", "directory, glob, slide file, or .txt/.csv list of slide paths"),
@@ -90,6 +79,8 @@ STAGE: Stage[TileSummary] = Stage(
         CliOption("--workers", "workers", "worker processes (default from config: 1)", type=int),
     ),
     override_example="tile_size=224 mpp=0.5 workers=4 filters.pen_filter=true",
-    progress_bar=True,
+    default_config="default",
+    progress="always",
+    reports_slides=True,
     report=_report,
 )

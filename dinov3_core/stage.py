@@ -1,11 +1,14 @@
 """What a stage is: the one object that holds everything the runner, the chains (pipeline, retrain), the CLI and
 the Prefect layer need to know about it. Each stage module (`dinov3_core.stages.<stage>`) builds one `Stage`;
-`dinov3_core.stages.STAGES` lists them in order. Nothing here knows a particular stage.
+`dinov3_core.stages.STAGES` lists them in order. Nothing here knows a particular stage, and this module sits below
+every stage's own code: the summaries a stage's manifest keeps (`Summary`) are defined beside that code
+(`dinov3_core/<package>/summary.py`), so other packages read them typed without importing the stages.
 
     stage = get_stage("export")
     stage.inputs(cfg)          # {"weights": "/run/model/backbone.pth"}
     stage.manifest_path(cfg)   # /run/model/model.onnx.stage_manifest.json
     stage.chain_values(paths)  # the config keys a pipeline or a cycle sets for it
+    paths.output("export")     # <cycle dir>/model/model.onnx: where the stage's `place` puts it in this chain
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from dinov3_core import manifest as mf
 from dinov3_core.config import config_hash, flat_params
@@ -29,13 +32,17 @@ GuardFactory = Callable[[Any], contextlib.AbstractContextManager[Any]]
 @dataclass
 class Summary:
     """The figures a stage's manifest keeps (`summary` in stage_manifest.json), typed. Fields left None are not
-    written; keys a newer or older version wrote and this one does not know are ignored when read back."""
+    written; keys a newer or older version wrote and this one does not know are ignored when read back.
 
-    def as_dict(self) -> dict[str, Any]:
+    The methods below are what the chains and reports ask of any stage's summary; a stage answers those that
+    concern it, so no caller needs to know which stage it holds."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object the manifest stores."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> Any:
+    def from_json(cls, values: Mapping[str, Any] | None) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in (values or {}).items() if k in names})
 
@@ -43,6 +50,24 @@ class Summary:
     def failures(self) -> int:
         """Items of the stage's input that failed (tile: slides); a command exits 1 when this is not 0."""
         return 0
+
+    def unusable(self) -> str | None:
+        """Why the stages after this one cannot use what it left (a chain stops there); None: they can."""
+        return None
+
+    def note(self) -> str:
+        """A few words the pipeline's closing summary adds to the stage's output line (e.g. the registered
+        version)."""
+        return ""
+
+    def health_report(self) -> str | None:
+        """A training run's health verdict and last figures (the pipeline's "training health"); None: not a
+        training stage."""
+        return None
+
+    def verdict(self) -> str | None:
+        """A decision the run made, in one line (evaluate: the gate's evidence line)."""
+        return None
 
 
 S = TypeVar("S", bound=Summary)
@@ -73,47 +98,47 @@ class RunHooks:
 
 
 @dataclass(frozen=True)
+class Place:
+    """Where a stage's output goes in a chain: `name` under the chain's root (`scope="cohort"`: one output the whole
+    cohort shares, e.g. the tile store a retraining cycle adds to) or under the run's own directory
+    (`scope="cycle"`: a cycle's models). In a pipeline both are the work directory."""
+
+    name: str  # a file or directory name, e.g. "tiles.zarr", "model/model.onnx"
+    scope: Literal["cohort", "cycle"] = "cycle"
+    contents: str = ""  # what a user finds there, for the pipeline's closing summary
+
+
+@dataclass(frozen=True)
 class ChainPaths:
-    """Where each stage of one chain (a pipeline's work directory, a retraining cycle) reads and writes, and what
-    only the chain knows by the time a stage runs (the warm-start weights, a cycle's snapshot, the model to
-    extract with). A stage turns this into its config keys (`Stage.chain_values`); the user cannot override them.
+    """What a chain (a pipeline's work directory, a retraining cycle) decides for its stages: where their outputs
+    go (`root`, `cycle_dir`, each stage's `Place`) and what only the chain knows by the time a stage runs (the
+    warm-start weights, a cycle's snapshot, the model to extract with). A stage turns this into its config keys
+    (`Stage.chain_values`); the user cannot override them.
     """
 
+    root: Path  # cohort-wide outputs (a pipeline: the work directory; a cycle: its retraining root)
+    cycle_dir: Path  # the run's own outputs (a pipeline: the work directory; a cycle: cycles/<id>/)
     slides: str
-    tile_store: Path
-    pretrain: Path
-    gram: Path
-    model_dir: Path
-    evaluation: Path
-    features: Path
+    runs: tuple[str, ...]  # the stages of this chain (convert reads the gram run only when gram anchoring runs)
     annotations: str | None = None
-    gram_anchoring: bool = True
     register_name: str | None = None  # a cycle registers under its retrain config's name (a pipeline: the default)
     weights: str | None = None  # warm start of pretrain (None: the pretrain config's own, unless decided)
     weights_decided: bool = False  # a cycle decided the warm start: None then means from scratch
     slide_ids: list[str] | None = None  # a cycle trains and extracts on its snapshot's slides only
-    extract_model: str | None = None  # the model extract uses (None: this chain's model.onnx)
+    extract_model: str | None = None  # the model extract uses (None: this chain's exported model)
+    places: Mapping[str, Place] = field(default_factory=dict)  # every stage's `place` (`dinov3_core.chain`)
+    placed: Mapping[str, Path] = field(default_factory=dict)  # stage → an output the chain puts elsewhere
 
-    @property
-    def backbone(self) -> Path:
-        return self.model_dir / "backbone.pth"
-
-    @property
-    def onnx(self) -> Path:
-        return self.model_dir / "model.onnx"
+    def output(self, stage: str) -> Path:
+        """Where `stage` writes in this chain."""
+        if stage in self.placed:
+            return self.placed[stage]
+        place = self.places[stage]
+        return (self.root if place.scope == "cohort" else self.cycle_dir) / place.name
 
     def named(self) -> dict[str, Path]:
-        """Every location by name (the pipeline summary's `paths`)."""
-        return {
-            "tile_store": self.tile_store,
-            "pretrain": self.pretrain,
-            "gram": self.gram,
-            "model_dir": self.model_dir,
-            "backbone": self.backbone,
-            "onnx": self.onnx,
-            "evaluation": self.evaluation,
-            "features": self.features,
-        }
+        """Every stage's output by stage name, in chain order (the pipeline summary's `paths`)."""
+        return {name: self.output(name) for name in self.runs}
 
 
 # ------------------------------------------------------------------------------------------------- the stage
@@ -154,6 +179,7 @@ class Stage(Generic[S]):
     summary_type: type[S]
     output: Callable[[Any], str]  # the config's output path
     output_is_dir: bool
+    place: Place  # where a chain puts that output
     inputs: Callable[[Any], dict[str, Any]]  # input name → path (None: not used by this config) or a StateInput
     outputs: Callable[[Any], dict[str, str]]  # after a successful run: name → path that must exist
     chain_values: Callable[[ChainPaths], dict[str, Any]]  # the config keys a pipeline / cycle sets itself
@@ -169,6 +195,8 @@ class Stage(Generic[S]):
     volatile: tuple[str, ...] = ("tracking.", "progress")  # config keys (prefixes) that do not change outputs
     # Checks that must pass before the manifest is written into the output (tile: the output is a tile store).
     check: Callable[[Any], None] | None = None
+    # Reads the input before a chain writes anything: a ConfigError naming what is wrong (tile: no slide there).
+    check_input: Callable[[Any], None] | None = None
     # Checks before any work of a chain starts: problems with the keys as the stage itself names them.
     preflight: Callable[[Any, PreflightFacts], list[Problem]] | None = None
     # MLflow logging after the work, for a stage whose run opens on a thread while it works (tile).
@@ -177,12 +205,16 @@ class Stage(Generic[S]):
     # CLI
     options: tuple[CliOption, ...] = ()
     launch_help: str | None = None  # "training", "extraction": the CLI offers --nproc-per-node etc.
-    default_config: str | None = None
+    default_config: str | None = None  # the named config when none is given, alone and in a chain
     override_example: str = ""
     epilog: str | None = None
     rerun_hint: str = "resume from the last checkpoint"
-    progress_bar: bool = False  # the CLI draws a tile bar (tile always; extract when it runs as a job)
+    # When the stage reports its tiles done through `RunHooks.progress` (the CLI draws a bar, Prefect an artifact):
+    # "always", or "as_job" (a job's ranks count; in this process the stage draws its own bar).
+    progress: Literal["always", "as_job"] | None = None
+    reports_slides: bool = False  # calls `RunHooks.on_slide` with each slide's outcome as it finishes
     report: Callable[[Any], str] | None = None  # what the CLI prints of the stage function's result at the end
+    review: Callable[[Any], str] | None = None  # markdown a reviewer reads first (Prefect: the `<stage>` artifact)
     mlflow_artifacts: Callable[[Any], list[tuple[Path, str]]] | None = None  # pictures worth a look: (file, folder)
 
     def as_job(self, launch: Any) -> bool:
@@ -193,6 +225,37 @@ class Stage(Generic[S]):
         if self.job_module is None or launch is None:
             return False
         return launch.world_size > 1 or bool(launch.cuda_visible_devices)
+
+    def shows_progress(self, launch: Any) -> bool:
+        """The stage reports its progress through `RunHooks.progress` with these `LaunchSettings`."""
+        return self.progress == "always" or (self.progress == "as_job" and self.as_job(launch))
+
+    def torchrun_job(self, cfg: Any, launch: Any, env: Mapping[str, str] | None = None) -> Any:
+        """The stage's `TorchrunJob` for its resolved config and `LaunchSettings`.
+
+        The config is written to `<job dir>/launch_config.yaml`, which every rank loads; `env` is extra environment
+        for every rank (the MLflow run to join). Bad parallelism settings fail here with the keys to change
+        (exit code 2), before torchrun starts a rank."""
+        from dinov3_core.config import save_config
+        from dinov3_core.launch.job import LAUNCH_CONFIG, TorchrunJob
+
+        assert self.job_module is not None and self.job_dir is not None, f"{self.name} has no torchrun job"
+        if self.job_check is not None:
+            self.job_check(cfg, launch.world_size)
+        where = self.job_dir(cfg)
+        cfg_path = save_config(cfg, where / LAUNCH_CONFIG)
+        return TorchrunJob(
+            module=self.job_module,
+            args=["--config", str(cfg_path.resolve())],
+            nproc_per_node=launch.nproc_per_node,
+            nnodes=launch.nnodes,
+            rdzv_endpoint=launch.rdzv_endpoint,
+            rdzv_id=f"wsidino-{self.name}-{where.name}",
+            cuda_visible_devices=launch.cuda_visible_devices,
+            env=dict(env or {}),
+            log_dir=where / "torchrun_logs",
+            timeout_s=launch.timeout_hours * 3600 if launch.timeout_hours else None,
+        )
 
     def manifest_path(self, cfg: Any) -> Path:
         return mf.manifest_path(self.output(cfg), is_dir=self.output_is_dir)
@@ -208,7 +271,7 @@ class Stage(Generic[S]):
 
     def summary(self, values: Mapping[str, Any] | None) -> S:
         """A manifest's summary, typed."""
-        return self.summary_type.from_dict(values)
+        return self.summary_type.from_json(values)
 
     def __str__(self) -> str:
         return self.name
@@ -235,6 +298,7 @@ def stores_input(cfg: Any) -> dict[str, str | None]:
 __all__ = [
     "ChainPaths",
     "CliOption",
+    "Place",
     "PreflightFacts",
     "Problem",
     "RunHooks",

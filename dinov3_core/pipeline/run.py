@@ -11,79 +11,89 @@ manifests (a rerun skips what is done), the lineage, `start_at` / `force`, and t
     <workdir>/features.zarr       per-tile features, slide embeddings (PCA pictures beside it in features/)
     <workdir>/mlflow.db           MLflow runs and the model registry, unless a tracking server is configured
 
-Bad input (no slide, a workdir that cannot be written, weights of another architecture, a key no stage knows, a
-batch larger than the tile store) fails before anything is written, all problems at once, and again once the tiles
-exist, before the first training stage; a run whose first stage leaves nothing usable removes the workdir it
-created.
+Each stage's output goes where its `Stage.place` says. Bad input (no slide, a workdir that cannot be written,
+weights of another architecture, a key no stage knows, a batch larger than the tile store) fails before anything is
+written, all problems at once, and the checks of the stages still to come run again after each stage that ran (once
+the tiles exist, the batch is checked against them); a run whose first stage leaves nothing usable removes the
+workdir it created.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dinov3_core import manifest as mf
 from dinov3_core import tracking
-from dinov3_core.chain import StageRunner, chain_config, check_before_work
+from dinov3_core.chain import StageRunner, chain_config, chain_paths, check_before_work
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
+from dinov3_core.evaluate.summary import EvaluateSummary
 from dinov3_core.pipeline.config import PipelineConfig, resolve_weights
 from dinov3_core.runner import StageOutcome
 from dinov3_core.stages import ChainPaths, Stage, get_stage
-from dinov3_core.stages.tile import TileSummary
 
 PIPELINE_TAG = "wsidino.pipeline"
 ATTEMPT_TAG = "wsidino.pipeline.attempt"
 OWNER = "the pipeline (each stage's paths under --workdir)"
 CHAIN_KEYS = {"pretrain.student.pretrained_weights": "weights"}  # what the user typed for what the pipeline sets
+CHAIN_HINTS = {
+    "pretrain.student.pretrained_weights": "it continues released DINOv3 weights: give --weights FILE (or a preset "
+    "such as vitb16 with weights_dir=DIR)"
+}
 
 
-def layout(cfg: PipelineConfig, weights: Path | None = None) -> ChainPaths:
-    """Where each stage reads and writes, under the work directory."""
+def layout(cfg: PipelineConfig, weights: Path | None = None, extract_model: str | None = None) -> ChainPaths:
+    """Where each stage reads and writes: everything under the work directory (`Stage.place`)."""
     root = Path(cfg.workdir).expanduser().resolve()
-    paths = ChainPaths(
-        slides=cfg.slides,
-        tile_store=root / "tiles.zarr",
-        pretrain=root / "pretrain",
-        gram=root / "gram",
-        model_dir=root / "model",
-        evaluation=root / "evaluation",
-        features=root / "features.zarr",
-        annotations=cfg.annotations,
-        gram_anchoring=cfg.gram_anchoring,
-        weights=str(weights) if weights is not None else None,
-    )
-    return replace(paths, extract_model=extraction_model(cfg, paths))
+    decided = {"weights": str(weights) if weights is not None else None, "extract_model": extract_model}
+    return chain_paths(cfg, root, root, **decided)
 
 
-def stage_config(cfg: PipelineConfig, stage: Stage[Any] | str, weights: Path | None = None) -> Any:
+def stage_config(
+    cfg: PipelineConfig, stage: Stage[Any] | str, weights: Path | None = None, extract_model: str | None = None
+) -> Any:
     """The stage's typed config: its named config and overrides, with the pipeline's paths on top."""
     stage = get_stage(stage)
+    paths = layout(cfg, weights, extract_model)
     try:
-        return chain_config(stage, cfg.choice(stage.name), layout(cfg, weights), cfg.tracking, owner=OWNER)
+        return chain_config(stage, cfg.choice(stage.name), paths, cfg.tracking, owner=OWNER)
     except ConfigError as err:
-        if stage.name == "pretrain" and "student.pretrained_weights" in str(err):
+        missing = [
+            k for k, user in CHAIN_KEYS.items() if k.startswith(f"{stage.name}.") and k.split(".", 1)[1] in str(err)
+        ]
+        if missing:
             raise ConfigError(
-                f"pretrain config {cfg.pretrain.config} continues released DINOv3 weights: give --weights FILE "
-                "(or a preset such as vitb16 with weights_dir=DIR)"
+                f"{stage.name} config {cfg.choice(stage.name).config} needs {CHAIN_KEYS[missing[0]]}: "
+                f"{CHAIN_HINTS[missing[0]]}"
             ) from None
         raise
 
 
-def extraction_model(cfg: PipelineConfig, paths: ChainPaths) -> str:
-    """The champion the evaluation settled on (the candidate when it was promoted or there is no champion yet),
-    or the candidate when `extract_model` says so or nothing was evaluated."""
-    evaluation = paths.evaluation / "evaluation.json"
-    if cfg.extract_model == "champion" and evaluation.is_file():
-        champion = json.loads(evaluation.read_text()).get("champion_model")
-        if champion and Path(champion).is_file():
-            return str(champion)
-    return str(paths.onnx)
+def extraction_model(cfg: PipelineConfig, evaluation: EvaluateSummary | None) -> str | None:
+    """The model extract uses: the champion the evaluation settled on (the candidate when it was promoted or there
+    is no champion yet); None (this run's exported model) when `extract_model=candidate` or nothing was evaluated."""
+    champion = evaluation.champion_model if evaluation is not None else None
+    if cfg.extract_model == "champion" and champion and Path(champion).is_file():
+        return champion
+    return None
+
+
+def evaluated(cfg: PipelineConfig, outcomes: Mapping[str, StageOutcome[Any]]) -> EvaluateSummary | None:
+    """The evaluation of this work directory: this run's, else the one its manifest records (`--from extract`)."""
+    if "evaluate" in outcomes:
+        return outcomes["evaluate"].summary
+    stage = get_stage("evaluate")
+    try:
+        found = mf.read_manifest(stage.manifest_path(stage_config(cfg, stage)))
+    except (ConfigError, mf.ManifestError):  # not evaluated in a way this run can read: extract the candidate
+        return None
+    return stage.summary(found.summary) if found is not None and found.status == "complete" else None
 
 
 @dataclass
@@ -107,7 +117,7 @@ class PipelineResult:
                     "status": o.status,
                     "reason": o.reason,
                     "mlflow_run_id": o.mlflow_run_id,
-                    "summary": o.summary.as_dict(),
+                    "summary": o.summary.to_json(),
                 }
                 for s, o in self.outcomes.items()
             },
@@ -141,10 +151,11 @@ def run_pipeline(
     stages = [get_stage(s) for s in cfg.selected()]
     weights = resolve_weights(cfg)
     configs = {s.name: stage_config(cfg, s, weights) for s in stages}  # every key checked against its schema
-    check_inputs(cfg, [s.name for s in stages])
+    check_inputs(cfg, configs)
     world = world_size
+    tiles = layout(cfg).output("tile")  # the tile store the training stages read
     # A store tiled before: its tiles count now; the warm-start file is opened and its keys read.
-    check_before_work(configs, layout(cfg).tile_store, world, chain_keys=CHAIN_KEYS)
+    check_before_work(configs, tiles, world, chain_keys=CHAIN_KEYS)
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
     try:
@@ -157,13 +168,17 @@ def run_pipeline(
         with pipeline_mlflow_run(cfg, tags or {}, attempt_key) as parent:
             for i, stage in enumerate(stages, 1):
                 log(f"pipeline: stage {i}/{len(stages)}: {stage.name}")
-                outcome = runner(stage, stage_config(cfg, stage, weights), parent, stage.name in cfg.force)
+                model = extraction_model(cfg, evaluated(cfg, outcomes))
+                outcome = runner(stage, stage_config(cfg, stage, weights, model), parent, stage.name in cfg.force)
                 outcomes[stage.name] = outcome
-                if isinstance(outcome.summary, TileSummary):
-                    check_tiled(cfg, outcome)
-                    training = {k: v for k, v in configs.items() if get_stage(k).always_job}
-                    check_before_work(training, layout(cfg).tile_store, world, when="once the tiles exist")
-            result = PipelineResult(workdir, layout(cfg), outcomes, parent, cfg.tracking.uri, "")
+                unusable = outcome.summary.unusable() if outcome.status == "ran" else None
+                if unusable:  # every later stage would fail on it
+                    raise WsidinoError(f"{stage.name} on {cfg.slides}: {unusable}")
+                later = {k: v for k, v in configs.items() if k not in outcomes}
+                if outcome.status == "ran" and later:  # what they read exists now: e.g. the tiles, counted
+                    check_before_work(later, tiles, world, chain_keys=CHAIN_KEYS, when=f"once {stage.name} ran")
+            model = extraction_model(cfg, evaluated(cfg, outcomes))
+            result = PipelineResult(workdir, layout(cfg, weights, model), outcomes, parent, cfg.tracking.uri, "")
             result.message = _message(result)
             record(cfg, parent, result.as_dict())
     except WsidinoError:
@@ -173,33 +188,22 @@ def run_pipeline(
     return result
 
 
-def check_inputs(cfg: PipelineConfig, stages: list[str]) -> None:
-    """What can be known to fail before anything is written: the workdir, the slides (the stages' own checks,
-    the warm-start file included, follow in `check_before_work`)."""
+def check_inputs(cfg: PipelineConfig, configs: Mapping[str, Any]) -> None:
+    """What can be known to fail before anything is written: the workdir, and each stage's own checks of its
+    input (`Stage.check`: the tile stage names a folder that holds no slide). The stages' checks before work, the
+    warm-start file included, follow in `check_before_work`."""
     workdir = Path(cfg.workdir).expanduser().resolve()
     existing = next(p for p in (workdir, *workdir.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"workdir {workdir}: {existing} is not a writable directory; choose another --workdir")
-    if "tile" in stages:
-        from dinov3_core.tiling.discovery import discover_slides
-
-        tile = stage_config(cfg, "tile")
-        discover_slides(tile.input, tile.extensions)  # names the folder when it holds no slide
-
-
-def check_tiled(cfg: PipelineConfig, outcome: StageOutcome[TileSummary]) -> None:
-    """Stop when no slide could be tiled: every later stage would fail on an empty store."""
-    s = outcome.summary
-    if outcome.status == "ran" and not s.usable:
-        failed = ", ".join(s.failed_slides) or "none"
-        raise WsidinoError(
-            f"no slide under {cfg.slides} could be tiled (failed: {failed}); the tile log above says why for each "
-            "(e.g. no µm/px in the file: set tile.mpp_overrides; not a slide; no tissue)"
-        )
+    for name, stage_cfg in configs.items():
+        stage = get_stage(name)
+        if stage.check_input is not None:
+            stage.check_input(stage_cfg)
 
 
 def _kept_anything(outcomes: Mapping[str, StageOutcome[Any]]) -> bool:
-    return any(not isinstance(o.summary, TileSummary) or o.summary.usable for o in outcomes.values())
+    return any(o.summary.unusable() is None for o in outcomes.values())
 
 
 @contextlib.contextmanager
@@ -240,6 +244,7 @@ def _message(result: PipelineResult) -> str:
 __all__ = [
     "PipelineResult",
     "check_inputs",
+    "evaluated",
     "extraction_model",
     "layout",
     "run_pipeline",
