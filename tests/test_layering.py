@@ -89,7 +89,9 @@ CORE_FORBIDDEN = {
     "dinov3_core.evaluate": {"dinov3_core.export"},
     **{f"dinov3_core.{stage}": {"dinov3_core.evaluate"} for stage in ("convert", "export", "extract")},
     "dinov3_core.inference": STAGES,
-    **{f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data", "train")},
+    **{f"dinov3_core.{low}": STAGES for low in ("models", "losses", "data")},
+    # Training sits below the inference layer (evaluate reads training's label-free scores, not the reverse).
+    "dinov3_core.train": STAGES | {"dinov3_core.inference"},
 }
 LAYER_ALLOWED: set[tuple[str, str]] = set()  # none today
 
@@ -203,7 +205,8 @@ def _offenders(graph: dict[str, set[str]], rules: dict[str, set[str]], allowed: 
 
 def test_dinov3_core_layers() -> None:
     """evaluate and export never import each other, the inference layer below them neither, and the model, loss,
-    data and training code no stage-level package (TYPE_CHECKING imports count: they are dependencies too)."""
+    data and training code no stage-level package, training not the inference layer either (TYPE_CHECKING imports
+    count: they are dependencies too)."""
     graph = import_graph(REPO, "dinov3_core", type_checking=True)
     assert all(package in graph for package in CORE_FORBIDDEN)
     assert _offenders(graph, CORE_FORBIDDEN, LAYER_ALLOWED) == []
@@ -234,11 +237,14 @@ def test_the_layer_rules_see_a_forbidden_import() -> None:
         "dinov3_core.evaluate.x": {"dinov3_core.export.y"},
         "dinov3_core.train.z": {"dinov3_core.retrain"},
         "dinov3_core.export.y": {"dinov3_core.inference.w"},
+        "dinov3_core.train.health_probe": {"dinov3_core.inference.label_free"},
     }
     assert _offenders(graph, CORE_FORBIDDEN, set()) == [
         "dinov3_core.evaluate.x imports dinov3_core.export.y",
+        "dinov3_core.train.health_probe imports dinov3_core.inference.label_free",
         "dinov3_core.train.z imports dinov3_core.retrain",
     ]
     assert _offenders(graph, CORE_FORBIDDEN, {("dinov3_core.evaluate.x", "dinov3_core.export.y")}) == [
-        "dinov3_core.train.z imports dinov3_core.retrain"
+        "dinov3_core.train.health_probe imports dinov3_core.inference.label_free",
+        "dinov3_core.train.z imports dinov3_core.retrain",
     ]
