@@ -258,7 +258,8 @@ def section_train(p: dict[str, Any]) -> dict[str, Any]:
     from dinov3_core.config import load_config
     from dinov3_core.train import config as C
     from dinov3_core.train.flops import step_flops_per_image
-    from dinov3_core.train.memory import memory_budget_bytes, model_shape, plan_batch
+    from dinov3_core.train.batch_plan import plan_batch
+    from dinov3_core.train.memory import memory_budget_bytes, model_shape
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # only asks the driver: no context yet
     out = Path(p["work"]) / f"train-{p['name']}"
