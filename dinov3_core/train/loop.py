@@ -1,13 +1,13 @@
 """The pretraining loop, torchtitan style: `Trainer.__init__` builds and checks everything, `train()` runs.
 
-Order of setup, chosen so that bad input fails before anything in output_dir is written or overwritten:
-config checks → tile stores → model (fresh or warm start) → batch plan → checkpoint compatibility → pipeline split,
-sharding + optimizer → (now writing) config.yaml, logs → resume → data loader. The steps themselves live in
-`trainer_setup`; what a metrics line holds lives in `metrics`.
+Order of setup, chosen so that bad input fails before anything in output_dir is written or overwritten: config
+checks → tile stores → model (fresh or warm start) → batch plan (`batch_plan`) → checkpoint compatibility → pipeline
+split, sharding + optimizer → (now writing) config.yaml, logs → resume → data loader (the steps: `trainer_setup`).
 
-One iteration (`train_step`): crops on the device → `step.forward_backward` (teacher targets over the whole step,
-[KoLeo neighbour set], the student micro-batch by micro-batch or through its pipeline stages) → all-reduced
-losses, NaN guard → per-submodule clipping → AdamW → EMA teacher.
+`train()` reads top to bottom, one component per concern: `checkpointing` (eval and DCP checkpoints),
+`health_schedule` (probe, watch, verdict), `memory_guard` (scheduled GC, memory watch), `metrics_window` (metrics
+lines, throughput), `replan` (re-plans on memory pressure or an out-of-memory step). One iteration (`train_step`):
+crops → `step.forward_backward` → all-reduced losses, NaN guard (`nonfinite`) → clipping → AdamW → EMA teacher.
 """
 
 from __future__ import annotations
