@@ -257,8 +257,9 @@ def section_train(p: dict[str, Any]) -> dict[str, Any]:
 
     from dinov3_core.config import load_config
     from dinov3_core.train import config as C
+    from dinov3_core.train.batch_plan import plan_batch
     from dinov3_core.train.flops import step_flops_per_image
-    from dinov3_core.train.memory import memory_budget_bytes, model_shape, plan_batch
+    from dinov3_core.train.memory import memory_budget_bytes, model_shape
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # only asks the driver: no context yet
     out = Path(p["work"]) / f"train-{p['name']}"
@@ -439,12 +440,10 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from dinov3_core.config import load_config
-    from dinov3_core.data.augment import MultiCrops
-    from dinov3_core.data.masking import IBOTMaskSampler
     from dinov3_core.train import config as C
     from dinov3_core.train.distributed import DistEnv
-    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, build_ssl_model
-    from dinov3_core.train.step import forward_backward
+    from dinov3_core.train.flops import one_step, random_step
+    from dinov3_core.train.ssl_model import build_ssl_model
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -456,28 +455,11 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     )
     torch.manual_seed(0)
     model = build_ssl_model(cfg).model.to(device).train()
-    b, c = p["micro_batch"], cfg.crops
-    crops = MultiCrops(
-        torch.randn(c.n_global_crops, b, 3, c.global_size, c.global_size, device=device),
-        torch.randn(c.n_local_crops, b, 3, c.local_size, c.local_size, device=device),
-    )
-    masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(b, c.n_global_crops)
-    masks = type(masks).from_masks(masks.masks.to(device), c.n_global_crops)
+    crops, masks = random_step(cfg, p["micro_batch"], model.student["backbone"].patch_size, device)
     env = DistEnv(device=device)
 
     def step() -> None:
-        forward_backward(
-            model,
-            None,
-            env,
-            crops,
-            masks,
-            keys=(*LOSS_NAMES, *SIGNAL_NAMES),
-            n_micro=1,
-            teacher_temp=0.07,
-            koleo_base=0,
-            bf16=cuda,
-        )
+        one_step(model, env, crops, masks, bf16=cuda)
         model.student.zero_grad(set_to_none=True)
 
     for _ in range(2):
@@ -510,7 +492,7 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]
     return {
         "arch": cfg.student.arch,
-        "micro_batch": b,
+        "micro_batch": p["micro_batch"],
         "step_ms": total / 2 / 1e3,
         "groups": {k: v / total for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top": [{"kernel": e.key[:110], "share": getattr(e, attr) / total, "calls": e.count} for e in top],

@@ -249,8 +249,8 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
     from dinov3_core.data.masking import IBOTMaskSampler
     from dinov3_core.train import config as C
     from dinov3_core.train.distributed import DistEnv
-    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
-    from dinov3_core.train.step import forward_backward
+    from dinov3_core.train.flops import one_step
+    from dinov3_core.train.ssl_model import LOSS_NAMES
 
     cfg = load_config(
         C.PretrainConfig, recipe, {"data.stores": ["unused"], "output_dir": "unused", **overrides}, stage="pretrain"
@@ -268,18 +268,7 @@ def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: in
         masks = IBOTMaskSampler(c.global_size // model.student["backbone"].patch_size)(batch, c.n_global_crops)
 
         def step() -> None:
-            values = forward_backward(
-                model,
-                None,
-                env,
-                crops,
-                masks,
-                keys=(*LOSS_NAMES, *SIGNAL_NAMES),
-                n_micro=1,
-                teacher_temp=0.07,
-                koleo_base=0,
-                bf16=bf16,
-            )
+            values = one_step(model, env, crops, masks, bf16=bf16)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if not first:  # the first step's losses, from the same weights and inputs for every variant

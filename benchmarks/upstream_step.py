@@ -329,9 +329,9 @@ _OUR_DEFAULTS = {
 
 def our_backbone_kwargs(cfg: Any) -> dict[str, Any]:
     from dinov3_core.models import backbone_kwargs
-    from dinov3_core.train import config as C
+    from dinov3_core.train import model_config as MC
 
-    return {**_OUR_DEFAULTS, **backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))}
+    return {**_OUR_DEFAULTS, **backbone_kwargs(cfg.student.arch, **MC.backbone_overrides(cfg))}
 
 
 def upstream_config(up: dict[str, Any], cfg: Any, batch: int) -> tuple[Any, list[dict[str, Any]]]:

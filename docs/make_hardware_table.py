@@ -27,7 +27,7 @@ BUDGET_SHARE = 0.9  # the planner's default budget: 90 % of the GPU's memory
 
 def cell(cfg: object, shape: object, gpus: int, gb: int) -> str:
     from dinov3_core.errors import WsidinoError
-    from dinov3_core.train.memory import plan_batch
+    from dinov3_core.train.batch_plan import plan_batch
     from dinov3_core.train.memory_terms import GIB
 
     try:
@@ -41,10 +41,10 @@ def backbone_params(cfg: object) -> int:
     import torch
 
     from dinov3_core.models.vision_transformer import build_backbone
-    from dinov3_core.train import config as C
+    from dinov3_core.train import model_config as MC
 
     with torch.device("meta"):
-        return sum(p.numel() for p in build_backbone(cfg.student.arch, **C.backbone_overrides(cfg)).parameters())  # type: ignore[attr-defined]
+        return sum(p.numel() for p in build_backbone(cfg.student.arch, **MC.backbone_overrides(cfg)).parameters())  # type: ignore[attr-defined]
 
 
 def table() -> str:

@@ -107,7 +107,7 @@ def images() -> torch.Tensor:
 def arch_of(values: dict[str, Any]) -> dict[str, Any]:
     """The run's backbone kwargs (the preset's bf16 RoPE included: inferred from the file it would be fp32)."""
     from dinov3_core.models import backbone_kwargs
-    from dinov3_core.train.config import backbone_overrides
+    from dinov3_core.train.model_config import backbone_overrides
 
     cfg = cfg_of(values)
     return backbone_kwargs(cfg.student.arch, **backbone_overrides(cfg))

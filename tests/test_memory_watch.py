@@ -23,10 +23,10 @@ import torch
 
 from dinov3_core.config import ConfigError
 from dinov3_core.runner import run_stage
+from dinov3_core.train.batch_plan import RunPlan, next_plan
 from dinov3_core.train.memory_watch import MemorySampler, MemoryWindow, PressureJudge, PressureLimits, pressure_limits
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
-from dinov3_core.train.replan import RunPlan, next_plan
 from tests.helpers import REPO, load_dcp, max_diff, pretrain_config, pretrain_values, torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,9 @@ from dinov3_core.config import load_config
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, backbone_kwargs
 from dinov3_core.train import config as C
-from dinov3_core.train.memory import estimate_memory, model_shape, plan_batch, shape_of
+from dinov3_core.train import model_config as MC
+from dinov3_core.train.batch_plan import plan_batch
+from dinov3_core.train.memory import estimate_memory, model_shape, shape_of
 from dinov3_core.train.memory_terms import GIB, SAFETY, activation_bytes_per_image, loader_bytes, step_buffer_bytes
 from dinov3_core.train.parallel_config import check_pipeline_contract, pipeline_microbatches, split_blocks
 from dinov3_core.train.pp_memory import pp_stage_estimates
@@ -38,7 +40,7 @@ def vitb(**parallelism: object) -> tuple[C.PretrainConfig, object]:
 
 def heads_and_norm_params(cfg: C.PretrainConfig, embed_dim: int) -> int:
     """Built independently of `shape_of`'s name matching: both heads plus the final LayerNorm (weight, bias)."""
-    heads = [DINOHead(embed_dim, **C.head_kwargs(h)) for h in (cfg.heads.dino, cfg.heads.ibot)]
+    heads = [DINOHead(embed_dim, **MC.head_kwargs(h)) for h in (cfg.heads.dino, cfg.heads.ibot)]
     return sum(p.numel() for h in heads for p in h.parameters()) + 2 * embed_dim
 
 

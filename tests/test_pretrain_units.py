@@ -15,8 +15,10 @@ from dinov3_core.data.masking import IBOTMaskSampler
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, backbone_kwargs, build_backbone
 from dinov3_core.train import config as C
+from dinov3_core.train import model_config as MC
+from dinov3_core.train.batch_plan import plan_batch
 from dinov3_core.train.distributed import choose_device
-from dinov3_core.train.memory import estimate_memory, measure_activation_bytes, model_shape, plan_batch
+from dinov3_core.train.memory import estimate_memory, measure_activation_bytes, model_shape
 from dinov3_core.train.memory_terms import backbone_activation_bytes, head_row_elements
 from dinov3_core.train.optim import apply_schedules, build_optimizer, build_schedules
 from dinov3_core.train.sampler import SamplerState, StepKey, StepSampler
@@ -169,7 +171,7 @@ def test_activation_estimate_matches_measured_saved_tensors(arch: str, global_si
     estimated = b * backbone_activation_bytes(cfg, shape, bf16=False, checkpointing=False)
     assert 0.85 < estimated / measured < 1.3, (estimated, measured)
 
-    head = DINOHead(shape.embed_dim, **C.head_kwargs(cfg.heads.dino))
+    head = DINOHead(shape.embed_dim, **MC.head_kwargs(cfg.heads.dino))
     rows = torch.randn(10, shape.embed_dim, requires_grad=True)
     measured = measure_activation_bytes(head, lambda: torch.log_softmax(head(rows) / 0.1, dim=-1))
     estimated = 4 * 10 * head_row_elements(shape, cfg.heads.dino.n_prototypes)

@@ -183,7 +183,7 @@ def _keys(schema: type) -> set[str]:
 def test_invariance_is_one_for_identical_views_and_chance_for_unrelated_ones() -> None:
     import torch
 
-    from dinov3_core.inference.label_free import effective_rank, invariance
+    from dinov3_core.train.label_free import effective_rank, invariance
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(256, 64, generator=g)

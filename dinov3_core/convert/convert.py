@@ -46,6 +46,7 @@ from dinov3_core.models import ReleasedWeightsError, backbone_kwargs, infer_back
 from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
 from dinov3_core.train import config as C
+from dinov3_core.train import model_config as MC
 from dinov3_core.train.checkpoint import CKPT_DIR, complete_checkpoints, latest_intact_checkpoint, read_meta
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
@@ -166,7 +167,7 @@ def resolve_backbone_kwargs(ckpt: Path, sd: dict[str, Tensor]) -> tuple[str, dic
             schema = GramConfig if isinstance(doc, dict) and "gram" in doc else C.PretrainConfig
             cfg = load_config(schema, run_cfg)
             if cfg.student.arch != "auto":  # warm-started runs too: the check below proves it fits the tensors
-                kwargs = backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
+                kwargs = backbone_kwargs(cfg.student.arch, **MC.backbone_overrides(cfg))
                 kwargs = {k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY}
                 check_backbone_state_dict(kwargs, sd, str(ckpt), cfg.student.arch)
                 return cfg.student.arch, kwargs

@@ -8,7 +8,7 @@ The subset, split and kNN are the evaluate stage's (same labels, slide split, k 
 cached per checkpoint hash under `<run>/eval/knn_cache/`, so a rerun after one more checkpoint scores one file.
 When the run recorded a health probe (`<run>/health_probe.json`), each point also carries the label-free scores
 training logged at that iteration — CLS effective rank and augmentation invariance on the same tiles and views,
-by the same code (`inference.label_free`), from the checkpoint file instead of the teacher in memory.
+by the same code (`train.label_free`), from the checkpoint file instead of the teacher in memory.
 The curve is written to `<run>/eval/knn_curve.json` and `knn_curve.png` (and to MLflow by the caller's run).
 `wsidino convert … select=best_knn` converts the best checkpoint instead of the latest.
 """
@@ -32,9 +32,9 @@ from dinov3_core.evaluate.config import EvaluateError
 from dinov3_core.evaluate.evaluation import labelled_tiles
 from dinov3_core.evaluate.report import write_json
 from dinov3_core.gram.teacher import find_eval_checkpoints
-from dinov3_core.inference import label_free as LF
 from dinov3_core.models.released import unwrap_backbone_state_dict
 from dinov3_core.tiling import store as ts
+from dinov3_core.train import label_free as LF
 from dinov3_core.train.health_probe import PROBE_FILE, read_probe
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import torch
 from dinov3_core.files import atomic_path
 from dinov3_core.gram.teacher import dense_scores_of
 from dinov3_core.inference.feature_model import FeatureModel, normalise, open_model
-from dinov3_core.inference.label_free import effective_rank
 from dinov3_core.inference.loader import TileReader, read_ahead
+from dinov3_core.train.label_free import effective_rank
 
 FEATURES = ("cls", "mean_patch")
 

@@ -49,9 +49,10 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import health_probe as HP
 from dinov3_core.train.config import PretrainConfig
 from dinov3_core.train.distributed import DistEnv, gather_pp_state
-from dinov3_core.train.loop import PretrainResult, Trainer
+from dinov3_core.train.loop import Trainer
 from dinov3_core.train.param_groups import clean_param_name
 from dinov3_core.train.pretrain import MLFLOW_METRICS, curated_params, mlflow_values, train_and_log, training_process
+from dinov3_core.train.result import PretrainResult
 from dinov3_core.train.schedules import WarmupCosineSchedule, linear_warmup_cosine
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.step_batches import StepBatch

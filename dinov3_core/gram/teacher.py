@@ -44,7 +44,6 @@ from dinov3_core import tracking
 from dinov3_core.config import load_config
 from dinov3_core.data import TileDataset
 from dinov3_core.errors import WsidinoError
-from dinov3_core.inference.label_free import effective_rank  # one implementation: training health, evaluate
 from dinov3_core.models.released import (
     ReleasedWeightsError,
     _build_and_load,
@@ -52,6 +51,7 @@ from dinov3_core.models.released import (
     unwrap_backbone_state_dict,
 )
 from dinov3_core.train.config import PretrainConfig, total_iterations
+from dinov3_core.train.label_free import effective_rank  # one implementation: training health, evaluate
 
 logger = logging.getLogger(__name__)
 

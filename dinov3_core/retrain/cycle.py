@@ -358,7 +358,7 @@ def registry_uri(cfg: RetrainConfig) -> str:
 def check_architecture(weights: Path, pretrain: Any, version: str, name: str) -> None:
     """The champion must have the shape the pretrain config trains (checked on the constructor settings convert
     wrote beside the backbone, so it fails here and not inside the training job)."""
-    from dinov3_core.train.config import structure_mismatch
+    from dinov3_core.train.model_config import structure_mismatch
 
     arch_file = weights.parent / "config.yaml"
     doc = (yaml.safe_load(arch_file.read_text()) if arch_file.is_file() else None) or {}

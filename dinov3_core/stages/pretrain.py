@@ -35,7 +35,7 @@ def weights_problems(weights: Path, cfg: Any, key: str) -> list[Problem]:
     from dinov3_core.models.arch_inference import infer_backbone_kwargs
     from dinov3_core.models.released import read_backbone_state_dict
     from dinov3_core.models.state_dict_check import ReleasedWeightsError
-    from dinov3_core.train.config import structure_mismatch
+    from dinov3_core.train.model_config import structure_mismatch
 
     give = "give a released DINOv3 backbone .pth (or .safetensors) or a `wsidino convert` backbone.pth"
     if not weights.is_file():

@@ -95,7 +95,7 @@ def choose_device(requested: str, local_rank: int, local_world_size: int, gpu_co
 
 def init_distributed(requested_device: str, pp_degree: int = 1) -> DistEnv:
     """This process's `DistEnv`; the (pp, dp) device mesh is built here, once. `pp_degree` must divide the world
-    (the launcher and the config check it before any process starts: `train.config.check_parallelism`)."""
+    (the launcher and the config check it before any process starts: `train.batch_plan.check_parallelism`)."""
     rank, world, local_rank, local_world = env_world()
     device = choose_device(requested_device, local_rank, local_world)
     if device.type == "cuda":

@@ -13,7 +13,7 @@ Where the probe tiles come from (`health.holdout_slides`), a trade-off:
   training data minus them) and the probe is drawn from them alone: tiles of unseen slides, as the evaluate
   stage measures, at the price of training on fewer slides. At least one slide must be left to train on.
 
-The scores (`dinov3_core.inference.label_free`, the same code the kNN curve of eval checkpoints runs): the CLS
+The scores (`dinov3_core.train.label_free`, the same code the kNN curve of eval checkpoints runs): the CLS
 effective rank of the clean tiles and the augmentation-invariance retrieval of two global crops of the training
 recipe. Each rank embeds its share of the tile groups through the (possibly sharded) teacher backbone and the
 features are all-gathered, so every rank holds the same scores: `health.policy=stop` then stops them alike.
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from dinov3_core.config import ConfigError
 from dinov3_core.data import TileDataset
 from dinov3_core.files import write_text_atomic
-from dinov3_core.inference import label_free as LF
 from dinov3_core.train import config as C
+from dinov3_core.train import label_free as LF
 from dinov3_core.train.checkpoint import CKPT_DIR, latest_checkpoint
 from dinov3_core.train.distributed import DistEnv, autocast
 from dinov3_core.train.trainer_setup import open_tiles

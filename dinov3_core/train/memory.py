@@ -1,7 +1,5 @@
-"""Per-rank memory estimate of a pretraining step, and the micro-batch / accumulation plan that fits a budget.
-
-    plan = plan_batch(cfg, world_size=8, budget_bytes=70 * 2**30, device_type="cuda")
-    plan.micro_batch, plan.accumulation_steps  # micro_batch × accumulation_steps × 8 == global batch
+"""Per-rank memory estimate of a pretraining step (`estimate_memory`) and the memory budget it must fit;
+`batch_plan.plan_batch` picks the micro-batch / accumulation split from them.
 
 The model (all in bytes, per rank; P = parameter counts, W = ranks sharing the weights under FSDP):
 
@@ -29,8 +27,8 @@ Pipeline parallelism (`parallelism.pp_degree` > 1, `pp_memory`): each process ho
 world_size / pp_degree processes holding it, and a whole teacher sharded over dp. Activations are the stage's
 share of the blocks for the images in flight (all PP micro-batches with GPipe, at most pp_degree − stage with
 1F1B), heads and teacher targets only on the last stage; the estimate is that of the stage needing the most
-(`MemoryEstimate.stage`). `plan_batch` then splits global / dp and tries only micro-batches the pipeline
-contract accepts. With pp_degree 1 none of this applies.
+(`MemoryEstimate.stage`). `batch_plan.plan_batch` then splits global / dp and tries only micro-batches the
+pipeline contract accepts. With pp_degree 1 none of this applies.
 
 The estimate is deliberately simple and errs high; `measure_activation_bytes` measures the real thing for
 calibration (tests compare the two).
@@ -39,16 +37,15 @@ calibration (tests compare the two).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import psutil
 import torch
 from torch import nn
 
-from dinov3_core.errors import WsidinoError
 from dinov3_core.models import DINOHead, DinoVisionTransformer, backbone_kwargs
 from dinov3_core.models.adaptation import EMBEDDINGS, apply_adaptation
 from dinov3_core.train import config as C
+from dinov3_core.train import model_config as MC
 from dinov3_core.train.memory_terms import (
     GIB,
     SAFETY,
@@ -58,7 +55,7 @@ from dinov3_core.train.memory_terms import (
     loader_bytes,
     step_buffer_bytes,
 )
-from dinov3_core.train.pp_memory import pipeline_micro_batches, pp_stage_estimates
+from dinov3_core.train.pp_memory import pp_stage_estimates
 
 # Top-level backbone parts a pipeline's first / last stage holds besides its blocks (`pp_stages.PPStage`).
 FIRST_STAGE_PARTS = ("patch_embed", "cls_token", "storage_tokens", "mask_token")
@@ -125,14 +122,14 @@ def model_shape(cfg: C.PretrainConfig, backbone: dict | None = None) -> ModelSha
     """Sizes of the configured model, built on the meta device (no memory), with its `student.freeze_blocks` /
     `student.lora` applied (peft injects adapters on the meta device too), so the trainable count is exact.
     `backbone`: constructor kwargs when already known (a warm start reads them from the file)."""
-    kwargs = backbone if backbone is not None else backbone_kwargs(cfg.student.arch, **C.backbone_overrides(cfg))
+    kwargs = backbone if backbone is not None else backbone_kwargs(cfg.student.arch, **MC.backbone_overrides(cfg))
     with torch.device("meta"):
         vit = DinoVisionTransformer(**kwargs)
         student = nn.ModuleDict(
             {
                 "backbone": vit,
-                "dino_head": DINOHead(vit.embed_dim, **C.head_kwargs(cfg.heads.dino)),
-                "ibot_head": DINOHead(vit.embed_dim, **C.head_kwargs(cfg.heads.ibot)),
+                "dino_head": DINOHead(vit.embed_dim, **MC.head_kwargs(cfg.heads.dino)),
+                "ibot_head": DINOHead(vit.embed_dim, **MC.head_kwargs(cfg.heads.ibot)),
             }
         )
         s = cfg.student
@@ -180,60 +177,6 @@ def estimate_memory(
         workspace=int(1.5 * GIB) if device_type == "cuda" else int(0.5 * GIB),
         micro_batch=micro_batch,
         step_batch=step_batch,
-    )
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    micro_batch: int  # per rank
-    accumulation_steps: int
-    global_batch: int
-    estimate: MemoryEstimate
-    budget_bytes: int
-
-
-def plan_batch(
-    cfg: C.PretrainConfig,
-    shape: ModelShape,
-    *,
-    world_size: int,
-    budget_bytes: int,
-    device_type: str,
-    tile_size: int = 224,
-) -> BatchPlan:
-    """The largest micro-batch dividing the per-rank step batch whose estimate fits `budget_bytes`; with pipeline
-    parallelism the per-process step batch is global / data-parallel degree and only micro-batches the pipeline
-    contract accepts are tried (`pp_memory.pipeline_micro_batches`)."""
-    global_batch = cfg.train.global_batch_size
-    if cfg.parallelism.enabled:
-        step_batch, candidates = pipeline_micro_batches(cfg, shape, world_size=world_size)
-    else:
-        if global_batch is None or global_batch % world_size:
-            raise WsidinoError(
-                f"train.global_batch_size={global_batch} must be set and divisible by the {world_size} process(es)"
-            )
-        step_batch = global_batch // world_size
-        candidates = sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True)
-    assert global_batch is not None
-    tried = None
-    for micro in candidates:
-        est = estimate_memory(
-            cfg,
-            shape,
-            micro_batch=micro,
-            step_batch=step_batch,
-            world_size=world_size,
-            device_type=device_type,
-            tile_size=tile_size,
-        )
-        if est.total <= budget_bytes:
-            return BatchPlan(micro, step_batch // micro, global_batch, est, budget_bytes)
-        tried = est
-    assert tried is not None
-    raise WsidinoError(
-        f"a global batch of {global_batch} does not fit {budget_bytes / GIB:.2f} GiB per rank even with "
-        f"micro-batch {tried.micro_batch}: estimated {tried.describe()}. Set train.activation_checkpointing=true, "
-        "use smaller crops or heads, more processes, or raise train.memory_budget_gb"
     )
 
 

@@ -1,5 +1,6 @@
-"""Per-process memory of a pipeline-parallel step (`parallelism.pp_degree` > 1), and the micro-batches such a
-step accepts: `memory.estimate_memory` and `memory.plan_batch` come here when pipelining is on.
+"""Per-process memory of a pipeline-parallel step (`parallelism.pp_degree` > 1):
+`memory.estimate_memory` comes here when pipelining is on (the micro-batches such a step accepts:
+`batch_plan`).
 
 world_size = pp_degree × dp processes. Each holds one stage of the student (`parallel_config.split_blocks`; the
 first stage also the patch embedding and tokens, the last also the norms and both heads), FSDP-sharded over the
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from torch.distributed.pipelining.schedules import ScheduleGPipe, get_schedule_class
 
-from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.train import config as C
 from dinov3_core.train.memory_terms import (
@@ -124,34 +124,3 @@ def pp_stage_estimates(
             )
         )
     return estimates
-
-
-def pipeline_micro_batches(cfg: C.PretrainConfig, shape: ModelShape, *, world_size: int) -> tuple[int, list[int]]:
-    """(per-process step batch = global batch / data-parallel degree, the micro-batches dividing it that the
-    pipeline contract accepts, largest first)."""
-    p = cfg.parallelism
-    check_pipeline_contract(p, world_size=world_size, micro_batch=None, depth=shape.depth)
-    dp = world_size // p.pp_degree
-    global_batch = cfg.train.global_batch_size
-    if global_batch is None or global_batch % dp:
-        raise WsidinoError(
-            f"train.global_batch_size={global_batch} must be set and divisible by the data-parallel degree {dp} "
-            f"({world_size} processes / parallelism.pp_degree={p.pp_degree})"
-        )
-    step_batch = global_batch // dp
-    accepted, reason = [], ""
-    for micro in sorted((d for d in range(1, step_batch + 1) if step_batch % d == 0), reverse=True):
-        try:
-            check_pipeline_contract(p, world_size=world_size, micro_batch=micro, depth=shape.depth)
-        except ConfigError as err:
-            reason = reason or str(err)
-            continue
-        accepted.append(micro)
-    if not accepted:
-        raise WsidinoError(
-            f"no micro-batch dividing the per-process step batch {step_batch} (train.global_batch_size="
-            f"{global_batch} / data-parallel degree {dp}) can be cut into pipeline micro-batches "
-            f"(parallelism.pp_microbatch_size={p.pp_microbatch_size}, pp_schedule={p.pp_schedule}, "
-            f"{p.n_stages} stages). For the whole step batch: {reason}"
-        )
-    return step_batch, accepted

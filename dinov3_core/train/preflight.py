@@ -12,7 +12,7 @@ from dinov3_core.stage import PreflightFacts, Problem
 
 def check_job(cfg: Any, world_size: int) -> None:
     """Bad parallelism settings fail before torchrun starts a rank, with the keys to change (exit code 2)."""
-    from dinov3_core.train.config import check_parallelism
+    from dinov3_core.train.batch_plan import check_parallelism
 
     check_parallelism(cfg, world_size)
 

@@ -25,8 +25,12 @@ import torch
 
 from dinov3_core import tracking
 from dinov3_core.train import config as C
+from dinov3_core.train import model_config as MC
+from dinov3_core.train.batch_plan import check_parallelism
 from dinov3_core.train.distributed import DistEnv, env_world, init_distributed, shutdown
-from dinov3_core.train.loop import PretrainResult, Trainer, TrainingDivergedError
+from dinov3_core.train.loop import Trainer
+from dinov3_core.train.nonfinite import TrainingDivergedError
+from dinov3_core.train.result import PretrainResult
 
 __all__ = [
     "PretrainResult",
@@ -93,7 +97,7 @@ def training_process(cfg: C.PretrainConfig) -> Iterator[DistEnv]:
     """One training rank's set-up and teardown, for pretrain and gram alike: torch threads set before any compute
     (docs/reference/distributed.md#cpu-training-with-gloo), the process group, and both restored however training
     ends."""
-    C.check_parallelism(cfg, env_world()[1])  # the pipeline contract, before any process group exists
+    check_parallelism(cfg, env_world()[1])  # the pipeline contract, before any process group exists
     threads = torch.get_num_threads()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -164,7 +168,7 @@ def curated_params(cfg: C.PretrainConfig, trainer: Trainer) -> dict[str, Any]:
         "momentum_teacher": cfg.teacher.momentum_teacher,
         "teacher_temp": f"{cfg.teacher.warmup_teacher_temp}->{cfg.teacher.teacher_temp}",
         "drop_path_rate": cfg.student.drop_path_rate,
-        "adaptation": C.adaptation_summary(cfg) or "full fine-tuning",
+        "adaptation": MC.adaptation_summary(cfg) or "full fine-tuning",
         "trainable_params": sum(math.prod(trainer.layout.shapes[f"model.{n}"]) for n in trainer.layout.trainable),
         "layer_decay": cfg.optim.layer_decay,
         "koleo_weight": cfg.losses.koleo_weight,

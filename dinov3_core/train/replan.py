@@ -1,88 +1,39 @@
-"""What the trainer does about sustained memory pressure (`dinov3_core.train.memory_watch`): re-plan in place at an
-optimizer-step boundary, the same on every rank, one rung at a time:
-
-1. fewer loader workers and prefetch 1 (host pressure only: workers live in host RAM);
-2. a smaller micro-batch with more accumulation steps — the per-rank step batch, hence the global batch, the
-   teacher's Sinkhorn targets (computed over the whole step) and the objective stay exactly the same;
-3. activation checkpointing;
-4. nothing left: the trainer checkpoints and raises `out_of_memory` (a `RunStopped`: output kept, exit code 1).
-
-`RunPlan` is what a re-plan may change; checkpoints record it (meta.json `run_plan`), so a resumed run starts with it.
+"""The memory watch's side of the trainer (`dinov3_core.train.memory_watch`): `start_watch` starts it with limits
+from the batch planner's budget; sustained pressure re-plans in place at an optimizer-step boundary, the same on
+every rank, one rung of `batch_plan.next_plan` at a time; with no rung left the trainer checkpoints and raises
+`out_of_memory` (a `RunStopped`: output kept, exit code 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from dinov3_core.errors import RunStopped
+from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
+from dinov3_core.train.batch_plan import RunPlan, micro_batch_ok, next_plan
 from dinov3_core.train.distributed import DistEnv
-from dinov3_core.train.memory_watch import MemoryWatch, Pressure, pressure_limits
+from dinov3_core.train.memory_watch import (
+    MemoryWatch,
+    Pressure,
+    device_peak_bytes,
+    pressure_limits,
+    release_freed_memory,
+)
+from dinov3_core.train.step_batches import StepBatch
+
+if TYPE_CHECKING:
+    from dinov3_core.train.loop import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryPressureError(RunStopped):
     """Sustained memory pressure with nothing left to re-plan (the state is checkpointed first)."""
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The settings a re-plan may change. `micro_batch × accumulation_steps` is fixed: the per-rank step batch."""
-
-    micro_batch: int
-    accumulation_steps: int
-    num_workers: int
-    prefetch_factor: int
-    activation_checkpointing: bool
-
-    @property
-    def step_batch(self) -> int:
-        return self.micro_batch * self.accumulation_steps
-
-    def to_dict(self) -> dict[str, int | bool]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        return (
-            f"micro-batch {self.micro_batch} × {self.accumulation_steps} accumulation step(s), "
-            f"{self.num_workers} loader worker(s) × prefetch {self.prefetch_factor}, "
-            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
-        )
-
-
-@dataclass(frozen=True)
-class Replan:
-    what: str  # "loader", "micro_batch", "activation_checkpointing"
-    before: RunPlan
-    after: RunPlan
-
-    def event(self, iteration: int, why: str) -> dict[str, Any]:
-        """The `training_metrics.json` line (and MLflow tag) of this re-plan."""
-        return {
-            "iteration": iteration,
-            "event": "memory_replan",
-            "what": self.what,
-            "why": why,
-            "before": self.before.to_dict(),
-            "after": self.after.to_dict(),
-        }
-
-
-def next_plan(plan: RunPlan, pressure: Pressure, micro_ok: Callable[[int], bool] = lambda _: True) -> Replan | None:
-    """The next rung of the ladder for this kind of pressure, or None when nothing is left to give. `micro_ok`: which
-    micro-batches the run can take (pipeline parallelism: those that keep its micro-batch contract)."""
-    if pressure == "host" and plan.num_workers > 0:
-        return Replan("loader", plan, replace(plan, num_workers=plan.num_workers // 2, prefetch_factor=1))
-    smaller = [d for d in range(1, plan.micro_batch // 2 + 1) if plan.step_batch % d == 0 and micro_ok(d)]
-    if smaller:
-        micro = smaller[-1]  # at least halves the micro-batch's activations
-        after = replace(plan, micro_batch=micro, accumulation_steps=plan.step_batch // micro)
-        return Replan("micro_batch", plan, after)
-    if not plan.activation_checkpointing:
-        return Replan("activation_checkpointing", plan, replace(plan, activation_checkpointing=True))
-    return None
 
 
 def start_watch(cfg: C.PretrainConfig, env: DistEnv, budget_bytes: int) -> MemoryWatch:
@@ -113,3 +64,56 @@ def out_of_memory(cfg: C.PretrainConfig, plan: RunPlan, why: str, saved: Path | 
         "(crops.global_size, crops.local_size, crops.n_local_crops) or heads (heads.*.n_prototypes), or more "
         "processes; then rerun"
     )
+
+
+def step_within_memory(trainer: Trainer, iteration: int, batch: StepBatch) -> dict[str, float]:
+    """`trainer.train_step`; when the device runs out of memory in a one-process run, the next rung of the re-plan
+    ladder (smaller micro-batch, then activation checkpointing) and the same step again. The batch planner's
+    estimate is a model: this is what keeps `batch_size_per_gpu=auto` from ending a run on its first step.
+    The retried step is the same step (same samples, same augmentation and RNG draws); only its micro-batch
+    split differs. With several processes an out-of-memory error stops the run as before: the others are
+    inside a collective and cannot take the same decision."""
+    while True:
+        try:
+            return trainer.train_step(iteration, batch)
+        except torch.OutOfMemoryError as err:
+            if trainer.env.distributed:
+                raise
+            trainer.optimizer.zero_grad(set_to_none=True)
+            first_line = (str(err).strip().splitlines() or [""])[0][:200]
+            why = f"out of device memory in iteration {iteration} ({first_line})"
+            del err  # its traceback holds the failed step's tensors
+            release_freed_memory()
+            replan(trainer, iteration, "device", why, step_done=False)
+
+
+def replan(trainer: Trainer, iteration: int, pressure: Pressure, why: str, *, step_done: bool = True) -> bool:
+    """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
+    must be rebuilt. With nothing left: checkpoint (`step_done`: the step completed, else the last checkpoint
+    is the state), then stop with what to change."""
+    cfg, world_size = trainer.cfg, trainer.env.world_size
+    step = next_plan(trainer.run_plan, pressure, micro_ok=lambda micro: micro_batch_ok(cfg, world_size, micro))
+    if step is None:
+        done = step_done and not trainer.nonfinite.streak
+        saved = trainer.save(iteration) if done else ckpt.latest_checkpoint(trainer.ckpt_root)
+        raise out_of_memory(cfg, trainer.run_plan, why, saved)
+    trainer.memory_replans += 1
+    trainer.set_run_plan(step.after)
+    release_freed_memory()  # same iteration on every rank, like the scheduled collections
+    # A high-water-mark reset keeps what is reserved at that moment: reset now, after the old plan's cache went
+    # back, so the next window judges the new plan rather than counting the old one's peak once more.
+    device_peak_bytes(trainer.env.device)
+    event = step.event(iteration, why) | trainer.batch_fields()
+    trainer.metrics.write(event)
+    logger.warning(  # every rank: its own log file shows it took the same decision
+        "%s: memory pressure after iteration %d (%s): re-planned %s: %s → %s",
+        trainer.stage,
+        iteration,
+        why,
+        step.what,
+        step.before.describe(),
+        step.after.describe(),
+    )
+    if trainer.window is not None:
+        trainer.window.report(event)
+    return step.before.num_workers != step.after.num_workers

@@ -35,6 +35,7 @@ from dinov3_core.losses import (
 from dinov3_core.models import DINOHead, ReleasedWeightsError, build_backbone, build_student_teacher_from_released
 from dinov3_core.models.adaptation import apply_adaptation, lora_state_dict
 from dinov3_core.train import config as C
+from dinov3_core.train import model_config as MC
 
 LOSS_NAMES = ("dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "total_loss")
 # Per-step signals averaged like the losses (over micro-batches and ranks): dinov3_core.train.health.
@@ -322,7 +323,7 @@ class BuiltModel:
     backbone_kwargs: dict
 
 
-def adapt(student: nn.ModuleDict, teacher: nn.ModuleDict, s: C.StudentConfig) -> None:
+def adapt(student: nn.ModuleDict, teacher: nn.ModuleDict, s: MC.StudentConfig) -> None:
     """`student.freeze_blocks` / `student.lora` on the student backbone, and the same LoRA structure on the teacher's
     with the student's adapter tensors copied in: both start identical (LoRA B is zero, so equal to the base model)
     and the EMA then runs on the same parameterisation. Heads always train fully."""
@@ -340,8 +341,8 @@ def build_ssl_model(cfg: C.PretrainConfig, meta_arch: type[SSLMetaArch] | None =
 
     Call under the same `torch.manual_seed` on every rank: FSDP shards each rank's full copy.
     """
-    dino_kwargs, ibot_kwargs = C.head_kwargs(cfg.heads.dino), C.head_kwargs(cfg.heads.ibot)
-    overrides = C.backbone_overrides(cfg)
+    dino_kwargs, ibot_kwargs = MC.head_kwargs(cfg.heads.dino), MC.head_kwargs(cfg.heads.ibot)
+    overrides = MC.backbone_overrides(cfg)
     if cfg.student.pretrained_weights:
         path = cfg.student.pretrained_weights
         try:

@@ -1,15 +1,15 @@
 """The set-up steps `Trainer.__init__` runs, one function each, so the trainer reads as their order alone.
 
 Each step checks its own input and raises with the fix before anything is written: `open_tiles` (tile stores,
-slide selection), `resolve_batch` (micro-batch and accumulation from the config or a memory plan) and
-`check_batch` (dataset size, KoLeo neighbour set, crop RNG groups), `checkpoint_to_resume` (existing
-checkpoints must be wanted and fit the model), then `load_training_state` (model, optimizer and sampler
-position from a checkpoint, keeping this config's param-group multipliers) and `build_step_loader` (sampler,
-iBOT masks and the step-batch DataLoader, starting where the run left off).
+slide selection), `checkpoint_to_resume` (existing checkpoints must be wanted and fit the model), then
+`load_training_state` (model, optimizer and sampler position from a checkpoint, keeping this config's param-group
+multipliers) and `build_step_loader` (sampler, iBOT masks and the step-batch DataLoader, starting where the run left
+off). The batch plan has its own module (`batch_plan`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -24,24 +24,21 @@ from dinov3_core.errors import WsidinoError
 from dinov3_core.tiling import store as ts
 from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
-from dinov3_core.train.distributed import DistEnv
-from dinov3_core.train.memory import BatchPlan, estimate_memory, memory_budget_bytes, plan_batch, shape_of
-from dinov3_core.train.memory_terms import GIB
-from dinov3_core.train.replan import RunPlan
-from dinov3_core.train.sampler import LevelMix, SamplerState, StepSampler, check_dataset_size
+from dinov3_core.train import model_config as MC
+from dinov3_core.train.distributed import DistEnv, cpu_has_bf16_matmul
+from dinov3_core.train.sampler import LevelMix, SamplerState, StepSampler
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.step_batches import StepTileSource, build_loader
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "build_step_loader",
-    "check_batch",
     "checkpoint_to_resume",
     "describe_start",
     "load_training_state",
     "open_levels",
     "open_tiles",
-    "plan_from_checkpoint",
-    "resolve_batch",
 ]
 
 # Param-group settings that come from this run's config (layer decay, last-layer freezing), not the checkpoint.
@@ -97,66 +94,15 @@ def open_levels(cfg: C.PretrainConfig, tiles: TileDataset) -> tuple[LevelTiles, 
     return levels, LevelMix(levels.sizes, list(weights.values()), seed=cfg.train.seed)
 
 
-def resolve_batch(cfg: C.PretrainConfig, env: DistEnv, model: SSLMetaArch, tile_size: int) -> BatchPlan:
-    """Micro-batch per rank and accumulation steps: fixed by the config, or planned to fit memory ("auto")."""
-    train = cfg.train
-    shape = shape_of(model.student, cfg)
-    budget = memory_budget_bytes(cfg, env.device, env.local_world_size)
-    if train.batch_size_per_gpu == "auto":
-        return plan_batch(
-            cfg, shape, world_size=env.world_size, budget_bytes=budget, device_type=env.device.type, tile_size=tile_size
+def uses_bf16(cfg: C.PretrainConfig, env: DistEnv) -> bool:
+    """`train.precision` on this device; warns when bf16 would be slower than fp32 (a CPU without bf16 units)."""
+    bf16 = cfg.train.uses_bf16(env.device.type)
+    if bf16 and env.device.type == "cpu" and not cpu_has_bf16_matmul():
+        logger.warning(
+            "train.precision=bf16 on a CPU without bf16 matrix instructions (AMX / AVX512-BF16): "
+            "slower than fp32 here; set train.precision=fp32"
         )
-    micro = int(train.batch_size_per_gpu)
-    accum = C.fixed_accumulation(train, env.dp_size)
-    estimate = estimate_memory(
-        cfg,
-        shape,
-        micro_batch=micro,
-        step_batch=micro * accum,
-        world_size=env.world_size,
-        device_type=env.device.type,
-        tile_size=tile_size,
-    )
-    model_bytes = estimate.weights + estimate.grads + estimate.optimizer + estimate.teacher
-    if train.memory_budget_gb is not None and model_bytes > budget:
-        raise core_config.ConfigError(
-            f"train.memory_budget_gb={train.memory_budget_gb} GiB is smaller than the model itself: weights, "
-            f"gradients, AdamW states and the EMA teacher take {model_bytes / GIB:.2f} GiB per process. Raise the "
-            "budget, train fewer weights (student.lora.rank, student.freeze_blocks), or shard over more processes"
-        )
-    return BatchPlan(micro, accum, micro * accum * env.dp_size, estimate, budget)
-
-
-def plan_from_checkpoint(latest: Path | None, plan: RunPlan, world_size: int) -> tuple[RunPlan, int]:
-    """The settings the memory watch chose before `latest` was written and how many re-plans led there, so a
-    resumed run starts with them rather than rediscovering the pressure; (`plan`, 0) when there were none, or the
-    processes or step batch changed (the config's plan is then safe: the watch re-plans if needed)."""
-    meta = ckpt.read_meta(latest) if latest is not None else {}
-    saved, replans = meta.get("run_plan"), int(meta.get("memory_replans") or 0)
-    if not replans or not isinstance(saved, dict) or meta.get("world_size") != world_size:
-        return plan, 0
-    try:
-        resumed = RunPlan(**saved)
-    except TypeError:  # written by another version
-        return plan, 0
-    return (resumed, replans) if resumed.step_batch == plan.step_batch else (plan, 0)
-
-
-def check_batch(cfg: C.PretrainConfig, n_tiles: int, plan: BatchPlan) -> None:
-    """The batch plan against the data and the losses: enough tiles, a KoLeo neighbour set, whole RNG groups."""
-    rank_batch = plan.micro_batch * plan.accumulation_steps
-    check_dataset_size(n_tiles, plan.global_batch)
-    koleo_set = plan.global_batch if cfg.losses.koleo_scope == "global" else rank_batch
-    if cfg.losses.koleo_weight and koleo_set < 2:
-        raise core_config.ConfigError(
-            f"KoLeo needs at least 2 images in its neighbour set, got {koleo_set} (losses.koleo_scope="
-            f"{cfg.losses.koleo_scope}): raise the batch, set losses.koleo_scope=global, or losses.koleo_weight=0"
-        )
-    if rank_batch % cfg.crops.rng_group_size:
-        raise core_config.ConfigError(
-            f"crops.rng_group_size={cfg.crops.rng_group_size} must divide the per-process step batch "
-            f"{rank_batch} (micro-batch {plan.micro_batch} × {plan.accumulation_steps} accumulation steps)"
-        )
+    return bf16
 
 
 def checkpoint_to_resume(cfg: C.PretrainConfig, ckpt_root: Path, model: SSLMetaArch) -> Path | None:
@@ -261,7 +207,7 @@ def describe_start(trainer: Any, latest: Path | None) -> str:
     student = model.student.parameters()
     held = sum(p.numel() for p in model.student.parameters())
     trained = sum(p.numel() for p in student if p.requires_grad)
-    adaptation = C.adaptation_summary(cfg)
+    adaptation = MC.adaptation_summary(cfg)
     where = "this process's pipeline stage" if trainer.pipeline is not None else "the student"
     # The CPU threads this rank computes with (torch.set_num_threads / OMP_NUM_THREADS): the first thing to check
     # when one launch is slower than another on the same box.
