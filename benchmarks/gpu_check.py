@@ -436,6 +436,7 @@ def model_only(
 def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     """Where a training step's GPU time goes (eager, bf16): the kernels, grouped into matmul / attention / other."""
     import torch
+    from step_timing import ssl_step  # benchmarks/step_timing.py, beside this script
     from torch.profiler import ProfilerActivity, profile
 
     from dinov3_core.config import load_config
@@ -443,8 +444,7 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     from dinov3_core.data.masking import IBOTMaskSampler
     from dinov3_core.train import config as C
     from dinov3_core.train.distributed import DistEnv
-    from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES, build_ssl_model
-    from dinov3_core.train.step import forward_backward
+    from dinov3_core.train.ssl_model import build_ssl_model
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -466,18 +466,7 @@ def section_profile(p: dict[str, Any]) -> dict[str, Any]:
     env = DistEnv(device=device)
 
     def step() -> None:
-        forward_backward(
-            model,
-            None,
-            env,
-            crops,
-            masks,
-            keys=(*LOSS_NAMES, *SIGNAL_NAMES),
-            n_micro=1,
-            teacher_temp=0.07,
-            koleo_base=0,
-            bf16=cuda,
-        )
+        ssl_step(model, env, crops, masks, bf16=cuda)
         model.student.zero_grad(set_to_none=True)
 
     for _ in range(2):

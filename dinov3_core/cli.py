@@ -46,7 +46,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = get_stage(args.command)
     cfg = _config(stage, args)
     if args.print_config:  # the resolved configuration; `--config` of this output reproduces the run
-        from dinov3_core.config import to_yaml
+        from dinov3_core.config_tree import to_yaml
 
         print(to_yaml(cfg), end="")
         return EXIT_OK

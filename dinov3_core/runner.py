@@ -35,7 +35,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import describe_changes, flat_params, to_yaml
+from dinov3_core.config import describe_changes
+from dinov3_core.config_tree import flat_params, to_yaml
 from dinov3_core.errors import RunStopped, WsidinoError
 from dinov3_core.launch import TorchrunFailed, run_torchrun
 from dinov3_core.launch.training import LaunchSettings, stage_job

@@ -30,7 +30,7 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateError
 from dinov3_core.evaluate.evaluation import labelled_tiles
-from dinov3_core.evaluate.report import write_json
+from dinov3_core.evaluate.evaluation_json import write_json
 from dinov3_core.gram.teacher import find_eval_checkpoints
 from dinov3_core.inference import label_free as LF
 from dinov3_core.models.released import unwrap_backbone_state_dict

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tifffile
 
-from dinov3_core.config import to_dict
+from dinov3_core.config_tree import to_dict
 from dinov3_core.tiling import slide as slide_io
 from dinov3_core.tiling.config import TISSUE_MASK_VERSION, TileConfig
 from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, UnsupportedTiff
