@@ -36,8 +36,8 @@ from dinov3_core.files import write_text_atomic
 T = TypeVar("T")
 
 CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
-# A config is a few kB (a long mpp_by_slide table some 100 kB). The cap bounds the pure-Python loader below (~10 s
-# for a dense 1 MB file on a busy 2-core box) and stops a wrong file passed as --config before it is parsed.
+# A config is a few kB (a long mpp_by_slide table some 100 kB). The cap bounds the time of the pure-Python loader
+# below (it is slow on a dense file) and stops a wrong file passed as --config before it is parsed.
 MAX_CONFIG_BYTES = 1 << 20
 
 

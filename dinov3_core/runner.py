@@ -302,7 +302,7 @@ def _run_job(spec: Stage[S], cfg: Any, launch: LaunchSettings, run: Any, hooks: 
 
 def _log_stage_artifacts(spec: Stage[Any], cfg: Any) -> None:
     """The resolved config, and pictures worth a look, into the stage's MLflow run (active in this thread)."""
-    import mlflow  # deferred: mlflow costs ~2 s at import (only reached with a run open)
+    import mlflow  # deferred: a slow import (docs/benchmarks.md), only reached with a run open
 
     if mlflow.active_run() is None:
         return

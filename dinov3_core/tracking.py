@@ -15,8 +15,8 @@ from typing import Any
 from dinov3_core.config_tree import flat_params
 from dinov3_core.tracking_store import artifact_location, ensure_store
 
-# Every function imports mlflow where it needs it (deferred: ~1 s at import): this module is imported by the
-# stage runner and the CLI, which must stay light when tracking is off.
+# Every function imports mlflow where it needs it (deferred: a slow import, docs/benchmarks.md): this module is
+# imported by the stage runner and the CLI, which must stay light when tracking is off.
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -42,9 +42,9 @@ def tracking_uri(cfg: TrackingConfig) -> str:
 class PendingRun:
     """An MLflow run that may still be opening on a background thread.
 
-    Importing MLflow and setting up its SQLite store take about 2 s; a stage that logs only after its work (tile)
-    lets that happen beside the work. `wait()` returns the run (None when tracking is off), active in the calling
-    thread; a failure to open it is raised there.
+    Importing MLflow and setting up its SQLite store take a while (docs/benchmarks.md, tile stage); a stage that logs
+    only after its work (tile) lets that happen beside the work. `wait()` returns the run (None when tracking is off),
+    active in the calling thread; a failure to open it is raised there.
     """
 
     def __init__(self, open_run: Any = None, *, run: Any = None, system_metrics: bool | None = None) -> None:
@@ -158,7 +158,7 @@ def pending_stage_run(
     if not cfg.enabled:
         yield PendingRun()
         return
-    # Not imported yet: nobody opened a run, and importing it here would cost the ~1 s the background saves.
+    # Not imported yet: nobody opened a run, and importing it here would cost what the background saves.
     mlflow = sys.modules.get("mlflow")
     active = mlflow.active_run() if mlflow is not None else None
     if active is not None:  # the orchestration layer opened this stage's run (a pipeline child): log into it

@@ -24,7 +24,7 @@ Deviations from torchvision's per-image pipeline, chosen for batched speed and d
   Larger tiles are first shrunk (antialiased) so that no crop is downscaled by more than `max_downscale`.
   Crop boxes are integer pixel boxes drawn exactly like `RandomResizedCrop.get_params`.
 * Hue is a rotation of the chroma plane in YIQ space (a per-image 3×3 matrix) instead of an HSV round trip;
-  same parameter range, similar effect, ~15× cheaper. Each jitter op is still applied in its own random order
+  same parameter range, similar effect, far cheaper. Each jitter op is still applied in its own random order
   slot and clamped to [0, 1] after it, as torchvision does.
 * Work happens in float32 without the uint8 quantisation between PIL ops.
 """

@@ -53,7 +53,7 @@ class GroupedRandom(Random):
     as `Random` would draw them for that group alone: a draw of n = S·B rows takes S·g rows from each group's
     generator (crop-major within the group) and interleaves them into the batch's crop-major rows. The pixel
     work then runs once over the whole batch instead of once per group (per-group calls cost their kernel
-    launches again and again: 2.9× slower at one image a group on one CPU thread)."""
+    launches again and again, which dominates at one image a group)."""
 
     def __init__(self, generators: list[torch.Generator], images: int, device: torch.device) -> None:
         if not generators or images % len(generators):

@@ -180,7 +180,7 @@ def _gaussian_blur(x: Tensor, apply: Tensor, cfg: AugmentationConfig, rand: Rand
     kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(3, dim=0)  # [m·3, k]
     m, (h, w) = index.numel(), x.shape[-2:]
     sub = F.pad(x[index], [k // 2] * 4, mode="reflect").view(1, m * 3, h + k - 1, w + k - 1)
-    # Depthwise convolution is ~2× faster on CPU with channels-last (one image-channel per lane).
+    # Depthwise convolution is faster on CPU with channels-last (one image-channel per lane).
     sub = sub.contiguous(memory_format=torch.channels_last)
     sub = F.conv2d(sub, kernel.view(m * 3, 1, 1, k), groups=m * 3)
     sub = F.conv2d(sub, kernel.view(m * 3, 1, k, 1), groups=m * 3)

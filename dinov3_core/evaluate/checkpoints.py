@@ -152,7 +152,7 @@ def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dic
 
 
 def _write(eval_dir: Path, curve: KnnCurve) -> None:
-    # deferred: matplotlib (~0.4 s), only for the figures
+    # deferred: matplotlib is slow to import, only for the figures
     import matplotlib
 
     matplotlib.use("Agg")

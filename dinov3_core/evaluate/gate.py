@@ -272,7 +272,7 @@ def apply(cfg: EvaluateConfig, decision: Decision, version: str | None, metrics:
         if decision.promote:
             decision.reason += "; not applied: the candidate is not a registered model version (export with tracking)"
         return decision
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))

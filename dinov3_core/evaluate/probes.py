@@ -63,7 +63,7 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
     Raises:
         ProtocolError: A class is on fewer than two groups, or ends up on one side only; the message names it.
     """
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold
 
     classes = np.unique(labels)
@@ -140,7 +140,7 @@ def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: in
     Raises:
         ProtocolError: A class is on fewer than two groups; the message names it and the fix.
     """
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import LeaveOneGroupOut, StratifiedGroupKFold
 
     _require_two_groups_per_class(labels, groups)
@@ -178,7 +178,7 @@ def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: in
 def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
     """Positions (within the training tiles) of the validation part: a group fold when there are ≥ 2 groups
     with every class, else a stratified quarter of the tiles (recorded as such)."""
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold, StratifiedShuffleSplit
 
     if len(np.unique(groups)) >= 3:
@@ -231,7 +231,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, n: int, _: np.ndarray | None = Non
 
 
 def auroc(y: np.ndarray, _: np.ndarray, n: int, positive_score: np.ndarray | None) -> float:
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.metrics import roc_auc_score
 
     if positive_score is None or n != 2 or len(np.unique(y)) < 2:

@@ -179,7 +179,7 @@ def save_pictures(
     """Per model (`names`: role → what the model is, for the titles): the linear probe's row-normalised confusion
     matrix (every labelled tile, each predicted by the fold that held its slide out), and a 2-D PCA map of all
     labelled tiles coloured by class."""
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +244,7 @@ def log_mlflow(cfg: EvaluateConfig, evaluation: EvaluationReport, out: Path) -> 
             tracking.log_metrics({f"{role}.{k}": v for k, v in flat_metrics(model).items() if np.isfinite(v)})
         for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
             tracking.log_artifact(path)
-        # deferred: mlflow costs ~1 s at import, paid only when tracking
+        # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
         import mlflow
 
         if mlflow.active_run() is not None:

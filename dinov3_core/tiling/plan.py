@@ -159,7 +159,7 @@ def choose_reader(path: Path, info: slide_io.SlideInfo, read: slide_io.ReadPlan,
 
 def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> SlidePlan:
     """Open the slide, resolve µm/px, build the tissue mask and the kept-tile grid with QC scores."""
-    # Imported here, in the worker that plans: the parent process never needs scikit-image (~0.5 s to import).
+    # Imported here, in the worker that plans: the parent process never needs scikit-image (slow to import).
     from dinov3_core.tiling import tissue
 
     start = time.perf_counter()
