@@ -86,6 +86,11 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
             f"no slide-level split puts class(es) {', '.join(map(repr, missing))} on both the training and the "
             f"test side with {n_groups} slide/patient groups; annotate these classes on more slides"
         )
+    return _split(labels, groups, train, test, seed)
+
+
+def _split(labels: np.ndarray, groups: np.ndarray, train: np.ndarray, test: np.ndarray, seed: int) -> Split:
+    """The split of `train` / `test` rows, with the validation rows drawn from the training side."""
     val_pos, val_by = _validation(labels[train], groups[train], seed)
     return Split(
         train=np.sort(train),
@@ -159,20 +164,7 @@ def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: in
                 break
     if parts is None:  # k == number of groups, or no deal kept every class on every training side
         parts = list(LeaveOneGroupOut().split(x, labels, groups))
-    out = []
-    for train, test in parts:
-        val_pos, val_by = _validation(labels[train], groups[train], seed)
-        out.append(
-            Split(
-                train=np.sort(train),
-                val=np.sort(train[val_pos]),
-                test=np.sort(test),
-                train_groups=sorted(map(str, np.unique(groups[train]))),
-                test_groups=sorted(map(str, np.unique(groups[test]))),
-                val_by=val_by,
-            )
-        )
-    return CrossValidation(out, scheme)
+    return CrossValidation([_split(labels, groups, train, test, seed) for train, test in parts], scheme)
 
 
 def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
