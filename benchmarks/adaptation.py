@@ -45,9 +45,10 @@ import yaml
 from dinov3_core.config import load_config
 from dinov3_core.convert.config import ConvertConfig
 from dinov3_core.evaluate import dense as D
-from dinov3_core.evaluate import evaluation as E
 from dinov3_core.evaluate import probes as P
+from dinov3_core.evaluate import scoring
 from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.gram.anchoring import run_gram
 from dinov3_core.gram.config import GramConfig
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
@@ -178,7 +179,7 @@ class Spy:
     def __init__(self) -> None:
         self.tile: tuple[np.ndarray, P.CrossValidation, P.Predictions] | None = None
         self.dense: tuple[D.DenseSet, P.Predictions] | None = None
-        self._score, self._predict = E._score_model, D.predict
+        self._score, self._predict = scoring.score_model, D.predict
 
     def __enter__(self) -> Spy:
         def score(cfg: Any, x: np.ndarray, y: np.ndarray, cv: P.CrossValidation, *rest: Any) -> Any:
@@ -191,11 +192,11 @@ class Spy:
             self.dense = (d, out[0])
             return out
 
-        E._score_model, D.predict = score, predict
+        scoring.score_model, D.predict = score, predict
         return self
 
     def __exit__(self, *_: object) -> None:
-        E._score_model, D.predict = self._score, self._predict
+        scoring.score_model, D.predict = self._score, self._predict
 
     def heldout_scores(self) -> dict[str, float]:
         assert self.tile is not None
@@ -222,8 +223,7 @@ def evaluate(store: Path, annotations: Path, weights: Path, out: Path) -> dict[s
     }
     with Spy() as spy:
         run_stage("evaluate", load_config(EvaluateConfig, None, values))
-    doc = json.loads((out / "evaluation.json").read_text())
-    model = doc["models"]["candidate"]
+    model = EvaluationReport.from_json((out / "evaluation.json").read_text()).models["candidate"]
     probes = model["probes"]
     return {
         "linear": probes["linear"]["balanced_accuracy"],

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -80,10 +82,10 @@ def stage_statuses(output: str) -> set[str]:
 
 
 def seed_row(seed: int, workdir: Path, seconds: float) -> dict[str, Any]:
-    ev = json.loads((workdir / "evaluation" / "evaluation.json").read_text())
-    decision, evidence = ev["decision"], ev["evidence"]
-    diff = ev["comparisons"]["candidate_vs_baseline"]["linear.balanced_accuracy"]
-    linear = {role: ev["models"][role]["probes"]["linear"]["balanced_accuracy"]["value"] for role in ev["models"]}
+    ev = EvaluationReport.from_json((workdir / "evaluation" / "evaluation.json").read_text())
+    decision, evidence = ev.decision or {}, ev.evidence
+    diff = ev.comparisons["candidate_vs_baseline"]["linear.balanced_accuracy"]
+    linear = {role: m["probes"]["linear"]["balanced_accuracy"]["value"] for role, m in ev.models.items()}
     return {
         "seed": seed,
         "seconds": round(seconds, 1),

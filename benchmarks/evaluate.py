@@ -46,8 +46,9 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig
-from dinov3_core.evaluate.evaluation import probe_models, run_evaluate
+from dinov3_core.evaluate.evaluation import run_evaluate
 from dinov3_core.evaluate.labels import label_tiles
+from dinov3_core.evaluate.scoring import probe_models
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.extract.config import ExtractConfig
 from dinov3_core.extract.extract import run_extract
@@ -197,12 +198,12 @@ def main() -> None:
         }
         cfg = load_config(EvaluateConfig, None, values)
         cold, cold_s = timed(run_evaluate, cfg)
-        log(f"run_evaluate cold: {cold_s:.1f} s ({cold.evaluation['labelled_tiles']} labelled tiles)")
+        log(f"run_evaluate cold: {cold_s:.1f} s ({cold.report.labelled_tiles} labelled tiles)")
         warm, warm_s = timed(run_evaluate, cfg)
         log(f"run_evaluate warm: {warm_s:.1f} s")
-        primary = [r.evaluation["models"]["candidate"]["probes"]["linear"]["balanced_accuracy"] for r in (cold, warm)]
+        primary = [r.report.models["candidate"]["probes"]["linear"]["balanced_accuracy"] for r in (cold, warm)]
         assert primary[0] == primary[1], primary  # the warm run read the cold run's features
-        labelled = int(cold.evaluation["labelled_tiles"])
+        labelled = cold.report.labelled_tiles
 
         # Its parts, on the cached features.
         found, labels_s = timed(label_tiles, store, cfg.annotations)
@@ -213,7 +214,7 @@ def main() -> None:
             ds.read_batch(np.unique(np.linspace(0, len(ds) - 1, cfg.health_tiles).round().astype(np.int64)))
         )
         feats, health_s = {}, 0.0
-        for role, entry in cold.evaluation["models"].items():
+        for role, entry in cold.report.models.items():
             fm = F.open_model(entry["path"])
             health_s += timed(F.health, fm, images)[1]
             cached = F.embed(fm, ds, idx, Path(cfg.output) / "cache", key, cfg.batch_size)

@@ -3,11 +3,12 @@ models, how often it promotes one that is), measured by running the real gate on
 
 * **Null pairs**: M randomly initialised `vit_test` backbones (seeds 0..M-1: no learned difference between any two)
   embed the labelled tiles of a cohort once each and are probed once each by the stage's own code
-  (`evaluation.probe_models`: grouped cross-validation, kNN, linear probe, per-slide statistics); then for distinct
+  (`scoring.probe_models`: grouped cross-validation, kNN, linear probe, per-slide statistics); then for distinct
   unordered pairs, in a random orientation (candidate = a, baseline = b: the registry's first model), the stage's
-  comparisons (`evaluation._comparisons`) and `gate.decide` give the verdict. The share promoted is the false-promotion
-  rate, with its exact (Clopper-Pearson) 95 % interval; beside it the rule the gate had before (the lower bound of
-  the 95 % percentile bootstrap interval over test slides > margin, from at least 3 slides), on the same pairs.
+  comparisons (`scoring.paired_comparisons`) and `gate.decide` give the verdict. The share promoted is the
+  false-promotion rate, with its exact (Clopper-Pearson) 95 % interval; beside it the rule the gate had before (the
+  lower bound of the 95 % percentile bootstrap interval over test slides > margin, from at least 3 slides), on the
+  same pairs.
 * **Real pairs** (`--trained PATH ...`: a trained model's `model.onnx` or `backbone.pth`): each against the same
   architecture at initialisation (the stage's `baseline=init`) and against every null model: the share promoted is the
   power. Without `--trained` power is not measured, and the output says so.
@@ -43,7 +44,9 @@ from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.evaluate import evaluation as E
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
+from dinov3_core.evaluate import scoring
 from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model
 from dinov3_core.inference.backbone import INFERENCE_OVERRIDES
 from dinov3_core.models import backbone_kwargs, build_backbone, save_backbone
@@ -152,19 +155,20 @@ def rate(promoted: int, pairs: int) -> Rate:
     return Rate(promoted, pairs, promoted / pairs if pairs else float("nan"), low, high)
 
 
-def judge(c: Cohort, probed: E.Probed, health: dict[str, Any], a: str, b: str) -> tuple[G.Decision, bool]:
+def judge(c: Cohort, probed: scoring.Probed, health: dict[str, Any], a: str, b: str) -> tuple[G.Decision, bool]:
     """(the gate's decision on candidate a vs baseline b, the former bootstrap rule's verdict on the same pair)."""
     preds = {"candidate": probed.predictions[a], "baseline": probed.predictions[b]}
-    comparisons = E._comparisons(c.y, preds, probed.design)
-    evaluation = {
-        "models": {
+    comparisons = scoring.paired_comparisons(c.y, preds, probed.design)
+    evaluation = EvaluationReport(
+        store=str(c.cfg.store),
+        models={
             "candidate": {"health": health[a], "probes": probed.probes[a]},
             "baseline": {"health": health[b], "probes": probed.probes[b]},
         },
-        "comparisons": comparisons,
-        "labelled_tiles": len(c.y),
-        "evidence": {"unit": "slide", "test_groups": len(probed.cv.test_groups), "folds": len(probed.cv.folds)},
-    }
+        comparisons=comparisons,
+        labelled_tiles=len(c.y),
+        evidence={"unit": "slide", "test_groups": len(probed.cv.test_groups), "folds": len(probed.cv.folds)},
+    )
     decision = G.decide(c.cfg, evaluation)
     d = comparisons["candidate_vs_baseline"][c.cfg.gate.primary_metric]
     old = len(probed.cv.test_groups) >= 3 and d["ci_high"] > d["ci_low"] and d["ci_low"] > c.cfg.gate.margin
@@ -196,7 +200,7 @@ def run_cohort(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any
             feats[f"{role}-init"], health[f"{role}-init"] = embed(c, init.path, root / name / "cache")
         trained[role] = path
     t1 = time.perf_counter()
-    probed = E.probe_models(c.cfg, feats, c.y, c.groups)
+    probed = scoring.probe_models(c.cfg, feats, c.y, c.groups)
     probe_s = time.perf_counter() - t1
     log(f"{name}: {len(feats)} models probed in {probe_s:.0f} s")
 

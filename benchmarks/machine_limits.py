@@ -30,108 +30,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-Step = Callable[[], None]
+# benchmarks/step_timing.py and benchmarks/upstream_step.py, beside this script
+import upstream_step  # noqa: E402
+from step_timing import (  # noqa: E402
+    VITS_UPSTREAM_SHAPES,
+    Step,
+    build_ours,
+    counted_flops,
+    environment,
+    fresh_dynamo,
+    interleaved,
+    load_average,
+    matmul_peak,
+    row,
+    top_ops,
+)
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def load_average() -> float:
-    return os.getloadavg()[0]
-
-
-# ----------------------------------------------------------------------------------------------------- peak
-
-
-def matmul_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
-    """Best GFLOP/s of n×n×n matrix products (2n³ FLOPs each)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # first call: BLAS set-up
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
-    return best
-
-
-# -------------------------------------------------------------------------------------------------- timing
-
-
-def interleaved(steps: dict[str, Step], rounds: int, per_round: int) -> dict[str, list[float]]:
-    """Seconds per call of each step, `per_round` calls per round, the steps alternating round after round."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for step in steps.values():  # lazy set-up (oneDNN primitives, allocator) stays out of the timed rounds
-        step()
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            times[name].append((time.perf_counter() - start) / per_round)
-    return times
-
-
-def fresh_dynamo() -> None:
-    """Forget earlier sections' compiled code. All blocks share one `forward`, and Dynamo keeps at most
-    `recompile_limit` (8) graphs per code object: past it, it falls back to eager *silently*, so a later section's
-    "compiled" rows would time eager code (seen: compiled = eager, 1 s warm-up)."""
-    torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64
-
-
-def top_ops(step: Step, calls: int = 2, n: int = 8) -> list[dict[str, Any]]:
-    """The operators taking the most CPU self time over `calls` calls of `step`."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            step()
-    events = list(prof.key_averages())
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
-    return [{"op": e.key[:60], "share": e.self_cpu_time_total / total, "calls": e.count // calls} for e in top]
-
-
-def counted_flops(step: Step) -> float:
-    counter = FlopCounterMode(display=False)
-    with counter:
-        step()
-    return float(counter.get_total_flops())
-
-
-def row(
-    path: str, variant: str, seconds: list[float], flops: float, peak: float, items: int, unit: str, **extra: Any
-) -> dict[str, Any]:
-    median = statistics.median(seconds)
-    gflops = flops / median / 1e9
-    return {
-        "path": path,
-        "variant": variant,
-        "items_per_s": items / median,
-        "unit": unit,
-        "spread": [items / max(seconds), items / min(seconds)],
-        "gflops": gflops,
-        "percent_of_peak": 100 * gflops / peak,
-        "seconds": seconds,
-        **extra,
-    }
 
 
 # ------------------------------------------------------------------------------------------------ extract
@@ -217,31 +145,6 @@ def section_extract(arch: str, batch: int, rounds: int, peak: float, workdir: Pa
 
 # -------------------------------------------------------------------------------------------------- train
 
-# ViT-S/16 at the shapes of the issue's upstream comparison, on top of the `cpu` recipe (benchmarks/upstream_step.py).
-VITS_UPSTREAM_SHAPES = {
-    "student.arch": "vit_small",
-    "student.pretrained_weights": None,
-    "crops.global_size": 112,
-    "crops.local_size": 48,
-    "crops.n_local_crops": 8,
-    "heads.dino.n_prototypes": 4096,
-    "heads.ibot.n_prototypes": 4096,
-}
-
-
-def build_ours(cfg: Any, compiled: bool) -> tuple[Any, torch.optim.Optimizer]:
-    """Our SSL model (seed 0: the same weights every call) and its AdamW, blocks compiled if asked."""
-    from dinov3_core.models.parallel import compile_blocks
-    from dinov3_core.train.optim import build_optimizer
-    from dinov3_core.train.ssl_model import build_ssl_model
-
-    torch.manual_seed(0)
-    model = build_ssl_model(cfg).model.train()
-    if compiled:
-        compile_blocks(model.student["backbone"])
-        compile_blocks(model.teacher["backbone"])
-    return model, build_optimizer(model.student, cfg)
-
 
 def section_train(recipe: str, overrides: dict[str, Any], batch: int, rounds: int, peak: float) -> list[dict[str, Any]]:
     from dinov3_core.config import load_config
@@ -323,22 +226,12 @@ def main() -> None:
         "equal configuration (benchmarks/upstream_step.py); skipped without it",
     )
     args = parser.parse_args()
-    import upstream_step  # benchmarks/upstream_step.py, beside this script
 
     only = set(args.only.split(","))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (3 if args.quick else 7)
-    env = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "quick": args.quick,
-        "rounds": rounds,
-        "load_average_start": load_average(),
-    }
+    env = environment(quick=args.quick, rounds=rounds, load_average_start=load_average())
     n = 1024 if args.quick else 2048
     peaks = {"fp32": matmul_peak(n, torch.float32, 5 if args.quick else 10)}
     from dinov3_core.train.distributed import cpu_has_bf16_matmul

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from dinov3_core.data.augment import AugmentationConfig, MultiCropAugmentation
+from dinov3_core.data.augment import MultiCropAugmentation
+from dinov3_core.data.augment_config import AugmentationConfig
 from dinov3_core.data.stain import CohortStain
 
 COHORT = CohortStain((69.16, 16.50, -5.10), (5.08, 5.02, 1.80), (19.25, 11.11, 4.62), (1.27, 2.46, 1.31), 3)

@@ -92,7 +92,6 @@ import importlib
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -132,11 +131,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _limits() -> types.ModuleType:
-    """benchmarks/machine_limits.py (timing, FLOP counting and the row format are shared with it)."""
+def _timing() -> types.ModuleType:
+    """benchmarks/step_timing.py (timing, FLOP counting and the row format, shared with machine_limits.py)."""
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
-    return importlib.import_module("machine_limits")
+    return importlib.import_module("step_timing")
 
 
 # ------------------------------------------------------------------------------------------- upstream import
@@ -269,7 +268,7 @@ def our_config(shape: str) -> Any:
 
     overrides: dict[str, Any] = {"data.stores": ["unused"], "output_dir": "unused"}
     if shape == "vit_small":
-        overrides.update(_limits().VITS_UPSTREAM_SHAPES)
+        overrides.update(_timing().VITS_UPSTREAM_SHAPES)
     elif shape != "vit_test":
         raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     return load_config(C.PretrainConfig, "cpu", overrides, stage="pretrain")
@@ -429,7 +428,7 @@ def upstream_config(up: dict[str, Any], cfg: Any, batch: int) -> tuple[Any, list
 def build_ours(cfg: Any, compiled: bool) -> tuple[Any, torch.optim.Optimizer]:
     from dinov3_core.train.optim import ScheduleValues, apply_schedules
 
-    model, optimizer = _limits().build_ours(cfg, compiled)
+    model, optimizer = _timing().build_ours(cfg, compiled)
     apply_schedules(optimizer, ScheduleValues(LR, LR, WD, MOMENTUM, TEACHER_TEMP))
     return model, optimizer
 
@@ -551,7 +550,7 @@ def shape_rows(
     from dinov3_core.data.augment import MultiCrops
     from dinov3_core.data.masking import IBOTMaskSampler
 
-    ml = _limits()
+    ml = _timing()
     cfg, batch = our_config(shape), batch_size(shape)
     c = cfg.crops
     torch.manual_seed(0)
@@ -686,7 +685,7 @@ def upstream_rows(
     label = f"upstream (facebookresearch/dinov3 {commit[:7]})"
     started = start_gloo(up)
     try:
-        peak = peak or _limits().matmul_peak(2048, torch.float32, 10)
+        peak = peak or _timing().matmul_peak(2048, torch.float32, 10)
         allreduce_us = gloo_allreduce_us(4096)
         rows = []
         for shape in shapes:
@@ -731,16 +730,8 @@ def main() -> None:
     shapes = tuple(s for s in args.shapes.split(",") if s)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    ml = _limits()
-    env = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "rounds": args.rounds,
-        "load_average_start": os.getloadavg()[0],
-    }
+    ml = _timing()
+    env = ml.environment(rounds=args.rounds, load_average_start=ml.load_average())
     peak = ml.matmul_peak(2048, torch.float32, 10)
     notes: list[dict[str, Any]] = []
     if args.upstream_src is None:

@@ -46,7 +46,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = get_stage(args.command)
     cfg = _config(stage, args)
     if args.print_config:  # the resolved configuration; `--config` of this output reproduces the run
-        from dinov3_core.config import to_yaml
+        from dinov3_core.config_tree import to_yaml
 
         print(to_yaml(cfg), end="")
         return EXIT_OK
@@ -71,7 +71,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
 class StageParser(argparse.ArgumentParser):
     """A stage's sub-parser: its help marks each option whose config key has no default "(required, …)" — argparse
     cannot require it, since a --config file may set it instead. Marked when help is shown, not when the parser is
-    built: finding the keys imports the stage's config schema (pretrain's pulls in torch, ~2 s of every command)."""
+    built: finding the keys imports the stage's config schema (pretrain's pulls in torch, a slow import every command
+    would pay)."""
 
     stage: Stage[Any] | None = None
 
@@ -158,7 +159,7 @@ def run() -> None:
     """The `wsidino` command: `main`, then a quick exit.
 
     Python's own finalisation tears down every imported module one by one; with MLflow's import graph (pandas,
-    pyarrow, SQLAlchemy, …) loaded that took 0.5–1.4 s after the work was done, a fifth of a short tile run. The
+    pyarrow, SQLAlchemy, …) loaded that is a noticeable share of a short tile run (docs/benchmarks.md, tile stage). The
     exit handlers still run (MLflow, logging, multiprocessing register theirs there) and the streams are flushed;
     only the teardown of module objects, which leaves nothing behind, is skipped.
     """

@@ -47,7 +47,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             values[key] = getattr(args, dest)
     cfg = load_pipeline_config(args.config or "cpu", values)
     if args.print_config:
-        from dinov3_core.config import to_yaml
+        from dinov3_core.config_tree import to_yaml
 
         print(to_yaml(cfg), end="")
         return EXIT_OK

@@ -7,7 +7,6 @@ the expected type, and the resolved config is saved beside each stage output so 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import hashlib
 import importlib.resources
@@ -18,17 +17,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from dinov3_core.config_tree import (
+    flat_params,
+    flatten,
+    flatten_against,
+    is_section,
+    node_of,
+    schema_keys,
+    to_yaml,
+    type_name,
+)
 from dinov3_core.errors import WsidinoError
 from dinov3_core.files import write_text_atomic
 
 T = TypeVar("T")
 
 CONFIG_DIR_ENV = "WSIDINO_CONFIG_DIR"
-# A config is a few kB (a long mpp_by_slide table some 100 kB). The cap bounds the pure-Python loader below (~10 s
-# for a dense 1 MB file on a busy 2-core box) and stops a wrong file passed as --config before it is parsed.
+# A config is a few kB (a long mpp_by_slide table some 100 kB). The cap bounds the time of the pure-Python loader
+# below (it is slow on a dense file) and stops a wrong file passed as --config before it is parsed.
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -91,56 +100,6 @@ def resolve_config_path(stage: str, name_or_path: str | os.PathLike[str] | None)
     )
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted leaf keys of a nested mapping (lists and scalars are leaves)."""
-    if isinstance(node, Mapping) and node:
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node}
-
-
-def flatten(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """`{"a": {"b": 1}}` → `{"a.b": 1}` (lists and scalars are leaves)."""
-    return _flatten(mapping)
-
-
-def _is_section(node: Any) -> bool:
-    """A dataclass-backed sub-config (its keys are fixed), as opposed to a free-form `dict[str, X]` field."""
-    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
-        return False
-    return dataclasses.is_dataclass(node._metadata.object_type)
-
-
-def _flatten_against(schema: DictConfig, update: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of `update`, descending only into dataclass sections of `schema`.
-
-    Values of free-form dict fields stay whole, so their own keys may contain dots (`a.svs: 0.25`).
-    """
-    out: dict[str, Any] = {}
-    for key, value in update.items():
-        dotted = f"{prefix}{key}"
-        node = schema._get_node(str(key)) if str(key) in schema.keys() else None  # noqa: SIM118
-        if isinstance(value, Mapping) and value and _is_section(node):
-            out.update(_flatten_against(node, value, f"{dotted}."))
-        else:
-            out[dotted] = value
-    return out
-
-
-def _schema_keys(schema: DictConfig) -> list[str]:
-    keys: list[str] = []
-    for key in schema.keys():  # noqa: SIM118 (OmegaConf: `in` is False for MISSING values)
-        value = schema._get_node(key)
-        if _is_section(value):
-            keys.extend(f"{key}.{sub}" for sub in _schema_keys(value))
-            keys.append(str(key))
-        else:
-            keys.append(str(key))
-    return keys
-
-
 def _check_key(schema: DictConfig, key: str, source: str) -> None:
     node: Any = schema
     parts = key.split(".")
@@ -149,33 +108,24 @@ def _check_key(schema: DictConfig, key: str, source: str) -> None:
             moved = getattr(schema._metadata.object_type, "MOVED_KEYS", {}).get(key)
             if moved:
                 raise ConfigError(f"config key {key!r} in {source} is now {moved!r}: set that instead")
-            valid = _schema_keys(schema)
+            valid = schema_keys(schema)
             close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             parent = ".".join(parts[:depth]) or "<root>"
             raise ConfigError(f"unknown config key {key!r} in {source} (no {part!r} under {parent}){hint}")
         node = node._get_node(part)
-        if isinstance(node, DictConfig) and not _is_section(node):
+        if isinstance(node, DictConfig) and not is_section(node):
             return  # a free-form dict, or an unset optional sub-config: its own keys are validated on merge
 
 
-def _type_name(node: Any) -> str:
-    try:
-        ref = node._metadata.ref_type
-        name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
-        return f"{name} or null" if node._metadata.optional and name != "Any" else name
-    except AttributeError:
-        return "a valid value"
-
-
 def _merge_checked(base: DictConfig, update: Mapping[str, Any], source: str) -> DictConfig:
-    for key, value in _flatten_against(base, update).items():
+    for key, value in flatten_against(base, update).items():
         _check_key(base, key, source)
         try:
             OmegaConf.update(base, key, value, merge=True)
         except ValidationError as err:
             node = OmegaConf.select(base, key, throw_on_missing=False)
-            expected = _type_name(base._get_node(key.split(".")[0]) if node is None else _node_of(base, key))
+            expected = type_name(base._get_node(key.split(".")[0]) if node is None else node_of(base, key))
             raise ConfigError(
                 f"invalid value for config key {key!r} in {source}: {value!r} is not {expected} "
                 f"({err.msg.splitlines()[0]})"
@@ -183,13 +133,6 @@ def _merge_checked(base: DictConfig, update: Mapping[str, Any], source: str) -> 
         except OmegaConfBaseException as err:
             raise ConfigError(f"invalid config key {key!r} in {source}: {err.msg}") from None
     return base
-
-
-def _node_of(cfg: DictConfig, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = node._get_node(part)
-    return node
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
@@ -321,7 +264,7 @@ def load_config(
     if path is not None:
         for source, loaded in _yaml_chain(stage or "", path):
             _merge_checked(base, loaded, f"config file {source}")
-    named = _flatten(OmegaConf.to_container(base, resolve=False))  # the named config, before the overrides
+    named = flatten(OmegaConf.to_container(base, resolve=False))  # the named config, before the overrides
     if isinstance(overrides, Mapping):
         update = {k: v for k, v in overrides.items()}
         _merge_checked(base, update, "overrides")
@@ -379,27 +322,12 @@ def _failing_section(node: DictConfig, prefix: str = "") -> str:
     """Dotted path (with a trailing dot) of the innermost section whose checks (`__post_init__`) fail."""
     for key in node.keys():  # noqa: SIM118 (OmegaConf: `in` is False for MISSING values)
         child = node._get_node(key)
-        if _is_section(child):
+        if is_section(child):
             try:
                 OmegaConf.to_object(child)
             except ValueError:
                 return _failing_section(child, f"{prefix}{key}.")  # type: ignore[arg-type]
     return prefix
-
-
-def to_yaml(cfg: Any) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    assert isinstance(container, dict)
-    return container
-
-
-def flat_params(cfg: Any) -> dict[str, Any]:
-    """Dotted key → value, for logging as MLflow params."""
-    return _flatten(to_dict(cfg))
 
 
 def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
@@ -413,18 +341,10 @@ def config_hash(cfg: Any, exclude: Iterable[str] = ()) -> str:
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
 __all__ = [
     "ConfigError",
-    "DictConfig",
-    "ListConfig",
     "config_dir",
     "config_hash",
-    "flat_params",
-    "flatten",
     "load_config",
     "load_yaml",
     "packaged_config_dir",
@@ -432,6 +352,4 @@ __all__ = [
     "require",
     "resolve_config_path",
     "save_config",
-    "to_dict",
-    "to_yaml",
 ]

@@ -35,7 +35,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from dinov3_core import events, tracking
 from dinov3_core import manifest as mf
-from dinov3_core.config import describe_changes, flat_params, to_yaml
+from dinov3_core.config import describe_changes
+from dinov3_core.config_tree import flat_params, to_yaml
 from dinov3_core.errors import RunStopped, WsidinoError
 from dinov3_core.launch import TorchrunFailed, run_torchrun
 from dinov3_core.launch.training import LaunchSettings
@@ -300,7 +301,7 @@ def _run_job(spec: Stage[S], cfg: Any, launch: LaunchSettings, run: Any, hooks: 
 
 def _log_stage_artifacts(spec: Stage[Any], cfg: Any) -> None:
     """The resolved config, and pictures worth a look, into the stage's MLflow run (active in this thread)."""
-    import mlflow  # deferred: mlflow costs ~2 s at import (only reached with a run open)
+    import mlflow  # deferred: a slow import (docs/benchmarks.md), only reached with a run open
 
     if mlflow.active_run() is None:
         return

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 from dinov3_core import manifest as mf
-from dinov3_core.config import config_hash, flat_params
+from dinov3_core.config import config_hash
+from dinov3_core.config_tree import flat_params
 
 GuardFactory = Callable[[Any], contextlib.AbstractContextManager[Any]]
 

@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dinov3_core.data.augment import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    AugmentationConfig,
-    MultiCropAugmentation,
-    _crop_boxes,
-    _Random,
-)
+from dinov3_core.data.augment import MultiCropAugmentation, _crop_boxes
+from dinov3_core.data.augment_config import IMAGENET_MEAN, IMAGENET_STD, AugmentationConfig
+from dinov3_core.data.augment_random import Random
 from dinov3_core.data.photometric import HED_FROM_RGB, hed_jitter
 
 # Everything photometric off, no normalisation, crops = the whole tile at its own size: output == input up
@@ -125,7 +120,7 @@ def test_flips_and_rotations_are_exact_permutations(interpolation: str) -> None:
 
 
 def test_crop_boxes_follow_random_resized_crop() -> None:
-    rand = _Random(_gen(11), torch.device("cpu"))
+    rand = Random(_gen(11), torch.device("cpu"))
     top, left, h, w = _crop_boxes(4000, 224, 224, (0.05, 0.32), (3 / 4, 4 / 3), rand)
     area = h * w / 224**2
     assert (top >= 0).all() and (left >= 0).all() and (top + h <= 224).all() and (left + w <= 224).all()

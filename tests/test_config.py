@@ -9,7 +9,8 @@ from typing import ClassVar
 import pytest
 import yaml
 
-from dinov3_core.config import ConfigError, load_config, require, resolve_config_path, save_config, to_dict
+from dinov3_core.config import ConfigError, load_config, require, resolve_config_path, save_config
+from dinov3_core.config_tree import to_dict
 from dinov3_core.tiling.config import TileConfig
 
 REQUIRED = {"input": "slides/", "output": "t.zarr"}

@@ -18,6 +18,7 @@ import pytest
 import shapely
 
 from dinov3_core.config import load_config
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
 from tests.helpers import eval_backbone, tile_store
 
@@ -58,7 +59,7 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {"root": root, "store": store, "uri": uri, "colour": colour, "blind": blind, "annotations": annotations}
 
 
-def evaluate(cohort: dict[str, Any], output: str, **values: Any) -> dict[str, Any]:
+def evaluate(cohort: dict[str, Any], output: str, **values: Any) -> EvaluationReport:
     from dinov3_core.evaluate.config import EvaluateConfig
 
     cfg = load_config(
@@ -81,7 +82,7 @@ def evaluate(cohort: dict[str, Any], output: str, **values: Any) -> dict[str, An
         },
     )
     run_stage("evaluate", cfg)
-    return json.loads((cohort["root"] / output / "evaluation.json").read_text())
+    return EvaluationReport.from_json((cohort["root"] / output / "evaluation.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------- token labels
@@ -172,30 +173,30 @@ def test_miou_from_the_pooled_confusion_matrix() -> None:
 def test_the_stage_reports_dense_metrics_and_stain_invariance_and_gates_on_dense_miou(cohort: dict[str, Any]) -> None:
     # three slides reach p = 1/8 at best: alpha 0.125 lets the gate decide on them (the default 0.025 needs 6)
     ev = evaluate(cohort, "eval-dense", **{"gate.primary_metric": "dense.miou", "gate.alpha": 0.125})
-    assert set(ev["models"]) == {"candidate", "champion", "baseline"}
+    assert set(ev.models) == {"candidate", "champion", "baseline"}
     counts = None
-    for role, model in ev["models"].items():
+    for role, model in ev.models.items():
         dense = model["probes"]["dense"]
         for metric in ("balanced_accuracy", "miou"):
             m = dense[metric]
             assert 0 <= m["ci_low"] <= m["value"] <= m["ci_high"] <= 1, (role, metric, m)
         assert counts is None or dense["counts"] == counts  # one grid: the same tokens for every model
         counts = dense["counts"]
-        assert len(dense["linear_c_per_fold"]) == ev["split"]["folds"]
+        assert len(dense["linear_c_per_fold"]) == ev.split["folds"]
         assert 0 <= model["health"]["stain_invariance"] <= 1
-    assert counts["grid"] == "4x4" and 0 < counts["tokens"] <= 16 * ev["labelled_tiles"]
-    assert set(counts["classes"]) <= set(ev["classes"]) and len(counts["classes"]) >= 2
+    assert counts["grid"] == "4x4" and 0 < counts["tokens"] <= 16 * ev.labelled_tiles
+    assert set(counts["classes"]) <= set(ev.classes) and len(counts["classes"]) >= 2
     for other in ("champion", "baseline"):
-        diff = ev["comparisons"][f"candidate_vs_{other}"]["dense.miou"]
-        cand, theirs = ev["models"]["candidate"]["probes"]["dense"]["miou"], ev["models"][other]["probes"]["dense"]
+        diff = ev.comparisons[f"candidate_vs_{other}"]["dense.miou"]
+        cand, theirs = ev.models["candidate"]["probes"]["dense"]["miou"], ev.models[other]["probes"]["dense"]
         assert diff["value"] == pytest.approx(cand["value"] - theirs["miou"]["value"])
         assert diff["ci_low"] <= diff["value"] <= diff["ci_high"]
-    decision = ev["decision"]
+    decision = ev.decision
     # the gate decided on the dense metric: its interval, and its reason names it (vs the baseline or the champion)
     assert decision["evidence"]["metric"] == "dense.miou" and decision["reason"].startswith("dense.miou ")
-    diff = ev["comparisons"]["candidate_vs_champion"]["dense.miou"]
+    diff = ev.comparisons["candidate_vs_champion"]["dense.miou"]
     assert decision["evidence"]["interval"] == {k: diff[k] for k in ("value", "ci_low", "ci_high")}
-    vs_baseline = ev["comparisons"]["candidate_vs_baseline"]["dense.miou"]["value"]
+    vs_baseline = ev.comparisons["candidate_vs_baseline"]["dense.miou"]["value"]
     assert decision["promote"] == (diff["p_value"] <= 0.125 and diff["value"] > 0 and vs_baseline >= 0)
     if vs_baseline < 0:
         assert decision["reason"] == f"dense.miou {vs_baseline:+.4f} below the baseline"
@@ -208,7 +209,7 @@ def test_the_stage_reports_dense_metrics_and_stain_invariance_and_gates_on_dense
         {
             r: {k: round(m["probes"]["dense"][k]["value"], 3) for k in ("balanced_accuracy", "miou")}
             | {"stain": m["health"]["stain_invariance"]}
-            for r, m in ev["models"].items()
+            for r, m in ev.models.items()
         },
     )
 
@@ -217,11 +218,11 @@ def test_a_cache_without_dense_tokens_is_not_read_for_them(cohort: dict[str, Any
     """The same output directory embedded first without the dense probe: its cache files hold no patch tokens,
     and the next run (dense on) computes its own instead of failing on them or reading them."""
     ev = evaluate(cohort, "eval-cache", **{"probe.dense_tokens_per_tile": 0})
-    assert all("dense" not in m["probes"] for m in ev["models"].values())
+    assert all("dense" not in m["probes"] for m in ev.models.values())
     cache = cohort["root"] / "eval-cache" / "cache"
     before = set(cache.glob("features-*.npz"))
     ev = evaluate(cohort, "eval-cache", **{"probe.dense_tokens_per_tile": 4})
-    assert all(m["probes"]["dense"]["counts"]["tokens_per_tile"] == 4 for m in ev["models"].values())
+    assert all(m["probes"]["dense"]["counts"]["tokens_per_tile"] == 4 for m in ev.models.values())
     new = set(cache.glob("features-*.npz")) - before
     assert len(new) == 3 and all("-d" in p.stem for p in new)
 

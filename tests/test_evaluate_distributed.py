@@ -15,6 +15,7 @@ import pytest
 from dinov3_core.config import load_config
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.launch import TorchrunFailed
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.runner import run_stage
@@ -105,9 +106,9 @@ def test_two_ranks_embed_every_labelled_tile_once_as_one_process_does(
     logs = sorted((out / "torchrun_logs").rglob("stdout.log"))
     assert len(logs) == 2 and all("tiles on torch-cpu" in p.read_text() for p in logs), logs
     assert not list((out / "cache").glob(".*")), "parts or temporary files left"
-    ev = json.loads((out / "evaluation.json").read_text())
-    ref_ev = json.loads((setup["root"] / "one" / "evaluation.json").read_text())
-    assert ev["split"] == ref_ev["split"] and ev["labelled_tiles"] == ref_ev["labelled_tiles"]
+    ev = EvaluationReport.from_json((out / "evaluation.json").read_text())
+    ref_ev = EvaluationReport.from_json((setup["root"] / "one" / "evaluation.json").read_text())
+    assert ev.split == ref_ev.split and ev.labelled_tiles == ref_ev.labelled_tiles
     # a rerun of the stage is up to date; launch settings do not change the config hash
     assert run_stage("evaluate", config(setup, "two"), launch=LaunchSettings(nproc_per_node=2)).status == "skipped"
 

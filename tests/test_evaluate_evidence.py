@@ -11,7 +11,6 @@ audit saw promoted (+0.054 on one test slide, a zero-width "interval").
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 import yaml
 
 from dinov3_core.config import load_config
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
 from tests.helpers import tile_store, torch_threads
 
@@ -119,7 +119,7 @@ def evaluate(cohort: dict[str, Any], candidate: str, output: str, annotations: P
         },
     )
     outcome = run_stage("evaluate", cfg)
-    return outcome, json.loads((cohort["root"] / output / "evaluation.json").read_text())
+    return outcome, EvaluationReport.from_json((cohort["root"] / output / "evaluation.json").read_text())
 
 
 def champion_version(cohort: dict[str, Any]) -> str:
@@ -158,7 +158,7 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
     # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.025 needs 6).
     _, ev = evaluate(cohort, "trained", "eval-trained", baseline="init", **{"gate.alpha": 0.125})
     cohort["first"] = ev
-    assert ev["decision"]["applied"], ev["decision"]["reason"]
+    assert ev.decision["applied"], ev.decision["reason"]
     two = root / "annotations-2"  # the fewest slides a slide-level evaluation accepts: every class on two
     two.mkdir()
     for stem in ("tissue_40x", "tissue_20x"):
@@ -169,16 +169,16 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def test_a_trained_first_model_is_promoted_on_the_evidence_of_every_slide(cohort: dict[str, Any]) -> None:
     ev = cohort["first"]
-    assert ev["split"]["folds"] == 3 and ev["split"]["test_groups"] == ["tissue_20x", "tissue_40x", "tissue_generic"]
-    for fold in ev["split"]["per_fold"]:
+    assert ev.split["folds"] == 3 and ev.split["test_groups"] == ["tissue_20x", "tissue_40x", "tissue_generic"]
+    for fold in ev.split["per_fold"]:
         assert not set(fold["train_groups"]) & set(fold["test_groups"])
-    evidence = ev["evidence"]
+    evidence = ev.evidence
     assert evidence["test_groups"] == 3 and evidence["folds"] == 3 and evidence["sufficient"] is True
     assert evidence["point_estimate"] is False and evidence["allow_point_estimate"] is False
     assert evidence["p_value"] == 0.125 and evidence["min_test_slides"] == 3 and "exact" in evidence["test"]
     low, high = evidence["interval"]["ci_low"], evidence["interval"]["ci_high"]
     assert low < high  # a real interval, from three test slides (for display: the test decided)
-    assert ev["decision"]["evidence"] == evidence
+    assert ev.decision["evidence"] == evidence
     tags = version_tags(cohort, cohort["trained"])
     assert champion_version(cohort) == tags["version"]
     assert (tags["wsidino.eval.test_slides"], tags["wsidino.eval.folds"]) == ("3", "3")
@@ -193,16 +193,16 @@ def test_a_trained_first_model_is_promoted_on_the_evidence_of_every_slide(cohort
 def test_a_noise_candidate_is_not_promoted_over_the_trained_champion(cohort: dict[str, Any]) -> None:
     champion = champion_version(cohort)
     outcome, ev = evaluate(cohort, "noise", "eval-noise", **{"gate.alpha": 0.125})
-    diff = ev["comparisons"]["candidate_vs_champion"]["linear.balanced_accuracy"]
-    assert not ev["decision"]["promote"] and not ev["decision"]["applied"], ev["decision"]
-    reason = ev["decision"]["reason"]  # names what it measured: the champion, or the baseline it also fell below
+    diff = ev.comparisons["candidate_vs_champion"]["linear.balanced_accuracy"]
+    assert not ev.decision["promote"] and not ev.decision["applied"], ev.decision
+    reason = ev.decision["reason"]  # names what it measured: the champion, or the baseline it also fell below
     assert diff["p_value"] > 0.125 and ("vs champion" in reason or "below the baseline" in reason), reason
-    assert ev["evidence"]["test_groups"] == 3 and ev["evidence"]["sufficient"] is True
+    assert ev.evidence["test_groups"] == 3 and ev.evidence["sufficient"] is True
     assert champion_version(cohort) == champion
     assert outcome.manifest.summary["promoted"] is False and outcome.manifest.summary["decision"]
     assert outcome.manifest.summary["evidence"].startswith("gate: linear.balanced_accuracy candidate − champion")
     tags = version_tags(cohort, cohort["noise"])
-    assert tags["wsidino.promotion"] == "kept" and tags["wsidino.promotion_reason"] == ev["decision"]["reason"]
+    assert tags["wsidino.promotion"] == "kept" and tags["wsidino.promotion_reason"] == ev.decision["reason"]
 
 
 def test_two_annotated_slides_are_not_enough_evidence(cohort: dict[str, Any]) -> None:
@@ -210,15 +210,15 @@ def test_two_annotated_slides_are_not_enough_evidence(cohort: dict[str, Any]) ->
     any more (every slide is tested), so this is where thin evidence now shows."""
     champion = champion_version(cohort)
     _, ev = evaluate(cohort, "noise", "eval-noise-2", annotations=cohort["two"])
-    reason = ev["decision"]["reason"]
-    assert not ev["decision"]["promote"] and champion_version(cohort) == champion
+    reason = ev.decision["reason"]
+    assert not ev.decision["promote"] and champion_version(cohort) == champion
     assert reason.startswith(
         "not enough evidence: 2 test slide(s): a permutation test over 2 slide(s) cannot give "
         "a p-value below 2^-2 = 0.25 > gate.alpha 0.025, so nothing can be promoted on fewer "
         "than 6; annotate at least 4 more slide(s)"
     ), reason
-    assert ev["evidence"]["test_groups"] == 2 and ev["evidence"]["sufficient"] is False
-    assert any("only 2 annotated slides" in w for w in ev["warnings"])
+    assert ev.evidence["test_groups"] == 2 and ev.evidence["sufficient"] is False
+    assert any("only 2 annotated slides" in w for w in ev.warnings)
     assert version_tags(cohort, cohort["noise"])["wsidino.eval.evidence"] == "insufficient"
 
 
@@ -227,9 +227,9 @@ def test_allow_point_estimate_decides_on_two_slides_and_records_it(cohort: dict[
     _, ev = evaluate(
         cohort, "noise", "eval-noise-opt-in", annotations=cohort["two"], **{"gate.allow_point_estimate": True}
     )
-    reason = ev["decision"]["reason"]
+    reason = ev.decision["reason"]
     assert "decided on a point estimate (gate.allow_point_estimate=true) although 2 test slide(s)" in reason
-    assert ev["evidence"]["point_estimate"] is True and ev["evidence"]["allow_point_estimate"] is True
-    assert not ev["decision"]["promote"] and champion_version(cohort) == champion  # noise is still worse
+    assert ev.evidence["point_estimate"] is True and ev.evidence["allow_point_estimate"] is True
+    assert not ev.decision["promote"] and champion_version(cohort) == champion  # noise is still worse
     md = (cohort["root"] / "eval-noise-opt-in" / "evaluation.md").read_text()
     assert "decided on a point estimate (gate.allow_point_estimate=true)" in md

@@ -3,6 +3,7 @@ gate (its evidence rule included)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.evaluate.gate import decide, evidence_line
 
 
@@ -163,7 +165,7 @@ def diff(value: float, p: float, groups: int, spread: float = 0.02) -> dict[str,
 
 def evaluation(
     cand: float, p: float | None, base: float = 0.0, rank: float = 0.3, test_groups: int = 6, base_p: float = 0.01
-) -> dict:
+) -> EvaluationReport:
     """Candidate − champion `cand` with p-value `p` (None: no champion), candidate − baseline `base`."""
     metric = {"value": 0.8, "ci_low": 0.7, "ci_high": 0.9}
     models: dict[str, Any] = {
@@ -179,7 +181,7 @@ def evaluation(
         models["champion"] = {"health": {"cls_effective_rank": 0.3, "dense_score": 0.4}}
         comparisons["candidate_vs_champion"] = {"linear.balanced_accuracy": diff(cand, p, test_groups)}
     evidence = {"unit": "slide", "test_groups": test_groups, "folds": min(5, test_groups)}
-    return {"models": models, "comparisons": comparisons, "labelled_tiles": 100, "evidence": evidence}
+    return EvaluationReport("store", models=models, comparisons=comparisons, labelled_tiles=100, evidence=evidence)
 
 
 def test_gate_rules() -> None:
@@ -193,11 +195,11 @@ def test_gate_rules() -> None:
     first = evaluation(0.0, None, base=0.2)  # no champion yet: the baseline is the bar
     assert decide(cfg, first).promote and "first model" in decide(cfg, first).reason
     assert not decide(cfg, evaluation(0.0, None, base=0.03, base_p=0.3)).promote
-    unlabelled = {**evaluation(0.1, 0.016), "labelled_tiles": 0}
+    unlabelled = dataclasses.replace(evaluation(0.1, 0.016), labelled_tiles=0)
     assert "promotion is off" in decide(cfg, unlabelled).reason
     assert decide(gate_cfg(**{"gate.label_free": True}), unlabelled).promote  # 0.5 ≥ champion's 0.4
     broken = evaluation(0.1, 0.016)
-    broken["models"]["champion"]["error"] = "ExtractError: cannot load"
+    broken.models["champion"]["error"] = "ExtractError: cannot load"
     assert "could not be evaluated" in decide(cfg, broken).reason
     d = decide(cfg, evaluation(0.1, 0.016))
     assert "p = 0.016 (paired permutation test over test slides (exact))" in d.reason
@@ -226,7 +228,7 @@ def test_the_gate_refuses_three_slides_however_good() -> None:
     assert not decide(cfg, first).promote and "3 test slide(s)" in decide(cfg, first).reason
     # Patients: the groups are patients, and the advice says so.
     patients = evaluation(0.2, 0.25, test_groups=2)
-    patients["evidence"]["unit"] = "patient"
+    patients.evidence["unit"] = "patient"
     assert "slides of at least 3 more patient(s)" in decide(cfg, patients).reason
     # A refusal needs no evidence either way: below the baseline stays below the baseline with enough slides.
     assert "below the baseline" in decide(cfg, evaluation(0.1, 0.016, base=-0.1)).reason

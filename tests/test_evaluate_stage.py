@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dinov3_core.config import load_config
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
 from tests.helpers import by_name, eval_backbone, tile_store
 
@@ -139,10 +140,10 @@ def version_of(model: Path) -> str:
 def test_worse_first_model_is_not_promoted_over_the_baseline(setup: dict[str, Any]) -> None:
     assert min(setup["counts"].values()) > 20
     out = evaluate(setup, "worse", "eval-worse", baseline=str(setup["better"].parent / "backbone.pth"))
-    ev = json.loads((setup["root"] / "eval-worse" / "evaluation.json").read_text())
-    assert set(ev["models"]) == {"candidate", "baseline"}  # no champion in the registry yet
-    assert not ev["decision"]["promote"] and champion_version(setup) is None
-    assert ev["comparisons"]["candidate_vs_baseline"]["linear.balanced_accuracy"]["value"] < 0
+    ev = EvaluationReport.from_json((setup["root"] / "eval-worse" / "evaluation.json").read_text())
+    assert set(ev.models) == {"candidate", "baseline"}  # no champion in the registry yet
+    assert not ev.decision["promote"] and champion_version(setup) is None
+    assert ev.comparisons["candidate_vs_baseline"]["linear.balanced_accuracy"]["value"] < 0
     assert out.manifest.summary["promoted"] is False
 
 
@@ -151,13 +152,13 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     # Three slides: a permutation test reaches p = 1/8 at best, so alpha 0.125 (the default 0.025 needs 6 slides).
     gate = {"gate.alpha": 0.125}
     out = evaluate(setup, "better", "eval-better", baseline=baseline, **gate)
-    ev = json.loads((setup["root"] / "eval-better" / "evaluation.json").read_text())
-    split = ev["split"]
+    ev = EvaluationReport.from_json((setup["root"] / "eval-better" / "evaluation.json").read_text())
+    split = ev.split
     assert split["folds"] == 3 and split["test_groups"] == ["tissue_20x", "tissue_40x", "tissue_generic"]
     for fold in split["per_fold"]:  # every slide tested once, never by a probe trained on it
         assert not set(fold["train_groups"]) & set(fold["test_groups"])
-    assert ev["evidence"]["test_groups"] == 3 and ev["evidence"]["sufficient"] is True
-    assert ev["evidence"]["p_value"] == 0.125 and ev["decision"]["applied"], ev["decision"]
+    assert ev.evidence["test_groups"] == 3 and ev.evidence["sufficient"] is True
+    assert ev.evidence["p_value"] == 0.125 and ev.decision["applied"], ev.decision
     assert champion_version(setup) == version_of(setup["better"])
     assert out.manifest.summary["champion_model"] == str(setup["better"])
     for picture in ("confusion_candidate.png", "embedding_candidate.png", "evaluation.md"):
@@ -167,9 +168,9 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     from dinov3_core.evaluate.geojson import read_geojson
 
     files = sorted((setup["root"] / "eval-better" / "qupath").glob("*.geojson"))
-    assert [f.stem for f in files] == split["test_groups"] and ev["qupath"].endswith("qupath")
+    assert [f.stem for f in files] == split["test_groups"] and ev.qupath.endswith("qupath")
     shapes = [shape for f in files for shape in read_geojson(f).shapes]
-    assert len(shapes) == ev["labelled_tiles"] and {c for c, _ in shapes} <= set(ev["classes"])
+    assert len(shapes) == ev.labelled_tiles and {c for c, _ in shapes} <= set(ev.classes)
     doc = json.loads(files[0].read_text())
     measured = doc["features"][0]["properties"]["measurements"]
     assert {"confidence", "correct"} <= set(measured) and 0 <= measured["confidence"] <= 1
@@ -191,12 +192,12 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
 def test_worse_candidate_does_not_replace_the_champion(setup: dict[str, Any]) -> None:
     assert champion_version(setup) == version_of(setup["better"])  # from the test above
     evaluate(setup, "worse", "eval-worse-2", baseline=None)
-    ev = json.loads((setup["root"] / "eval-worse-2" / "evaluation.json").read_text())
-    assert set(ev["models"]) == {"candidate", "champion"}
-    diff = ev["comparisons"]["candidate_vs_champion"]["linear.balanced_accuracy"]
-    assert diff["ci_low"] <= diff["value"] < 0 and not ev["decision"]["promote"]
+    ev = EvaluationReport.from_json((setup["root"] / "eval-worse-2" / "evaluation.json").read_text())
+    assert set(ev.models) == {"candidate", "champion"}
+    diff = ev.comparisons["candidate_vs_champion"]["linear.balanced_accuracy"]
+    assert diff["ci_low"] <= diff["value"] < 0 and not ev.decision["promote"]
     assert champion_version(setup) == version_of(setup["better"])
-    assert ev["champion_model"] and Path(ev["champion_model"]).is_file()  # the champion's ONNX, downloaded
+    assert ev.champion_model and Path(ev.champion_model).is_file()  # the champion's ONNX, downloaded
     # The first evaluation of this model faced no champion: with the same inputs it reruns, because one exists now.
     again = evaluate(setup, "worse", "eval-worse", baseline=str(setup["better"].parent / "backbone.pth"))
     assert (again.status, again.reason) == ("ran", "inputs changed: champion")
@@ -206,9 +207,9 @@ def test_worse_candidate_does_not_replace_the_champion(setup: dict[str, Any]) ->
 
 def test_no_annotations_measures_health_and_promotes_nothing(setup: dict[str, Any]) -> None:
     out = evaluate(setup, "worse", "eval-health", annotations=None, baseline="init")
-    ev = json.loads((setup["root"] / "eval-health" / "evaluation.json").read_text())
-    assert ev["labelled_tiles"] == 0 and "promotion is off" in ev["decision"]["reason"]
-    for model in ev["models"].values():
+    ev = EvaluationReport.from_json((setup["root"] / "eval-health" / "evaluation.json").read_text())
+    assert ev.labelled_tiles == 0 and "promotion is off" in ev.decision["reason"]
+    for model in ev.models.values():
         assert 0 < model["health"]["cls_effective_rank"] <= 1 and -1 <= model["health"]["dense_agreement"] <= 1
     assert out.status == "ran" and champion_version(setup) == version_of(setup["better"])
 
@@ -259,20 +260,20 @@ def test_patients_split_and_site_predictability(setup: dict[str, Any]) -> None:
     root = setup["root"]
     (root / "sites.csv").write_text("slide_id,site\ntissue_40x,A\ntissue_20x,A\ntissue_generic,B\n")
     evaluate(setup, "better", "eval-sites", baseline=None, sites=str(root / "sites.csv"), **{"gate.promote": False})
-    ev = json.loads((root / "eval-sites" / "evaluation.json").read_text())
-    assert 0.0 <= ev["site_predictability"]["candidate"] <= 1.0
+    ev = EvaluationReport.from_json((root / "eval-sites" / "evaluation.json").read_text())
+    assert 0.0 <= ev.site_predictability["candidate"] <= 1.0
     # The fold that tests tissue_generic (the only slide of site B) has no B slide to learn the site from.
-    assert any("site predictability on 2 of 3 folds" in w for w in ev["warnings"]), ev["warnings"]
+    assert any("site predictability on 2 of 3 folds" in w for w in ev.warnings), ev.warnings
 
     (root / "patients.csv").write_text("slide_id,patient\ntissue_40x,p1\ntissue_20x,p1\ntissue_generic,p2\n")
     evaluate(
         setup, "better", "eval-patients", baseline=None, patients=str(root / "patients.csv"), **{"gate.promote": False}
     )
-    ev = json.loads((root / "eval-patients" / "evaluation.json").read_text())
-    assert ev["split"]["by"] == "patient" and ev["split"]["test_groups"] == ["p1", "p2"]
-    for fold in ev["split"]["per_fold"]:  # the two slides of p1 are on one side of every fold
+    ev = EvaluationReport.from_json((root / "eval-patients" / "evaluation.json").read_text())
+    assert ev.split["by"] == "patient" and ev.split["test_groups"] == ["p1", "p2"]
+    for fold in ev.split["per_fold"]:  # the two slides of p1 are on one side of every fold
         assert len(fold["train_groups"]) == len(fold["test_groups"]) == 1
-    assert ev["evidence"]["unit"] == "patient" and ev["evidence"]["test_groups"] == 2
+    assert ev.evidence["unit"] == "patient" and ev.evidence["test_groups"] == 2
     (root / "bad.csv").write_text("slide_id,patient\ntissue_40x,p1\n")
     from dinov3_core.evaluate.config import EvaluateError
 

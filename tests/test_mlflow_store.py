@@ -1,4 +1,4 @@
-"""The local MLflow store (dinov3_core/tracking.py:ensure_store): created atomically, so a failed first creation
+"""The local MLflow store (dinov3_core/tracking_store.py:ensure_store): created atomically, so a failed first creation
 (a full disk) leaves nothing and the next run makes it; a broken store stops a command with one line naming it.
 
 Real SQLite stores made by MLflow; the full disk is a real one (a 256 kB tmpfs when this runs as root and may
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CREATE_AND_LOG = textwrap.dedent(
     """
     import resource, signal, sys
-    from dinov3_core import tracking
+    from dinov3_core import tracking, tracking_store
     if len(sys.argv) > 2:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
         limit = int(sys.argv[2])
@@ -35,7 +35,7 @@ CREATE_AND_LOG = textwrap.dedent(
     try:
         with tracking.stage_run(cfg, "run", {"p": 1}) as run:
             tracking.log_metrics({"m": 0.5})
-    except tracking.TrackingStoreError as err:
+    except tracking_store.TrackingStoreError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
     print(run.info.run_id)
@@ -176,13 +176,13 @@ def test_experiments_are_of_the_model_training_kind(tmp_path: Path) -> None:
     one created earlier without the tag."""
     import mlflow
 
-    from dinov3_core import tracking
+    from dinov3_core import tracking, tracking_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri)
     with tracking.stage_run(tracking.TrackingConfig(uri=uri, experiment="fresh"), "run", {"p": 1}):
         pass
-    tracking.ensure_store(uri)
+    tracking_store.ensure_store(uri)
     old = client.create_experiment("older", artifact_location=(tmp_path / "art").as_uri())
     assert "mlflow.experimentKind" not in client.get_experiment(old).tags
     with tracking.stage_run(tracking.TrackingConfig(uri=uri, experiment="older"), "run", {"p": 1}):

@@ -16,7 +16,9 @@ import torch
 import zarr
 from skimage import color
 
-from dinov3_core.data.augment import AugmentationConfig, MultiCropAugmentation, _Random
+from dinov3_core.data.augment import MultiCropAugmentation
+from dinov3_core.data.augment_config import AugmentationConfig
+from dinov3_core.data.augment_random import Random
 from dinov3_core.data.stain import CohortStain, lab_to_rgb, retarget, rgb_to_lab, stain_norm
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.errors import WsidinoError
@@ -121,7 +123,7 @@ def test_stain_norm_shrinks_the_spread_between_slides(cohort_store: Path) -> Non
     for t in tiles.values():
         x = torch.from_numpy(t[:16]).permute(0, 3, 1, 2).float() / 255
         before.append(color.rgb2lab(t[:16]).mean((1, 2)).mean(0))
-        stain_norm(x, cfg, cohort, _Random(torch.Generator().manual_seed(0), x.device))
+        stain_norm(x, cfg, cohort, Random(torch.Generator().manual_seed(0), x.device))
         after.append(color.rgb2lab(x.permute(0, 2, 3, 1).numpy()).mean((1, 2)).mean(0))
     spread_before, spread_after = np.std(before, axis=0), np.std(after, axis=0)
     assert (spread_after[1:] < 0.6 * spread_before[1:]).all(), (spread_before, spread_after)

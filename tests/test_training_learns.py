@@ -94,7 +94,7 @@ def test_the_cpu_recipe_learns_and_beats_its_initialisation(store: Path, demo_sl
         "tracking.enabled": False,
         "probe.bootstrap": 50,
     }
-    models = run_evaluate(load_config(EvaluateConfig, None, values)).evaluation["models"]
+    models = run_evaluate(load_config(EvaluateConfig, None, values)).report.models
     linear = {role: models[role]["probes"]["linear"]["balanced_accuracy"]["value"] for role in models}
     assert linear["candidate"] > linear["baseline"] + 0.05, linear
 

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dinov3_core import checksums, tracking
-from dinov3_core.config import load_config, to_yaml
+from dinov3_core.config import load_config
+from dinov3_core.config_tree import to_yaml
 from dinov3_core.convert.config import ConvertConfig
 from dinov3_core.errors import WsidinoError
 from dinov3_core.files import atomic_path

@@ -24,7 +24,7 @@ Deviations from torchvision's per-image pipeline, chosen for batched speed and d
   Larger tiles are first shrunk (antialiased) so that no crop is downscaled by more than `max_downscale`.
   Crop boxes are integer pixel boxes drawn exactly like `RandomResizedCrop.get_params`.
 * Hue is a rotation of the chroma plane in YIQ space (a per-image 3×3 matrix) instead of an HSV round trip;
-  same parameter range, similar effect, ~15× cheaper. Each jitter op is still applied in its own random order
+  same parameter range, similar effect, far cheaper. Each jitter op is still applied in its own random order
   slot and clamped to [0, 1] after it, as torchvision does.
 * Work happens in float32 without the uint8 quantisation between PIL ops.
 """
@@ -32,94 +32,17 @@ Deviations from torchvision's per-image pipeline, chosen for batched speed and d
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dinov3_core.config import require
+from dinov3_core.data.augment_config import AugmentationConfig
+from dinov3_core.data.augment_random import GroupedRandom, Random
 from dinov3_core.data.photometric import photometric
 from dinov3_core.data.stain import CohortStain
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-@dataclass
-class AugmentationConfig:
-    """Multi-crop augmentation; defaults are the official DINOv3 recipe plus H&E-specific extras.
-
-    This is the `crops` section of the pretrain config (`dinov3_core.train.config.CropsConfig` adds the iBOT
-    mask and rng-group keys), checked on construction. Per-crop probabilities are tuples with one entry per
-    global crop (the official recipe treats crop 1 and crop 2 differently); local crops share one value.
-    """
-
-    n_global_crops: int = 2
-    n_local_crops: int = 8
-    global_size: int = 224  # px
-    local_size: int = 96  # px
-    global_scale: tuple[float, float] = (0.32, 1.0)  # crop area as a share of the tile area
-    local_scale: tuple[float, float] = (0.05, 0.32)
-    aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    interpolation: Literal["bilinear", "bicubic"] = "bicubic"
-    max_downscale: float = 1.5  # larger tiles are pre-shrunk (antialiased) so no crop is downscaled more
-    dihedral: bool = True  # D4 flips and rotations (tissue has no orientation); false: horizontal flip only
-    # RandStainNA: with this probability an image's LAB mean/std are re-targeted to a draw from the cohort's
-    # recorded stain statistics (needs stores tiled with stain statistics; without, the step is skipped).
-    stain_norm_p: float = 0.0
-    stain_norm_sigma_scale: float = 1.0  # widens (>1) or narrows (<1) the cohort's spread the targets are drawn from
-    hed_p: float = 0.5
-    hed_scale_sigma: float = 0.05  # stain multiplied by U(1−σ, 1+σ)
-    hed_shift_sigma: float = 0.01  # stain shifted by U(−σ, σ), skimage rgb2hed units
-    color_jitter_p: float = 0.8
-    brightness: float = 0.4
-    contrast: float = 0.4
-    saturation: float = 0.2
-    hue: float = 0.1
-    grayscale_p: float = 0.2
-    blur_p_global: tuple[float, ...] = (1.0, 0.1)
-    blur_p_local: float = 0.5
-    blur_kernel_size: int = 9
-    blur_sigma: tuple[float, float] = (0.1, 2.0)
-    solarize_p_global: tuple[float, ...] = (0.0, 0.2)
-    solarize_threshold: float = 128 / 255
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-
-    def __post_init__(self) -> None:
-        require(self.n_global_crops >= 1, "n_global_crops", f"must be >= 1, got {self.n_global_crops}")
-        require(self.n_local_crops >= 0, "n_local_crops", f"must be >= 0, got {self.n_local_crops}")
-        for key in ("global_scale", "local_scale"):
-            lo, hi = getattr(self, key)
-            require(0.0 < lo <= hi <= 1.0, key, f"must satisfy 0 < min <= max <= 1, got {[lo, hi]}")
-        lo, hi = self.aspect_ratio
-        require(0.0 < lo <= hi, "aspect_ratio", f"must satisfy 0 < min <= max, got {[lo, hi]}")
-        for key in ("blur_p_global", "solarize_p_global"):
-            values = getattr(self, key)
-            require(
-                len(values) == self.n_global_crops,
-                key,
-                f"needs one probability per global crop ({self.n_global_crops}), got {list(values)}",
-            )
-            require(all(0.0 <= p <= 1.0 for p in values), key, f"must be probabilities in [0, 1], got {list(values)}")
-        for key in ("stain_norm_p", "hed_p", "color_jitter_p", "grayscale_p", "blur_p_local"):
-            require(0.0 <= getattr(self, key) <= 1.0, key, f"must be in [0, 1], got {getattr(self, key)}")
-        require(
-            self.stain_norm_sigma_scale >= 0.0,
-            "stain_norm_sigma_scale",
-            f"must be >= 0 (0 = always the cohort's centre), got {self.stain_norm_sigma_scale}",
-        )
-        require(self.blur_kernel_size % 2 == 1, "blur_kernel_size", f"must be odd, got {self.blur_kernel_size}")
-        for key in ("global_size", "local_size"):
-            require(
-                getattr(self, key) > self.blur_kernel_size // 2,
-                key,
-                f"must be larger than half the blur kernel (reflect padding), got {getattr(self, key)}",
-            )
-        require(self.max_downscale >= 1.0, "max_downscale", f"must be >= 1, got {self.max_downscale}")
 
 
 @dataclass(frozen=True)
@@ -169,10 +92,10 @@ class MultiCropAugmentation:
         # inside the training step's autocast): autocast would move the stain matrices to bf16.
         with torch.autocast(images.device.type, enabled=False):
             if isinstance(generator, torch.Generator) or generator is None:
-                return self._augment(images, _Random(generator, images.device))
-            return self._augment(images, _GroupedRandom(list(generator), images.shape[0], images.device))
+                return self._augment(images, Random(generator, images.device))
+            return self._augment(images, GroupedRandom(list(generator), images.shape[0], images.device))
 
-    def _augment(self, images: Tensor, rand: _Random) -> MultiCrops:
+    def _augment(self, images: Tensor, rand: Random) -> MultiCrops:
         cfg = self.config
         x = _prescale(_to_float_bchw(images), cfg.global_size * cfg.max_downscale)
 
@@ -187,75 +110,6 @@ class MultiCropAugmentation:
         else:
             locals_ = x.new_empty(0, x.shape[0], 3, cfg.local_size, cfg.local_size)
         return MultiCrops(globals_, locals_)
-
-
-class _Random:
-    """Draws from one generator (on its own device) and moves the small parameter tensors to the data.
-
-    Every draw's first dimension is the crop-major row (crop c of image i is row c·B + i) or the image."""
-
-    def __init__(self, generator: torch.Generator | None, device: torch.device) -> None:
-        self.generator = generator
-        self.source_device = generator.device if generator is not None else torch.device("cpu")
-        self.device = device
-
-    def _rand(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        return torch.rand(shape, generator=self.generator, device=self.source_device, dtype=dtype)
-
-    def _randn(self, shape: tuple[int, ...]) -> Tensor:
-        return torch.randn(shape, generator=self.generator, device=self.source_device, dtype=torch.float64)
-
-    def _randint(self, high: int, shape: tuple[int, ...]) -> Tensor:
-        return torch.randint(0, high, shape, generator=self.generator, device=self.source_device)
-
-    def uniform(self, low: float, high: float, *shape: int) -> Tensor:
-        u = self._rand(shape, torch.float64)
-        return (low + (high - low) * u).to(self.device, torch.float32)
-
-    def bernoulli(self, p: Tensor | float, *shape: int) -> Tensor:
-        u = self._rand(shape, torch.float64)
-        return (u < torch.as_tensor(p, dtype=torch.float64, device=self.source_device)).to(self.device)
-
-    def normal(self, *shape: int) -> Tensor:
-        return self._randn(shape).to(self.device, torch.float32)
-
-    def integers(self, high: int, *shape: int) -> Tensor:
-        return self._randint(high, shape).to(self.device)
-
-    def permutations(self, n: int, k: int) -> Tensor:
-        """[n, k]: an independent random permutation of range(k) per row."""
-        return self._rand((n, k), torch.float32).argsort(dim=1).to(self.device)
-
-
-class _GroupedRandom(_Random):
-    """Draws for a batch made of equal groups of consecutive images, each group from its own generator, exactly
-    as `_Random` would draw them for that group alone: a draw of n = S·B rows takes S·g rows from each group's
-    generator (crop-major within the group) and interleaves them into the batch's crop-major rows. The pixel
-    work then runs once over the whole batch instead of once per group (per-group calls cost their kernel
-    launches again and again: 2.9× slower at one image a group on one CPU thread)."""
-
-    def __init__(self, generators: list[torch.Generator], images: int, device: torch.device) -> None:
-        if not generators or images % len(generators):
-            raise ValueError(f"{len(generators)} generators cannot split a batch of {images} images into equal groups")
-        super().__init__(generators[0], device)
-        self.generators, self.images, self.group = generators, images, images // len(generators)
-
-    def _grouped(self, shape: tuple[int, ...], draw: Callable[[torch.Generator, tuple[int, ...]], Tensor]) -> Tensor:
-        n, rest = shape[0], shape[1:]
-        if n % self.images:
-            raise ValueError(f"a draw of {n} rows is not crop-major over {self.images} images")
-        crops = n // self.images
-        parts = [draw(g, (crops * self.group, *rest)).view(crops, self.group, *rest) for g in self.generators]
-        return torch.stack(parts, dim=1).reshape(shape)
-
-    def _rand(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        return self._grouped(shape, lambda g, s: torch.rand(s, generator=g, device=g.device, dtype=dtype))
-
-    def _randn(self, shape: tuple[int, ...]) -> Tensor:
-        return self._grouped(shape, lambda g, s: torch.randn(s, generator=g, device=g.device, dtype=torch.float64))
-
-    def _randint(self, high: int, shape: tuple[int, ...]) -> Tensor:
-        return self._grouped(shape, lambda g, s: torch.randint(0, high, s, generator=g, device=g.device))
 
 
 # ---------------------------------------------------------------------------------------------- geometry
@@ -284,7 +138,7 @@ def _prescale(x: Tensor, max_side: float) -> Tensor:
 
 
 def _crop_boxes(
-    n: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], rand: _Random
+    n: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], rand: Random
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`RandomResizedCrop.get_params` for n crops at once: 10 attempts each, first valid one wins, else the
     centre crop with the aspect ratio clamped. Returns (top, left, h, w), float [n] in pixels."""
@@ -317,7 +171,7 @@ def _crop_boxes(
     return top, left, h, w
 
 
-def _dihedral_matrices(n: int, enabled: bool, rand: _Random) -> Tensor:
+def _dihedral_matrices(n: int, enabled: bool, rand: Random) -> Tensor:
     """[n, 2, 2] random elements of D4 acting on output (x, y): rotation by k·90° after an optional
     horizontal flip. Uniform over the 8 elements; with `enabled=False` only identity or horizontal flip."""
     flip = rand.bernoulli(0.5, n)
@@ -329,7 +183,7 @@ def _dihedral_matrices(n: int, enabled: bool, rand: _Random) -> Tensor:
 
 
 def _random_resized_crops(
-    x: Tensor, n_crops: int, size: int, scale: tuple[float, float], cfg: AugmentationConfig, rand: _Random
+    x: Tensor, n_crops: int, size: int, scale: tuple[float, float], cfg: AugmentationConfig, rand: Random
 ) -> Tensor:
     """[B, 3, H, W] → [n_crops, B, 3, size, size] random-resized, flipped/rotated crops in [0, 1].
 

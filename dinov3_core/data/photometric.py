@@ -2,23 +2,20 @@
 for the recipe and the deviations from torchvision).
 
 Every op works on crop-major rows [n, 3, h, w] in [0, 1] with parameters drawn per image from the caller's
-`_Random`.
+`Random`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dinov3_core.data.stain import stain_norm
-
-if TYPE_CHECKING:
-    from dinov3_core.data.augment import AugmentationConfig, _Random
-    from dinov3_core.data.stain import CohortStain
+from dinov3_core.data.augment_config import AugmentationConfig
+from dinov3_core.data.augment_random import Random
+from dinov3_core.data.stain import CohortStain, stain_norm
 
 # Ruifrok & Johnston (2001) stain OD vectors, rows haematoxylin, eosin, DAB — skimage.color.rgb_from_hed.
 RGB_FROM_HED = torch.tensor([[0.65, 0.70, 0.29], [0.07, 0.99, 0.11], [0.27, 0.57, 0.78]], dtype=torch.float64)
@@ -39,7 +36,7 @@ def photometric(
     blur_p: Tensor,
     solarize_p: Tensor | None,
     cfg: AugmentationConfig,
-    rand: _Random,
+    rand: Random,
     stain: CohortStain | None = None,
 ) -> Tensor:
     """[S, B, 3, s, s] in [0, 1] → same shape, augmented and normalised. `blur_p`/`solarize_p`: [S] per crop
@@ -92,7 +89,7 @@ def hed_jitter(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return _affine(log_rgb, matrix.transpose(1, 2), bias, out=log_rgb.new_empty(log_rgb.shape)).exp_().clamp_(0, 1)
 
 
-def _hed_jitter(x: Tensor, cfg: AugmentationConfig, rand: _Random) -> None:
+def _hed_jitter(x: Tensor, cfg: AugmentationConfig, rand: Random) -> None:
     """In place: `hed_jitter` with probability `hed_p`; scale ~ U(1±σ_scale), shift ~ U(±σ_shift)."""
     n = x.shape[0]
     apply = rand.bernoulli(cfg.hed_p, n)
@@ -103,7 +100,7 @@ def _hed_jitter(x: Tensor, cfg: AugmentationConfig, rand: _Random) -> None:
         x.index_copy_(0, index, hed_jitter(x[index], scale[index], shift[index]))
 
 
-def _color_jitter(x: Tensor, cfg: AugmentationConfig, rand: _Random) -> Tensor:
+def _color_jitter(x: Tensor, cfg: AugmentationConfig, rand: Random) -> Tensor:
     """torchvision ColorJitter semantics per image: with p, brightness/contrast/saturation/hue factors from
     their ranges, applied in a random per-image order, clamped after each op. Every op is a per-image affine
     map of RGB, so each of the 4 order slots is one batched matrix multiply (ping-ponging two buffers).
@@ -170,7 +167,7 @@ def _solarize(x: Tensor, apply: Tensor, threshold: float) -> None:
     x.index_copy_(0, index, torch.where(sub >= threshold, 1.0 - sub, sub))
 
 
-def _gaussian_blur(x: Tensor, apply: Tensor, cfg: AugmentationConfig, rand: _Random) -> None:
+def _gaussian_blur(x: Tensor, apply: Tensor, cfg: AugmentationConfig, rand: Random) -> None:
     """torchvision GaussianBlur(kernel, σ ~ U(σ_min, σ_max)) with reflect padding on the selected images, in
     place. Separable, one depthwise convolution per direction with a per-image kernel."""
     sigma = rand.uniform(*cfg.blur_sigma, x.shape[0])
@@ -183,7 +180,7 @@ def _gaussian_blur(x: Tensor, apply: Tensor, cfg: AugmentationConfig, rand: _Ran
     kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(3, dim=0)  # [m·3, k]
     m, (h, w) = index.numel(), x.shape[-2:]
     sub = F.pad(x[index], [k // 2] * 4, mode="reflect").view(1, m * 3, h + k - 1, w + k - 1)
-    # Depthwise convolution is ~2× faster on CPU with channels-last (one image-channel per lane).
+    # Depthwise convolution is faster on CPU with channels-last (one image-channel per lane).
     sub = sub.contiguous(memory_format=torch.channels_last)
     sub = F.conv2d(sub, kernel.view(m * 3, 1, 1, k), groups=m * 3)
     sub = F.conv2d(sub, kernel.view(m * 3, 1, k, 1), groups=m * 3)

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from dinov3_core.data.augment_config import AugmentationConfig
+from dinov3_core.data.augment_random import Random
 from dinov3_core.tiling.stain import WHITE_D65, XYZ_FROM_RGB
-
-if TYPE_CHECKING:
-    from dinov3_core.data.augment import AugmentationConfig, _Random
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ def retarget(x: Tensor, target_mean: Tensor, target_std: Tensor) -> Tensor:
     return lab_to_rgb(lab)
 
 
-def stain_norm(x: Tensor, cfg: AugmentationConfig, cohort: CohortStain | None, rand: _Random) -> None:
+def stain_norm(x: Tensor, cfg: AugmentationConfig, cohort: CohortStain | None, rand: Random) -> None:
     """In place: `retarget` with probability `stain_norm_p` to a target ~ the cohort's Gaussians widened by
     `stain_norm_sigma_scale`. Draws nothing when the step is off (p = 0 or no cohort), so the rest of the
     pipeline's draws — and its output — are those of a run without it."""

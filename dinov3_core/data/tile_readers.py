@@ -1,12 +1,12 @@
 """Reading one slide's ``tiles`` array: straight from the tile writer's shard files, or through zarr.
 
-Through zarr-python 3.1 a single 224 px tile costs ~1.3 ms of CPU (benchmarks/tile_dataset.py), mostly
+Through zarr-python 3.1 a single tile costs far more CPU than its decoding (docs/benchmarks.md, tile dataset), mostly
 hand-offs between its event loop and thread pool (shard index read, chunk read and decode are each one), and
-an integer-array (orthogonal) selection on a sharded array is ~10× slower still: inside a shard it becomes a
+an integer-array (orthogonal) selection on a sharded array is slower still: inside a shard it becomes a
 per-element coordinate selection. So `ShardFileTiles` reads tiles straight from the shard files when the
 ``tiles`` array has exactly the layout the tile writer produces (zarr v3 ``sharding_indexed``, one tile per
 inner chunk, index at the end with crc32c, inner codec zstd / none / ``wsidino.jpeg``): one ``pread`` of the
-shard index (crc-checked), one of the chunk, one decode, ~0.3 ms of CPU per tile. Any other layout goes through
+shard index (crc-checked), one of the chunk, one decode per tile. Any other layout goes through
 `ZarrTiles`, where batches are fetched as slices of consecutive rows. Both return identical pixels (tested tile
 by tile), including zarr's fill value for chunks that were not stored. Readers hold no open file between reads.
 """
@@ -52,7 +52,7 @@ class ZarrTiles:
 
     def read_rows(self, rows: np.ndarray, out: np.ndarray, dest: np.ndarray) -> None:
         # Runs of consecutive rows are read as one slice each: zarr 3.1 turns an integer-array selection on a
-        # sharded array into a per-element coordinate selection inside the shard (~50 ms per 224 px tile).
+        # sharded array into a per-element coordinate selection inside the shard, far slower per tile.
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         for run, where in zip(np.split(rows, breaks), np.split(dest, breaks), strict=True):
             out[where] = self.array[int(run[0]) : int(run[-1]) + 1]

@@ -5,7 +5,9 @@ decides whether the candidate becomes the registry's `@champion`.
 * `models` — candidate, champion (MLflow registry) and baseline (released weights, or the architecture at init);
 * `features` — embedding through the extract stage's model code, cached by model hash; label-free health;
 * `probes` — slide-level split, kNN, linear probe, few-shot kNN, bootstrap intervals, paired differences;
+* `scoring` — every model's probes on shared folds, the dense probe, the candidate's paired comparisons;
 * `gate` — the promotion rule and the registry aliases and tags;
-* `report` — evaluation.json, the markdown table, confusion matrices and embedding maps;
+* `evaluation_json` — `EvaluationReport`, evaluation.json as a dataclass;
+* `report` — the markdown table, confusion matrices, embedding maps, QuPath predictions and the MLflow log;
 * `evaluation` — `run_evaluate(cfg) -> EvaluateResult`, the stage function.
 """

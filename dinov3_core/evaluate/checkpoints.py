@@ -30,7 +30,7 @@ from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate.config import EvaluateError
 from dinov3_core.evaluate.evaluation import labelled_tiles
-from dinov3_core.evaluate.report import write_json
+from dinov3_core.evaluate.evaluation_json import write_json
 from dinov3_core.gram.teacher import find_eval_checkpoints
 from dinov3_core.models.released import unwrap_backbone_state_dict
 from dinov3_core.tiling import store as ts
@@ -152,7 +152,7 @@ def probe_scores(run_dir: str | Path, model: F.FeatureModel | str | Path) -> dic
 
 
 def _write(eval_dir: Path, curve: KnnCurve) -> None:
-    # deferred: matplotlib (~0.4 s), only for the figures
+    # deferred: matplotlib is slow to import, only for the figures
     import matplotlib
 
     matplotlib.use("Agg")

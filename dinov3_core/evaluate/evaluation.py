@@ -26,20 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from dinov3_core import tracking
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.evaluate import classifiers as C
 from dinov3_core.evaluate import dense as D
 from dinov3_core.evaluate import features as F
 from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
 from dinov3_core.evaluate import report
-from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.evaluate.labels import label_tiles
 from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
+from dinov3_core.evaluate.scoring import dense_probe, probe_models, site_predictability
+from dinov3_core.files import write_text_atomic
 from dinov3_core.launch import TorchrunFailed
-from dinov3_core.qupath import write_qupath_tiles
 from dinov3_core.tiling import store as ts
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EvaluateResult:
     output: Path
-    evaluation: dict[str, Any]
+    report: EvaluationReport  # what evaluation.json holds
     decision: G.Decision
     table: str  # markdown
     seconds: float
@@ -56,7 +55,7 @@ class EvaluateResult:
 
     @property
     def champion_model(self) -> str | None:
-        return self.evaluation.get("champion_model")
+        return self.report.champion_model
 
 
 def _table(path: str | None, key: str) -> dict[str, str]:
@@ -135,127 +134,6 @@ def _grid_side(fm: F.FeatureModel, image: np.ndarray) -> int | None:
     return side if side * side == n else None
 
 
-def _dense_probe(
-    cfg: EvaluateConfig,
-    dense: dict[str, tuple[D.DenseTokens, np.ndarray]],
-    design: S.Design,
-    cv: P.CrossValidation,
-    evaluation: dict[str, Any],
-) -> None:
-    """The dense probe of every model with labelled tokens, into `probes.dense`, and the paired candidate − other
-    differences into the comparisons (only between models of one patch grid: the same tokens, so paired)."""
-    preds: dict[str, tuple[D.DenseSet, P.Predictions, S.Design, int]] = {}
-    designs: dict[int, S.Design] = {}
-    for role, (tokens, x) in dense.items():
-        d = D.dense_set(tokens, x)
-        if len(np.unique(d.y)) < 2:
-            evaluation["warnings"].append(f"{role}: fewer than two classes among the labelled tokens: no dense probe")
-            continue
-        if tokens.side not in designs:  # the tokens' statistics are over the same slides as the tiles'
-            designs[tokens.side] = design.subset(d.tile)
-        tokens_design = designs[tokens.side]
-        with C.torch_threads(cfg.num_threads):
-            p, cs = D.predict(d, cv, cfg.probe.linear_c, cfg.device)
-        estimates = S.metrics_with_ci(p.codes(d.y), p, tokens_design, D.DENSE_METRICS)
-        entry: dict[str, Any] = {k: e.as_dict() for k, e in estimates.items()}
-        entry.update(linear_c_per_fold=cs, counts=tokens.counts())
-        evaluation["models"][role].setdefault("probes", {})["dense"] = entry
-        preds[role] = (d, p, tokens_design, tokens.side)
-    if "candidate" not in preds:
-        return
-    d, mine, tokens_design, side = preds["candidate"]
-    for other in ("champion", "baseline"):
-        if other not in preds:
-            continue
-        if preds[other][3] != side:
-            evaluation["warnings"].append(
-                f"dense probe: the {other}'s patch grid differs from the candidate's, so "
-                "their dense metrics are not paired (no dense comparison)"
-            )
-            continue
-        evaluation["comparisons"].setdefault(f"candidate_vs_{other}", {}).update(
-            {
-                f"dense.{m}": S.compare(mine.codes(d.y), mine, preds[other][1], m, tokens_design).as_dict()
-                for m in D.DENSE_METRICS
-            }
-        )
-
-
-def _score_model(
-    cfg: EvaluateConfig,
-    x: np.ndarray,
-    y: np.ndarray,
-    cv: P.CrossValidation,
-    design: S.Design,
-    draws: dict[int, list[list[np.ndarray]]],
-) -> tuple[dict[str, Any], dict[str, P.Predictions]]:
-    """kNN, linear probe and few-shot kNN of one model's features, each fold predicted by probes fitted on the
-    other folds: metrics (with CIs) of the pooled predictions, and the predictions (every labelled tile, once)."""
-    pc = cfg.probe
-    classes = np.unique(y)
-    codes = np.searchsorted(classes, y)
-    folds = [C.Fold(f.train, np.searchsorted(f.train, f.val), f.test) for f in cv.folds]
-    with C.torch_threads(cfg.num_threads):
-        knn = C.knn_cv(x, codes, [f.test for f in cv.folds], len(classes), pc.knn_k, pc.knn_temperature, cfg.device)
-        linear, cs = C.linear_probe_cv(x, codes, len(classes), folds, pc.linear_c, cfg.device)
-        shots = C.knn_few_shot(
-            x,
-            codes,
-            [(f.train, f.test) for f in cv.folds],
-            draws,
-            len(classes),
-            pc.knn_k,
-            pc.knn_temperature,
-            cfg.device,
-        )
-    few: dict[str, Any] = {}
-    for n, per_draw in shots.items():  # one draw: the pooled predictions of every fold's n-shot kNN
-        accs = [P.score(y, P.Predictions(classes, scores), P.balanced_accuracy) for scores in per_draw]
-        few[str(n)] = {"balanced_accuracy": float(np.mean(accs)), "std": float(np.std(accs)), "draws": len(accs)}
-    knn_p, linear_p = P.Predictions(classes, knn), P.Predictions(classes, linear)
-    values, counts = np.unique(cs, return_counts=True)
-    ci = {
-        name: {k: e.as_dict() for k, e in S.metrics_with_ci(p.codes(y), p, design).items()}
-        for name, p in (("knn", knn_p), ("linear", linear_p))
-    }
-    probes = {
-        "knn": ci["knn"],
-        "linear": ci["linear"],
-        "few_shot": few,
-        "linear_c": float(values[counts.argmax()]),  # the C most folds chose
-        "linear_c_per_fold": cs,
-    }
-    return probes, {"knn": knn_p, "linear": linear_p}
-
-
-@dataclass
-class Probed:
-    """Every model's probes on the same folds, groups and resamples, and the candidate's comparisons."""
-
-    cv: P.CrossValidation
-    design: S.Design
-    probes: dict[str, dict[str, Any]]  # role → evaluation.json's `probes` (without the dense probe)
-    predictions: dict[str, dict[str, P.Predictions]]  # role → probe → pooled out-of-fold predictions
-    comparisons: dict[str, Any]  # candidate_vs_<other> → metric → `statistics.Comparison` as a dict
-
-
-def probe_models(
-    cfg: EvaluateConfig, feats: dict[str, np.ndarray], y: np.ndarray, groups: np.ndarray, unit: str = "slide"
-) -> Probed:
-    """The tile probes of every model (role → features of the same labelled tiles), and, when there is a
-    `candidate`, its paired comparisons with the `champion` and `baseline` among them. The stage and
-    `benchmarks/gate_calibration.py` share it: what the benchmark calibrates is what the stage runs."""
-    pc = cfg.probe
-    cv = P.cross_validate_by_group(y, groups, folds=pc.folds, seed=pc.seed)
-    # Every tile is a test tile (of its own fold): the statistics are over all the groups.
-    design = S.Design.over(groups, pc.bootstrap, pc.seed, unit)
-    draws = P.few_shot_draws_cv(y, cv, pc.few_shot, pc.few_shot_draws, pc.seed)
-    probes, predictions = {}, {}
-    for role, x in feats.items():
-        probes[role], predictions[role] = _score_model(cfg, x, y, cv, design, draws)
-    return Probed(cv, design, probes, predictions, _comparisons(y, predictions, design))
-
-
 # (opened model, its cache file, the labelled tiles' global indices): fills the cache file (a torchrun job)
 EmbedJob = Callable[[F.FeatureModel, Path, np.ndarray], None]
 
@@ -303,22 +181,20 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     tokens_of: dict[int, D.DenseTokens | None] = {}  # patch-grid side → the labelled tokens (one labelling a grid)
     key = F.selection_key(root, idx, cfg.mpp)
     counts = dict(zip(*np.unique(y, return_counts=True), strict=True))
-    evaluation: dict[str, Any] = {
-        "store": str(root),
-        "mpp": cfg.mpp if cfg.mpp is not None else (ds.slide_attrs(0).get("mpp_requested") if ds.slide_ids else None),
-        "labelled_tiles": len(idx),
-        "labels": label_info,
-        "classes": {str(c): int(n) for c, n in counts.items()},
-        "candidate_is_champion": same,
-        "models": {},
-        "comparisons": {},
-        "warnings": warnings,
-    }
+    evaluation = EvaluationReport(
+        store=str(root),
+        mpp=cfg.mpp if cfg.mpp is not None else (ds.slide_attrs(0).get("mpp_requested") if ds.slide_ids else None),
+        labelled_tiles=len(idx),
+        labels=label_info,
+        classes={str(c): int(n) for c, n in counts.items()},
+        candidate_is_champion=same,
+        warnings=warnings,
+    )
     feats: dict[str, np.ndarray] = {}
     dense: dict[str, tuple[D.DenseTokens, np.ndarray]] = {}
     for m in models:
         entry: dict[str, Any] = {**m.as_dict()}
-        evaluation["models"][m.role] = entry
+        evaluation.models[m.role] = entry
         try:
             precision = F.precision_of(m.path, cfg.precision)
             fm = F.open_model(m.path, threads=cfg.num_threads, device=cfg.device, precision=precision)
@@ -386,8 +262,8 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         unit = "patient" if patients else "slide"
         probed = probe_models(cfg, feats, y, groups, unit)
         cv, predictions = probed.cv, probed.predictions
-        evaluation["split"] = {**cv.as_dict(), "by": unit, "seed": cfg.probe.seed}
-        evaluation["evidence"] = {"unit": unit, "test_groups": len(cv.test_groups), "folds": len(cv.folds)}
+        evaluation.split = {**cv.as_dict(), "by": unit, "seed": cfg.probe.seed}
+        evaluation.evidence = {"unit": unit, "test_groups": len(cv.test_groups), "folds": len(cv.folds)}
         need = cfg.gate.required_test_slides()
         if len(cv.test_groups) < need:
             warnings.append(
@@ -397,141 +273,30 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
                 "annotate more slides"
             )
         for role in feats:
-            evaluation["models"][role]["probes"] = probed.probes[role]
-        evaluation["comparisons"] = probed.comparisons
-        _dense_probe(cfg, dense, probed.design, cv, evaluation)
+            evaluation.models[role]["probes"] = probed.probes[role]
+        evaluation.comparisons = probed.comparisons
+        dense_probe(cfg, dense, probed.design, cv, evaluation)
         sites = _table(cfg.sites, "sites")
         if sites:
-            evaluation["site_predictability"] = _site_predictability(cfg, feats, slides, sites, cv, warnings)
-        names = {role: str(evaluation["models"][role].get("description") or "") for role in feats}
+            evaluation.site_predictability = site_predictability(cfg, feats, slides, sites, cv, warnings)
+        names = {role: str(evaluation.models[role].get("description") or "") for role in feats}
         report.save_pictures(out, y, feats, predictions, names)
-        evaluation["qupath"] = _qupath_predictions(out, ds, idx, y, predictions["candidate"]["linear"])
+        evaluation.qupath = report.qupath_predictions(out, ds, idx, y, predictions["candidate"]["linear"])
     decision = G.decide(cfg, evaluation)
-    cand_metrics = _flat_metrics(evaluation["models"]["candidate"])
+    cand_metrics = report.flat_metrics(evaluation.models["candidate"])
     decision = G.apply(cfg, decision, candidate.version, cand_metrics)
-    evaluation["decision"] = decision.as_dict()
-    evaluation["evidence"] = evaluation["decision"]["evidence"]  # the protocol's counts and what the gate made of them
-    evaluation["champion_model"] = (
+    evaluation.decision = decision.as_dict()
+    evaluation.evidence = evaluation.decision["evidence"]  # the protocol's counts and what the gate made of them
+    evaluation.champion_model = (
         str(candidate.path)
         if (decision.applied or same)
         else (str(champion.path) if champion is not None and champion.path.is_file() else None)
     )
     table = report.markdown(evaluation)
-    report.write_json(out / "evaluation.json", evaluation)
+    write_text_atomic(out / "evaluation.json", evaluation.to_json())
     (out / "evaluation.md").write_text(table)
-    _log_mlflow(cfg, evaluation, out)
+    report.log_mlflow(cfg, evaluation, out)
     return EvaluateResult(out, evaluation, decision, table, time.perf_counter() - start, warnings)
 
 
-def _qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarray, pred: P.Predictions) -> str:
-    """The candidate's linear-probe predictions on the annotated tiles, one GeoJSON per slide for QuPath: each tile a
-    detection classified by its predicted class, with the confidence and the annotated class as measurements. Every
-    prediction comes from a probe fitted on other slides' tiles (the cross-validation folds), as the metrics do."""
-    folder = out / "qupath"
-    slide_of, row_of = ds.locate_many(idx)
-    classes = [str(c) for c in pred.classes]
-    predicted = pred.scores.argmax(1)
-    truth = np.searchsorted(pred.classes, y)
-    for s in np.unique(slide_of):
-        here = np.flatnonzero(slide_of == s)
-        coords = ds.slide_coords(int(s))[row_of[here]]
-        size = float(ds.slide_attrs(int(s)).get("tile_size_level0") or ds.tile_size)
-        measures = {"confidence": pred.scores[here, predicted[here]], "correct": predicted[here] == truth[here]}
-        measures |= {f"p({c})": pred.scores[here, k] for k, c in enumerate(classes)}
-        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here], measures)
-    return str(folder)
-
-
-def _comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], design: S.Design) -> dict[str, Any]:
-    """{candidate_vs_<champion|baseline>: {<probe>.<metric>: `statistics.Comparison` as a dict}}: the paired
-    difference, its bootstrap interval (display) and the permutation test's p-value (the gate)."""
-    out: dict[str, Any] = {}
-    if "candidate" not in preds:
-        return out
-    for other in ("champion", "baseline"):
-        if other not in preds:
-            continue
-        out[f"candidate_vs_{other}"] = {
-            f"{probe}.{metric}": S.compare(
-                preds["candidate"][probe].codes(y), preds["candidate"][probe], preds[other][probe], metric, design
-            ).as_dict()
-            for probe in ("knn", "linear")
-            for metric in P.METRICS
-            if metric != "auroc" or len(preds["candidate"][probe].classes) == 2
-        }
-    return out
-
-
-def _site_predictability(
-    cfg: EvaluateConfig,
-    feats: dict[str, np.ndarray],
-    slides: np.ndarray,
-    sites: dict[str, str],
-    cv: P.CrossValidation,
-    warnings: list[str],
-) -> dict[str, float]:
-    """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same folds, pooled over the folds
-    whose test sites are all among their training slides: lower is better."""
-    s = np.array([sites.get(str(x), "") for x in slides], object)
-    usable = [f for f in cv.folds if set(s[f.test]) <= set(s[f.train])]
-    if not usable or len(set(s)) < 2:
-        warnings.append("site predictability skipped: no fold has all its test sites among its training slides")
-        return {}
-    if len(usable) < len(cv.folds):
-        warnings.append(
-            f"site predictability on {len(usable)} of {len(cv.folds)} folds: the others test a site "
-            "none of their training slides comes from"
-        )
-    classes = np.unique(s)
-    tested = np.concatenate([f.test for f in usable])
-    out = {}
-    for role, x in feats.items():
-        # every fold's training side is the other folds' test tiles, so one pass over all folds serves the usable
-        with C.torch_threads(cfg.num_threads):
-            scores = C.knn_cv(
-                x,
-                np.searchsorted(classes, s),
-                [f.test for f in cv.folds],
-                len(classes),
-                cfg.probe.knn_k,
-                cfg.probe.knn_temperature,
-                cfg.device,
-            )
-        out[role] = P.score(s[tested], P.Predictions(classes, scores[tested]), P.balanced_accuracy)
-    return out
-
-
-def _flat_metrics(model: dict[str, Any]) -> dict[str, float]:
-    flat = {f"health.{k}": float(v) for k, v in model.get("health", {}).items()}
-    for probe in ("knn", "linear", "dense"):
-        for metric, v in model.get("probes", {}).get(probe, {}).items():
-            if not isinstance(v, dict) or "value" not in v:
-                continue  # the dense probe's counts and chosen Cs
-            flat[f"{probe}.{metric}"] = float(v["value"])
-    return flat
-
-
-def _log_mlflow(cfg: EvaluateConfig, evaluation: dict[str, Any], out: Path) -> None:
-    if not cfg.tracking.enabled:
-        return
-    with tracking.into_active_run(cfg.tracking, tags={"wsidino.stage": "evaluate"}) as run:
-        if run is None:
-            return
-        for role, model in evaluation["models"].items():
-            tracking.log_metrics({f"{role}.{k}": v for k, v in _flat_metrics(model).items() if np.isfinite(v)})
-        for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
-            tracking.log_artifact(path)
-        # deferred: mlflow costs ~1 s at import, paid only when tracking
-        import mlflow
-
-        if mlflow.active_run() is not None:
-            decision = evaluation["decision"]
-            mlflow.set_tags(
-                {
-                    "wsidino.promotion": "promoted" if decision["applied"] else "kept",
-                    "wsidino.promotion_reason": decision["reason"][:5000],
-                }
-            )
-
-
-__all__ = ["EmbedJob", "EvaluateResult", "Probed", "labelled_tiles", "probe_models", "run_evaluate"]
+__all__ = ["EmbedJob", "EvaluateResult", "labelled_tiles", "run_evaluate"]

@@ -35,6 +35,7 @@ from typing import Any
 from dinov3_core import tracking
 from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
 
 
 @dataclass
@@ -128,14 +129,14 @@ def _evidence_gap(cfg: EvaluateConfig, e: Evidence) -> tuple[str, str] | None:
     return None
 
 
-def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
-    """The gate's verdict on an evaluation (`evaluation.json`'s content without the decision)."""
+def decide(cfg: EvaluateConfig, evaluation: EvaluationReport) -> Decision:
+    """The gate's verdict on an evaluation (before its decision is recorded)."""
     gate = cfg.gate
-    models = evaluation["models"]
-    comparisons = evaluation.get("comparisons", {})
+    models = evaluation.models
+    comparisons = evaluation.comparisons
     metric = gate.primary_metric
     cand_health = models["candidate"]["health"]
-    protocol = evaluation.get("evidence", {})
+    protocol = evaluation.evidence
     evidence = Evidence(
         unit=str(protocol.get("unit", "slide")),
         test_groups=int(protocol.get("test_groups", 0)),
@@ -148,7 +149,7 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     def verdict(promote: bool, reason: str, **kw: Any) -> Decision:
         return Decision(promote, reason, evidence=evidence, **kw)
 
-    if evaluation.get("candidate_is_champion"):
+    if evaluation.candidate_is_champion:
         return verdict(False, "the candidate is already the champion", already_champion=True)
     rank = cand_health.get("cls_effective_rank", 0.0)
     if rank < gate.min_effective_rank:
@@ -159,7 +160,7 @@ def decide(cfg: EvaluateConfig, evaluation: dict[str, Any]) -> Decision:
     champion = models.get("champion")
     if champion is not None and champion.get("error"):
         return verdict(False, f"the champion could not be evaluated ({champion['error']}); nothing is promoted")
-    if not evaluation.get("labelled_tiles"):
+    if not evaluation.labelled_tiles:
         if not gate.label_free:
             return verdict(
                 False,
@@ -271,7 +272,7 @@ def apply(cfg: EvaluateConfig, decision: Decision, version: str | None, metrics:
         if decision.promote:
             decision.reason += "; not applied: the candidate is not a registered model version (export with tracking)"
         return decision
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))

@@ -26,8 +26,9 @@ from dinov3_core.errors import WsidinoError
 logger = logging.getLogger(__name__)
 
 POLYGONAL = frozenset({"Polygon", "MultiPolygon"})
-# QuPath's annotation exports are a few MB, tens with detailed outlines; a million small polygons is ~250 MB and
-# takes ~2.5 GB of memory to read. Beyond the cap, the file is more likely a cell-detection export than annotations.
+# QuPath's annotation exports are a few MB, tens with detailed outlines; a million small polygons is hundreds of MB
+# and takes several times that in memory to read. Beyond the cap, the file is more likely a cell-detection export than
+# annotations.
 MAX_GEOJSON_BYTES = 512 << 20
 CHUNK = 1 << 16  # geometries built together by shapely.from_ragged_array
 PROGRESS_EVERY_S = 10.0

@@ -54,7 +54,7 @@ def champion_state(cfg: EvaluateConfig) -> mf.StateInput | None:
     """The registry's `@champion` as a stage input: an evaluation reruns when the champion it faced was replaced."""
     if not cfg.champion or not cfg.tracking.enabled:
         return None
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -70,7 +70,7 @@ def champion_model(cfg: EvaluateConfig, cache: Path, warnings: list[str]) -> Mod
     """The registry's champion (downloaded into `cache/champion-v<version>/`), or None when there is none."""
     if not cfg.champion or not cfg.tracking.enabled:
         return None
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -171,7 +171,7 @@ def baseline_model(
 def init_backbone(weights: Path, cache: Path) -> Path:
     """The architecture of `weights` with freshly initialised parameters (fixed seed), as a loadable backbone.pth
     (with its arch config beside it). Written once per architecture; the same bytes every time."""
-    # deferred: torch (~1.5 s); champion_state here runs in the light stage specs
+    # deferred: torch is slow to import; champion_state here runs in the light stage specs
     import torch
 
     from dinov3_core.inference.backbone import ARCH_FILE, load_backbone

@@ -63,7 +63,7 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
     Raises:
         ProtocolError: A class is on fewer than two groups, or ends up on one side only; the message names it.
     """
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold
 
     classes = np.unique(labels)
@@ -86,6 +86,11 @@ def split_by_group(labels: np.ndarray, groups: np.ndarray, *, test_fraction: flo
             f"no slide-level split puts class(es) {', '.join(map(repr, missing))} on both the training and the "
             f"test side with {n_groups} slide/patient groups; annotate these classes on more slides"
         )
+    return _split(labels, groups, train, test, seed)
+
+
+def _split(labels: np.ndarray, groups: np.ndarray, train: np.ndarray, test: np.ndarray, seed: int) -> Split:
+    """The split of `train` / `test` rows, with the validation rows drawn from the training side."""
     val_pos, val_by = _validation(labels[train], groups[train], seed)
     return Split(
         train=np.sort(train),
@@ -140,7 +145,7 @@ def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: in
     Raises:
         ProtocolError: A class is on fewer than two groups; the message names it and the fix.
     """
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import LeaveOneGroupOut, StratifiedGroupKFold
 
     _require_two_groups_per_class(labels, groups)
@@ -159,26 +164,13 @@ def cross_validate_by_group(labels: np.ndarray, groups: np.ndarray, *, folds: in
                 break
     if parts is None:  # k == number of groups, or no deal kept every class on every training side
         parts = list(LeaveOneGroupOut().split(x, labels, groups))
-    out = []
-    for train, test in parts:
-        val_pos, val_by = _validation(labels[train], groups[train], seed)
-        out.append(
-            Split(
-                train=np.sort(train),
-                val=np.sort(train[val_pos]),
-                test=np.sort(test),
-                train_groups=sorted(map(str, np.unique(groups[train]))),
-                test_groups=sorted(map(str, np.unique(groups[test]))),
-                val_by=val_by,
-            )
-        )
-    return CrossValidation(out, scheme)
+    return CrossValidation([_split(labels, groups, train, test, seed) for train, test in parts], scheme)
 
 
 def _validation(labels: np.ndarray, groups: np.ndarray, seed: int) -> tuple[np.ndarray, str]:
     """Positions (within the training tiles) of the validation part: a group fold when there are ≥ 2 groups
     with every class, else a stratified quarter of the tiles (recorded as such)."""
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.model_selection import StratifiedGroupKFold, StratifiedShuffleSplit
 
     if len(np.unique(groups)) >= 3:
@@ -231,7 +223,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, n: int, _: np.ndarray | None = Non
 
 
 def auroc(y: np.ndarray, _: np.ndarray, n: int, positive_score: np.ndarray | None) -> float:
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     from sklearn.metrics import roc_auc_score
 
     if positive_score is None or n != 2 or len(np.unique(y)) < 2:

@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dinov3_core import tracking
+from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.evaluate import gate as G
 from dinov3_core.evaluate import probes as P
-from dinov3_core.files import write_text_atomic
+from dinov3_core.evaluate.config import EvaluateConfig
+from dinov3_core.evaluate.evaluation_json import EvaluationReport
+from dinov3_core.qupath import write_qupath_tiles
 
 ROLES = ("candidate", "champion", "baseline")
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Atomic: a reader never sees half an evaluation."""
-    write_text_atomic(path, json.dumps(doc, indent=1, default=_jsonable, allow_nan=True))
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)
 
 
 def _ci(m: dict[str, float] | None) -> str:
@@ -40,15 +30,14 @@ def _p(d: dict[str, Any]) -> str:
     return "–" if p is None or not math.isfinite(p) else f"{p:.3g}"
 
 
-def markdown(evaluation: dict[str, Any]) -> str:
+def markdown(evaluation: EvaluationReport) -> str:
     """The table a person reads first: one row per model, then the comparisons and the decision."""
     lines = ["# Evaluation", ""]
-    n = evaluation["labelled_tiles"]
-    unit = evaluation.get("split", {}).get("by", "slide")
+    n = evaluation.labelled_tiles
+    split = evaluation.split or {}
+    unit = split.get("by", "slide")
     if n:
-        split = evaluation.get("split", {})
-        classes = ", ".join(f"{c} {k}" for c, k in evaluation["classes"].items())
-        unit = split.get("by", "slide")
+        classes = ", ".join(f"{c} {k}" for c, k in evaluation.classes.items())
         lines += [
             f"{n} labelled tiles ({classes}); {split.get('folds')}-fold cross-validation by {unit} "
             f"({split.get('scheme')}, seed {split.get('seed')}): every {unit} tested once, by probes fitted on "
@@ -64,7 +53,7 @@ def markdown(evaluation: dict[str, Any]) -> str:
     )
     lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for role in ROLES:
-        m = evaluation["models"].get(role)
+        m = evaluation.models.get(role)
         if m is None:
             continue
         if m.get("error"):
@@ -83,7 +72,7 @@ def markdown(evaluation: dict[str, Any]) -> str:
             f"| {health.get('stain_invariance', math.nan):.3f} |"
         )
     counts = next(
-        (m["probes"]["dense"]["counts"] for m in evaluation["models"].values() if "dense" in m.get("probes", {})), None
+        (m["probes"]["dense"]["counts"] for m in evaluation.models.values() if "dense" in m.get("probes", {})), None
     )
     if counts:
         lines.append(
@@ -92,7 +81,7 @@ def markdown(evaluation: dict[str, Any]) -> str:
             f"{counts['tiles_with_tokens']} tiles, the tile probe's folds; mIoU from the pooled confusion "
             "matrix. Stain invariance: share of HED-jittered tiles whose CLS retrieves their original."
         )
-    for name, diffs in evaluation.get("comparisons", {}).items():
+    for name, diffs in evaluation.comparisons.items():
         shown = [
             f"{label} {d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], p = {_p(d)}"
             for key, label in (("linear.balanced_accuracy", "linear bal. acc"), ("dense.miou", "dense mIoU"))
@@ -102,10 +91,10 @@ def markdown(evaluation: dict[str, Any]) -> str:
             lines.append(
                 f"\n{name.replace('_', ' ')}: {'; '.join(shown)} (paired permutation test over the test {unit}s)"
             )
-    if evaluation.get("site_predictability"):
-        sp = ", ".join(f"{k} {v:.3f}" for k, v in evaluation["site_predictability"].items())
+    if evaluation.site_predictability:
+        sp = ", ".join(f"{k} {v:.3f}" for k, v in evaluation.site_predictability.items())
         lines.append(f"\nSite predictability (kNN bal. acc, lower is better): {sp}")
-    d = evaluation.get("decision", {})
+    d = evaluation.decision or {}
     verdict = "PROMOTED to @champion" if d.get("applied") else ("promote" if d.get("promote") else "not promoted")
     lines += ["", f"**Decision: {verdict}** — {d.get('reason', '')}"]
     if d and n:
@@ -119,7 +108,7 @@ def markdown(evaluation: dict[str, Any]) -> str:
             f"{e.min_test_slides} at α {e.alpha}), {e.folds} folds; {strength}. The interval is a bootstrap "
             "over the test slides, for display; the gate decides on the p-value."
         )
-    for w in evaluation.get("warnings", []):
+    for w in evaluation.warnings:
         lines.append(f"\n⚠ {w}")
     return "\n".join(lines) + "\n"
 
@@ -190,7 +179,7 @@ def save_pictures(
     """Per model (`names`: role → what the model is, for the titles): the linear probe's row-normalised confusion
     matrix (every labelled tile, each predicted by the fold that held its slide out), and a 2-D PCA map of all
     labelled tiles coloured by class."""
-    # deferred: scikit-learn costs ~1 s at import, paid only by the probes
+    # deferred: importing scikit-learn is slow, paid only by the probes
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,4 +205,65 @@ def save_pictures(
         plt.close(fig)
 
 
-__all__ = ["markdown", "normalised_confusion", "plot_confusion", "save_pictures", "short_label", "write_json"]
+def qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarray, pred: P.Predictions) -> str:
+    """The candidate's linear-probe predictions on the annotated tiles, one GeoJSON per slide for QuPath: each tile a
+    detection classified by its predicted class, with the confidence and the annotated class as measurements. Every
+    prediction comes from a probe fitted on other slides' tiles (the cross-validation folds), as the metrics do."""
+    folder = out / "qupath"
+    slide_of, row_of = ds.locate_many(idx)
+    classes = [str(c) for c in pred.classes]
+    predicted = pred.scores.argmax(1)
+    truth = np.searchsorted(pred.classes, y)
+    for s in np.unique(slide_of):
+        here = np.flatnonzero(slide_of == s)
+        coords = ds.slide_coords(int(s))[row_of[here]]
+        size = float(ds.slide_attrs(int(s)).get("tile_size_level0") or ds.tile_size)
+        measures = {"confidence": pred.scores[here, predicted[here]], "correct": predicted[here] == truth[here]}
+        measures |= {f"p({c})": pred.scores[here, k] for k, c in enumerate(classes)}
+        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here], measures)
+    return str(folder)
+
+
+def flat_metrics(model: dict[str, Any]) -> dict[str, float]:
+    flat = {f"health.{k}": float(v) for k, v in model.get("health", {}).items()}
+    for probe in ("knn", "linear", "dense"):
+        for metric, v in model.get("probes", {}).get(probe, {}).items():
+            if not isinstance(v, dict) or "value" not in v:
+                continue  # the dense probe's counts and chosen Cs
+            flat[f"{probe}.{metric}"] = float(v["value"])
+    return flat
+
+
+def log_mlflow(cfg: EvaluateConfig, evaluation: EvaluationReport, out: Path) -> None:
+    if not cfg.tracking.enabled:
+        return
+    with tracking.into_active_run(cfg.tracking, tags={"wsidino.stage": "evaluate"}) as run:
+        if run is None:
+            return
+        for role, model in evaluation.models.items():
+            tracking.log_metrics({f"{role}.{k}": v for k, v in flat_metrics(model).items() if np.isfinite(v)})
+        for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
+            tracking.log_artifact(path)
+        # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            decision = evaluation.decision or {}
+            mlflow.set_tags(
+                {
+                    "wsidino.promotion": "promoted" if decision["applied"] else "kept",
+                    "wsidino.promotion_reason": decision["reason"][:5000],
+                }
+            )
+
+
+__all__ = [
+    "flat_metrics",
+    "log_mlflow",
+    "markdown",
+    "normalised_confusion",
+    "plot_confusion",
+    "qupath_predictions",
+    "save_pictures",
+    "short_label",
+]

@@ -220,7 +220,7 @@ def export_key(cfg: ExportConfig) -> str:
 
 def registered_version(client: Any, name: str, key: str) -> str | None:
     """The version of `name` already registered for this export key, if any."""
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow.exceptions import MlflowException
 
     try:
@@ -232,7 +232,7 @@ def registered_version(client: Any, name: str, key: str) -> str | None:
 
 
 def _log_mlflow(cfg: ExportConfig, result: ExportResult) -> None:
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     import mlflow
     from mlflow import MlflowClient
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,26 +31,20 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-import zarr
 
-from dinov3_core import events, tracking
-from dinov3_core.config import to_dict
+from dinov3_core import tracking
+from dinov3_core.config_tree import to_dict
 from dinov3_core.data.tile_dataset import TileDataset
 from dinov3_core.extract.config import ExtractConfig
-from dinov3_core.extract.exports import h5_dir
 from dinov3_core.extract.feature_store import (
     ATTRS_KEY,
-    SlideArrays,
     commit_slide,
-    export_h5,
-    init_output,
-    is_extracted,
     pictures_dir,
-    staging,
 )
-from dinov3_core.extract.plan import WorkUnit, committer, plan_work, split_slides
-from dinov3_core.inference.feature_model import ExtractError, FeatureModel, open_model
-from dinov3_core.inference.loader import BackgroundWriter, TileReader, read_ahead
+from dinov3_core.extract.plan import committer, split_slides
+from dinov3_core.extract.units import UnitWriter, batch_reader, device_memory, plan_ranks, unit_batches
+from dinov3_core.inference.feature_model import ExtractError, open_model
+from dinov3_core.inference.loader import BackgroundWriter, read_ahead
 from dinov3_core.inference.team import Team, rank_device, rank_threads
 from dinov3_core.progress import Progress
 from dinov3_core.tiling import store as ts
@@ -71,7 +63,6 @@ logger = logging.getLogger(__name__)
 
 RESULT_NAME = "extract_result.json"  # beside the store (pictures_dir): what the last run did, for the launcher
 PROGRESS_DIR = "progress"  # beside the store: each rank's count while a job runs (`job_progress`)
-Batch = tuple[WorkUnit, int, np.ndarray]  # the unit, first row in the slide, global tile indices
 
 
 @dataclass
@@ -94,158 +85,6 @@ def _open_dataset(cfg: ExtractConfig) -> Any:
         return TileDataset(root, slide_ids=cfg.slide_ids, image_format="numpy", mpp=cfg.mpp)
     except (ValueError, KeyError, OSError) as err:
         raise ExtractError(f"tile store {root} cannot be read for extraction: {err}") from None
-
-
-def _device_memory(device: torch.device | str | None) -> str:
-    """What a CUDA device is and holds, e.g. ` (NVIDIA H100 80GB HBM3, 79.1 GiB, 2.3 GiB free)`; "" for the CPU."""
-    if device is None or torch.device(device).type != "cuda":
-        return ""
-    d = torch.device(device)
-    free, total = torch.cuda.mem_get_info(d)
-    return f" ({torch.cuda.get_device_properties(d).name}, {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
-
-
-def _does_not_fit(model: FeatureModel, cfg: ExtractConfig, err: BaseException) -> ExtractError:
-    where = ", ".join(model.providers) + _device_memory(model.device)
-    return ExtractError(
-        f"model {model.path} with batch_size={cfg.batch_size} does not fit on {where} "
-        f"({str(err)[:200]}); lower batch_size, or use precision=bf16 (torch)"
-    )
-
-
-def _out_of_memory(err: BaseException) -> bool:
-    text = str(err).lower()
-    return isinstance(err, torch.OutOfMemoryError) or "failed to allocate memory" in text or "out of memory" in text
-
-
-def _batches(ds: Any, units: list[WorkUnit], offsets: np.ndarray, batch_size: int) -> Iterator[Batch]:
-    for unit in units:
-        start = int(offsets[unit.slide])
-        for b0 in range(unit.start, unit.stop, batch_size):
-            yield unit, b0, np.arange(start + b0, start + min(unit.stop, b0 + batch_size))
-
-
-def _batch_reader(ds: Any, model: FeatureModel) -> Callable[[Batch], Any]:
-    """Reads and prepares a batch on any thread; a failure names the slide and its rows (it surfaces in the main
-    thread when the model reaches that batch)."""
-    reader = TileReader(ds, model.prepare)
-
-    def read(batch: Batch) -> Any:
-        unit, b0, idx = batch
-        try:
-            return reader(idx)
-        except Exception as err:
-            raise ExtractError(
-                f"tiles {b0}-{b0 + len(idx) - 1} of slide {ds.slide_ids[unit.slide]} in tile store "
-                f"{ds.slide_store(unit.slide)} cannot be read ({type(err).__name__}: {str(err)[:300]}); re-tile the "
-                f"slide"
-            ) from err
-
-    return read
-
-
-class _UnitWriter:
-    """Runs the model over one unit's batches and hands the rows to the background writer."""
-
-    def __init__(
-        self,
-        cfg: ExtractConfig,
-        ds: Any,
-        model: FeatureModel,
-        out: Path,
-        bar: Any,
-        batches: Iterator[tuple[Batch, Any]],
-        writer: BackgroundWriter,
-        rank: int,
-    ) -> None:
-        self.cfg, self.ds, self.model, self.out, self.bar = cfg, ds, model, out, bar
-        self.batches, self.writer, self.rank = batches, writer, rank
-
-    def __call__(self, unit: WorkUnit) -> None:
-        incoming = staging(self.out, self.ds.slide_ids[unit.slide])
-        if unit.whole:
-            shutil.rmtree(incoming, ignore_errors=True)
-            incoming.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._write(unit, incoming)
-            if unit.whole:
-                commit_slide(self.cfg, self.ds, unit.slide, self.model, self.out)
-        except BaseException:
-            self.writer.discard()  # nothing may still be writing into the staging directory
-            if unit.whole:  # a range of a split slide: the job fails, and the next run redoes the whole slide
-                shutil.rmtree(incoming, ignore_errors=True)
-            raise
-
-    def _write(self, unit: WorkUnit, incoming: Path) -> None:
-        cfg, model, slide_id = self.cfg, self.model, self.ds.slide_ids[unit.slide]
-        group = zarr.open_group(str(incoming), mode="w" if unit.whole else "r+")
-        arrays = None if unit.whole else SlideArrays.open(group)
-        for _ in range(unit.start, unit.stop, cfg.batch_size):
-            (got, b0, idx), prepared = next(self.batches)
-            assert got == unit, "batches out of step with the work units"
-            events.emit("extract.batch", output=str(self.out), slide_id=slide_id, start=b0, rank=self.rank)
-            try:
-                cls, mean, patch = model.infer(prepared, cfg.patch_tokens)  # type: ignore[misc]
-            except (RuntimeError, ValueError, AssertionError) as err:
-                if _out_of_memory(err):
-                    raise _does_not_fit(model, cfg, err) from None
-                if b0 != unit.start:
-                    raise
-                raise ExtractError(
-                    f"model {model.path} failed on the {self.ds.tile_size} px tiles of slide {slide_id} "
-                    f"({type(err).__name__}: {str(err)[:300]}); the tile size must be a multiple of the model's "
-                    f"patch size"
-                ) from None
-            if arrays is None:
-                p = patch.shape[1] if patch is not None else 0
-                arrays = SlideArrays.create(
-                    group, unit.n_tiles, cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows, cfg.batch_size
-                )
-            self.writer.submit(arrays.write, b0, cls, mean, patch)
-            self.bar.update(len(idx))
-        self.writer.drain()
-
-
-def _stage_split_slides(
-    cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, split: dict[int, list[WorkUnit]], offsets: np.ndarray
-) -> None:
-    """Rank 0, before any rank writes: the staging arrays of the slides split over ranks (their width from one
-    tile through the model), so every rank only writes rows into arrays that exist."""
-    if not split:
-        return
-    first = next(iter(split))
-    probe = TileReader(ds, model.prepare)(np.array([int(offsets[first])]))
-    cls, _, patch = model.infer(probe, cfg.patch_tokens)  # type: ignore[misc]
-    p = patch.shape[1] if patch is not None else 0
-    for s in split:
-        incoming = staging(out, ds.slide_ids[s])
-        shutil.rmtree(incoming, ignore_errors=True)
-        incoming.parent.mkdir(parents=True, exist_ok=True)
-        group = zarr.open_group(str(incoming), mode="w")
-        SlideArrays.create(
-            group, int(ds.tile_counts[s]), cls.shape[1], p, cfg.patch_tokens, cfg.chunk_rows, cfg.batch_size
-        )
-
-
-def _plan(
-    cfg: ExtractConfig, ds: Any, model: FeatureModel, out: Path, team: Team, offsets: np.ndarray
-) -> tuple[list[list[WorkUnit]], list[int]]:
-    """Rank 0: (units per rank, slides skipped as up to date), with the split slides' staging arrays created."""
-    init_output(out, cfg.store)
-    mine = list(range(cfg.shard_index, len(ds.slide_ids), cfg.num_shards))
-    fingerprints = {s: ds.slide_attrs(s).get("source_fingerprint") for s in mine}
-    todo = [
-        s for s in mine if not is_extracted(out, ds.slide_ids[s], model.hash, fingerprints[s], cfg.precision, cfg.mpp)
-    ]
-    align = math.lcm(cfg.chunk_rows, cfg.batch_size) if cfg.patch_tokens else cfg.chunk_rows
-    plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
-    _stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
-    skipped = [s for s in mine if s not in todo]
-    if cfg.format == "both":  # extracted before .h5 files were asked for: written from the store
-        for s in skipped:
-            if not (h5_dir(out) / f"{ds.slide_ids[s]}.h5").is_file():
-                export_h5(out, ds.slide_ids[s], ds.slide_attrs(s), int(ds.tile_size))
-    return plan, skipped
 
 
 def run_extract(
@@ -283,7 +122,7 @@ def run_extract(
             )
         except torch.OutOfMemoryError as err:
             raise ExtractError(
-                f"model {cfg.model} does not fit on {device}{_device_memory(device)} "
+                f"model {cfg.model} does not fit on {device}{device_memory(device)} "
                 f"({str(err)[:300]}); use a GPU with more memory"
             ) from None
         if model.patch_size and ds.tile_size % model.patch_size:
@@ -293,7 +132,7 @@ def run_extract(
             )
         out = Path(cfg.output)
         offsets = np.concatenate([[0], np.cumsum(ds.tile_counts)])
-        plan, skipped = team.broadcast(_plan(cfg, ds, model, out, team, offsets) if team.is_main else None)
+        plan, skipped = team.broadcast(plan_ranks(cfg, ds, model, out, team, offsets) if team.is_main else None)
         if team.is_main:
             for s in skipped:
                 logger.info("slide %s already extracted with model %s: skipped", ds.slide_ids[s], model.hash)
@@ -311,11 +150,11 @@ def run_extract(
         with joined if mlflow_run_id else tracking.into_active_run(cfg.tracking, params=params):
             readers, depth = cfg.loader_threads, cfg.prefetch_batches
             writer = BackgroundWriter(readers, depth)
-            jobs = _batches(ds, units, offsets, cfg.batch_size)
+            jobs = unit_batches(ds, units, offsets, cfg.batch_size)
             work_start = time.perf_counter()
             try:
-                with contextlib.closing(read_ahead(jobs, _batch_reader(ds, model), readers, depth)) as batches:
-                    write_unit = _UnitWriter(cfg, ds, model, out, bar, batches, writer, team.rank)
+                with contextlib.closing(read_ahead(jobs, batch_reader(ds, model), readers, depth)) as batches:
+                    write_unit = UnitWriter(cfg, ds, model, out, bar, batches, writer, team.rank)
                     for unit in units:
                         write_unit(unit)
             finally:

@@ -20,7 +20,7 @@ import numpy as np
 import zarr
 from PIL import Image, ImageDraw
 
-from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from dinov3_core.data.augment_config import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.extract.exports import cluster_tiles, h5_dir, write_h5
 from dinov3_core.inference.feature_model import ExtractError
 from dinov3_core.manifest import MANIFEST_NAME

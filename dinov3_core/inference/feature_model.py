@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dinov3_core.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from dinov3_core.data.augment_config import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.errors import WsidinoError
 from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
 from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session

@@ -141,7 +141,7 @@ def lora_state_dict(module: nn.Module) -> dict[str, Tensor]:
 
 def lora_scalings(module: nn.Module) -> dict[str, float]:
     """{LoRA module name: alpha / r} below `module` (names relative to it; works on FSDP-wrapped modules)."""
-    # deferred: peft (~3.5 s, pulls transformers), only with LoRA
+    # deferred: peft is slow to import (it pulls transformers), only with LoRA
     from peft.tuners.lora import LoraLayer
 
     return {name: layer.scaling[ADAPTER] for name, layer in module.named_modules() if isinstance(layer, LoraLayer)}
@@ -152,7 +152,7 @@ def merge_lora(backbone: nn.Module) -> nn.Module:
     the state dict has exactly the released key layout again. In place; returns `backbone`."""
     if not has_lora(backbone):
         return backbone
-    # deferred: peft (~3.5 s, pulls transformers), only with LoRA
+    # deferred: peft is slow to import (it pulls transformers), only with LoRA
     from peft.tuners.lora import LoraLayer
 
     layers = [(name, m) for name, m in backbone.named_modules() if isinstance(m, LoraLayer)]

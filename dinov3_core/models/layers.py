@@ -259,8 +259,8 @@ class SelfAttention(nn.Module):
 def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Softmax attention, the fastest exact kernel for the device and dtype.
 
-    On CPU, PyTorch's fused bf16 attention is slower than its fp32 one at ViT crop lengths: forward + backward
-    2.9× (54 tokens) to 4.3× (14 tokens) the fp32 time (torch 2.13, AVX-512/AMX; docs/benchmarks.md).
+    On CPU, PyTorch's fused bf16 attention is slower than its fp32 one at ViT crop lengths, forward and
+    backward (docs/benchmarks.md, hot paths).
     bf16 pays in the matrix products, not here, so on CPU q, k and v go up to fp32 for this op (also more exact)
     and the result comes back down to the input dtype. Autocast is off inside, or it would cast them back.
     """

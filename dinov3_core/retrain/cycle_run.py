@@ -27,7 +27,7 @@ def cycle_mlflow_run(cfg: RetrainConfig, record: CycleRecord, tags: Mapping[str,
 def set_tags(cfg: RetrainConfig, run_id: str | None, tags: Mapping[str, Any]) -> None:
     if run_id is None:
         return
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
@@ -41,7 +41,7 @@ def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> N
     if run_id is None:
         return
 
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))

@@ -56,7 +56,7 @@ class Champion:
 
 
 def _client(cfg: RetrainConfig) -> Any:
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
@@ -72,7 +72,7 @@ def _unreachable(cfg: RetrainConfig, err: Exception) -> RetrainError:
 
 def champion(cfg: RetrainConfig) -> Champion | None:
     """The registry's `<register_name>@champion`, or None when there is no registered model or no champion."""
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     from mlflow.exceptions import MlflowException
 
     if not cfg.tracking.enabled:

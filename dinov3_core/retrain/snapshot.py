@@ -123,7 +123,7 @@ def compare(now: Snapshot, reference: Snapshot | None) -> CohortChange:
 
 def log_dataset_input(snapshot: Snapshot, run_id: str, tracking_uri: str) -> None:
     """The snapshot as an MLflow dataset input of `run_id` (one row per slide; digest = the snapshot hash)."""
-    # deferred: mlflow costs ~1 s at import, paid only when tracking
+    # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
     import mlflow
     import pandas as pd
     from mlflow import MlflowClient

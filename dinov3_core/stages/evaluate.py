@@ -86,7 +86,7 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     r = run_evaluate(cfg, embed_job)
     for line in r.table.splitlines():
         hooks.log(line)
-    d, cand = r.decision, r.evaluation["models"]["candidate"]
+    d, cand = r.decision, r.report.models["candidate"]
     line = evidence_line(d)
     hooks.log(line)
     card = add_evaluation(Path(cfg.candidate), r.table, d.reason)
@@ -94,7 +94,7 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
     return r, EvaluateSummary(
-        labelled_tiles=r.evaluation["labelled_tiles"],
+        labelled_tiles=r.report.labelled_tiles,
         promoted=d.applied,
         promote=d.promote,
         decision=d.reason,

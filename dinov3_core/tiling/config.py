@@ -76,14 +76,14 @@ class TileConfig:
     reader: Literal["auto", "openslide", "tifffile"] = "auto"  # auto: direct TIFF decoding for SVS/generic TIFF
     # With the direct TIFF reader, decode JPEG slide tiles straight at 1/2, 1/4 or 1/8 scale (libjpeg-turbo's DCT
     # scaling) when the target µm/px is that many times coarser than the level read (e.g. 0.5 µm/px from a 40×
-    # scan): ~3× faster than a full decode + box average, mean difference ~0.5 grey levels (docs/benchmarks.md).
+    # scan): faster than a full decode + box average, within a grey level of it on average (docs/benchmarks.md).
     scaled_decode: bool = True
-    # jpeg: ~14 kB per 224-px tile, 8–9× smaller than lossless zstd (10⁸ tiles: 1.4 TB instead of 12 TB), faster to
-    # write, and it moves a backbone's features less than a 1-px shift of the tile does (docs/benchmarks.md).
+    # jpeg: several times smaller than lossless zstd, faster to write, and it moves a backbone's features less than a
+    # 1-px shift of the tile does (docs/benchmarks.md, tile storage).
     # zstd: lossless, for pixel-exact work; none: raw.
     compressor: Literal["zstd", "jpeg", "none"] = "jpeg"
-    compression_level: int = 1  # zstd level: on tissue tiles 3 saves ~2 % more bytes at half the speed
-    jpeg_quality: int = 90  # 4:2:0 chroma; 95 → ~1.4× the bytes
+    compression_level: int = 1  # zstd level: higher ones save few more bytes on tissue tiles, at a fraction of speed
+    jpeg_quality: int = 90  # 4:2:0 chroma; higher qualities cost noticeably more bytes
     tiles_per_shard: int = 256  # one writer per shard; also the unit of parallel work inside a slide
     workers: int = 1  # processes; slides and shard ranges of large slides are spread over them
     extensions: list[str] = field(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tifffile
 
-from dinov3_core.config import to_dict
+from dinov3_core.config_tree import to_dict
 from dinov3_core.tiling import slide as slide_io
 from dinov3_core.tiling.config import TISSUE_MASK_VERSION, TileConfig
 from dinov3_core.tiling.tiff_reader import TIFF_VENDORS, TiffLevelReader, UnsupportedTiff
@@ -159,7 +159,7 @@ def choose_reader(path: Path, info: slide_io.SlideInfo, read: slide_io.ReadPlan,
 
 def plan_slide(task: SlideTask, cfg: TileConfig, overrides: dict[str, float]) -> SlidePlan:
     """Open the slide, resolve µm/px, build the tissue mask and the kept-tile grid with QC scores."""
-    # Imported here, in the worker that plans: the parent process never needs scikit-image (~0.5 s to import).
+    # Imported here, in the worker that plans: the parent process never needs scikit-image (slow to import).
     from dinov3_core.tiling import tissue
 
     start = time.perf_counter()

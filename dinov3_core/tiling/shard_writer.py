@@ -1,8 +1,8 @@
 """Writing a shard of tiles straight to its file, in the zarr v3 sharding layout zarr itself writes.
 
 zarr encodes a shard's 256 inner chunks through its async codec pipeline, which costs about as much again as the
-encoding itself (0.3–0.5 ms per tile on this project's machines; docs/benchmarks.md); at a few hundred µs of
-decoding per tile that overhead decided the tile stage's speed. This writes the same bytes: each tile encoded
+encoding itself (docs/benchmarks.md, tile stage); next to the per-tile decoding that overhead decided the tile
+stage's speed. This writes the same bytes: each tile encoded
 exactly as the array's codecs would (JPEG: `wsidino.jpeg`; zstd: numcodecs' Zstd after the little-endian bytes
 codec; none: the raw bytes), concatenated, then the index of (offset, nbytes) little-endian uint64 pairs and its
 crc32c (spec: zarr-specs codecs/sharding-indexed, index at the end). Tests check the file is byte-identical to

@@ -9,7 +9,7 @@ import math
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -307,7 +307,3 @@ def read_downsampled(slide: openslide.OpenSlide, info: SlideInfo, target_mpp: fl
             img = Image.fromarray(block).resize((ox1 - ox0, oy1 - oy0), Image.Resampling.BOX, box=box)
             out[oy0:oy1, ox0:ox1] = np.asarray(img)
     return out, info.width / out_w
-
-
-def plan_as_dict(plan: ReadPlan) -> dict[str, float | int]:
-    return asdict(plan)

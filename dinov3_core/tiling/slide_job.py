@@ -64,7 +64,7 @@ def limit_zarr_threads() -> None:
     """One core per tiling process: zarr would otherwise encode chunks on a thread pool as wide as the machine,
     so N tiling processes would oversubscribe the cores they were given. Process-wide, and effective only before
     zarr's first use in the process (zarr creates its pool once)."""
-    # deferred: zarr (~0.2 s), only in the process that tiles
+    # deferred: zarr is slow to import, only in the process that tiles
     import zarr
 
     zarr.config.set({"threading.max_workers": 1})

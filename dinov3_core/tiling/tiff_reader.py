@@ -1,14 +1,14 @@
 """Fast region reads straight from the tiled TIFF pages of SVS and generic pyramidal TIFF slides.
 
 OpenSlide composites every region through cairo and converts premultiplied ARGB; decoding the TIFF tiles with
-tifffile/imagecodecs (libjpeg-turbo, the same decoder) and copying them into place is ~10× faster on 2 cores
-(see docs/benchmarks.md). Used only where OpenSlide itself reads a plain tiled TIFF page; everything else, and all
-low-resolution planning reads, go through OpenSlide. Tests check the pixels against OpenSlide's.
+tifffile/imagecodecs (libjpeg-turbo, the same decoder) and copying them into place is much faster
+(docs/benchmarks.md, tile stage). Used only where OpenSlide itself reads a plain tiled TIFF page; everything else, and
+all low-resolution planning reads, go through OpenSlide. Tests check the pixels against OpenSlide's.
 
 With `reduce` = 2, 4 or 8, JPEG tiles are decoded straight to 1/reduce scale inside the inverse DCT (libjpeg-turbo's
-DCT scaling, through simplejpeg): a target µm/px 2× coarser than the level read then costs about a third of a full
-decode followed by a 2× box average, and differs from it by about half a grey level on average (measured in
-docs/benchmarks.md). Regions are then read in reduced pixels.
+DCT scaling, through simplejpeg): a target µm/px 2× coarser than the level read then costs a fraction of a full
+decode followed by a 2× box average, and differs from it by less than a grey level on average (measured in
+docs/benchmarks.md, tile storage). Regions are then read in reduced pixels.
 """
 
 from __future__ import annotations

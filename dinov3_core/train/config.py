@@ -16,7 +16,7 @@ from typing import Any, Literal
 from omegaconf import MISSING
 
 from dinov3_core.config import ConfigError, require
-from dinov3_core.data.augment import AugmentationConfig
+from dinov3_core.data.augment_config import AugmentationConfig
 from dinov3_core.losses import LossesConfig
 from dinov3_core.tracking import TrackingConfig
 from dinov3_core.train import model_config as MC

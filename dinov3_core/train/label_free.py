@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dinov3_core.data.augment import AugmentationConfig, MultiCropAugmentation
+from dinov3_core.data.augment import MultiCropAugmentation
+from dinov3_core.data.augment_config import AugmentationConfig
 from dinov3_core.train.step_batches import derive_seed
 
 GROUP = 16  # tiles augmented from one generator (and embedded in one call)

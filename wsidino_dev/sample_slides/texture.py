@@ -194,7 +194,7 @@ def render(concentrations: np.ndarray, stain: SlideStain) -> np.ndarray:
 
 
 def _mix(pixels: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """pixels (..., 3) @ matrix (3, 3), float32. Plain einsum: numpy's matmul with an inner dimension of 3 is ~10×
+    """pixels (..., 3) @ matrix (3, 3), float32. Plain einsum: numpy's matmul with an inner dimension of 3 is much
     slower on tall arrays."""
     return np.einsum("...c,cd->...d", pixels, matrix.astype(np.float32), optimize=False)
 
@@ -236,7 +236,7 @@ class ClassSource:
 
 @functools.lru_cache(maxsize=1)
 def class_sources() -> dict[str, ClassSource]:
-    """Per class in `CLASS_NAMES`: its `ClassSource` (decoded, unmixed and segmented once per process, ~0.5 s)."""
+    """Per class in `CLASS_NAMES`: its `ClassSource` (decoded, unmixed and segmented once per process)."""
     from skimage import color, filters
 
     # Tumour: the IHC image's DAB-positive epithelium (smoothed DAB above Otsu's threshold), re-stained as H&E.
@@ -359,9 +359,9 @@ def tissue_atlas(variant: int, scale: float, stain: SlideStain) -> tuple[tuple[n
     """The class atlases of one variant stained with `stain`, resampled by `scale`, and their mean colour (3,).
 
     One (S, S, 3) uint8 read-only atlas per class, in the order of `CLASS_NAMES` (separate contiguous arrays:
-    gathering 3-byte pixels is ~10× faster than 3 of 9 bytes). Staining happens at the sources' resolution and
+    gathering 3-byte pixels is much faster than 3 of 9 bytes). Staining happens at the sources' resolution and
     upsampling last (bicubic): at 0.25 µm/px the tissue looks slightly soft, as scanned tissue does, not
-    pixelated. A slide's worth costs ~0.2 s; per-piece tone variation is applied at render time.
+    pixelated. A slide's worth is cheap; per-piece tone variation is applied at render time.
     """
     parts = [render(a, stain) for a in concentration_atlases(variant)]
     ones = np.full(ATLAS_SIZE * ATLAS_SIZE, 1 / ATLAS_SIZE**2, np.float32)

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     become_subreaper()
     try:
         print(f"serve: state in {serve_dir}, logs in {serve_dir / 'logs'}", flush=True)
-        # Start both servers and the sample slides at once; on 2 cores they take ~20-40 s together.
+        # Start both servers and the sample slides at once: each takes a while on a small machine.
         prefect = start_prefect_server(serve_dir, args.prefect_port, wait=False)
         children.append(prefect)
         mlflow = start_mlflow_server(serve_dir, args.mlflow_port, wait=False)
