@@ -190,7 +190,7 @@ def check_before_work(
         tile_store: The chain's tile store (a training config that names no store reads it).
         world_size: Processes of each training job.
         prefix: Name keys after their stage (a chain's keys).
-        when: Said in the message (e.g. "once the tiles exist").
+        when: Said in the message (e.g. "once the tile stage ran").
         chain_keys: A stage key the chain sets from one of its own → that key (`pretrain.student.pretrained_weights`
             → `weights`: the user typed --weights).
 

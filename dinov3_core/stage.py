@@ -176,7 +176,7 @@ class Stage(Generic[S]):
 
     name: str
     help: str  # one line: what it turns into what (CLI, docs)
-    schema: Callable[[], type]  # the typed config class (a callable: pretrain's pulls in torch, ~2 s)
+    schema: Callable[[], type]  # the typed config class (a callable: pretrain's pulls in torch)
     summary_type: type[S]
     output: Callable[[Any], str]  # the config's output path
     output_is_dir: bool

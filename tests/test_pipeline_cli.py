@@ -120,7 +120,7 @@ def test_one_command_runs_every_stage_inside_the_workdir_and_a_rerun_skips_all(
     (parent,) = client.search_runs([experiment.experiment_id], "tags.`wsidino.pipeline` = 'true'")
     children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.data.tags["wsidino.stage"] for c in children) == sorted(STAGES)
-    assert parent.data.params["pretrain.config"] == "tiny"
+    assert parent.data.params["stages.pretrain.config"] == "tiny"
 
     second = wsidino(*args, cwd=home)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -211,7 +211,7 @@ def test_every_batch_and_crop_problem_is_named_at_once_before_training(
     ]
     assert cli.main(args) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "3 problem(s) found before any work once the tiles exist" in err, err
+    assert "3 problem(s) found before any work once the tile stage ran" in err, err
     for key in ("pretrain.train.global_batch_size", "gram.train.batch_size_per_gpu", "gram.crops.global_size"):
         assert f"  {key}: " in err
     assert "tile store holds" in err and "larger than the store's 64 px tiles" in err
@@ -277,7 +277,9 @@ def test_print_config_round_trips(
     assert cli.main(["pipeline", *args, "--print-config"]) == cli.EXIT_OK
     printed = capsys.readouterr().out
     doc = yaml.safe_load(printed)
-    assert doc["start_at"] == "convert" and doc["force"] == ["export"] and doc["tile"]["config"] == "cohort-jpeg"
+    assert (
+        doc["start_at"] == "convert" and doc["force"] == ["export"] and doc["stages"]["tile"]["config"] == "cohort-jpeg"
+    )
     assert doc["pretrain"]["overrides"] == ["train.stop_at=9"]
     assert doc["tracking"]["uri"] == f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}"  # the store is in the workdir
     (tmp_path / "resolved.yaml").write_text(printed)

@@ -169,7 +169,7 @@ def test_mlflow_holds_the_pipeline_run_with_one_child_per_stage(
         exp, f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`wsidino.pipeline` = 'true'"
     )
     assert parent.info.status == "FINISHED"
-    assert parent.data.params["pretrain.config"] == "tiny" and parent.data.params["gram.config"] == "tiny"
+    assert parent.data.params["stages.pretrain.config"] == "tiny" and parent.data.params["stages.gram.config"] == "tiny"
     assert parent.data.params["workdir"] == str(deployed_pipeline_run["workdir"])
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["pipeline_summary.json"]
     children = client.search_runs(exp, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")

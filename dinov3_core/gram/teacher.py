@@ -317,7 +317,7 @@ def select_gram_teacher(
 def _log_selection(selection: TeacherSelection) -> None:
     """Params, per-candidate metrics (step = iteration) and the JSON artifact, into the active MLflow run."""
     try:
-        # deferred: mlflow costs ~1 s at import, paid only when tracking
+        # deferred: mlflow is slow to import, paid only when tracking
         import mlflow
     except ImportError:  # pragma: no cover
         return

@@ -176,7 +176,9 @@ def run_pipeline(
                     raise WsidinoError(f"{stage.name} on {cfg.slides}: {unusable}")
                 later = {k: v for k, v in configs.items() if k not in outcomes}
                 if outcome.status == "ran" and later:  # what they read exists now: e.g. the tiles, counted
-                    check_before_work(later, tiles, world, chain_keys=CHAIN_KEYS, when=f"once {stage.name} ran")
+                    check_before_work(
+                        later, tiles, world, chain_keys=CHAIN_KEYS, when=f"once the {stage.name} stage ran"
+                    )
             model = extraction_model(cfg, evaluated(cfg, outcomes))
             result = PipelineResult(workdir, layout(cfg, weights, model), outcomes, parent, cfg.tracking.uri, "")
             result.message = _message(result)

@@ -75,7 +75,7 @@ def _tag_model_version(cfg: ExportConfig, m: mf.StageManifest) -> None:
     s = STAGE.summary(m.summary)
     if not s.model_version or not s.registered_model:
         return
-    from mlflow import MlflowClient  # deferred: mlflow costs ~2 s at import
+    from mlflow import MlflowClient  # deferred: mlflow is slow to import
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     # (the manifest records the same digests as the run closes: each file is read once per process)

@@ -15,7 +15,7 @@ TRAINING_VOLATILE = ("tracking.", "progress", "train.num_threads", "data.num_wor
 
 
 def schema() -> type:
-    # Imported when a pretrain config is loaded, not with this module: it pulls in torch (~2 s of every command).
+    # Imported when a pretrain config is loaded, not with this module: it pulls in torch, which most commands skip.
     from dinov3_core.train.config import PretrainConfig
 
     return PretrainConfig

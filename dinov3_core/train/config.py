@@ -168,8 +168,8 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: bf16 on GPU, fp32 on CPU. bf16 on CPU (autocast) pays on CPUs with bf16 matrix units (AMX, AVX512-BF16)
-    # for ViT-S and up: 1.95× eager, 2.4× compiled on ViT-S; on vit_test's tiny matrices it loses (0.9×), which is
-    # why it is not the CPU default (docs/benchmarks.md, "Training step: ours vs upstream at equal configuration").
+    # for ViT-S and up; on vit_test's tiny matrices it loses, which is why it is not the CPU default
+    # (docs/benchmarks.md, "Training step: ours vs upstream at equal configuration").
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # true: torch.compile each transformer block. step: the whole training step (teacher, student, heads, losses and
     # their backward) in one torch.compile, which also fuses what lies between blocks (1.14x per-block compile on

@@ -39,7 +39,7 @@ Pressure = Literal["host", "device"]
 
 def private_bytes(pid: int) -> int:
     """Memory only this process holds (Private_Clean + Private_Dirty + swapped out); RSS where that cannot be read."""
-    try:  # smaps_rollup: the kernel sums the mappings itself (Linux >= 4.14), ~1-3 ms for a process with torch
+    try:  # smaps_rollup: the kernel sums the mappings itself (Linux >= 4.14): cheap enough to read every step
         total = 0
         with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             for line in f:

@@ -239,7 +239,7 @@ def plot_loss_curve(
     rows = [r for r in read_metrics(metrics_path) if "event" not in r]  # event lines: memory re-plans
     if not rows:
         return None
-    # deferred: matplotlib (~0.4 s), only for the figures
+    # deferred: matplotlib is slow to import, and only the figures need it
     import matplotlib
 
     matplotlib.use("Agg")

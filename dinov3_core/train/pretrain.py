@@ -116,7 +116,7 @@ def train_and_log(trainer: Trainer, run: Any, on_metrics: Callable[[dict[str, An
         for path in (result.metrics_path, result.loss_curve):
             if path is not None:
                 tracking.log_artifact(path)
-        # deferred: mlflow costs ~1 s at import, paid only when tracking
+        # deferred: mlflow is slow to import, paid only when tracking
         import mlflow
 
         mlflow.set_tag("wsidino.health", result.health[:5000])
