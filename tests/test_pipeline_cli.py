@@ -280,7 +280,7 @@ def test_print_config_round_trips(
     assert (
         doc["start_at"] == "convert" and doc["force"] == ["export"] and doc["stages"]["tile"]["config"] == "cohort-jpeg"
     )
-    assert doc["pretrain"]["overrides"] == ["train.stop_at=9"]
+    assert doc["stages"]["pretrain"]["overrides"] == ["train.stop_at=9"]
     assert doc["tracking"]["uri"] == f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}"  # the store is in the workdir
     (tmp_path / "resolved.yaml").write_text(printed)
     assert cli.main(["pipeline", "--config", str(tmp_path / "resolved.yaml"), "--print-config"]) == cli.EXIT_OK

@@ -56,10 +56,6 @@ class CycleLayout:
     def cycle_dir(self, cycle_id: str) -> Path:
         return self.cycles / cycle_id
 
-    def stage_dirs(self, cycle_id: str) -> dict[str, Path]:
-        c = self.cycle_dir(cycle_id)
-        return {"pretrain": c / "pretrain", "gram": c / "gram", "model": c / "model", "evaluation": c / "evaluation"}
-
     def feature_store(self, model_hash: str) -> Path:
         return self.features / f"{model_hash}.zarr"
 

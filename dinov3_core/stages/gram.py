@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core.stage import ChainPaths, CliOption, Place, Stage, stores_input
-from dinov3_core.stages.pretrain import TRAINING_VOLATILE
+from dinov3_core.stages.pretrain import TRAINING_JOB
 from dinov3_core.train import preflight as training
-from dinov3_core.train.summary import TrainingSummary, run_outputs, training_summary
+from dinov3_core.train.summary import TrainingSummary, run_outputs
 
 
 def schema() -> type:
@@ -41,19 +41,11 @@ STAGE: Stage[TrainingSummary] = Stage(
     name="gram",
     help="Gram anchoring: continue a pretraining run with a frozen, auto-selected gram teacher.",
     schema=schema,
-    summary_type=TrainingSummary,
-    output=lambda c: c.output_dir,
-    output_is_dir=True,
     place=Place("gram", contents="gram_teacher_selection.json names the chosen teacher"),
     inputs=_inputs,
     outputs=_outputs,
     chain_values=_chain_values,
     job_module="dinov3_core.gram",
-    always_job=True,
-    job_dir=lambda c: Path(c.output_dir),
-    job_summary=training_summary,
-    job_check=training.check_job,
-    volatile=TRAINING_VOLATILE,
     preflight=training.preflight,
     options=(
         CliOption(
@@ -61,7 +53,6 @@ STAGE: Stage[TrainingSummary] = Stage(
         ),
         CliOption("--output-dir", "output_dir", "the gram stage's own run directory; = output_dir"),
     ),
-    launch_help="training",
-    default_config="tiny",  # the CPU-sized recipe, like pretrain's
     override_example="gram.teacher_policy=best_dense train.stop_at=50",
+    **TRAINING_JOB,
 )

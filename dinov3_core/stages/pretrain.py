@@ -10,8 +10,21 @@ from dinov3_core.stage import ChainPaths, CliOption, Place, PreflightFacts, Prob
 from dinov3_core.train import preflight as training
 from dinov3_core.train.summary import TrainingSummary, run_outputs, training_summary
 
-# What changes neither the model nor its checkpoints.
-TRAINING_VOLATILE = ("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor")
+# What pretrain and gram share as stages: a torchrun job writing a run directory (`output_dir`), its summary read
+# from what the job wrote, its parallelism checked for the world size before any rank starts.
+TRAINING_JOB: dict[str, Any] = {
+    "summary_type": TrainingSummary,
+    "output": lambda c: c.output_dir,
+    "output_is_dir": True,
+    "always_job": True,
+    "job_dir": lambda c: Path(c.output_dir),
+    "job_summary": training_summary,
+    "job_check": training.check_job,
+    # What changes neither the model nor its checkpoints.
+    "volatile": ("tracking.", "progress", "train.num_threads", "data.num_workers", "data.prefetch_factor"),
+    "launch_help": "training",
+    "default_config": "tiny",  # the CPU-sized recipe unless --config names another
+}
 
 
 def schema() -> type:
@@ -71,25 +84,16 @@ STAGE: Stage[TrainingSummary] = Stage(
     name="pretrain",
     help="DINOv3 self-supervised (continued) pretraining on tile stores.",
     schema=schema,
-    summary_type=TrainingSummary,
-    output=lambda c: c.output_dir,
-    output_is_dir=True,
     place=Place("pretrain", contents="ckpt/, eval/training_<it>/teacher_checkpoint.pth, loss_curve.png"),
     inputs=lambda c: {**stores_input(c), "pretrained_weights": c.student.pretrained_weights},
     outputs=run_outputs,
     chain_values=_chain_values,
     job_module="dinov3_core.train",
-    always_job=True,
-    job_dir=lambda c: Path(c.output_dir),
-    job_summary=training_summary,
-    job_check=training.check_job,
-    volatile=TRAINING_VOLATILE,
     preflight=_preflight,
     options=(
         CliOption("--store", "data.stores", "tile store (repeat for several); = data.stores", repeat=True),
         CliOption("--output-dir", "output_dir", "run directory (checkpoints, eval/, metrics); = output_dir"),
     ),
-    launch_help="training",
-    default_config="tiny",  # the CPU-sized recipe unless --config names another
     override_example="optim.epochs=30 train.stop_at=100 train.batch_size_per_gpu=32",
+    **TRAINING_JOB,
 )
