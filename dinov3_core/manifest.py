@@ -30,7 +30,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -323,15 +323,22 @@ class Decision:
     previous: StageManifest | None
 
 
-def check_up_to_date(path: Path, config_hash: str, inputs: Mapping[str, Mapping[str, str]]) -> Decision:
-    """Compare the manifest at `path` with what a run would use now; `reason` says why it must (re)run."""
+def check_up_to_date(
+    path: Path,
+    config_hash: str,
+    inputs: Mapping[str, Mapping[str, str]],
+    failed_items: Callable[[Mapping[str, Any]], int] | None = None,
+) -> Decision:
+    """Compare the manifest at `path` with what a run would use now; `reason` says why it must (re)run.
+    `failed_items`: how many items of its input the last run's summary says failed (`Summary.failures`)."""
     previous = read_manifest(path)
     if previous is None:
         return Decision(False, "no manifest (never run here)", None)
     if previous.status != "complete":
         return Decision(False, f"the last run is {previous.status}", previous)
-    if previous.summary.get("failed"):  # e.g. unreadable slides: a rerun retries just those items
-        return Decision(False, f"the last run had {previous.summary['failed']} failed item(s)", previous)
+    failed = failed_items(previous.summary) if failed_items is not None else 0
+    if failed:  # e.g. unreadable slides: a rerun retries just those items
+        return Decision(False, f"the last run had {failed} failed item(s)", previous)
     if previous.config_hash != config_hash:
         return Decision(False, "the config changed", previous)
     changed = sorted(

@@ -264,7 +264,12 @@ class Stage(Generic[S]):
     def decide(self, cfg: Any) -> tuple[dict[str, dict[str, str]], mf.Decision]:
         """Fingerprint the inputs and compare them and the config with the manifest: (inputs, decision)."""
         inputs = mf.fingerprint_inputs(self.inputs(cfg))
-        return inputs, mf.check_up_to_date(self.manifest_path(cfg), self.config_hash(cfg), inputs)
+        failed = self.failed_items
+        return inputs, mf.check_up_to_date(self.manifest_path(cfg), self.config_hash(cfg), inputs, failed)
+
+    def failed_items(self, summary: Mapping[str, Any]) -> int:
+        """How many items of its input a run failed on, from its manifest's summary (a rerun retries them)."""
+        return self.summary(summary).failures
 
     def config_hash(self, cfg: Any) -> str:
         volatile = [k for k in flat_params(cfg) if any(k == v or k.startswith(v) for v in self.volatile)]
