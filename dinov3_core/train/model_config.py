@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dinov3_core.config import ConfigError, require
 from dinov3_core.models import backbone_kwargs
-
-if TYPE_CHECKING:
-    from dinov3_core.train.config import PretrainConfig
-
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "ffn")  # dinov3_core.models.adaptation.TARGETS
 
@@ -85,7 +81,13 @@ class HeadsConfig:
 STRUCTURE = ("embed_dim", "depth", "num_heads", "patch_size", "n_storage_tokens")
 
 
-def structure_mismatch(theirs: Mapping[str, Any], cfg: PretrainConfig) -> str:
+class ModelSections(Protocol):
+    """A config with the model sections (`PretrainConfig`, `GramConfig`): all the functions below read."""
+
+    student: StudentConfig
+
+
+def structure_mismatch(theirs: Mapping[str, Any], cfg: ModelSections) -> str:
     """The structural settings in which a backbone's constructor kwargs (`theirs`) differ from what `cfg` trains,
     as "embed_dim 64 vs 768, …" (theirs vs the config's); empty when they fit or a setting is unknown."""
     ours = backbone_kwargs(cfg.student.arch, **backbone_overrides(cfg))
@@ -93,7 +95,7 @@ def structure_mismatch(theirs: Mapping[str, Any], cfg: PretrainConfig) -> str:
     return ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
 
 
-def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
+def backbone_overrides(cfg: ModelSections) -> dict[str, Any]:
     """Constructor overrides for the student backbone on top of its arch (preset or released)."""
     s = cfg.student
     out: dict[str, Any] = {"drop_path_rate": s.drop_path_rate}
@@ -105,7 +107,7 @@ def backbone_overrides(cfg: PretrainConfig) -> dict[str, Any]:
     return out
 
 
-def adaptation_meta(cfg: PretrainConfig) -> dict[str, Any]:
+def adaptation_meta(cfg: ModelSections) -> dict[str, Any]:
     """The settings that shape the trainable model (checkpoint meta.json: convert merges LoRA with them)."""
     s = cfg.student
     lora = {"rank": s.lora.rank, "alpha": s.lora.alpha, "dropout": s.lora.dropout, "targets": list(s.lora.targets)}
@@ -121,7 +123,7 @@ def head_kwargs(head: HeadConfig) -> dict[str, int]:
     }
 
 
-def adaptation_summary(cfg: PretrainConfig) -> str:
+def adaptation_summary(cfg: ModelSections) -> str:
     """What of the backbone trains, for the start line ("" when all of it does)."""
     s, parts = cfg.student, []
     if s.lora.rank:
@@ -131,7 +133,7 @@ def adaptation_summary(cfg: PretrainConfig) -> str:
     return "; ".join(parts)
 
 
-def configured_depth(cfg: PretrainConfig) -> int | None:
+def configured_depth(cfg: ModelSections) -> int | None:
     """Blocks of the configured backbone; None when only the weights file tells (student.arch=auto)."""
     if "depth" in cfg.student.backbone_overrides:
         return int(cfg.student.backbone_overrides["depth"])
@@ -140,7 +142,7 @@ def configured_depth(cfg: PretrainConfig) -> int | None:
     return int(backbone_kwargs(cfg.student.arch)["depth"])
 
 
-def patch_size(cfg: PretrainConfig) -> int:
+def patch_size(cfg: ModelSections) -> int:
     if "patch_size" in cfg.student.backbone_overrides:
         return int(cfg.student.backbone_overrides["patch_size"])
     if cfg.student.arch == "auto":

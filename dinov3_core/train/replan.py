@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -24,12 +24,33 @@ from dinov3_core.train.memory_watch import (
     pressure_limits,
     release_freed_memory,
 )
+from dinov3_core.train.metrics import MetricsWriter
+from dinov3_core.train.metrics_window import MetricsWindow
+from dinov3_core.train.nonfinite import NonFiniteGuard
 from dinov3_core.train.step_batches import StepBatch
 
-if TYPE_CHECKING:
-    from dinov3_core.train.loop import Trainer
-
 logger = logging.getLogger(__name__)
+
+
+class Replannable(Protocol):
+    """What re-planning needs of the trainer (`loop.Trainer`, `gram.anchoring.GramTrainer`): its plan and the
+    means to step, checkpoint and report."""
+
+    cfg: C.PretrainConfig
+    env: DistEnv
+    optimizer: torch.optim.Optimizer
+    run_plan: RunPlan
+    nonfinite: NonFiniteGuard
+    ckpt_root: Path
+    memory_replans: int
+    metrics: MetricsWriter
+    window: MetricsWindow | None
+    stage: str
+
+    def train_step(self, iteration: int, batch: StepBatch) -> dict[str, float]: ...
+    def set_run_plan(self, plan: RunPlan) -> None: ...
+    def batch_fields(self) -> dict[str, int]: ...
+    def save(self, iteration: int) -> Path: ...
 
 
 class MemoryPressureError(RunStopped):
@@ -66,7 +87,7 @@ def out_of_memory(cfg: C.PretrainConfig, plan: RunPlan, why: str, saved: Path | 
     )
 
 
-def step_within_memory(trainer: Trainer, iteration: int, batch: StepBatch) -> dict[str, float]:
+def step_within_memory(trainer: Replannable, iteration: int, batch: StepBatch) -> dict[str, float]:
     """`trainer.train_step`; when the device runs out of memory in a one-process run, the next rung of the re-plan
     ladder (smaller micro-batch, then activation checkpointing) and the same step again. The batch planner's
     estimate is a model: this is what keeps `batch_size_per_gpu=auto` from ending a run on its first step.
@@ -87,7 +108,7 @@ def step_within_memory(trainer: Trainer, iteration: int, batch: StepBatch) -> di
             replan(trainer, iteration, "device", why, step_done=False)
 
 
-def replan(trainer: Trainer, iteration: int, pressure: Pressure, why: str, *, step_done: bool = True) -> bool:
+def replan(trainer: Replannable, iteration: int, pressure: Pressure, why: str, *, step_done: bool = True) -> bool:
     """Take the next rung of the re-plan ladder after step `iteration` (every rank alike); True when the loader
     must be rebuilt. With nothing left: checkpoint (`step_done`: the step completed, else the last checkpoint
     is the state), then stop with what to change."""
