@@ -33,7 +33,6 @@ from dinov3_core import tracking
 from dinov3_core.chain import StageRunner, chain_config, chain_paths, check_before_work
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
-from dinov3_core.evaluate.summary import EvaluateSummary
 from dinov3_core.pipeline.config import PipelineConfig, resolve_weights
 from dinov3_core.runner import StageOutcome
 from dinov3_core.stages import ChainPaths, Stage, get_stage
@@ -75,25 +74,25 @@ def stage_config(
         raise
 
 
-def extraction_model(cfg: PipelineConfig, evaluation: EvaluateSummary | None) -> str | None:
+def extraction_model(cfg: PipelineConfig, outcomes: Mapping[str, StageOutcome[Any]]) -> str | None:
     """The model extract uses: the champion the evaluation settled on (the candidate when it was promoted or there
-    is no champion yet); None (this run's exported model) when `extract_model=candidate` or nothing was evaluated."""
-    champion = evaluation.champion_model if evaluation is not None else None
-    if cfg.extract_model == "champion" and champion and Path(champion).is_file():
-        return champion
-    return None
-
-
-def evaluated(cfg: PipelineConfig, outcomes: Mapping[str, StageOutcome[Any]]) -> EvaluateSummary | None:
-    """The evaluation of this work directory: this run's, else the one its manifest records (`--from extract`)."""
-    if "evaluate" in outcomes:
-        return outcomes["evaluate"].summary
-    stage = get_stage("evaluate")
-    try:
-        found = mf.read_manifest(stage.manifest_path(stage_config(cfg, stage)))
-    except (ConfigError, mf.ManifestError):  # not evaluated in a way this run can read: extract the candidate
+    is no champion yet); None (this run's exported model) when `extract_model=candidate` or nothing was evaluated.
+    The evaluation is this run's, else the one the work directory's evaluate manifest records (`--from extract`)."""
+    if cfg.extract_model != "champion":
         return None
-    return stage.summary(found.summary) if found is not None and found.status == "complete" else None
+    evaluate = get_stage("evaluate")
+    if "evaluate" in outcomes:
+        evaluation = outcomes["evaluate"].summary
+    else:
+        try:
+            found = mf.read_manifest(evaluate.manifest_path(stage_config(cfg, evaluate)))
+        except (ConfigError, mf.ManifestError):  # not evaluated in a way this run can read: extract the candidate
+            return None
+        if found is None or found.status != "complete":
+            return None
+        evaluation = evaluate.summary(found.summary)
+    champion = evaluation.champion_model
+    return champion if champion and Path(champion).is_file() else None
 
 
 @dataclass
@@ -168,7 +167,7 @@ def run_pipeline(
         with pipeline_mlflow_run(cfg, tags or {}, attempt_key) as parent:
             for i, stage in enumerate(stages, 1):
                 log(f"pipeline: stage {i}/{len(stages)}: {stage.name}")
-                model = extraction_model(cfg, evaluated(cfg, outcomes))
+                model = extraction_model(cfg, outcomes)
                 outcome = runner(stage, stage_config(cfg, stage, weights, model), parent, stage.name in cfg.force)
                 outcomes[stage.name] = outcome
                 unusable = outcome.summary.unusable() if outcome.status == "ran" else None
@@ -179,7 +178,7 @@ def run_pipeline(
                     check_before_work(
                         later, tiles, world, chain_keys=CHAIN_KEYS, when=f"once the {stage.name} stage ran"
                     )
-            model = extraction_model(cfg, evaluated(cfg, outcomes))
+            model = extraction_model(cfg, outcomes)
             result = PipelineResult(workdir, layout(cfg, weights, model), outcomes, parent, cfg.tracking.uri, "")
             result.message = _message(result)
             record(cfg, parent, result.as_dict())
@@ -246,7 +245,6 @@ def _message(result: PipelineResult) -> str:
 __all__ = [
     "PipelineResult",
     "check_inputs",
-    "evaluated",
     "extraction_model",
     "layout",
     "run_pipeline",
