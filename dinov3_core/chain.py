@@ -14,8 +14,10 @@ reported with the keys as the user types them in the chain (`gram.train.global_b
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -88,6 +90,9 @@ def route_overrides(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
         if stage == "stages":  # stages.<stage>.config: the stage must exist (a typo gets the closest name)
             name = rest.partition(".")[0]
             get_stage(name, f"stages.{name}")
+        close = difflib.get_close_matches(stage, STAGES.names, n=1, cutoff=0.8) if "." in rest else []
+        if stage not in STAGES.names and close:  # a stage key with a typo in the stage's name
+            raise ConfigError(f"{stage!r} is not a stage; did you mean '{close[0]}.{rest}'?", key=key)
         if stage in STAGES.names and rest and rest not in _CHOICE_KEYS:
             extra.setdefault(stage, []).append(f"{rest}={value if isinstance(value, str) else json.dumps(value)}")
         elif stage in STAGES.names and rest:
@@ -152,7 +157,9 @@ def build_stage_config(
     try:
         return load_config(stage.schema(), choice.config, values, stage=stage.name)
     except ConfigError as err:
-        raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {err}") from None
+        # The keys as the user types them in the chain: `pretrain.train.stop_at`, not the stage's own `train.stop_at`.
+        said = re.sub(r"(config key |did you mean )'([^']+)'", rf"\1'{stage.name}.\2'", str(err))
+        raise ConfigError(f"{stage} (config {choice.config or 'defaults'}): {said}") from None
 
 
 def chain_config(
@@ -180,6 +187,8 @@ def check_before_work(
     prefix: bool = True,
     when: str = "",
     chain_keys: Mapping[str, str] | None = None,
+    tiling: Any = None,
+    log: Callable[[str], None] | None = None,
 ) -> None:
     """Every stage's checks before work (`Stage.preflight`: the batch and crops against the tiles, the annotations
     readable), all problems at once, each with the key as the user types it (`gram.train.global_batch_size` in a
@@ -193,21 +202,38 @@ def check_before_work(
         when: Said in the message (e.g. "once the tile stage ran").
         chain_keys: A stage key the chain sets from one of its own → that key (`pretrain.student.pretrained_weights`
             → `weights`: the user typed --weights).
+        tiling: The chain's tile config: its slides are found and the stages' checks see them (the annotations
+            matched to them) and how they will be cut.
+        log: Where a check's findings that are not problems go (the classes' tile counts).
 
     Raises:
         ConfigError: Naming every problem found.
     """
     problems: list[Problem] = []
+    slides = cohort(tiling) if tiling is not None else None
     for name, cfg in configs.items():
         stage = get_stage(name)
         if stage.preflight is None:
             continue
-        for p in stage.preflight(cfg, PreflightFacts(tile_store, world_size, f"{name}." if prefix else "")):
+        facts = PreflightFacts(tile_store, world_size, f"{name}." if prefix else "", slides, tiling, log)
+        for p in stage.preflight(cfg, facts):
             user_key = (chain_keys or {}).get(p.key, p.key)
             problems.append(Problem(user_key, p.message, p.fix.replace(p.key, user_key)))
     if problems:
         head = f"{len(problems)} problem(s) found before any work{' ' + when if when else ''}"
         raise ConfigError(head + ":\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def cohort(tiling: Any) -> dict[str, str]:
+    """The slides a tile config names, by the id the tile stage gives each (empty when its input names none: the
+    tile stage says so)."""
+    from dinov3_core.errors import WsidinoError
+    from dinov3_core.tiling.discovery import assign_slide_ids, discover_slides
+
+    try:
+        return {t.slide_id: str(t.path) for t in assign_slide_ids(discover_slides(tiling.input, tiling.extensions))}
+    except WsidinoError:
+        return {}
 
 
 __all__ = [
@@ -219,6 +245,7 @@ __all__ = [
     "chain_config",
     "chain_paths",
     "check_before_work",
+    "cohort",
     "default_choices",
     "route_overrides",
     "tracking_values",

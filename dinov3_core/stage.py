@@ -290,6 +290,9 @@ class PreflightFacts:
     tile_store: Path | None = None  # the chain's tile store (a training config that names none reads it)
     world_size: int = 1  # processes of a training job
     prefix: str = ""  # how the user names the stage's keys: "gram." in a chain, nothing for the stage alone
+    slides: Mapping[str, str] | None = None  # the chain's slides by the id the tile stage gives them
+    tiling: Any = None  # the chain's tile config (tile size, µm/px, tissue mask) the slides will be cut with
+    log: Callable[[str], None] | None = None  # what a check found that is worth saying (counts, not problems)
 
     def key(self, key: str) -> str:
         """A config key as the user types it where the check runs (`gram.train.global_batch_size`)."""

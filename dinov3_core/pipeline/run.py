@@ -153,8 +153,10 @@ def run_pipeline(
     check_inputs(cfg, configs)
     world = world_size
     tiles = layout(cfg).output("tile")  # the tile store the training stages read
-    # A store tiled before: its tiles count now; the warm-start file is opened and its keys read.
-    check_before_work(configs, tiles, world, chain_keys=CHAIN_KEYS)
+    # A store tiled before: its tiles count now; the warm-start file is opened and its keys read; the annotations
+    # are matched to the slides and checked against them.
+    tiling = configs.get("tile") or stage_config(cfg, "tile")
+    check_before_work(configs, tiles, world, chain_keys=CHAIN_KEYS, tiling=tiling, log=log)
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
     try:

@@ -398,7 +398,7 @@ def run_cycle(
         RetrainError / WsidinoError: bad input, another cycle holds the root, the registry is unreachable.
     """
     c = _Cycle(cfg, run, log, world_size)
-    sc.validate(cfg, c.layout)
+    sc.validate(cfg, c.layout, log)
     registry.check_reachable(cfg)
     with root_lock(c.layout):
         c.record, c.resumed = open_cycle(c.layout, attempt_key)

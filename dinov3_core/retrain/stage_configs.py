@@ -6,6 +6,7 @@ the cycle's own under `cycles/<id>/`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def cycle_defaults(cfg: RetrainConfig) -> dict[str, dict[str, Any]]:
     return {"evaluate": {"baseline": cfg.pretrained_weights or "init"}}
 
 
-def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
+def validate(cfg: RetrainConfig, layout: CycleLayout, log: Callable[[str], None] | None = None) -> None:
     """Load every stage's config once before anything runs, so a typo fails the cycle at its start; then the
     checks that need no tiles (the annotations readable, the released weights a cycle may warm-start from)."""
     configs = {
@@ -99,7 +100,8 @@ def validate(cfg: RetrainConfig, layout: CycleLayout) -> None:
     checks = {k: v for k, v in configs.items() if not get_stage(k).always_job}
     if cfg.pretrained_weights:  # the released weights a cycle may warm-start from: opened and read now
         checks["pretrain"] = configs["pretrain"]
-    check_before_work(checks, None, 1, chain_keys={"pretrain.student.pretrained_weights": "pretrained_weights"})
+    keys = {"pretrain.student.pretrained_weights": "pretrained_weights"}
+    check_before_work(checks, None, 1, chain_keys=keys, tiling=configs["tile"], log=log)
 
 
 def cycle_stages() -> list[str]:

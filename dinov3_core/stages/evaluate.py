@@ -108,14 +108,23 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
 
 
 def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
-    """Annotations that cannot be read are found before training, not after it (`annotations` is the key the
-    user types, alone and in a pipeline: a chain passes its own through)."""
+    """Annotations that cannot label the slides are found before training, not after it (`annotations` is the key
+    the user types, alone and in a pipeline: a chain passes its own through). In a chain, which knows its slides
+    and how they will be tiled, every file is matched to a slide, its polygons checked against the slide and its
+    classes counted in tiles; otherwise every file is read."""
     if not cfg.annotations:
         return []
+    from dinov3_core.evaluate.annotation_check import check_annotations
     from dinov3_core.evaluate.labels import annotation_problems
 
     fix = "or move that file out of the annotations folder to evaluate without it"
-    return [Problem("annotations", said, fix) for said in annotation_problems(cfg.annotations)]
+    problems = annotation_problems(cfg.annotations)
+    if not problems and facts.slides is not None and facts.tiling is not None:
+        found = check_annotations(cfg.annotations, facts.slides, facts.tiling)
+        problems = found.problems
+        if facts.log is not None and not problems:
+            facts.log(found.describe())
+    return [Problem("annotations", said, fix) for said in problems]
 
 
 def _chain_values(p: ChainPaths) -> dict[str, Any]:

@@ -1,0 +1,37 @@
+"""A chain's keys as the user types them: stage keys after the stage's name, stage choices under `stages:`, and
+every hint naming the key in the form that works when pasted back into the same command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dinov3_core.config import ConfigError
+from dinov3_core.pipeline.config import load_pipeline_config
+from dinov3_core.pipeline.run import stage_config
+from dinov3_core.retrain import stage_configs as sc
+from dinov3_core.retrain.config import load_retrain_config
+from dinov3_core.retrain.cycles import CycleLayout
+
+PATHS = ["slides=s", "workdir=w"]
+
+
+def test_a_typo_in_a_stage_key_is_hinted_with_the_stage_in_front(tmp_path: Path) -> None:
+    cfg = load_pipeline_config("cpu", [*PATHS, "pretrain.train.stop_a=100"])
+    with pytest.raises(ConfigError, match=r"did you mean 'pretrain\.train\.stop_at'\?"):
+        stage_config(cfg, "pretrain")
+    retrain = load_retrain_config("tiny", ["slides=s", "root=r", "gram.train.stop_a=4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'gram\.train\.stop_a'.*'gram\.train\.stop_at'\?"):
+        sc.validate(retrain, CycleLayout(tmp_path))
+
+
+def test_a_typo_in_the_stage_name_is_hinted_with_the_whole_key() -> None:
+    with pytest.raises(ConfigError, match=r"'pretrian' is not a stage; did you mean 'pretrain\.train\.stop_at'\?"):
+        load_pipeline_config("cpu", [*PATHS, "pretrian.train.stop_at=100"])
+
+
+def test_stage_choices_are_set_by_stage_name_and_land_under_stages() -> None:
+    cfg = load_pipeline_config("cpu", [*PATHS, "tile.config=cohort-jpeg", "pretrain.train.stop_at=9"])
+    assert cfg.stages["tile"].config == "cohort-jpeg" and cfg.stages["pretrain"].overrides[-1] == "train.stop_at=9"
+    assert stage_config(cfg, "pretrain").train.stop_at == 9
