@@ -5,6 +5,7 @@ runner of this process (`dinov3_core.runner.run_stage`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +46,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     for key, dest in PIPELINE_OPTIONS.items():
         if getattr(args, dest) is not None:
             values[key] = getattr(args, dest)
-    cfg = load_pipeline_config(args.config or "cpu", values)
     if args.print_config:
-        from dinov3_core.config_tree import to_yaml
-
-        print(to_yaml(cfg), end="")
+        print(resolved_pipeline_config(args.config or "cpu", values), end="")
         return EXIT_OK
+    cfg = load_pipeline_config(args.config or "cpu", values)
     launch = launch_from(args)
     start = time.perf_counter()
     try:
@@ -58,7 +57,41 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     except TorchrunFailed as err:
         return job_failed("pipeline", err, "resume from the last checkpoint")
     print(final_report(result, cfg.tracking.experiment, time.perf_counter() - start))
-    return EXIT_FAILED if any(o.summary.failures for o in result.outcomes.values()) else EXIT_OK
+    failed = [(name, o.summary) for name, o in result.outcomes.items() if o.summary.failures]
+    for name, summary in failed:  # the last lines say what failed
+        print(f"wsidino pipeline: {name}: {summary.note()}; a rerun retries them", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+PLACEHOLDERS = {"slides": "<slides>", "workdir": "/<workdir>"}  # --print-config without the paths
+
+
+def resolved_pipeline_config(config: str, values: dict[str, Any]) -> str:
+    """The pipeline config as YAML (`--config` of it reproduces the run), then, as comments, every stage's config
+    with every value the run will use. Paths not given print as `???` (required), the stages' under `/<workdir>`."""
+    import yaml
+
+    from dinov3_core.config import ConfigError, named_config_keys
+    from dinov3_core.config_tree import to_dict, to_yaml
+    from dinov3_core.pipeline.config import load_pipeline_config
+    from dinov3_core.pipeline.run import stage_config
+
+    given = set(values) | named_config_keys("pipeline", config)  # a --config file may set the paths
+    missing = {k: v for k, v in PLACEHOLDERS.items() if k not in given}
+    cfg = load_pipeline_config(config, {**missing, **values})
+    text = to_yaml(cfg)
+    for key, placeholder in missing.items():
+        text = text.replace(f"{key}: {placeholder}\n", f"{key}: ???\n")
+    if "workdir" in missing:  # the MLflow store follows the work directory the run will be given
+        text = text.replace(f"uri: sqlite:///{PLACEHOLDERS['workdir']}/mlflow.db\n", "uri: null\n")
+    lines = ["", "# What each stage will run with, resolved (read only: --config reads the keys above):"]
+    for name in cfg.selected():
+        try:
+            resolved: Any = to_dict(stage_config(cfg, name))
+        except ConfigError as err:
+            resolved = f"not resolvable yet: {err}"
+        lines += [f"# {line}" for line in yaml.safe_dump({name: resolved}, sort_keys=False).splitlines()]
+    return text + "\n".join(lines) + "\n"
 
 
 # `wsidino pipeline` options → pipeline config keys (the same fields as the `pipeline` deployment's form).

@@ -35,3 +35,18 @@ def test_stage_choices_are_set_by_stage_name_and_land_under_stages() -> None:
     cfg = load_pipeline_config("cpu", [*PATHS, "tile.config=cohort-jpeg", "pretrain.train.stop_at=9"])
     assert cfg.stages["tile"].config == "cohort-jpeg" and cfg.stages["pretrain"].overrides[-1] == "train.stop_at=9"
     assert stage_config(cfg, "pretrain").train.stop_at == 9
+
+
+def test_print_config_needs_no_paths_and_shows_every_stages_resolved_values(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dinov3_core import cli
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # as on a user's machine
+
+    assert cli.main(["pipeline", "--print-config", "pretrain.train.stop_at=100", "--to", "gram"]) == cli.EXIT_OK
+    printed = capsys.readouterr().out
+    head, _, resolved = printed.partition("# What each stage will run with")
+    assert "slides: ???" in head and "workdir: ???" in head and "uri: null" in head
+    assert "#   train:" in resolved and "#     stop_at: 100" in resolved  # pretrain's, resolved
+    assert "# gram:" in resolved and "# extract:" not in resolved  # the stages the run covers
