@@ -328,8 +328,8 @@ def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_s
 
 def gram_args(pretrain_dir: Path, store: Path, *settings: str) -> list[str]:
     """`python -m dinov3_core.gram` on the tiny config after `pretrain_dir`, on `store`, no MLflow, plus `settings`."""
-    paths = ["--pretrain-dir", str(pretrain_dir), f"data.stores=[{store}]"]
-    return ["-m", "dinov3_core.gram", *paths, "--config", "tiny", "tracking.enabled=false", *settings]
+    options = ["--pretrain-dir", str(pretrain_dir), "--config", "tiny"]  # the overrides follow every option
+    return ["-m", "dinov3_core.gram", *options, "tracking.enabled=false", f"data.stores=[{store}]", *settings]
 
 
 def test_two_processes_gloo(small_tile_store, pretrain_dir, tmp_path) -> None:
