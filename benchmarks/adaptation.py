@@ -72,18 +72,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def tile(slides: list[Path], store: Path) -> None:
+def tile(slides: list[Path], store: Path, mpp: float | list[float] = 0.5) -> None:
+    """Each slide into `store` at 96 px tiles without overlap, at `mpp` (µm/px; a list: one level each)."""
     for slide in slides:
-        values = {
-            "input": str(slide),
-            "output": str(store),
-            "tile_size": 96,
-            "stride": 96,
-            "mpp": 0.5,
-            "progress": False,
-            "tracking.enabled": False,
-        }
-        run_tile(load_config(TileConfig, None, values))
+        values = {"input": str(slide), "output": str(store), "tile_size": 96, "stride": 96, "mpp": mpp}
+        run_tile(load_config(TileConfig, None, {**values, "progress": False, "tracking.enabled": False}))
 
 
 def multi_mpp_store(root: Path, slides: list[Path]) -> Path:
@@ -91,17 +84,7 @@ def multi_mpp_store(root: Path, slides: list[Path]) -> Path:
     four times the area per tile). Evaluation stays at 0.5 µm/px, the store's first level."""
     store = root / "train-multi.zarr"
     if not store.exists():
-        for slide in slides:
-            values = {
-                "input": str(slide),
-                "output": str(store),
-                "tile_size": 96,
-                "stride": 96,
-                "mpp": [0.5, 1.0],
-                "progress": False,
-                "tracking.enabled": False,
-            }
-            run_tile(load_config(TileConfig, None, values))
+        tile(slides, store, mpp=[0.5, 1.0])
     return store
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from train_step import make_store  # the sibling script (its dir is sys.path[0]): 224 px tiles of the test preset
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = "wsidino-gpu"  # the pool deploy/prefect.yaml puts `pretrain` on
@@ -61,28 +62,6 @@ CLEARED = (
     "WSIDINO_MLFLOW_PARENT_RUN_ID",
 )
 THREADS_LINE = re.compile(r" on cpu \((\d+) torch threads?\)")
-
-
-def make_store(work: Path) -> Path:
-    """224 px tiles of the test preset's sample slides (cached in the work directory)."""
-    store = work / "tiles224.zarr"
-    if (store / "manifest.json").exists():
-        return store
-    from dinov3_core.config import load_config
-    from dinov3_core.tiling.config import TileConfig
-    from dinov3_core.tiling.engine import run_tile
-    from wsidino_dev.sample_slides import make_sample_slides
-
-    make_sample_slides(work / "slides", "test", negatives=False)
-    values = {
-        "input": str(work / "slides"),
-        "output": str(store),
-        "tile_size": 224,
-        "progress": False,
-        "tracking.enabled": False,
-    }
-    run_tile(load_config(TileConfig, None, values))
-    return store
 
 
 class Sampler:

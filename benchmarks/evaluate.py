@@ -66,8 +66,10 @@ def log(msg: str) -> None:
 def dab_annotations(store: Path, out: Path) -> dict[str, int]:
     """One GeoJSON per slide labelling every tile: its DAB tercile, as a square around the tile's centre (side =
     the stride, so overlapping tiles still each take exactly their own class by the centre rule)."""
-    from shapely import box, to_geojson, union_all
+    from shapely import box, union_all
     from skimage.color import rgb2hed
+
+    from wsidino_dev.sample_slides.annotations import class_collection
 
     ds = TileDataset(store, image_format="numpy")
     dab = np.concatenate(
@@ -86,20 +88,12 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
         half = min(float(attrs.get("stride_level0") or tile), tile) / 2
         centres = coords + tile / 2
         mine = names[start : start + len(coords)]
-        features = []
+        shapes = {}
         for cls in CLASSES:
             rows = np.flatnonzero(mine == cls)
-            if not len(rows):
-                continue
-            shape = union_all([box(x - half, y - half, x + half, y + half) for x, y in centres[rows]])
-            features.append(
-                {
-                    "type": "Feature",
-                    "geometry": json.loads(to_geojson(shape)),
-                    "properties": {"objectType": "annotation", "classification": {"name": cls}},
-                }
-            )
-        (out / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": features}))
+            if len(rows):
+                shapes[cls] = union_all([box(x - half, y - half, x + half, y + half) for x, y in centres[rows]])
+        (out / f"{slide_id}.geojson").write_text(json.dumps(class_collection(shapes)))
         start += len(coords)
     return {c: int((names == c).sum()) for c in CLASSES}
 

@@ -120,18 +120,19 @@ def naive(store: Path, weights: Path, limit: int) -> dict[str, Any]:
     return {"tiles": done, "seconds": seconds, "tiles_per_s": done / seconds}
 
 
+def extract_config(
+    store: Path, model: Path, out: Path, values: dict[str, Any], stage: str | None = None
+) -> ExtractConfig:
+    """The extract config of `store` → `out` with `model`, quiet (no progress bar, no PCA map, no MLflow), then
+    `values`."""
+    paths = {"store": str(store), "model": str(model), "output": str(out)}
+    quiet = {"progress": False, "pca_map": False, "tracking.enabled": False}
+    return load_config(ExtractConfig, None, {**paths, **quiet, **values}, stage=stage)
+
+
 def extract(store: Path, model: Path, out: Path, values: dict[str, Any], tuned: bool) -> dict[str, Any]:
-    cfg = {
-        "store": str(store),
-        "model": str(model),
-        "output": str(out),
-        "progress": False,
-        "pca_map": False,
-        "tracking.enabled": False,
-        **values,
-    }
     with ort_options(tuned):
-        result = run_extract(load_config(ExtractConfig, None, cfg))
+        result = run_extract(extract_config(store, model, out, values))
     return {"tiles": result.tiles, "seconds": result.seconds, "tiles_per_s": result.tiles_per_s}
 
 

@@ -30,11 +30,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from extract import make_model, make_store  # the sibling script (its dir is sys.path[0])
+from extract import extract_config, make_model, make_store  # the sibling script (its dir is sys.path[0])
 
-from dinov3_core.config import load_config
 from dinov3_core.data.tile_dataset import TileDataset
-from dinov3_core.extract.config import ExtractConfig
 from dinov3_core.extract.extract import read_run_record
 from dinov3_core.inference.feature_model import open_model
 from dinov3_core.launch.training import LaunchSettings
@@ -49,16 +47,7 @@ def one_run(store: Path, model: Path, out: Path, ranks: int | None, values: dict
     """`ranks` None: in process; else a torchrun job of that many ranks."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_suffix(""), ignore_errors=True)
-    values = {
-        "store": str(store),
-        "model": str(model),
-        "output": str(out),
-        "progress": False,
-        "pca_map": False,
-        "tracking.enabled": False,
-        **values,
-    }
-    cfg = load_config(ExtractConfig, None, values, stage="extract")
+    cfg = extract_config(store, model, out, values, stage="extract")
     start = time.perf_counter()
     launch = LaunchSettings(nproc_per_node=ranks) if ranks else None
     run_stage("extract", cfg, launch=launch, force=True)

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 import torch
-from train_step import make_store
+from train_step import make_store, model_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = {"vit_small": "vits16", "vit_base": "vitb16"}
@@ -55,20 +55,13 @@ def released_weights(work: Path, arch: str) -> Path:
 
 
 def base_overrides(store: Path, weights: Path, arch: str, quick: bool, iterations: int) -> dict[str, Any]:
-    prototypes = 4096 if quick else 16384
     return {
         "data.stores": [str(store)],
         "data.num_workers": 0,
         "tracking.enabled": False,
-        "student.arch": arch,
+        **model_overrides(arch, quick, 2 if quick else 4, 4096 if quick else 16384),
         "student.pretrained_weights": str(weights),
         "student.drop_path_rate": 0.1,
-        "crops.global_size": 112 if quick else 224,
-        "crops.local_size": 48 if quick else 96,
-        "crops.n_local_crops": 2 if quick else 4,
-        **{f"heads.{h}.n_prototypes": prototypes for h in ("dino", "ibot")},
-        **{f"heads.{h}.hidden_dim": 2048 for h in ("dino", "ibot")},
-        **{f"heads.{h}.bottleneck_dim": 256 for h in ("dino", "ibot")},
         "train.global_batch_size": 8,
         "train.batch_size_per_gpu": 8,
         "train.num_threads": 1,

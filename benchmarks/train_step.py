@@ -61,19 +61,22 @@ def make_store(work: Path) -> Path:
     return store
 
 
-def model_cases(quick: bool) -> dict[str, dict[str, Any]]:
-    small = {
-        "student.arch": "vit_small",
+def model_overrides(arch: str, quick: bool, n_local_crops: int, prototypes: int) -> dict[str, Any]:
+    """`arch` with `n_local_crops` local crops (224/96 px, 112/48 px `quick`) and 2048-wide heads of `prototypes`
+    prototypes into a 256-wide bottleneck: a ViT-S-sized model and step for the benchmarks that time one."""
+    return {
+        "student.arch": arch,
         "crops.global_size": 112 if quick else 224,
         "crops.local_size": 48 if quick else 96,
-        "crops.n_local_crops": 4 if quick else 8,
-        "heads.dino.n_prototypes": 4096 if quick else 65536,
-        "heads.ibot.n_prototypes": 4096 if quick else 65536,
-        "heads.dino.hidden_dim": 2048,
-        "heads.ibot.hidden_dim": 2048,
-        "heads.dino.bottleneck_dim": 256,
-        "heads.ibot.bottleneck_dim": 256,
+        "crops.n_local_crops": n_local_crops,
+        **{f"heads.{h}.n_prototypes": prototypes for h in ("dino", "ibot")},
+        **{f"heads.{h}.hidden_dim": 2048 for h in ("dino", "ibot")},
+        **{f"heads.{h}.bottleneck_dim": 256 for h in ("dino", "ibot")},
     }
+
+
+def model_cases(quick: bool) -> dict[str, dict[str, Any]]:
+    small = model_overrides("vit_small", quick, 4 if quick else 8, 4096 if quick else 65536)
     return {
         "tiny": {"overrides": {}, "global_batch": 16, "iterations": 12 if quick else 40},
         "vit_small": {"overrides": small, "global_batch": 4, "iterations": 4 if quick else 6},

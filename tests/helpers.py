@@ -84,6 +84,64 @@ def pretrain_config(store: Path, out: Path, **overrides: Any) -> PretrainConfig:
     return load_config(PretrainConfig, "tiny", pretrain_values(store, out, **overrides), stage="pretrain")
 
 
+# Activations that dwarf allocator noise: 224/96 px crops through a 192-wide, 4-block backbone (~30 MiB an image,
+# still ~1 s a step of 8 images on one core); no probe or evaluation between steps, so memory is the step's alone.
+WIDE: dict[str, Any] = {
+    "crops.global_size": 224,
+    "crops.local_size": 96,
+    "crops.n_local_crops": 4,
+    "student.backbone_overrides": {"embed_dim": 192, "num_heads": 3, "depth": 4},
+    "health.probe_tiles": 0,
+    "evaluation.eval_period_iterations": 0,
+}
+
+# `python -m dinov3_core.train` on the tiny recipe: what a training process runs, before its `key=<json>` overrides.
+TRAIN_MODULE = ("-m", "dinov3_core.train", "--config", "tiny")
+
+
+def train_argv(store: Path, out: Path, **overrides: Any) -> list[str]:
+    """`pretrain_values(store, out, **overrides)` as the command line's `key=<json>` overrides."""
+    return [f"{k}={json.dumps(v)}" for k, v in pretrain_values(store, out, **overrides).items()]
+
+
+def train_process(
+    store: Path, out: Path, *, env: dict[str, str], timeout: float = 300, **overrides: Any
+) -> subprocess.CompletedProcess[str]:
+    """One `python -m dinov3_core.train --config tiny` process (its own memory and CUDA context) on
+    `pretrain_values(store, out, **overrides)`, with `env` on top of this process's; the test fails with the end of
+    both streams (the error's last lines first: a report that keeps only the message's start still shows the cause)
+    if it exits non-zero."""
+    cmd = [sys.executable, *TRAIN_MODULE, *train_argv(store, out, **overrides)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+        pytest.fail(f"exit {proc.returncode}; stderr ends:\n{tail}\n--- stdout\n{proc.stdout[-3000:]}")
+    return proc
+
+
+def replanned_and_reference(
+    store: Path, out: Path, reference: Path, stop_at: int, squeezed: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The same `stop_at` iterations (global KoLeo, one checkpoint at the end) trained twice: into `reference` in
+    this process with the memory watch off, and into `out` by 2 torchrun processes under `squeezed` (a memory budget
+    that every window exceeds). Returns `out`'s metrics rows and both last checkpoints' models (`out`'s first)."""
+    from dinov3_core.train.metrics import read_metrics
+    from dinov3_core.train.pretrain import run_pretrain
+
+    common = {
+        "losses.koleo_scope": "global",
+        "train.stop_at": stop_at,
+        "checkpointing.period": stop_at,
+        "evaluation.eval_period_iterations": 0,
+        "health.probe_tiles": 0,
+    }
+    run_pretrain(pretrain_config(store, reference, **common, **{"train.memory_watch": False}))
+    torchrun(*TRAIN_MODULE, *train_argv(store, out, **common, **squeezed), timeout=300)
+    last = str(stop_at - 1)
+    got, ref = load_dcp(out / "ckpt" / last)["model"], load_dcp(reference / "ckpt" / last)["model"]
+    return read_metrics(out / "training_metrics.json"), got, ref
+
+
 @contextmanager
 def torch_threads(n: int | None = None) -> Iterator[None]:
     """Restores torch's intra-op thread count on exit (training sets its own); sets it to `n` inside if given."""
@@ -157,6 +215,23 @@ def read_json(path: Path) -> dict[str, Any]:
 def sqlite_uri(directory: Path) -> str:
     """An MLflow tracking URI: a SQLite database `mlflow.db` in `directory`."""
     return f"sqlite:///{directory / 'mlflow.db'}"
+
+
+def export_registered(weights: Path, name: str, tracking_uri: str, size: int = 32) -> tuple[Path, str]:
+    """`weights` exported to `model.onnx` beside them by the real export stage (parity checked at `size` px, batch 2)
+    and registered as a new version of `name`, as the pipeline's export stage does: the ONNX file and the version."""
+    from dinov3_core.config import load_config
+    from dinov3_core.export.config import ExportConfig
+    from dinov3_core.runner import run_stage
+
+    onnx = weights.parent / "model.onnx"
+    values = {"weights": str(weights), "output": str(onnx), "register_name": name, "tracking.uri": tracking_uri}
+    outcome = run_stage(
+        "export", load_config(ExportConfig, None, {**values, "parity_sizes": [size], "parity_batches": [2]})
+    )
+    version = outcome.manifest.summary["model_version"]
+    assert version, outcome.manifest.summary
+    return onnx, str(version)
 
 
 def eval_backbone(root: Path, arch: str, *, colour_blind: bool = False) -> Path:

@@ -3,6 +3,7 @@
 deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")     # registered from this checkout
 run_id = trigger("pipeline/pipeline-test", params)             # what the UI's Run does
 run = wait_final(run_id, timeout=600)
+retry(run_id)                                                  # what the UI's Retry does
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def trigger(deployment: str, parameters: dict[str, Any], env: dict[str, str] | N
         deployment, parameters={"params": parameters}, job_variables={"env": env or {}}, timeout=0, as_subflow=False
     )
     return run.id
+
+
+def retry(flow_run_id: UUID) -> None:
+    """The UI's Retry: the same flow run is scheduled again (a worker picks it up)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Scheduled(), force=True)
 
 
 def flow_logs(flow_run_id: UUID) -> str:

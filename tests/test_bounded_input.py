@@ -64,8 +64,7 @@ def test_alias_bomb_in_a_pipeline_config_stops_at_once(tmp_path: Path, under: st
 def test_alias_bomb_as_a_stage_config_and_as_an_override(tmp_path: Path) -> None:
     config = tmp_path / "tile.yaml"
     config.write_text("input: slides\noutput: out\nmpp_by_slide:\n" + alias_bomb(indent="  "))
-    with pytest.raises(ConfigError, match=rf"config file {config} line 5: YAML aliases \(\*l0\)"):
-        load_config(TileConfig, config, {}, stage="tile")
+    tile_config_refused(config, rf"config file {config} line 5: YAML aliases \(\*l0\)")
     bomb = "[" + ",".join(["&a [x,x,x,x,x,x,x,x,x]"] + ["*a"] * 8) + "]"
     with pytest.raises(ConfigError, match=r"override mpp_by_slide=…: YAML aliases \(\*name\) are not allowed"):
         parse_overrides([f"mpp_by_slide={bomb}"])
@@ -82,25 +81,27 @@ def test_python_tags_are_refused_in_one_line_and_never_run(tmp_path: Path) -> No
     # any tag YAML's safe schema does not know, in a stage config
     other = tmp_path / "tagged.yaml"
     other.write_text("input: s\noutput: !custom o\n")
-    with pytest.raises(ConfigError, match=rf"{other} line 2: could not determine a constructor for the tag '!custom'"):
-        load_config(TileConfig, other, {}, stage="tile")
+    tile_config_refused(other, rf"{other} line 2: could not determine a constructor for the tag '!custom'")
+
+
+def tile_config_refused(path: Path, match: str) -> None:
+    """Loading `path` as a tile config fails with a `ConfigError` that matches `match`."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(TileConfig, path, {}, stage="tile")
 
 
 def test_oversized_non_utf8_and_broken_yaml_name_the_file(tmp_path: Path) -> None:
     big = tmp_path / "big.yaml"
     big.write_text("input: s\noutput: o\n" + "# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=rf"config file {big} is larger than 1 MB"):
-        load_config(TileConfig, big, {}, stage="tile")
+    tile_config_refused(big, rf"config file {big} is larger than 1 MB")
     assert time.perf_counter() - start < 1  # refused before parsing
     latin = tmp_path / "latin.yaml"
     latin.write_bytes("input: caf\xe9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=rf"config file {latin} is not UTF-8 text"):
-        load_config(TileConfig, latin, {}, stage="tile")
+    tile_config_refused(latin, rf"config file {latin} is not UTF-8 text")
     broken = tmp_path / "broken.yaml"
     broken.write_text("input: s\noutput: [o\nworkers: 2\n")
-    with pytest.raises(ConfigError, match=rf"config file {broken} line 3, column 8 is not valid YAML"):
-        load_config(TileConfig, broken, {}, stage="tile")
+    tile_config_refused(broken, rf"config file {broken} line 3, column 8 is not valid YAML")
 
 
 def test_plain_configs_still_load(tmp_path: Path) -> None:

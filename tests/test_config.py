@@ -41,23 +41,14 @@ def test_named_configs_resolve_and_all_load() -> None:
         (["stride=x"], r"'stride'.*is not int or null"),
         (["compressor=lzma"], r"'compressor'.*expected one of \['zstd', 'jpeg', 'none'\]"),
         (["tile_size"], r"not of the form key=value"),
-    ],
-)
-def test_bad_overrides_name_the_key(overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        load_config(TileConfig, None, ["input=s", "output=o", *overrides])
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
+        # the sections' own checks run at load and name the key
         (["workers=0"], r"^workers: must be >= 1, got 0$"),
         (["tile_size=8"], r"^tile_size: must be >= 16, got 8$"),
         (["tissue.min_tissue_fraction=1.5"], r"^tissue\.min_tissue_fraction: must be in \[0, 1\], got 1\.5$"),
         (["mpp_by_slide={a.svs: -1}"], r"^mpp_by_slide: values must be positive"),
     ],
 )
-def test_section_checks_run_at_load_and_name_the_key(overrides: list[str], message: str) -> None:
+def test_bad_overrides_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TileConfig, None, ["input=s", "output=o", *overrides])
 

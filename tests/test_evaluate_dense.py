@@ -20,7 +20,7 @@ import shapely
 from dinov3_core.config import load_config
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
-from tests.helpers import eval_backbone, tile_store
+from tests.helpers import eval_backbone, export_registered, tile_store
 
 ARCH = "vit_test"
 NAME = "wsidino-backbone-dense"
@@ -30,21 +30,6 @@ def backbone(root: Path, colour_blind: bool) -> Path:
     return eval_backbone(root, ARCH, colour_blind=colour_blind)
 
 
-def export(weights: Path, uri: str) -> tuple[Path, str]:
-    from dinov3_core.export.config import ExportConfig
-
-    values = {
-        "weights": str(weights),
-        "output": str(weights.parent / "model.onnx"),
-        "register_name": NAME,
-        "parity_sizes": [64],
-        "parity_batches": [2],
-        "tracking.uri": uri,
-    }
-    outcome = run_stage("export", load_config(ExportConfig, None, values))
-    return weights.parent / "model.onnx", str(outcome.manifest.summary["model_version"])
-
-
 @pytest.fixture(scope="module")
 def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from mlflow import MlflowClient
@@ -52,8 +37,8 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
     root = tmp_path_factory.mktemp("dense")
     store = tile_store(sample_slides.slides, root / "tiles.zarr", tile_size=64, mpp=1.0)
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    colour, _ = export(backbone(root / "colour", False), uri)
-    blind, blind_version = export(backbone(root / "blind", True), uri)
+    colour, _ = export_registered(backbone(root / "colour", False), NAME, uri, size=64)
+    blind, blind_version = export_registered(backbone(root / "blind", True), NAME, uri, size=64)
     MlflowClient(uri).set_registered_model_alias(NAME, "champion", blind_version)
     annotations = next(iter(sample_slides.annotations.values())).parent
     return {"root": root, "store": store, "uri": uri, "colour": colour, "blind": blind, "annotations": annotations}

@@ -23,7 +23,7 @@ import yaml
 from dinov3_core.config import load_config
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
-from tests.helpers import tile_store, torch_threads
+from tests.helpers import export_registered, tile_store, torch_threads
 
 ARCH = "vit_test"
 NAME = "wsidino-backbone-evidence"
@@ -82,22 +82,6 @@ def noise_backbone(like: Path, root: Path) -> Path:
     return save(model, root)
 
 
-def export(weights: Path, uri: str) -> Path:
-    """ONNX, registered as a new version of NAME (the way the pipeline's export stage does it)."""
-    from dinov3_core.export.config import ExportConfig
-
-    values = {
-        "weights": str(weights),
-        "output": str(weights.parent / "model.onnx"),
-        "register_name": NAME,
-        "parity_sizes": [32],
-        "parity_batches": [2],
-        "tracking.uri": uri,
-    }
-    assert run_stage("export", load_config(ExportConfig, None, values)).manifest.summary["model_version"]
-    return weights.parent / "model.onnx"
-
-
 def evaluate(cohort: dict[str, Any], candidate: str, output: str, annotations: Path | None = None, **values: Any):
     from dinov3_core.evaluate.config import EvaluateConfig
 
@@ -151,8 +135,8 @@ def cohort(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict
         "store": store,
         "uri": uri,
         "annotations": annotations,
-        "trained": export(trained, uri),
-        "noise": export(noise_backbone(trained, root / "noise"), uri),
+        "trained": export_registered(trained, NAME, uri)[0],
+        "noise": export_registered(noise_backbone(trained, root / "noise"), NAME, uri)[0],
     }
     # The trained model becomes the registry's first champion through the gate, against the untrained init. Three
     # slides reach p = 1/8 at best: alpha 0.125 is the least that lets them promote (the default 0.025 needs 6).

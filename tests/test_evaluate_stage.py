@@ -22,7 +22,7 @@ import torch
 from dinov3_core.config import load_config
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.runner import run_stage
-from tests.helpers import by_name, eval_backbone, tile_store
+from tests.helpers import by_name, eval_backbone, export_registered, tile_store
 
 ARCH = "vit_test"
 NAME = "wsidino-backbone-evaltest"
@@ -32,28 +32,13 @@ def backbone(root: Path, colour_blind: bool) -> Path:
     return eval_backbone(root, ARCH, colour_blind=colour_blind)
 
 
-def export(weights: Path, tracking_uri: str) -> Path:
-    from dinov3_core.export.config import ExportConfig
-
-    values = {
-        "weights": str(weights),
-        "output": str(weights.parent / "model.onnx"),
-        "register_name": NAME,
-        "parity_sizes": [32],
-        "parity_batches": [2],
-        "tracking.uri": tracking_uri,
-    }
-    outcome = run_stage("export", load_config(ExportConfig, None, values))
-    assert outcome.manifest.summary["model_version"]
-    return weights.parent / "model.onnx"
-
-
 def dab_annotations(store: Path, out: Path) -> dict[str, int]:
     """One GeoJSON per slide: tiles classed by their mean DAB optical density (terciles over the store)."""
-    from shapely import box, to_geojson, union_all
+    from shapely import box, union_all
     from skimage.color import rgb2hed
 
     from dinov3_core.data.tile_dataset import TileDataset
+    from wsidino_dev.sample_slides.annotations import class_collection
 
     ds = TileDataset(store, image_format="numpy")
     dab = np.array([rgb2hed(t)[..., 2].mean() for t in ds.read_batch(np.arange(len(ds)))])
@@ -65,19 +50,12 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
     for s, slide_id in enumerate(ds.slide_ids):
         coords = ds.slide_coords(s)
         size = float(ds.slide_attrs(s)["tile_size_level0"])
-        features = []
+        shapes = {}
         for cls in ("Tumor (DAB+)", "Tumor (DAB-)"):  # the middle tercile stays unlabelled, as in real annotation
             rows = np.flatnonzero(names[start : start + len(coords)] == cls)
             counts[cls] = counts.get(cls, 0) + len(rows)
-            shape = union_all([box(x, y, x + size, y + size) for x, y in coords[rows]])
-            features.append(
-                {
-                    "type": "Feature",
-                    "geometry": json.loads(to_geojson(shape)),
-                    "properties": {"objectType": "annotation", "classification": {"name": cls}},
-                }
-            )
-        (out / f"{slide_id}.geojson").write_text(json.dumps({"type": "FeatureCollection", "features": features}))
+            shapes[cls] = union_all([box(x, y, x + size, y + size) for x, y in coords[rows]])
+        (out / f"{slide_id}.geojson").write_text(json.dumps(class_collection(shapes)))
         start += len(coords)
     return counts
 
@@ -93,8 +71,8 @@ def setup(sample_slides: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
         "store": store,
         "uri": uri,
         "counts": dab_annotations(store, root / "annotations"),
-        "better": export(backbone(root / "better", colour_blind=False), uri),
-        "worse": export(backbone(root / "worse", colour_blind=True), uri),
+        "better": export_registered(backbone(root / "better", colour_blind=False), NAME, uri)[0],
+        "worse": export_registered(backbone(root / "worse", colour_blind=True), NAME, uri)[0],
     }
 
 

@@ -169,49 +169,20 @@ def test_the_cli_takes_nproc_per_node_and_bad_input_fails_before_any_rank(stage_
     help_text = subprocess.run([*wsidino, "extract", "--help"], capture_output=True, text=True, cwd=REPO).stdout
     assert "--nproc-per-node" in help_text and "extraction processes per node" in help_text
     missing = tmp_path / "no-model.pth"
-    done = subprocess.run(
-        [
-            *wsidino,
-            "extract",
-            "--store",
-            str(stage_extract_store),
-            "--model",
-            str(missing),
-            "--output",
-            str(tmp_path / "f.zarr"),
-            "--nproc-per-node",
-            "2",
-            "tracking.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+
+    def extract(output: Path) -> subprocess.CompletedProcess[str]:
+        """`wsidino extract` on 2 processes with a model that does not exist, into `output`."""
+        args = ["--store", str(stage_extract_store), "--model", str(missing), "--output", str(output)]
+        cmd = [*wsidino, "extract", *args, "--nproc-per-node", "2", "tracking.enabled=false"]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+    done = extract(tmp_path / "f.zarr")
     assert done.returncode == 2, done.stderr
     assert str(missing) in done.stderr and "Traceback" not in done.stderr
     taken = tmp_path / "notes"  # an output that is not a feature store: refused before a manifest or a rank
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
-    done = subprocess.run(
-        [
-            *wsidino,
-            "extract",
-            "--store",
-            str(stage_extract_store),
-            "--model",
-            str(missing),
-            "--output",
-            str(taken),
-            "--nproc-per-node",
-            "2",
-            "tracking.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    done = extract(taken)
     assert done.returncode == 2 and "is not a feature store" in done.stderr, done.stderr
     assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"] and not taken.with_suffix(".pictures").exists()
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import DIST_SCRIPTS, REPO, eval_backbone, load_dcp, pretrain_values
+from tests.helpers import DIST_SCRIPTS, REPO, WIDE, eval_backbone, load_dcp, pretrain_values, train_process
 from wsidino_dev.ports import free_port
 
 pytestmark = pytest.mark.gpu
@@ -88,6 +88,15 @@ def step_inputs(cfg, device: torch.device, batch: int = 4):
     return crops, IBOTMasks.from_masks(masks, c.n_global_crops).to(device)
 
 
+def one_process_step(tmp_path: Path, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """What `run_step` takes: the tiny recipe's seeded SSL model, a one-process `DistEnv` and random step inputs."""
+    from dinov3_core.train.distributed import DistEnv
+
+    cfg = tiny_cfg(tmp_path)
+    crops, masks = step_inputs(cfg, device)
+    return ssl_model(cfg, device), DistEnv(device=device), crops, masks
+
+
 def loss_keys() -> tuple[str, ...]:
     from dinov3_core.train.ssl_model import LOSS_NAMES, SIGNAL_NAMES
 
@@ -143,12 +152,7 @@ def world_of_one(device: torch.device):
 
 @pytest.mark.timeout(120)
 def test_bf16_training_step_is_close_to_fp32(device, tmp_path) -> None:
-    from dinov3_core.train.distributed import DistEnv
-
-    cfg = tiny_cfg(tmp_path)
-    model = ssl_model(cfg, device)
-    crops, masks = step_inputs(cfg, device)
-    env = DistEnv(device=device)
+    model, env, crops, masks = one_process_step(tmp_path, device)
     ref_losses, ref_grads = run_step(model, env, crops, masks, bf16=False)
     losses, grads = run_step(model, env, crops, masks, bf16=True)
     for key in ("dino_global_loss", "dino_local_loss", "ibot_loss", "koleo_loss", "total_loss"):
@@ -343,31 +347,16 @@ def test_adamw_step_matches_the_single_tensor_reference(device, tmp_path, impl) 
 
 
 def train(store: Path, out: Path, device: torch.device, **extra: Any) -> None:
-    values = pretrain_values(
-        store,
-        out,
-        **{
-            "train.device": device.type,
-            "train.batch_size_per_gpu": 8,
-            "checkpointing.period": 2,
-            "checkpointing.max_to_keep": 10,
-            "evaluation.eval_period_iterations": 1000,
-            **extra,
-        },
-    )
-    argv = [f"{k}={json.dumps(v)}" for k, v in values.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    # The error's last lines first: a report that keeps only the message's start still shows the cause.
-    tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr ends:\n{tail}\n--- stdout\n{proc.stdout[-3000:]}"
+    overrides = {
+        "train.device": device.type,
+        "train.batch_size_per_gpu": 8,
+        "checkpointing.period": 2,
+        "checkpointing.max_to_keep": 10,
+        "evaluation.eval_period_iterations": 1000,
+        **extra,
+    }
+    env = {"OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    train_process(store, out, env=env, timeout=240, **overrides)
 
 
 @pytest.mark.timeout(600)
@@ -402,35 +391,22 @@ def test_a_real_cuda_out_of_memory_is_retried_at_a_smaller_micro_batch(device, s
     raises out of memory; the run re-plans down and finishes."""
     cuda_only(device, "needs the CUDA caching allocator to run out")
     out = tmp_path / "capped"
-    values = pretrain_values(
+    # The hooks cap the allocator in the training process; one with its default thread count, like a GPU job.
+    env = {"WSIDINO_HOOKS": "tests.gpu_hooks", "WSIDINO_TEST_CUDA_HEADROOM_MB": "512"}
+    train_process(
         small_tile_store,
         out,
+        env=env,
+        timeout=240,
         **{
             "train.device": "cuda",
             "train.global_batch_size": 64,
             "train.batch_size_per_gpu": 64,
             "train.stop_at": 2,
-            "crops.global_size": 224,
-            "crops.local_size": 96,
-            "crops.n_local_crops": 4,
-            "student.backbone_overrides": {"embed_dim": 192, "num_heads": 3, "depth": 4},
-            "health.probe_tiles": 0,
-            "evaluation.eval_period_iterations": 0,
+            **WIDE,
             "checkpointing.period": 100,
         },
     )
-    argv = [f"{k}={json.dumps(v)}" for k, v in values.items()]
-    env = {**os.environ, "WSIDINO_HOOKS": "tests.gpu_hooks", "WSIDINO_TEST_CUDA_HEADROOM_MB": "512"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr ends:\n{tail}"
     rows = [json.loads(line) for line in (out / "training_metrics.json").read_text().splitlines()]
     replans = [r for r in rows if r.get("event") == "memory_replan"]
     assert replans and all("out of device memory in iteration 0" in r["why"] for r in replans), replans
@@ -538,13 +514,9 @@ def test_memory_watch_sees_gpu_allocations_and_pressure(device) -> None:
 
 @pytest.mark.timeout(400)
 def test_compiled_training_step_matches_eager(device, tmp_path) -> None:
-    from dinov3_core.train.distributed import DistEnv
     from dinov3_core.train.step import forward_backward
 
-    cfg = tiny_cfg(tmp_path)
-    model = ssl_model(cfg, device)
-    crops, masks = step_inputs(cfg, device)
-    env = DistEnv(device=device)
+    model, env, crops, masks = one_process_step(tmp_path, device)
     ref_losses, ref_grads = run_step(model, env, crops, masks)
     # Graph capture first (Dynamo + AOT autograd, eager kernels), then Inductor's kernels. forward_backward's own frame
     # runs eagerly (Tensor.backward() in its micro-batch loop is a graph break Dynamo cannot resume in a loop); what is

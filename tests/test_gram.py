@@ -326,21 +326,17 @@ def test_stage_gram_loss_equals_gram_loss(small_tile_store, img_level, teacher_s
     assert total.item() == pytest.approx(plain_total.item() + 0.7 * expected.item(), rel=1e-6)
 
 
+def gram_args(pretrain_dir: Path, store: Path, *settings: str) -> list[str]:
+    """`python -m dinov3_core.gram` on the tiny config after `pretrain_dir`, on `store`, no MLflow, plus `settings`."""
+    options = ["--pretrain-dir", str(pretrain_dir), "--config", "tiny"]  # the overrides follow every option
+    return ["-m", "dinov3_core.gram", *options, "tracking.enabled=false", f"data.stores=[{store}]", *settings]
+
+
 def test_two_processes_gloo(small_tile_store, pretrain_dir, tmp_path) -> None:
     out = tmp_path / "run"
-    args = [
-        "-m",
-        "dinov3_core.gram",
-        "--pretrain-dir",
-        str(pretrain_dir),
-        "--config",
-        "tiny",
-        "tracking.enabled=false",
-        f"data.stores=[{small_tile_store}]",
-        f"output_dir={out}",
-        "train.stop_at=5",
-        "train.batch_size_per_gpu=4",
-    ]
+    args = gram_args(
+        pretrain_dir, small_tile_store, f"output_dir={out}", "train.stop_at=5", "train.batch_size_per_gpu=4"
+    )
     proc = torchrun(*args, timeout=180)
     assert "gram: iterations 0…4 of 10" in proc.stdout
     assert (out / "ckpt" / "4" / ".metadata").is_file()
@@ -354,19 +350,10 @@ def test_two_pipeline_stages_equal_one_process(small_tile_store, pretrain_dir, t
     loss included, and the same parameters after 5 iterations."""
     from tests.helpers import load_dcp, max_diff
 
-    common = [
-        "--pretrain-dir",
-        str(pretrain_dir),
-        "--config",
-        "tiny",
-        "tracking.enabled=false",
-        f"data.stores=[{small_tile_store}]",
-        "train.stop_at=5",
-        "checkpointing.period=5",
-    ]
+    common = gram_args(pretrain_dir, small_tile_store, "train.stop_at=5", "checkpointing.period=5")
     one, two = tmp_path / "one", tmp_path / "two"
-    torchrun("-m", "dinov3_core.gram", *common, f"output_dir={one}", timeout=180, nproc=1)
-    torchrun("-m", "dinov3_core.gram", *common, f"output_dir={two}", "parallelism.pp_degree=2", timeout=180)
+    torchrun(*common, f"output_dir={one}", timeout=180, nproc=1)
+    torchrun(*common, f"output_dir={two}", "parallelism.pp_degree=2", timeout=180)
     assert "pipeline stage 2/2" in (two / "logs" / "log.txt.rank1").read_text()
     ref, got = read_metrics(one / "training_metrics.json"), read_metrics(two / "training_metrics.json")
     assert [r["iteration"] for r in got] == list(range(5))

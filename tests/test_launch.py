@@ -204,25 +204,24 @@ def test_exception_on_rank1_is_the_root_cause() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_exit_code_2_shows_the_ranks_stderr(tmp_path: Path) -> None:
-    marker = uuid.uuid4().hex
+@pytest.mark.parametrize(
+    ("job", "exit_code", "shown", "cause"),
+    [
+        # Rank 1's stderr never reaches the console (--local-ranks-filter=0): it comes from its log file.
+        ("exit2", 2, "error: bad input X", "exited with code 2"),
+        # torchrun itself often names rank 0's "Connection reset by peer" first (stamped before the kill is seen).
+        ("sigkill", -signal.SIGKILL, "SIGKILL", "rank 1 (local rank 1) was killed by signal SIGKILL (out of memory?"),
+    ],
+)
+def test_a_failed_rank_is_named_with_its_cause(
+    job: str, exit_code: int, shown: str, cause: str, tmp_path: Path
+) -> None:
+    """The rank that failed, its exit code (a signal's negative), what the error shows and its root cause."""
     with pytest.raises(TorchrunFailed) as info:
-        run_torchrun(_job("exit2", marker, log_dir=tmp_path), log=lambda line: None)
+        run_torchrun(_job(job, uuid.uuid4().hex, log_dir=tmp_path), log=lambda line: None)
     err = info.value
-    assert err.rank == 1 and err.rank_exit_code == 2
-    # Rank 1's stderr never reaches the console (--local-ranks-filter=0): it comes from its log file.
-    assert "error: bad input X" in str(err) and "exited with code 2" in err.root_cause
-
-
-@pytest.mark.timeout(120)
-def test_rank_killed_by_sigkill_is_named(tmp_path: Path) -> None:
-    marker = uuid.uuid4().hex
-    with pytest.raises(TorchrunFailed) as info:
-        run_torchrun(_job("sigkill", marker, log_dir=tmp_path), log=lambda line: None)
-    err = info.value
-    # torchrun itself often names rank 0's "Connection reset by peer" first (stamped before the kill is seen).
-    assert err.rank == 1 and err.rank_exit_code == -signal.SIGKILL
-    assert "rank 1 (local rank 1) was killed by signal SIGKILL (out of memory?" in err.root_cause
+    assert err.rank == 1 and err.rank_exit_code == exit_code
+    assert shown in str(err) and cause in err.root_cause, str(err)
 
 
 @pytest.mark.timeout(120)

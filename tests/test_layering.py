@@ -51,22 +51,19 @@ def test_the_checker_sees_a_lazy_import(tmp_path: Path) -> None:
     assert imported_packages(module) == [(2, "prefect"), (3, "tasks")]
 
 
-def test_the_stage_list_and_the_cli_stay_light() -> None:
-    """Every command imports the stage list (the CLI builds its parser from it): no torch, zarr, OpenSlide, MLflow."""
-    code = (
-        "import sys, dinov3_core.cli, dinov3_core.stages, dinov3_core.chain\n"
-        "sys.exit(sorted(m for m in ('torch', 'zarr', 'openslide', 'mlflow', 'prefect') if m in sys.modules) or 0)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-
-
-def test_launcher_imports_neither_torch_nor_prefect() -> None:
-    """The torchrun launcher runs in thin CLI and Prefect-worker processes: it must not pay for torch or Prefect."""
-    code = (
-        "import sys, dinov3_core.launch, dinov3_core.launch.training, dinov3_core.events\n"
-        "sys.exit(sorted(m for m in ('torch', 'prefect') if m in sys.modules) or 0)"
-    )
+@pytest.mark.parametrize(
+    ("modules", "heavy"),
+    [
+        # Every command imports the stage list (the CLI builds its parser from it): no torch, zarr, OpenSlide, MLflow.
+        ("dinov3_core.cli, dinov3_core.stages, dinov3_core.chain", ("torch", "zarr", "openslide", "mlflow", "prefect")),
+        # The torchrun launcher runs in thin CLI and Prefect-worker processes: it must not pay for torch or Prefect.
+        ("dinov3_core.launch, dinov3_core.launch.training, dinov3_core.events", ("torch", "prefect")),
+    ],
+    ids=["stage_list_and_cli", "launcher"],
+)
+def test_light_modules_stay_light(modules: str, heavy: tuple[str, ...]) -> None:
+    """Importing `modules` in a fresh interpreter loads none of the `heavy` packages."""
+    code = f"import sys, {modules}\nsys.exit(sorted(m for m in {heavy!r} if m in sys.modules) or 0)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,21 +24,15 @@ from dinov3_core.train.batch_plan import RunPlan, next_plan
 from dinov3_core.train.memory_watch import MemorySampler, MemoryWindow, PressureJudge, PressureLimits, pressure_limits
 from dinov3_core.train.metrics import read_metrics
 from dinov3_core.train.pretrain import run_pretrain
-from tests.helpers import REPO, load_dcp, max_diff, pretrain_config, pretrain_values, torchrun
+from tests.helpers import WIDE, load_dcp, max_diff, pretrain_config, replanned_and_reference, train_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MIB = 2**20
 
-# Activations that dwarf allocator noise: 224/96 px crops through a 192-wide, 4-block backbone (~30 MiB an image),
-# still ~1 s a step of 8 images on one core.
-WIDE: dict[str, Any] = {
-    "crops.global_size": 224,
-    "crops.local_size": 96,
-    "crops.n_local_crops": 4,
-    "student.backbone_overrides": {"embed_dim": 192, "num_heads": 3, "depth": 4},
-    "health.probe_tiles": 0,
-    "evaluation.eval_period_iterations": 0,
+# The wide step, checkpoints every 2 iterations, and a watch that judges every window.
+WIDE_WATCHED: dict[str, Any] = {
+    **WIDE,
     "checkpointing.period": 2,
     "checkpointing.max_to_keep": 5,
     "train.memory_watch_period": 1,
@@ -49,14 +40,9 @@ WIDE: dict[str, Any] = {
 }
 
 
-def train_process(store: Path, out: Path, **extra: Any) -> list[dict[str, Any]]:
+def train_metrics(store: Path, out: Path, **extra: Any) -> list[dict[str, Any]]:
     """One `python -m dinov3_core.train` process (its own memory); its metrics lines."""
-    values = pretrain_values(store, out, **{**WIDE, **extra})
-    argv = [f"{k}={json.dumps(v)}" for k, v in values.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dinov3_core.train", "--config", "tiny", *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_process(store, out, env={"OMP_NUM_THREADS": "1"}, **{**WIDE_WATCHED, **extra})
     return read_metrics(out / "training_metrics.json")
 
 
@@ -170,8 +156,8 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
     small_tile_store, tmp_path
 ) -> None:
     store = small_tile_store
-    big = train_process(store, tmp_path / "micro8", **{"train.batch_size_per_gpu": 8, "train.stop_at": 6})
-    small = train_process(store, tmp_path / "micro1", **{"train.batch_size_per_gpu": 1, "train.stop_at": 2})
+    big = train_metrics(store, tmp_path / "micro8", **{"train.batch_size_per_gpu": 8, "train.stop_at": 6})
+    small = train_metrics(store, tmp_path / "micro1", **{"train.batch_size_per_gpu": 1, "train.stop_at": 2})
     assert not any("event" in r for r in big + small)  # no budget set: the machine is the limit
     gap = peak_mb(big) - peak_mb(small)
     assert gap > 120, f"micro-batch 8 vs 1 peak at {peak_mb(big):.0f} vs {peak_mb(small):.0f} MiB"
@@ -179,7 +165,7 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
 
     out = tmp_path / "watched"
     extra = {"train.batch_size_per_gpu": 8, "train.stop_at": 6, "train.memory_budget_gb": budget_gb}
-    rows = train_process(store, out, **extra)
+    rows = train_metrics(store, out, **extra)
     events = [r for r in rows if r.get("event") == "memory_replan"]
     steps = [r for r in rows if "event" not in r]
     assert events, f"no re-plan under {budget_gb * 1024:.0f} MiB: {[round(r['memory_process_mb']) for r in steps]}"
@@ -203,7 +189,7 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
     assert meta["run_plan"]["micro_batch"] == final_micro and meta["memory_replans"] == len(events)
 
     # A resumed run starts with the re-planned settings (and keeps counting re-plans).
-    result = run_pretrain(pretrain_config(store, out, **{**WIDE, **extra, "train.stop_at": 7}))
+    result = run_pretrain(pretrain_config(store, out, **{**WIDE_WATCHED, **extra, "train.stop_at": 7}))
     assert result.start_iteration == 6 and result.micro_batch <= final_micro
     assert result.memory_replans >= len(events)
 
@@ -211,15 +197,6 @@ def test_a_run_over_its_budget_replans_to_the_same_parameters_and_resumes_with_t
 def test_every_rank_replans_alike_under_fsdp2(small_tile_store, tmp_path) -> None:
     """2 gloo processes, FSDP2, every window over the budget: both re-plan after iterations 0 and 1 (4 → 2 → 1 per
     rank) and end with the parameters of one process that never re-planned."""
-    common = {
-        "losses.koleo_scope": "global",
-        "train.stop_at": 3,
-        "checkpointing.period": 3,
-        "evaluation.eval_period_iterations": 0,
-        "health.probe_tiles": 0,
-    }
-    reference = tmp_path / "one"
-    run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
     out = tmp_path / "two"
     squeezed = {
         "train.batch_size_per_gpu": 4,
@@ -227,14 +204,11 @@ def test_every_rank_replans_alike_under_fsdp2(small_tile_store, tmp_path) -> Non
         "train.memory_watch_period": 1,
         "train.memory_watch_patience": 1,
     }
-    argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
-    torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
-    rows = read_metrics(out / "training_metrics.json")
+    rows, got, ref = replanned_and_reference(small_tile_store, out, tmp_path / "one", 3, squeezed)
     assert [(r["iteration"], r["after"]["micro_batch"]) for r in rows if "event" in r] == [(0, 2), (1, 1)]
     for log in ("log.txt", "log.txt.rank1"):
         text = (out / "logs" / log).read_text()
         assert text.count("re-planned micro_batch") == 2, log
-    got, ref = load_dcp(out / "ckpt" / "2")["model"], load_dcp(reference / "ckpt" / "2")["model"]
     assert max_diff(got, ref, "student.") < 1e-5 and max_diff(got, ref, "teacher.") < 1e-5
 
 

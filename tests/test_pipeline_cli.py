@@ -21,27 +21,8 @@ from dinov3_core.pipeline.run import stage_config
 from dinov3_core.stages import STAGE_NAMES as STAGES
 from tests.browser import needs_chromium, page_text
 from tests.helpers import by_name, read_json
+from wsidino_dev.short_run import SHORT_RUN
 
-TRAIN = [
-    "train.global_batch_size=8",
-    "train.batch_size_per_gpu=4",
-    "optim.warmup_epochs=0",
-    "optim.freeze_last_layer_epochs=0",
-    "train.stop_at=4",
-    "checkpointing.period=2",
-    "evaluation.eval_period_iterations=2",
-]
-SMALL = [
-    "tile.tile_size=64",
-    "tile.mpp=2.0",
-    "tile.workers=1",
-    "pretrain.config=tiny",
-    "gram.config=tiny",
-    *(f"pretrain.{o}" for o in TRAIN),
-    *(f"gram.{o}" for o in TRAIN),
-    "export.parity_sizes=[32]",
-    "export.parity_batches=[2]",
-]
 MANIFESTS = [
     "tiles.zarr/stage_manifest.json",
     "pretrain/stage_manifest.json",
@@ -87,7 +68,7 @@ def first_run(good_slides: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         "run",
         "--annotations",
         str(good_slides / "annotations"),
-        *SMALL,
+        *SHORT_RUN,
     ]
     done = wsidino(*args, cwd=home)
     return {"home": home, "args": args, "done": done, "slides_before": slides_before}

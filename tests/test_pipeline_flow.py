@@ -24,45 +24,22 @@ import pytest
 
 from tests.browser import needs_chromium, page_text
 from tests.helpers import REPO, by_name, read_json, slide_list
-from tests.prefect_deploy import deploy, flow_logs, job_processes, trigger, wait_final, worker
+from tests.prefect_deploy import deploy, flow_logs, job_processes, retry, trigger, wait_final, worker
 from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
+from wsidino_dev.short_run import SHORT_EXPORT, SHORT_RUN
 
 __all__ = ["worker"]  # the module's process-worker fixture
 STAGES = ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
 
-TRAIN_OVERRIDES = [
-    "train.global_batch_size=8",
-    "train.batch_size_per_gpu=4",
-    "optim.warmup_epochs=0",
-    "optim.freeze_last_layer_epochs=0",
-    "train.stop_at=4",
-    "checkpointing.period=2",
-    "evaluation.eval_period_iterations=2",
-]
-
-
-EXPORT_OVERRIDES = ["parity_sizes=[32]", "parity_batches=[2]"]
-
 
 def pipeline_parameters(slides: Path, workdir: Path, tracking: MlflowTracking) -> dict[str, Any]:
     """A small but complete pipeline: one 20× test slide at 64 px / 2 µm/px, 2 training processes."""
-    stage_overrides = {
-        "tile": ["tile_size=64", "mpp=2.0", "workers=1"],
-        "pretrain": TRAIN_OVERRIDES,
-        "gram": TRAIN_OVERRIDES,
-        "export": EXPORT_OVERRIDES,
-        "extract": ["progress=false"],
-    }
     return {
         "slides": str(slides),
         "workdir": str(workdir),
         "config": "cpu",
-        "overrides": [
-            "pretrain.config=tiny",
-            "gram.config=tiny",
-            *(f"{s}.{o}" for s, items in stage_overrides.items() for o in items),
-        ],
+        "overrides": [*SHORT_RUN, "extract.progress=false"],
         "launch": {"nproc_per_node": 2, "retries": 1},
         "tracking": {"tracking_uri": tracking.uri, "experiment": tracking.experiment},
     }
@@ -97,9 +74,6 @@ def deployed_pipeline_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     """The deployed pipeline with two faults, then its retry: the run's id, work dir and first-attempt facts."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Scheduled
-
     deploy("flows/pipeline.py:pipeline_flow", "pipeline-test")
     workdir = tmp_path_factory.mktemp("pipeline") / "run"
     params = pipeline_parameters(one_slide, workdir, mlflow_tracking)
@@ -107,8 +81,7 @@ def deployed_pipeline_run(
     first = wait_final(run_id, timeout=600)
     first_logs = flow_logs(run_id)  # the stage tasks' lines included
     before_retry = manifests(workdir) if first.state.is_failed() else {}
-    with get_client(sync_client=True) as client:  # the UI's Retry: the same flow run is scheduled again
-        client.set_flow_run_state(run_id, Scheduled(), force=True)
+    retry(run_id)
     final = wait_final(run_id, timeout=400)
     return {
         "id": run_id,
@@ -237,7 +210,7 @@ def test_rerun_skips_every_stage_and_export_alone_does_not_retrain(
     export = {
         "weights": str(workdir / "model" / "backbone.pth"),
         "output": str(workdir / "model" / "model.onnx"),
-        "stage": {"config": None, "overrides": EXPORT_OVERRIDES},  # the same config: only `force` makes it run
+        "stage": {"config": None, "overrides": SHORT_EXPORT},  # the same config: only `force` makes it run
         "tracking": params["tracking"],
         "force": True,
     }

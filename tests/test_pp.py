@@ -82,6 +82,12 @@ def wsidino(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
     )
 
 
+def wsidino_pretrain(store: Path, out: Path, nproc: int, *settings: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`wsidino pretrain --config tiny` on `store` into `out` with `nproc` processes, no MLflow, plus `settings`."""
+    args = ["--config", "tiny", "--store", str(store), "--output-dir", str(out), "--nproc-per-node", str(nproc)]
+    return wsidino("pretrain", *args, "tracking.enabled=false", *settings, cwd=cwd)
+
+
 @pytest.mark.parametrize(
     ("nproc", "settings", "message"),
     [
@@ -106,21 +112,7 @@ def test_contract_violations_stop_before_any_process_starts(
 ) -> None:
     out = tmp_path / "run"
     pp = [] if any("pp_degree" in s for s in settings) else ["parallelism.pp_degree=2"]
-    proc = wsidino(
-        "pretrain",
-        "--config",
-        "tiny",
-        "--store",
-        str(small_tile_store),
-        "--output-dir",
-        str(out),
-        "--nproc-per-node",
-        str(nproc),
-        "tracking.enabled=false",
-        *pp,
-        *settings,
-        cwd=tmp_path,
-    )
+    proc = wsidino_pretrain(small_tile_store, out, nproc, *pp, *settings, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (out / "torchrun_logs").exists() and not (out / "ckpt").exists()  # no rank ever started
@@ -134,21 +126,7 @@ def test_wsidino_pretrain_with_two_pipeline_stages_trains_and_converts(small_til
     from dinov3_core.train.metrics import read_metrics
 
     run, model = tmp_path / "pp", tmp_path / "model"
-    proc = wsidino(
-        "pretrain",
-        "--config",
-        "tiny",
-        "--store",
-        str(small_tile_store),
-        "--output-dir",
-        str(run),
-        "--nproc-per-node",
-        "2",
-        "parallelism.pp_degree=2",
-        "train.stop_at=6",
-        "tracking.enabled=false",
-        cwd=tmp_path,
-    )
+    proc = wsidino_pretrain(small_tile_store, run, 2, "parallelism.pp_degree=2", "train.stop_at=6", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "pipeline stage 1/2 (blocks 0–0, patch embedding), 4 pipeline micro-batches of 2"
@@ -168,30 +146,15 @@ def test_memory_replans_keep_the_pipeline_contract_and_the_objective(small_tile_
     """2 pipeline stages, every window over the budget: the watch halves the micro-batch (8 → 4 → 2, each still cut
     into ≥ 2 pipeline micro-batches) and rebuilds the pipeline; micro-batch 1 could not be cut, so the next rung is
     activation checkpointing. The run ends with the parameters of one process that never re-planned."""
-    from dinov3_core.train.metrics import read_metrics
-    from dinov3_core.train.pretrain import run_pretrain
-    from tests.helpers import load_dcp, max_diff, pretrain_config, pretrain_values
+    from tests.helpers import max_diff, replanned_and_reference
 
-    common = {
-        "losses.koleo_scope": "global",
-        "train.stop_at": 4,
-        "checkpointing.period": 4,
-        "evaluation.eval_period_iterations": 0,
-        "health.probe_tiles": 0,
-    }
-    reference = tmp_path / "one"
-    run_pretrain(pretrain_config(small_tile_store, reference, **common, **{"train.memory_watch": False}))
-    out = tmp_path / "pp"
     squeezed = {
         "parallelism.pp_degree": 2,
         "train.memory_budget_gb": 0.05,
         "train.memory_watch_period": 1,
         "train.memory_watch_patience": 1,
     }
-    argv = [f"{k}={json.dumps(v)}" for k, v in pretrain_values(small_tile_store, out, **common, **squeezed).items()]
-    torchrun("-m", "dinov3_core.train", "--config", "tiny", *argv, timeout=300)
-    rows = read_metrics(out / "training_metrics.json")
+    rows, got, ref = replanned_and_reference(small_tile_store, tmp_path / "pp", tmp_path / "one", 4, squeezed)
     events = [(r["iteration"], r["what"], r["after"]["micro_batch"]) for r in rows if "event" in r]
     assert events == [(0, "micro_batch", 4), (1, "micro_batch", 2), (2, "activation_checkpointing", 2)]
-    got, ref = load_dcp(out / "ckpt" / "3")["model"], load_dcp(reference / "ckpt" / "3")["model"]
     assert max_diff(got, ref, "student.") < 1e-5 and max_diff(got, ref, "teacher.") < 1e-5

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import by_name, read_json
-from tests.prefect_deploy import deploy, flow_logs, trigger, wait_final, worker
+from tests.prefect_deploy import deploy, flow_logs, retry, trigger, wait_final, worker
 from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
 
@@ -70,9 +70,6 @@ def retraining(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     """The four flow runs; what each left behind, read right after it."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Scheduled
-
     deploy("flows/retrain.py:retrain_flow", "retrain-test")
     base = tmp_path_factory.mktemp("retrain")
     cohort, root = base / "slides", base / "root"
@@ -112,8 +109,7 @@ def retraining(
     first = params("evaluate.gate.label_free=true", labels=None)
     run_id = trigger("retrain/retrain-test", first, env=faults.environment("pretrain@1"))
     out["crashed"] = snapshot_of(wait_final(run_id, timeout=600))
-    with get_client(sync_client=True) as client:  # the UI's Retry: the same flow run is scheduled again
-        client.set_flow_run_state(run_id, Scheduled(), force=True)
+    retry(run_id)
     out["first"] = snapshot_of(wait_final(run_id, timeout=600))
     add("tissue_generic.tiff")
     # 3 slides are too few for the permutation test (2^-3 > 0.05): the point estimate decides (the opt-out)

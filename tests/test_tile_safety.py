@@ -195,6 +195,12 @@ def test_the_store_refuses_a_slide_folder_that_links_elsewhere(store, tmp_path):
 # ------------------------------------------------------------------------------------ loops and unreadable paths
 
 
+def tile_argv(folder: Path, store: Path) -> list[str]:
+    """`wsidino tile` of `folder` into `store` at the `SMALL` settings, quiet and without MLflow."""
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    return ["tile", "--input", str(folder), "--output", str(store), "progress=false", "tracking.enabled=false", *small]
+
+
 def test_symlink_loops_and_broken_links_are_failed_rows_naming_them(sample_slides, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -208,19 +214,7 @@ def test_symlink_loops_and_broken_links_are_failed_rows_naming_them(sample_slide
     broken.symlink_to(tmp_path / "gone.svs")
     store = tmp_path / "tiles.zarr"
 
-    code = cli_main(
-        [
-            "tile",
-            "--input",
-            str(folder),
-            "--output",
-            str(store),
-            "progress=false",
-            "tracking.enabled=false",
-            "tile_size=64",
-            "mpp=2.0",
-        ]
-    )
+    code = cli_main(tile_argv(folder, store))
 
     assert code == 1  # some inputs failed; the batch went on
     rows = {e["source_path"]: e for e in ts.read_manifest(store)["slides"]}
@@ -257,17 +251,7 @@ def test_unreadable_files_and_folders_are_failed_rows_naming_them(sample_slides,
     locked_file.chmod(0)
     locked_dir.chmod(0)
     store = tmp_path / "tiles.zarr"
-    argv = [
-        "tile",
-        "--input",
-        str(folder),
-        "--output",
-        str(store),
-        "progress=false",
-        "tracking.enabled=false",
-        "tile_size=64",
-        "mpp=2.0",
-    ]
+    argv = tile_argv(folder, store)
     try:
         run = subprocess.run(
             [*prefix, sys.executable, "-c", f"from dinov3_core.cli import main; raise SystemExit(main({argv!r}))"],
@@ -299,9 +283,7 @@ def test_a_byte_identical_copy_is_tiled_once_and_reported_as_duplicate(sample_sl
     store = tmp_path / "tiles.zarr"
     assert run_tile(tile_config(folder, store, **SMALL)).counts["ok"] == 1  # only b so far
     shutil.copy(original, folder / "a.svs")  # now a copy that sorts first
-    argv = ["tile", "--input", str(folder), "--output", str(store), "progress=false", "tracking.enabled=false"]
-
-    code = cli_main([*argv, "tile_size=64", "mpp=2.0"])
+    code = cli_main(tile_argv(folder, store))
 
     assert code == 0  # a duplicate is not a failure
     manifest = entries(store)

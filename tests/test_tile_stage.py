@@ -371,35 +371,31 @@ def test_qc_picture_shows_tiles(tiled, sample_slides):
 
 
 @pytest.mark.parametrize("pen_filter", [False, True])
-def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, pen_filter):
+def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, tmp_path, pen_filter):
+    """The QC picture as the tile stage draws it (`draw_qc`, into the slide's `.incoming/` folder): a legend swatch
+    for each colour drawn on the slide and for no other."""
+    from PIL import Image
+
     from dinov3_core.tiling import qc
     from dinov3_core.tiling.plan import SlideTask, plan_slide
+    from dinov3_core.tiling.slide_job import draw_qc
+    from dinov3_core.tiling.store import IncomingSlide
 
     slide = by_name(sample_slides, "tissue_40x.svs")
     filters = {"filters.pen_filter": True, "filters.pen_max_fraction": 0.05} if pen_filter else {}
-    cfg = tile_config(slide, slide.parent / "unused.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
+    cfg = tile_config(slide, tmp_path / "tiles.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
     plan = plan_slide(SlideTask(slide.stem, slide), cfg, {})
-    picture, entries = qc.draw_qc_picture(
-        plan.qc_image,
-        plan.qc_scale,
-        plan.tissue_mask,
-        plan.pen_mask,
-        plan.coords,
-        plan.dropped_coords,
-        plan.read.tile_size_level0,
-        pen_filter=pen_filter,
-    )
-    drawing, legend = np.asarray(picture)[:-18], np.asarray(picture)[-18:]
+    incoming = IncomingSlide(tmp_path / "tiles.zarr", slide.stem, "qc", plan.n_tiles, plan.n_tiles)
+    draw_qc(incoming, plan, cfg)
+    picture = np.asarray(Image.open(incoming.path / qc.QC_PICTURES["thumbnail"]).convert("RGB"))
+    drawing, legend = picture[:-18], picture[-18:]
     outlines = (qc.TISSUE_CONTOUR, qc.TILE_OUTLINE, qc.DROPPED_OUTLINE)
     drawn = {c for c in outlines if (drawing == c).all(axis=-1).any()}
-    listed = {colour for _, colour in entries}
+    listed = {c for c in (*outlines, qc.PEN_TINT) if (legend == c).all(axis=-1).sum() >= 100}  # its swatches
     assert listed - {qc.PEN_TINT} == drawn
     assert (qc.DROPPED_OUTLINE in drawn) == pen_filter, "only the pen filter drops tiles of this slide"
     assert (qc.PEN_TINT in listed) == bool(plan.pen_mask.any()) and plan.pen_mask.any()
-    for colour in (*outlines, qc.PEN_TINT):  # a swatch for each listed colour, none for the others
-        assert ((legend == colour).all(axis=-1).sum() >= 100) == (colour in listed), colour
-    pen_entry = {colour: label for label, colour in entries}[qc.PEN_TINT]
-    assert pen_entry.endswith(f"pen filter {'on' if pen_filter else 'off'})")
+    assert qc.pen_label(pen_filter).endswith(f"pen filter {'on' if pen_filter else 'off'})")
 
 
 def test_pen_mask_takes_marker_ink_not_hematoxylin():
@@ -442,19 +438,10 @@ def test_stores_tiled_before_scaled_decoding_keep_their_slide_hash_but_not_their
 
     old = tile_config("x", tmp_path / "t.zarr", compressor="zstd", scaled_decode=False)
     params = plan.tiling_params(old)
-    assert set(params) == {
-        "mpp",
-        "mpp_tolerance",
-        "tile_size",
-        "stride",
-        "tissue",
-        "filters",
-        "reader",
-        "compressor",
-        "jpeg_quality",
-        "compression_level",
-        "tissue_mask_version",
-    }
+    # What decides which tiles exist, and how they are stored; not `scaled_decode` (how a region is decoded).
+    which = {"mpp", "mpp_tolerance", "tile_size", "stride", "tissue", "filters", "reader", "tissue_mask_version"}
+    how = {"compressor", "jpeg_quality", "compression_level"}
+    assert set(params) == which | how
     assert params["tissue_mask_version"] == TISSUE_MASK_VERSION >= 2
     new = tile_config("x", tmp_path / "t.zarr", compressor="zstd")
     assert plan.slide_params_hash(new, None) != plan.slide_params_hash(old, None)

@@ -44,21 +44,8 @@ def pretrain(store: Path, out: Path, overrides: dict[str, Any]) -> list[dict[str
     args = [f"{k}={v}" for k, v in {**SHORT, **overrides}.items()]
     # Two processes of one thread each, as `make demo` runs it: one process of two threads slowed to ~10 img/s
     # (from ~200) when another job took a core, its OpenMP threads waiting on each other; it then timed out.
-    cmd = [
-        sys.executable,
-        "-m",
-        "dinov3_core.cli",
-        "pretrain",
-        "--config",
-        "cpu",
-        "--store",
-        str(store),
-        "--output-dir",
-        str(out),
-        "--nproc-per-node",
-        "2",
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "dinov3_core.cli", "pretrain", "--config", "cpu", "--nproc-per-node", "2"]
+    cmd += ["--store", str(store), "--output-dir", str(out), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(out / "training_metrics.json")

@@ -34,28 +34,9 @@ from wsidino_dev.serve.deployments import (
     register_deployments,
 )
 from wsidino_dev.serve.servers import start_prefect_server, start_sample_slides, start_worker, wait_prefect_server
+from wsidino_dev.short_run import SHORT_RUN
 
 OUT_DIR = REPO_ROOT / "docs" / "images"
-_TRAIN = [
-    "config=tiny",
-    "train.global_batch_size=8",
-    "train.batch_size_per_gpu=4",
-    "optim.warmup_epochs=0",
-    "optim.freeze_last_layer_epochs=0",
-    "train.stop_at=4",
-    "checkpointing.period=2",
-    "evaluation.eval_period_iterations=2",
-]
-# Pipeline overrides of the shortened run: every stage, training cut to 4 iterations (what tests/test_pipeline_flow.py
-# runs), so the picture shows a complete run without the cpu recipe's hour of training.
-SHORT_RUN = [
-    "tile.tile_size=64",
-    "tile.mpp=2.0",
-    "tile.workers=1",
-    *(f"{stage}.{item}" for stage in ("pretrain", "gram") for item in _TRAIN),
-    "export.parity_sizes=[32]",
-    "export.parity_batches=[2]",
-]
 FORM_PNG = "prefect-pipeline-form.png"
 RUN_PNG = "prefect-run.png"
 

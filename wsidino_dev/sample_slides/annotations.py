@@ -147,6 +147,20 @@ def feature_collection(annotations: list[Annotation], slide_id: str) -> dict[str
     return {"type": "FeatureCollection", "features": features}
 
 
+def class_collection(shapes: dict[str, BaseGeometry]) -> dict[str, Any]:
+    """A FeatureCollection of one QuPath annotation per class, `shapes` (class name → level-0 geometry), without
+    colours or ids: annotations written by a labelling script rather than exported by QuPath."""
+    features = [
+        {
+            "type": "Feature",
+            "geometry": shapely.geometry.mapping(shape),
+            "properties": {"objectType": "annotation", "classification": {"name": name}},
+        }
+        for name, shape in shapes.items()
+    ]
+    return {"type": "FeatureCollection", "features": features}
+
+
 def write_annotations(path: Path, canvas: TissueCanvas, slide_id: str) -> dict[str, Any]:
     """Write the GeoJSON of `canvas` to `path`; returns a summary: features and level-0 area (px²) per class."""
     annotations = canvas_annotations(canvas)

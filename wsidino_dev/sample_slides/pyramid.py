@@ -90,6 +90,12 @@ def stream_level0(
         yield from iter_tiles(strip, tile)
 
 
+def needs_bigtiff(height: int, width: int) -> bool:
+    """BigTIFF only when the raw RGB size nears classic TIFF's 4 GiB offsets (compressed output is far smaller), as
+    scanners do: OpenSlide and other readers open classic TIFF everywhere."""
+    return height * width * 3 > 3 * 2**30
+
+
 def check_pyramid_args(height: int, width: int, tile: int, levels: int, factor: int) -> None:
     if tile % 16 or tile <= 0:
         raise ValueError(f"tile must be a positive multiple of 16 (JPEG 4:2:0 blocks), got {tile}")
@@ -155,9 +161,8 @@ def write_generic_tiff(
         "buffersize": ENCODE_BUFFER_BYTES,
     }
     level1 = np.empty((height // factor, width // factor, 3), np.uint8) if levels > 1 else None
-    bigtiff = height * width * 3 > 3 * 2**30
     dims = [(width, height)]
-    with tifffile.TiffWriter(path, bigtiff=bigtiff) as tif:
+    with tifffile.TiffWriter(path, bigtiff=needs_bigtiff(height, width)) as tif:
         tif.write(
             stream_level0(read, height, width, tile, factor, level1),
             shape=(height, width, 3),

@@ -20,6 +20,7 @@ from wsidino_dev.sample_slides.pyramid import (
     ENCODE_BUFFER_BYTES,
     check_pyramid_args,
     iter_tiles,
+    needs_bigtiff,
     reduced_levels,
     row_reader,
     stream_level0,
@@ -123,10 +124,8 @@ def write_svs(
     description0 = f"{APERIO_HEADER}\r\n{size_line} JPEG/RGB Q={jpeg_quality}{props}"
 
     level1 = np.empty((height // factor, width // factor, 3), np.uint8)  # also the thumbnail's source
-    # Classic TIFF unless the raw size nears 4 GiB (JPEG output is far smaller), as Aperio scanners do.
-    bigtiff = height * width * 3 > 3 * 2**30
     dims = [(width, height)]
-    with tifffile.TiffWriter(path, bigtiff=bigtiff) as tif:
+    with tifffile.TiffWriter(path, bigtiff=needs_bigtiff(height, width)) as tif:
         tif.write(
             stream_level0(read, height, width, tile, factor, level1),
             shape=(height, width, 3),
