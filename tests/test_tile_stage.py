@@ -379,16 +379,7 @@ def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, pen_filter):
     filters = {"filters.pen_filter": True, "filters.pen_max_fraction": 0.05} if pen_filter else {}
     cfg = tile_config(slide, slide.parent / "unused.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
     plan = plan_slide(SlideTask(slide.stem, slide), cfg, {})
-    picture, entries = qc.draw_qc_picture(
-        plan.qc_image,
-        plan.qc_scale,
-        plan.tissue_mask,
-        plan.pen_mask,
-        plan.coords,
-        plan.dropped_coords,
-        plan.read.tile_size_level0,
-        pen_filter=pen_filter,
-    )
+    picture, entries = qc.draw_qc_picture(plan, pen_filter=pen_filter)
     drawing, legend = np.asarray(picture)[:-18], np.asarray(picture)[-18:]
     outlines = (qc.TISSUE_CONTOUR, qc.TILE_OUTLINE, qc.DROPPED_OUTLINE)
     drawn = {c for c in outlines if (drawing == c).all(axis=-1).any()}
