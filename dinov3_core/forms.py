@@ -43,12 +43,12 @@ def ui(position: int | None = None) -> Callable[[dict[str, Any]], None]:
     return extra
 
 
-def required_field(position: int, title: str, description: str | None = None, **constraints: Any) -> Any:
+def required_field(position: int | None, title: str, description: str | None = None, **constraints: Any) -> Any:
     """A required input (a path, or a list of them): the form refuses it empty, before anything runs."""
     return Field(min_length=1, title=title, description=description, json_schema_extra=ui(position), **constraints)
 
 
-def optional_field(position: int, title: str, description: str | None = None, **constraints: Any) -> Any:
+def optional_field(position: int | None, title: str, description: str | None = None, **constraints: Any) -> Any:
     """An optional input (`X | None`): drawn as a plain input, empty meaning None (see `ui`)."""
     return Field(None, title=title, description=description, json_schema_extra=ui(position), **constraints)
 
