@@ -1,10 +1,10 @@
 """How the pydantic parameter models render as forms: Prefect's UI draws each flow's form from their JSON schema.
 
-    gpu_slots: str | None = optional_field(6, "GPU slot limit")  # Field(None, title=…, json_schema_extra=ui(6))
+    gpu_slots: str | None = Field(None, title="GPU slot limit", json_schema_extra=ui(6))
 
-Every field of a form model takes `json_schema_extra=ui(position)` (or `ui()`); `required_field` and
-`optional_field` declare the two common kinds of input with it. For an optional field (`X | None`)
-it makes the schema the plain `X` with no default, so the form shows an empty input (no "null" branch to pick, no
+Every field of a form model takes `json_schema_extra=ui(position)` (or `ui()`; `required_field` and
+`optional_field` declare the two common kinds of input with it). For an optional field (`X | None`)
+`ui` makes the schema the plain `X` with no default, so the form shows an empty input (no "null" branch to pick, no
 "Property is type None") while an empty or `null` value still means None to pydantic.
 
 Why not `X | SkipJsonSchema[None]`: pydantic then no longer puts the field's constraints on `X`'s schema (a
