@@ -187,22 +187,13 @@ def add_chain_commands(sub: Any) -> None:
         help="QuPath <slide_id>.geojson folder or CSV slide_id,x,y,label for the "
         "evaluation (without: label-free health, no promotion)",
     )
+    stage_name: dict[str, Any] = {"choices": STAGES.names, "metavar": "STAGE"}  # --from, --to and --force take one
     pipeline.add_argument(
-        "--from",
-        dest="start_from",
-        choices=STAGES.names,
-        metavar="STAGE",
-        help="start at this stage (earlier outputs are used as they are)",
+        "--from", dest="start_from", **stage_name, help="start at this stage (earlier outputs are used as they are)"
     )
+    pipeline.add_argument("--to", dest="stop_after", **stage_name, help="stop after this stage")
     pipeline.add_argument(
-        "--to", dest="stop_after", choices=STAGES.names, metavar="STAGE", help="stop after this stage"
-    )
-    pipeline.add_argument(
-        "--force",
-        action="append",
-        choices=STAGES.names,
-        metavar="STAGE",
-        help="rerun this stage even when up to date (repeat for several)",
+        "--force", action="append", **stage_name, help="rerun this stage even when up to date (repeat for several)"
     )
     pipeline.add_argument(
         "--print-config",

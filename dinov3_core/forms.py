@@ -2,8 +2,9 @@
 
     gpu_slots: str | None = Field(None, title="GPU slot limit", json_schema_extra=ui(6))
 
-Every field of a form model takes `json_schema_extra=ui(position)` (or `ui()`). For an optional field (`X | None`)
-it makes the schema the plain `X` with no default, so the form shows an empty input (no "null" branch to pick, no
+Every field of a form model takes `json_schema_extra=ui(position)` (or `ui()`; `required_field` and
+`optional_field` declare the two common kinds of input with it). For an optional field (`X | None`)
+`ui` makes the schema the plain `X` with no default, so the form shows an empty input (no "null" branch to pick, no
 "Property is type None") while an empty or `null` value still means None to pydantic.
 
 Why not `X | SkipJsonSchema[None]`: pydantic then no longer puts the field's constraints on `X`'s schema (a
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from pydantic import Field
 
 
 def ui(position: int | None = None) -> Callable[[dict[str, Any]], None]:
@@ -40,4 +43,14 @@ def ui(position: int | None = None) -> Callable[[dict[str, Any]], None]:
     return extra
 
 
-__all__ = ["ui"]
+def required_field(position: int | None, title: str, description: str | None = None, **constraints: Any) -> Any:
+    """A required input (a path, or a list of them): the form refuses it empty, before anything runs."""
+    return Field(min_length=1, title=title, description=description, json_schema_extra=ui(position), **constraints)
+
+
+def optional_field(position: int | None, title: str, description: str | None = None, **constraints: Any) -> Any:
+    """An optional input (`X | None`): drawn as a plain input, empty meaning None (see `ui`)."""
+    return Field(None, title=title, description=description, json_schema_extra=ui(position), **constraints)
+
+
+__all__ = ["optional_field", "required_field", "ui"]

@@ -1,4 +1,4 @@
-"""Process-lifetime helpers for torchrun ranks (standard library only: no Prefect, no torch).
+"""Process-lifetime helpers for torchrun ranks (standard library and `dinov3_core.errors` only: no Prefect, no torch).
 
 Why this exists: torchrun starts every rank with ``start_new_session=True``, so ranks are outside the process group
 that Prefect (or a shell, or a batch scheduler) signals. While torchrun lives it forwards SIGTERM to them, but when
@@ -13,8 +13,14 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["PARENT_PID_ENV", "die_with_parent"]
+from dinov3_core.errors import WsidinoError, exit_code
+
+__all__ = ["PARENT_PID_ENV", "die_with_parent", "rank_entry"]
+
+T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -67,3 +73,26 @@ def die_with_parent(sig: int = signal.SIGTERM, expected_parent: int | None = Non
         os.kill(os.getpid(), sig)
         os._exit(128 + int(sig))
     return True
+
+
+def rank_entry(work: Callable[[], T], report: Callable[[T], str | None]) -> int:
+    """The body of a torchrun rank's `main` (`python -m dinov3_core.train`, `.gram`, `inference.team.rank_main`):
+    run `work`, then print `report(result)` on rank 0 (the other ranks' results need not be complete).
+
+    Bad input (a `WsidinoError`) prints its message and returns its exit code with no traceback: 2 bad input (the
+    stage removes what it created), 1 a run that stopped itself (output kept). Any other error propagates to
+    `@record`, which hands it to torchrun as this rank's root cause.
+    """
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
+        die_with_parent()
+    try:
+        result = work()
+    except WsidinoError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return exit_code(err)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    line = report(result)
+    if line:
+        print(line, flush=True)
+    return 0

@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dinov3_core.forms import ui
+from dinov3_core.forms import optional_field, required_field, ui
 from dinov3_core.stages import STAGES, StageName
-from tasks.launch_params import LaunchParams, LocalLaunch
-from tasks.params import Override, TrackingParams, merge_values
+from tasks.launch_params import LaunchParams
+from tasks.params import Override, TrackingParams, form_values, launch_field, overrides_field, tracking_field
 
 
 class PipelineParams(BaseModel):
@@ -25,18 +25,14 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Pipeline parameters")
 
-    slides: str = Field(
-        min_length=1,
-        title="Slides",
-        description="A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths.",
-        json_schema_extra=ui(0),
+    slides: str = required_field(
+        0, "Slides", "A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths."
     )
-    workdir: str = Field(
-        min_length=1,
-        title="Work directory",
-        description="Every stage's output goes under it, e.g. /data/runs/lab1 (the MLflow store too, unless a "
+    workdir: str = required_field(
+        1,
+        "Work directory",
+        "Every stage's output goes under it, e.g. /data/runs/lab1 (the MLflow store too, unless a "
         "tracking URI is set below).",
-        json_schema_extra=ui(1),
     )
     config: str = Field(
         "cpu",
@@ -45,19 +41,17 @@ class PipelineParams(BaseModel):
         "vitl16-1gpu (one GPU), vitb16, vitl16 (8 GPUs; docs/hardware.md), or a YAML path.",
         json_schema_extra=ui(2),
     )
-    weights: str | None = Field(
-        None,
-        title="Released DINOv3 weights",
-        description="Warm start: a local .pth, or a preset (vitb16, …) found in weights_dir / $WSIDINO_WEIGHTS_DIR. "
+    weights: str | None = optional_field(
+        3,
+        "Released DINOv3 weights",
+        "Warm start: a local .pth, or a preset (vitb16, …) found in weights_dir / $WSIDINO_WEIGHTS_DIR. "
         "Empty: random init.",
-        json_schema_extra=ui(3),
     )
-    annotations: str | None = Field(
-        None,
-        title="Annotations",
-        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
+    annotations: str | None = optional_field(
+        4,
+        "Annotations",
+        "QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the evaluate stage. "
         "Empty: label-free health only, no promotion.",
-        json_schema_extra=ui(4),
     )
     start_at: StageName = Field("tile", title="Start at (--from)", json_schema_extra=ui(5))
     stop_after: StageName = Field("extract", title="Stop after (--to)", json_schema_extra=ui(6))
@@ -67,15 +61,13 @@ class PipelineParams(BaseModel):
         description="Recompute these even when up to date.",
         json_schema_extra=ui(7),
     )
-    overrides: list[Override] = Field(
-        default_factory=list,
-        title="Overrides",
-        description="Pipeline keys (gram_anchoring=false, extract_model=candidate, weights_dir=/weights) or any "
+    overrides: list[Override] = overrides_field(
+        8,
+        "Pipeline keys (gram_anchoring=false, extract_model=candidate, weights_dir=/weights) or any "
         "stage's key after its name (pretrain.train.stop_at=100, tile.workers=8, pretrain.config=vitb16-1gpu).",
-        json_schema_extra=ui(8),
     )
-    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(9))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(10))
+    launch: LaunchParams = launch_field(9, "Training launch")
+    tracking: TrackingParams = tracking_field(10)
 
     @model_validator(mode="after")
     def _ordered(self) -> PipelineParams:
@@ -92,9 +84,8 @@ class PipelineParams(BaseModel):
             "start_at": self.start_at,
             "stop_after": self.stop_after,
             "force": list(self.force) or None,
-            **self.tracking.config_values(),
         }
-        return merge_values(self.overrides, fields, "pipeline")
+        return form_values(self.overrides, self.tracking, fields, "pipeline")
 
 
 class RetrainParams(BaseModel):
@@ -106,24 +97,17 @@ class RetrainParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Retrain parameters")
 
-    slides: str = Field(
-        min_length=1,
-        title="Slides",
-        description="The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list.",
-        json_schema_extra=ui(0),
+    slides: str = required_field(
+        0, "Slides", "The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list."
     )
-    root: str = Field(
-        min_length=1,
-        title="Retraining root",
-        description="tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain.",
-        json_schema_extra=ui(1),
+    root: str = required_field(
+        1, "Retraining root", "tiles.zarr, cycles/<id>/ and features/ live here, e.g. /data/retrain."
     )
-    annotations: str | None = Field(
-        None,
-        title="Annotations",
-        description="QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the gate. Empty: label-free "
+    annotations: str | None = optional_field(
+        2,
+        "Annotations",
+        "QuPath <slide_id>.geojson folder (or CSV slide_id,x,y,label) for the gate. Empty: label-free "
         "health only, no promotion unless evaluate.gate.label_free=true.",
-        json_schema_extra=ui(2),
     )
     config: str = Field(
         "tiny",
@@ -131,13 +115,11 @@ class RetrainParams(BaseModel):
         description="A name under dinov3_core/configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
         json_schema_extra=ui(3),
     )
-    overrides: list[Override] = Field(
-        default_factory=list,
-        title="Overrides",
-        description="Retrain keys (trigger.min_new_slides=5, length.iterations=2000, retention.keep_last=3, "
+    overrides: list[Override] = overrides_field(
+        4,
+        "Retrain keys (trigger.min_new_slides=5, length.iterations=2000, retention.keep_last=3, "
         "warm_start=released, pretrained_weights=/w.pth) or any stage's key after its name "
         "(pretrain.train.stop_at=100, evaluate.gate.margin=0.01).",
-        json_schema_extra=ui(4),
     )
     force: bool = Field(
         False,
@@ -145,8 +127,8 @@ class RetrainParams(BaseModel):
         description="trigger.force: train this cycle regardless.",
         json_schema_extra=ui(5),
     )
-    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Training launch", json_schema_extra=ui(6))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(7))
+    launch: LaunchParams = launch_field(6, "Training launch")
+    tracking: TrackingParams = tracking_field(7)
 
     def config_values(self) -> dict[str, Any]:
         fields = {
@@ -154,9 +136,8 @@ class RetrainParams(BaseModel):
             "root": self.root,
             "annotations": self.annotations,
             "trigger.force": True if self.force else None,
-            **self.tracking.config_values(),
         }
-        return merge_values(self.overrides, fields, "retrain")
+        return form_values(self.overrides, self.tracking, fields, "retrain")
 
 
 __all__ = ["PipelineParams", "RetrainParams"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from dinov3_core.errors import WsidinoError
-from dinov3_core.forms import ui
+from dinov3_core.forms import optional_field
 from dinov3_core.launch import TorchrunFailed, TorchrunJob
 from dinov3_core.launch.diagnose import diagnose_failure, new_run_dir
 
@@ -49,34 +49,18 @@ class SlurmSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="SLURM")
 
-    partition: str | None = Field(
-        None, title="Partition", description="sbatch --partition; empty: the default.", json_schema_extra=ui()
-    )
-    account: str | None = Field(
-        None, title="Account", description="sbatch --account; empty: your default.", json_schema_extra=ui()
-    )
+    partition: str | None = optional_field(None, "Partition", "sbatch --partition; empty: the default.")
+    account: str | None = optional_field(None, "Account", "sbatch --account; empty: your default.")
     gpus_per_node: int = Field(0, ge=0, le=64, title="GPUs per node", description="sbatch --gpus-per-node; 0: none.")
-    cpus_per_node: int | None = Field(
-        None,
-        ge=1,
-        le=1024,
-        title="CPUs per node",
-        description="sbatch --cpus-per-task (one task per node).",
-        json_schema_extra=ui(),
+    cpus_per_node: int | None = optional_field(
+        None, "CPUs per node", "sbatch --cpus-per-task (one task per node).", ge=1, le=1024
     )
-    mem: str | None = Field(
+    mem: str | None = optional_field(None, "Memory per node", "sbatch --mem, e.g. 0.", pattern=r"^\d+[KMGT]?$")
+    time_limit: str | None = optional_field(
         None,
-        pattern=r"^\d+[KMGT]?$",
-        title="Memory per node",
-        description="sbatch --mem, e.g. 0.",
-        json_schema_extra=ui(),
-    )
-    time_limit: str | None = Field(
-        None,
+        "Time limit",
+        "sbatch --time, e.g. 3-00:00:00; empty: the launch's wall-clock limit, else the partition's.",
         pattern=r"^(\d+-)?\d+(:\d\d){0,2}$",
-        title="Time limit",
-        description="sbatch --time, e.g. 3-00:00:00; empty: the launch's wall-clock limit, else the partition's.",
-        json_schema_extra=ui(),
     )
     extra_directives: list[str] = Field(
         default_factory=list, title="Extra #SBATCH directives", description="e.g. --qos=high, --constraint=a100."

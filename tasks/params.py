@@ -5,6 +5,8 @@ training stages, `LaunchParams`: `dinov3_core.launch.training.LaunchSettings` an
 every config field is declared once, in its stage's dataclass, and `dinov3_core.config.load_config` checks every
 key against it (naming the closest valid key on a typo) and validates its values. So a bound can never differ
 between a form and the stage. Optional fields render as plain inputs, empty meaning None (`dinov3_core.forms`).
+The sections the forms share (config and overrides, MLflow, launch, force) are declared once, by the `*_field`
+functions below, each form placing them at its own positions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pydantic import (
 )
 
 from dinov3_core.config import ConfigError, parse_overrides
-from dinov3_core.forms import ui
+from dinov3_core.forms import optional_field, required_field, ui
 from tasks.launch_params import LaunchParams, LocalLaunch
 
 Override = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")]
@@ -32,19 +34,17 @@ class TrackingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="MLflow")
 
-    tracking_uri: str | None = Field(
-        None,
-        title="MLflow tracking URI",
-        description="e.g. http://127.0.0.1:5000. Empty: the config's, else $MLFLOW_TRACKING_URI, "
+    tracking_uri: str | None = optional_field(
+        0,
+        "MLflow tracking URI",
+        "e.g. http://127.0.0.1:5000. Empty: the config's, else $MLFLOW_TRACKING_URI, "
         "else the mlflow.db of the work directory the output is in (a pipeline's workdir, else the output's folder).",
-        json_schema_extra=ui(0),
     )
-    experiment: str | None = Field(
-        None,
+    experiment: str | None = optional_field(
+        1,
+        "MLflow experiment",
+        "Empty: the config's (default wsidino).",
         min_length=1,
-        title="MLflow experiment",
-        description="Empty: the config's (default wsidino).",
-        json_schema_extra=ui(1),
     )
     enabled: bool = Field(True, title="Log to MLflow", json_schema_extra=ui(2))
 
@@ -57,24 +57,27 @@ class TrackingParams(BaseModel):
         return values
 
 
+def overrides_field(position: int, description: str, title: str = "Overrides") -> Any:
+    """A form's `key=value` overrides (each checked against the config's keys when the config loads)."""
+    return Field(default_factory=list, title=title, description=description, json_schema_extra=ui(position))
+
+
 class StageOptions(BaseModel):
     """A named config (or YAML path) plus `key=value` overrides for one stage."""
 
     model_config = ConfigDict(extra="forbid")
 
-    config: str | None = Field(
-        None,
-        title="Named config or YAML",
-        description="A name under dinov3_core/configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
+    config: str | None = optional_field(
+        0,
+        "Named config or YAML",
+        "A name under dinov3_core/configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
         "Empty: the built-in defaults.",
-        json_schema_extra=ui(0),
     )
-    overrides: list[Override] = Field(
-        default_factory=list,
-        title="Config overrides",
-        description="Any other key of the stage's config as key=value (`wsidino <stage> --help` lists examples; "
+    overrides: list[Override] = overrides_field(
+        1,
+        "Any other key of the stage's config as key=value (`wsidino <stage> --help` lists examples; "
         "`--print-config` shows every key); a misspelt key is named with the closest valid one.",
-        json_schema_extra=ui(1),
+        title="Config overrides",
     )
 
 
@@ -93,19 +96,53 @@ def merge_values(overrides: Sequence[str], fields: dict[str, Any], where: str) -
     return values
 
 
+# The fields every form repeats, each declared once here; `position` is the field's place in its form (`ui`).
+
+
+def stage_field(position: int, config: str | None = None, description: str | None = None) -> Any:
+    """A stage form's "Config" section; `config` is the named config the form starts with."""
+    return Field(
+        default_factory=lambda: StageOptions(config=config),
+        title="Config",
+        description=description,
+        json_schema_extra=ui(position),
+    )
+
+
+def tracking_field(position: int) -> Any:
+    """A form's "MLflow" section."""
+    return Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(position))
+
+
+def launch_field(position: int, title: str = "Launch", description: str | None = None) -> Any:
+    """A form's launch section: a training job's processes, nodes and backend (local unless chosen)."""
+    return Field(default_factory=LocalLaunch, title=title, description=description, json_schema_extra=ui(position))
+
+
+def force_field(position: int, description: str | None = None) -> Any:
+    """A stage form's "Force": run even when the stage manifest says the outputs are up to date."""
+    return Field(False, title="Force", description=description, json_schema_extra=ui(position))
+
+
+def form_values(
+    overrides: Sequence[str], tracking: TrackingParams, fields: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """A form's config values: its own `fields` and its MLflow section, merged with its overrides (`merge_values`)."""
+    return merge_values(overrides, {**fields, **tracking.config_values()}, where)
+
+
 class DaskParams(BaseModel):
     """Where the tile flow tiles: the tile engine's own process pool on this host, or slide groups on Dask."""
 
     model_config = ConfigDict(extra="forbid", title="Dask")
 
-    address: str | None = Field(
-        None,
-        min_length=1,
-        title="Dask scheduler address",
-        description="e.g. tcp://10.0.0.5:8786: tile on this running Dask cluster, one slide group per worker "
+    address: str | None = optional_field(
+        0,
+        "Dask scheduler address",
+        "e.g. tcp://10.0.0.5:8786: tile on this running Dask cluster, one slide group per worker "
         "thread. Every worker must see the slides and the store at the same paths (shared filesystem) and have "
         "wsidino installed; start workers with `dask worker <address> --nthreads 1`.",
-        json_schema_extra=ui(0),
+        min_length=1,
     )
     n_workers: int = Field(
         0,
@@ -136,31 +173,20 @@ class TileParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Tile stage parameters")
 
-    input: str = Field(
-        min_length=1,
-        title="Slides",
-        description="A directory (searched recursively), a glob, one slide file, or a .txt/.csv list of slide paths.",
-        json_schema_extra=ui(0),
+    input: str = required_field(
+        0, "Slides", "A directory (searched recursively), a glob, one slide file, or a .txt/.csv list of slide paths."
     )
-    output: str = Field(
-        min_length=1,
-        title="Tile store",
-        description="Tile store directory, e.g. /data/cohort/tiles.zarr (created if missing; reruns resume).",
-        json_schema_extra=ui(1),
+    output: str = required_field(
+        1, "Tile store", "Tile store directory, e.g. /data/cohort/tiles.zarr (created if missing; reruns resume)."
     )
-    stage: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="default"),
-        title="Config",
-        description="e.g. overrides mpp=0.5, tile_size=224, workers=8, compressor=jpeg, filters.pen_filter=true.",
-        json_schema_extra=ui(2),
+    stage: StageOptions = stage_field(
+        2, "default", "e.g. overrides mpp=0.5, tile_size=224, workers=8, compressor=jpeg, filters.pen_filter=true."
     )
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
-    force: bool = Field(
-        False,
-        title="Force",
-        description="Check every slide even when the stage manifest shows the same slides and settings "
+    tracking: TrackingParams = tracking_field(3)
+    force: bool = force_field(
+        4,
+        "Check every slide even when the stage manifest shows the same slides and settings "
         "(complete slides are still skipped one by one).",
-        json_schema_extra=ui(4),
     )
     dask: DaskParams = Field(
         default_factory=DaskParams,
@@ -171,8 +197,8 @@ class TileParams(BaseModel):
     )
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"input": self.input, "output": self.output, **self.tracking.config_values()}
-        return merge_values(self.stage.overrides, fields, "tile")
+        fields = {"input": self.input, "output": self.output}
+        return form_values(self.stage.overrides, self.tracking, fields, "tile")
 
 
 class PretrainParams(BaseModel):
@@ -180,45 +206,27 @@ class PretrainParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Pretrain stage parameters")
 
-    stores: list[str] = Field(
-        min_length=1,
-        title="Tile stores",
-        description="Tile store directories (…/tiles.zarr).",
-        json_schema_extra=ui(0),
+    stores: list[str] = required_field(0, "Tile stores", "Tile store directories (…/tiles.zarr).")
+    output_dir: str = required_field(
+        1, "Run directory", "Checkpoints (ckpt/), teacher-only eval checkpoints (eval/), metrics. Reruns resume here."
     )
-    output_dir: str = Field(
-        min_length=1,
-        title="Run directory",
-        description="Checkpoints (ckpt/), teacher-only eval checkpoints (eval/), metrics. Reruns resume here.",
-        json_schema_extra=ui(1),
+    pretrained_weights: str | None = optional_field(
+        2,
+        "Released DINOv3 weights",
+        "Local .pth of a released DINOv3 backbone to warm-start from (never downloaded). Empty: the config's.",
     )
-    pretrained_weights: str | None = Field(
-        None,
-        title="Released DINOv3 weights",
-        description="Local .pth of a released DINOv3 backbone to warm-start from (never downloaded). "
-        "Empty: the config's.",
-        json_schema_extra=ui(2),
-    )
-    stage: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(3)
-    )
-    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Launch", json_schema_extra=ui(4))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
-    force: bool = Field(
-        False,
-        title="Force",
-        description="Run even when the stage manifest says the outputs are up to date.",
-        json_schema_extra=ui(6),
-    )
+    stage: StageOptions = stage_field(3, "tiny")
+    launch: LaunchParams = launch_field(4)
+    tracking: TrackingParams = tracking_field(5)
+    force: bool = force_field(6, "Run even when the stage manifest says the outputs are up to date.")
 
     def config_values(self) -> dict[str, Any]:
         fields = {
             "data.stores": list(self.stores),
             "output_dir": self.output_dir,
             "student.pretrained_weights": self.pretrained_weights,
-            **self.tracking.config_values(),
         }
-        return merge_values(self.stage.overrides, fields, "pretrain")
+        return form_values(self.stage.overrides, self.tracking, fields, "pretrain")
 
 
 class GramParams(BaseModel):
@@ -226,33 +234,22 @@ class GramParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Gram stage parameters")
 
-    pretrain_dir: str = Field(
-        min_length=1,
-        title="Pretraining run",
-        description="The pretraining run directory to continue; its eval/ holds the gram-teacher candidates.",
-        json_schema_extra=ui(0),
+    pretrain_dir: str = required_field(
+        0, "Pretraining run", "The pretraining run directory to continue; its eval/ holds the gram-teacher candidates."
     )
-    output_dir: str = Field(
-        min_length=1,
-        title="Run directory",
-        description="The gram stage's own run directory (reruns resume).",
-        json_schema_extra=ui(1),
-    )
+    output_dir: str = required_field(1, "Run directory", "The gram stage's own run directory (reruns resume).")
     stores: list[str] | None = Field(
         None, title="Tile stores", description="Empty: the pretraining run's stores.", json_schema_extra=ui(2)
     )
-    teacher_path: str | None = Field(
-        None,
-        title="Gram teacher file",
-        description="An explicit teacher checkpoint. Empty: chosen from <pretrain_dir>/eval by the config's policy.",
-        json_schema_extra=ui(3),
+    teacher_path: str | None = optional_field(
+        3,
+        "Gram teacher file",
+        "An explicit teacher checkpoint. Empty: chosen from <pretrain_dir>/eval by the config's policy.",
     )
-    stage: StageOptions = Field(
-        default_factory=lambda: StageOptions(config="tiny"), title="Config", json_schema_extra=ui(4)
-    )
-    launch: LaunchParams = Field(default_factory=LocalLaunch, title="Launch", json_schema_extra=ui(5))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(7))
+    stage: StageOptions = stage_field(4, "tiny")
+    launch: LaunchParams = launch_field(5)
+    tracking: TrackingParams = tracking_field(6)
+    force: bool = force_field(7)
 
     def config_values(self) -> dict[str, Any]:
         fields = {
@@ -260,9 +257,8 @@ class GramParams(BaseModel):
             "output_dir": self.output_dir,
             "data.stores": list(self.stores) if self.stores else None,
             "gram.teacher_path": self.teacher_path,
-            **self.tracking.config_values(),
         }
-        return merge_values(self.stage.overrides, fields, "gram")
+        return form_values(self.stage.overrides, self.tracking, fields, "gram")
 
 
 class ConvertParams(BaseModel):
@@ -270,25 +266,19 @@ class ConvertParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Convert stage parameters")
 
-    input: str = Field(
-        min_length=1,
-        title="Checkpoint or run",
-        description="A ckpt/<iteration>/ directory, or a pretrain/gram run directory (its latest checkpoint).",
-        json_schema_extra=ui(0),
+    input: str = required_field(
+        0,
+        "Checkpoint or run",
+        "A ckpt/<iteration>/ directory, or a pretrain/gram run directory (its latest checkpoint).",
     )
-    output_dir: str = Field(
-        min_length=1,
-        title="Model directory",
-        description="Receives backbone.pth and config.yaml.",
-        json_schema_extra=ui(1),
-    )
-    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(2))
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(4))
+    output_dir: str = required_field(1, "Model directory", "Receives backbone.pth and config.yaml.")
+    stage: StageOptions = stage_field(2)
+    tracking: TrackingParams = tracking_field(3)
+    force: bool = force_field(4)
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"input": self.input, "output_dir": self.output_dir, **self.tracking.config_values()}
-        return merge_values(self.stage.overrides, fields, "convert")
+        fields = {"input": self.input, "output_dir": self.output_dir}
+        return form_values(self.stage.overrides, self.tracking, fields, "convert")
 
 
 class ExportParams(BaseModel):
@@ -296,31 +286,17 @@ class ExportParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Export stage parameters")
 
-    weights: str = Field(
-        min_length=1,
-        title="Backbone weights",
-        description="backbone.pth (from convert) or a released backbone.",
-        json_schema_extra=ui(0),
+    weights: str = required_field(0, "Backbone weights", "backbone.pth (from convert) or a released backbone.")
+    output: str = required_field(1, "ONNX file", "e.g. /models/lab/model.onnx")
+    stage: StageOptions = stage_field(
+        2, description="e.g. overrides register_alias=candidate, register_name=wsidino-backbone."
     )
-    output: str = Field(
-        min_length=1, title="ONNX file", description="e.g. /models/lab/model.onnx", json_schema_extra=ui(1)
-    )
-    stage: StageOptions = Field(
-        default_factory=StageOptions,
-        title="Config",
-        description="e.g. overrides register_alias=candidate, register_name=wsidino-backbone.",
-        json_schema_extra=ui(2),
-    )
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(3))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(4))
+    tracking: TrackingParams = tracking_field(3)
+    force: bool = force_field(4)
 
     def config_values(self) -> dict[str, Any]:
-        fields = {
-            "weights": self.weights,
-            "output": self.output,
-            **self.tracking.config_values(),
-        }
-        return merge_values(self.stage.overrides, fields, "export")
+        fields = {"weights": self.weights, "output": self.output}
+        return form_values(self.stage.overrides, self.tracking, fields, "export")
 
 
 class EvaluateParams(BaseModel):
@@ -328,43 +304,25 @@ class EvaluateParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Evaluate stage parameters")
 
-    store: str = Field(
-        min_length=1, title="Tile store", description="Holds the annotated slides.", json_schema_extra=ui(0)
-    )
-    candidate: str = Field(
-        min_length=1,
-        title="Candidate model",
-        description="model.onnx (export) or backbone.pth (convert).",
-        json_schema_extra=ui(1),
-    )
-    output: str = Field(
-        min_length=1,
-        title="Evaluation directory",
-        description="evaluation.json, evaluation.md, pictures, cache.",
-        json_schema_extra=ui(2),
-    )
-    annotations: str | None = Field(
-        None,
-        title="Annotations",
-        description="A folder of QuPath <slide_id>.geojson exports (level-0 pixels), or a CSV slide_id,x,y,label. "
+    store: str = required_field(0, "Tile store", "Holds the annotated slides.")
+    candidate: str = required_field(1, "Candidate model", "model.onnx (export) or backbone.pth (convert).")
+    output: str = required_field(2, "Evaluation directory", "evaluation.json, evaluation.md, pictures, cache.")
+    annotations: str | None = optional_field(
+        3,
+        "Annotations",
+        "A folder of QuPath <slide_id>.geojson exports (level-0 pixels), or a CSV slide_id,x,y,label. "
         "Empty: label-free health only (no promotion unless gate.label_free=true).",
-        json_schema_extra=ui(3),
     )
-    stage: StageOptions = Field(
-        default_factory=StageOptions,
-        title="Config",
-        description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv.",
-        json_schema_extra=ui(4),
+    stage: StageOptions = stage_field(
+        4, description="e.g. overrides gate.margin=0.01, probe.bootstrap=2000, patients=/data/patients.csv."
     )
-    launch: LaunchParams = Field(
-        default_factory=LocalLaunch,
-        title="Launch",
+    launch: LaunchParams = launch_field(
+        5,
         description="More than one process (one per GPU): each model's labelled tiles are embedded by a torchrun "
         "job, split over the ranks; probes and the gate run once, in the flow.",
-        json_schema_extra=ui(5),
     )
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(6))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(7))
+    tracking: TrackingParams = tracking_field(6)
+    force: bool = force_field(7)
 
     def config_values(self) -> dict[str, Any]:
         fields = {
@@ -372,9 +330,8 @@ class EvaluateParams(BaseModel):
             "candidate": self.candidate,
             "output": self.output,
             "annotations": self.annotations,
-            **self.tracking.config_values(),
         }
-        return merge_values(self.stage.overrides, fields, "evaluate")
+        return form_values(self.stage.overrides, self.tracking, fields, "evaluate")
 
 
 class ExtractParams(BaseModel):
@@ -382,30 +339,21 @@ class ExtractParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Extract stage parameters")
 
-    store: str = Field(min_length=1, title="Tile store", json_schema_extra=ui(0))
-    model: str = Field(
-        min_length=1,
-        title="Model",
-        description="model.onnx (ONNX Runtime) or backbone.pth (PyTorch).",
-        json_schema_extra=ui(1),
-    )
-    output: str = Field(
-        min_length=1, title="Feature store", description="e.g. /data/cohort/features.zarr", json_schema_extra=ui(2)
-    )
-    stage: StageOptions = Field(default_factory=StageOptions, title="Config", json_schema_extra=ui(3))
-    launch: LaunchParams = Field(
-        default_factory=LocalLaunch,
-        title="Launch",
+    store: str = required_field(0, "Tile store")
+    model: str = required_field(1, "Model", "model.onnx (ONNX Runtime) or backbone.pth (PyTorch).")
+    output: str = required_field(2, "Feature store", "e.g. /data/cohort/features.zarr")
+    stage: StageOptions = stage_field(3)
+    launch: LaunchParams = launch_field(
+        4,
         description="More than one process (one per GPU): a torchrun job; slides and large slides' tile ranges "
         "are split over the ranks.",
-        json_schema_extra=ui(4),
     )
-    tracking: TrackingParams = Field(default_factory=TrackingParams, title="MLflow", json_schema_extra=ui(5))
-    force: bool = Field(False, title="Force", json_schema_extra=ui(6))
+    tracking: TrackingParams = tracking_field(5)
+    force: bool = force_field(6)
 
     def config_values(self) -> dict[str, Any]:
-        fields = {"store": self.store, "model": self.model, "output": self.output, **self.tracking.config_values()}
-        return merge_values(self.stage.overrides, fields, "extract")
+        fields = {"store": self.store, "model": self.model, "output": self.output}
+        return form_values(self.stage.overrides, self.tracking, fields, "extract")
 
 
 __all__ = [
@@ -420,5 +368,11 @@ __all__ = [
     "StageOptions",
     "TileParams",
     "TrackingParams",
+    "force_field",
+    "form_values",
+    "launch_field",
     "merge_values",
+    "overrides_field",
+    "stage_field",
+    "tracking_field",
 ]

@@ -374,24 +374,21 @@ def test_qc_picture_shows_tiles(tiled, sample_slides):
 def test_qc_legend_lists_exactly_what_is_drawn(sample_slides, tmp_path, pen_filter):
     """The QC picture as the tile stage draws it (`draw_qc`, into the slide's `.incoming/` folder): a legend swatch
     for each colour drawn on the slide and for no other."""
-    from PIL import Image
 
     from dinov3_core.tiling import qc
     from dinov3_core.tiling.plan import SlideTask, plan_slide
-    from dinov3_core.tiling.slide_job import draw_qc
-    from dinov3_core.tiling.store import IncomingSlide
 
     slide = by_name(sample_slides, "tissue_40x.svs")
     filters = {"filters.pen_filter": True, "filters.pen_max_fraction": 0.05} if pen_filter else {}
     cfg = tile_config(slide, tmp_path / "tiles.zarr", **{"tissue.min_tissue_fraction": 0.2, **filters})
     plan = plan_slide(SlideTask(slide.stem, slide), cfg, {})
-    incoming = IncomingSlide(tmp_path / "tiles.zarr", slide.stem, "qc", plan.n_tiles, plan.n_tiles)
-    draw_qc(incoming, plan, cfg)
-    picture = np.asarray(Image.open(incoming.path / qc.QC_PICTURES["thumbnail"]).convert("RGB"))
-    drawing, legend = picture[:-18], picture[-18:]
+    picture, entries = qc.draw_qc_picture(plan, pen_filter=pen_filter)
+    drawing, legend = np.asarray(picture)[:-18], np.asarray(picture)[-18:]
     outlines = (qc.TISSUE_CONTOUR, qc.TILE_OUTLINE, qc.DROPPED_OUTLINE)
     drawn = {c for c in outlines if (drawing == c).all(axis=-1).any()}
-    listed = {c for c in (*outlines, qc.PEN_TINT) if (legend == c).all(axis=-1).sum() >= 100}  # its swatches
+    listed = {colour for _, colour in entries}
+    swatches = {c for c in (*outlines, qc.PEN_TINT) if (legend == c).all(axis=-1).sum() >= 100}
+    assert swatches == listed, "the legend's swatches are its entries"
     assert listed - {qc.PEN_TINT} == drawn
     assert (qc.DROPPED_OUTLINE in drawn) == pen_filter, "only the pen filter drops tiles of this slide"
     assert (qc.PEN_TINT in listed) == bool(plan.pen_mask.any()) and plan.pen_mask.any()

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
-from dinov3_core.errors import WsidinoError, exit_code
-from dinov3_core.gram.anchoring import run_gram
+from dinov3_core.gram.anchoring import GramResult, run_gram
 from dinov3_core.gram.config import GramConfig
-from dinov3_core.procutil import die_with_parent
+from dinov3_core.procutil import rank_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,29 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
-        die_with_parent()
     args = build_parser().parse_args(argv)
-
     overrides = list(args.overrides)
     if args.pretrain_dir is not None:
         overrides.append(f"pretrain_dir={args.pretrain_dir}")
-    try:
+
+    def gram() -> GramResult:
         cfg = load_config(GramConfig, args.config, overrides, stage="gram")
-        result = run_gram(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
-    except WsidinoError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return exit_code(err)  # 2: bad input (the stage removes what it created), 1: stopped, output kept
-    if os.environ.get("RANK", "0") != "0":
-        return 0
+        return run_gram(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
+
+    return rank_entry(gram, _report)
+
+
+def _report(result: GramResult) -> str:
     chosen = (result.teacher_selection or {}).get("chosen", {})
-    print(
+    return (
         f"gram: iterations {result.start_iteration}…{result.end_iteration - 1} of {result.total_iterations} done; "
         f"gram teacher {chosen.get('path', 'from config')}; {result.gram_updates} refresh(es); "
-        f"last checkpoint {result.last_checkpoint}",
-        flush=True,
+        f"last checkpoint {result.last_checkpoint}"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ GPU memory, and its long timeout lets a rank that finished early wait for one st
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,9 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dinov3_core.errors import WsidinoError, exit_code
 from dinov3_core.inference.feature_model import ExtractError
-from dinov3_core.procutil import die_with_parent
+from dinov3_core.procutil import rank_entry
 
 # How long a rank waits at a barrier for the others (the slowest rank's share of the cohort); a rank that dies
 # does not make the others wait this long: torchrun stops the whole job as soon as one rank fails.
@@ -106,23 +104,16 @@ class Team:
 
 def rank_main(work: Callable[[Team], str | None]) -> int:
     """The body of a torchrun rank's `main` (extract, evaluate's embedding): join the team, run `work`, print the
-    line it returns on rank 0. Bad input (a `WsidinoError`) prints its message and exits 2 with no traceback; any
-    other error propagates to `@record`, which hands it to torchrun as this rank's root cause."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
-        die_with_parent()
-    team = None
-    try:
+    line it returns on rank 0 (`procutil.rank_entry`: bad input exits 2 with no traceback)."""
+
+    def in_team() -> str | None:
         team = Team.from_env()
-        line = work(team)
-    except WsidinoError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return exit_code(err)
-    finally:
-        if team is not None:
+        try:
+            return work(team)
+        finally:
             team.close()
-    if line and team.is_main:
-        print(line, flush=True)
-    return 0
+
+    return rank_entry(in_team, lambda line: line)
 
 
 __all__ = ["BARRIER_TIMEOUT", "Team", "rank_device", "rank_main", "rank_threads"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dinov3_core.forms import ui
+from dinov3_core.forms import optional_field, ui
 
 
 class LaunchSettings(BaseModel):
@@ -36,28 +36,24 @@ class LaunchSettings(BaseModel):
         description="Nodes in the job; more than 1 needs a rendezvous endpoint, and the same launch on every node.",
         json_schema_extra=ui(1),
     )
-    rdzv_endpoint: str | None = Field(
-        None,
-        title="Rendezvous endpoint",
+    rdzv_endpoint: str | None = optional_field(
+        2,
+        "Rendezvous endpoint",
+        "host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
         pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d+$",
-        description="host:port of the c10d rendezvous (multi-node only), e.g. node001:29400.",
-        json_schema_extra=ui(2),
     )
-    cuda_visible_devices: str | None = Field(
-        None,
-        title="CUDA_VISIBLE_DEVICES",
+    cuda_visible_devices: str | None = optional_field(
+        3,
+        "CUDA_VISIBLE_DEVICES",
+        "GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
         pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
-        description="GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
-        json_schema_extra=ui(3),
     )
-    timeout_hours: float | None = Field(
-        None,
+    timeout_hours: float | None = optional_field(
+        4,
+        "Wall-clock limit (hours)",
+        "Kill the whole job after this long (it resumes from its last checkpoint when rerun). Empty: no limit.",
         gt=0,
         le=24 * 30,
-        title="Wall-clock limit (hours)",
-        description="Kill the whole job after this long (it resumes from its last checkpoint when rerun). "
-        "Empty: no limit.",
-        json_schema_extra=ui(4),
     )
     retries: int = Field(
         1,
@@ -68,12 +64,11 @@ class LaunchSettings(BaseModel):
         "Prefect runs only: on the command line, rerun the same command.",
         json_schema_extra=ui(5),
     )
-    gpu_slots: str | None = Field(
-        None,
-        title="GPU slot limit",
-        description="Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
+    gpu_slots: str | None = optional_field(
+        6,
+        "GPU slot limit",
+        "Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
         "nproc_per_node slots while it runs. Empty: no limit.",
-        json_schema_extra=ui(6),
     )
 
     @property

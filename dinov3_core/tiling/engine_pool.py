@@ -26,7 +26,7 @@ from dinov3_core.tiling.slide_job import (
     begin_plan,
     draw_qc,
     error_text,
-    failed_outcome,
+    fail_slide,
     finish_plan,
     limit_zarr_threads,
     store_extras,
@@ -79,11 +79,8 @@ def run_pool(
     def fail(task_or_id: SlideTask | str, path: str, message: str) -> None:
         slide_id = task_or_id if isinstance(task_or_id, str) else task_or_id.slide_id
         state = states.pop(slide_id, None)
-        if state is not None:
-            ts.abandon_slide(state.incoming)
-        outcomes[slide_id] = failed_outcome(slide_id, path, message)
+        outcomes[slide_id] = fail_slide(slide_id, path, message, state.incoming if state is not None else None)
         ts.write_manifest(root, [outcomes[slide_id].as_manifest_entry()], store_extras(cfg))
-        log.warning("slide failed: %s", outcomes[slide_id].error)
         if on_slide is not None:
             on_slide(outcomes[slide_id])
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.discovery import is_up_to_date
 from dinov3_core.tiling.plan import SlideTask, plan_slide
@@ -32,7 +31,7 @@ from dinov3_core.tiling.slide_job import (
     begin_plan,
     draw_qc,
     error_text,
-    failed_outcome,
+    fail_slide,
     finish_plan,
     limit_zarr_threads,
     process_name,
@@ -156,11 +155,7 @@ def _tile_one(
             result.write_seconds += seconds
         outcome = finish_plan(incoming, plan, cfg, time.perf_counter() - start)
     except Exception as err:
-        if incoming is not None:
-            ts.abandon_slide(incoming)
-        outcome = failed_outcome(task.slide_id, task.path, error_text(err))
-        log.warning("slide failed: %s", outcome.error)
-        return outcome
+        return fail_slide(task.slide_id, task.path, error_text(err), incoming)
     outcome.workers = 1
     return outcome
 

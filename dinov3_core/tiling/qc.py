@@ -8,6 +8,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from scipy import ndimage
 
+from dinov3_core.tiling.plan import SlidePlan
+
 TISSUE_CONTOUR = (0, 200, 0)
 TILE_OUTLINE = (30, 90, 255)
 DROPPED_OUTLINE = (255, 140, 0)
@@ -54,24 +56,9 @@ def with_legend(picture: Image.Image, entries: tuple[tuple[str, tuple[int, int, 
 QC_PICTURES = {"thumbnail": "qc_thumbnail.png", "mask": "qc_mask.png"}  # names in the slide's folder
 
 
-def save_qc_pictures(
-    out_dir: Path,
-    image: np.ndarray,
-    image_scale: float,
-    tissue: np.ndarray,
-    pen: np.ndarray,
-    kept_coords: np.ndarray,
-    dropped_coords: np.ndarray,
-    tile_level0: int,
-    max_side: int = 1024,
-    title: str = "",
-    pen_filter: bool | None = None,
-) -> dict[str, str]:
-    """Draw the tiling over `image` (`image_scale` level-0 px per px) and save it with the tissue mask."""
+def save_qc_pictures(out_dir: Path, picture: Image.Image, tissue: np.ndarray) -> dict[str, str]:
+    """Save a slide's QC picture (`draw_qc_picture`) and its tissue mask."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    picture, _ = draw_qc_picture(
-        image, image_scale, tissue, pen, kept_coords, dropped_coords, tile_level0, max_side, title, pen_filter
-    )
     thumb_path = out_dir / QC_PICTURES["thumbnail"]
     mask_path = out_dir / QC_PICTURES["mask"]
     picture.save(thumb_path, optimize=False)
@@ -80,19 +67,14 @@ def save_qc_pictures(
 
 
 def draw_qc_picture(
-    image: np.ndarray,
-    image_scale: float,
-    tissue: np.ndarray,
-    pen: np.ndarray,
-    kept_coords: np.ndarray,
-    dropped_coords: np.ndarray,
-    tile_level0: int,
-    max_side: int = 1024,
-    title: str = "",
-    pen_filter: bool | None = None,
+    plan: SlidePlan, max_side: int = 1024, title: str = "", pen_filter: bool | None = None
 ) -> tuple[Image.Image, tuple[tuple[str, tuple[int, int, int]], ...]]:
-    """The QC picture and its legend entries: tissue contour green, pen ink tinted magenta, kept tiles blue, tiles
-    dropped by QC filters orange; the legend names only what is drawn on this slide."""
+    """The QC picture of a slide's tiling and its legend entries, over `plan.qc_image`: tissue contour green, pen
+    ink tinted magenta, kept tiles blue, tiles dropped by QC filters orange; the legend names only what is drawn on
+    this slide."""
+    image, image_scale, tissue, pen = plan.qc_image, plan.qc_scale, plan.tissue_mask, plan.pen_mask
+    kept_coords, dropped_coords = plan.coords, plan.dropped_coords
+    tile_level0 = plan.read.tile_size_level0
     img, factor = _fit(image, max_side)
     overlay = np.asarray(img).copy()
     nearest = Image.Resampling.NEAREST

@@ -7,6 +7,7 @@ slides, e.g. on a Dask worker of another host.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -20,10 +21,12 @@ from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
 from dinov3_core.tiling.discovery import Repeat
 from dinov3_core.tiling.plan import SlidePlan, SlideTask, slide_attrs, tiling_params
-from dinov3_core.tiling.qc import QC_PICTURES, save_qc_pictures
+from dinov3_core.tiling.qc import QC_PICTURES, draw_qc_picture, save_qc_pictures
 from dinov3_core.tiling.writer import WriteUnit
 
 SHARDS_PER_UNIT = 1
+
+log = logging.getLogger("wsidino.tile")
 
 
 @dataclass
@@ -94,11 +97,17 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def failed_outcome(slide_id: str, path: str | os.PathLike[str], message: str) -> SlideOutcome:
-    """A failed slide's row. Its error names the slide file once: our own errors already start with it, a
-    library's (OpenSlideError: Bogus marker length, [Errno 28] No space left on device) does not."""
+def fail_slide(
+    slide_id: str, path: str | os.PathLike[str], message: str, incoming: ts.IncomingSlide | None = None
+) -> SlideOutcome:
+    """A failed slide's row, logged; its `.incoming/` group (when begun) is abandoned. Its error names the slide
+    file once: our own errors already start with it, a library's (OpenSlideError: Bogus marker length, [Errno 28]
+    No space left on device) does not."""
+    if incoming is not None:
+        ts.abandon_slide(incoming)
     path = str(path)
     error = message if path in message else f"{path}: {message}"
+    log.warning("slide failed: %s", error)
     return SlideOutcome(slide_id, path, "failed", error=error)
 
 
@@ -116,28 +125,19 @@ def duplicate_outcome(repeat: Repeat) -> SlideOutcome:
 def begin_plan(root: Path, plan: SlidePlan, cfg: TileConfig) -> tuple[ts.IncomingSlide, list[WriteUnit]]:
     """Create the slide's group under `.incoming/` (and a group inside it for each further µm/px level) and cut
     every level's tiles into shard-aligned write units."""
-    codec = {"compressor": cfg.compressor, "compression_level": cfg.compression_level, "jpeg_quality": cfg.jpeg_quality}
-    incoming = ts.begin_slide(
-        root,
-        plan.task.slide_id,
-        n_tiles=plan.n_tiles,
-        tile_size=cfg.tile_size,
-        tiles_per_shard=cfg.tiles_per_shard,
-        columns=plan.columns(),
-        **codec,
-    )
+    layout = {  # the same for every level's group
+        "tile_size": cfg.tile_size,
+        "tiles_per_shard": cfg.tiles_per_shard,
+        "compressor": cfg.compressor,
+        "compression_level": cfg.compression_level,
+        "jpeg_quality": cfg.jpeg_quality,
+    }
+    slide_id = plan.task.slide_id
+    incoming = ts.begin_slide(root, slide_id, n_tiles=plan.n_tiles, columns=plan.columns(), **layout)
     units = _units(incoming, plan, plan.read, plan.reader, plan.coords)
     for level in plan.levels:
         into = ts.begin_slide(
-            root,
-            plan.task.slide_id,
-            n_tiles=level.n_tiles,
-            tile_size=cfg.tile_size,
-            tiles_per_shard=cfg.tiles_per_shard,
-            columns=level.columns(),
-            level_of=incoming,
-            sub=level.path,
-            **codec,
+            root, slide_id, n_tiles=level.n_tiles, columns=level.columns(), level_of=incoming, sub=level.path, **layout
         )
         units += _units(into, plan, level.read, level.reader, level.coords, record_stain=False)
     return incoming, units
@@ -170,19 +170,13 @@ def _units(
 def draw_qc(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig) -> None:
     """The slide's QC pictures, into its `.incoming/` folder: drawn while its tiles are being written, so that after
     the last shard only the commit is left to wait for."""
-    save_qc_pictures(
-        incoming.path,
-        plan.qc_image,
-        plan.qc_scale,
-        plan.tissue_mask,
-        plan.pen_mask,
-        plan.coords,
-        plan.dropped_coords,
-        plan.read.tile_size_level0,
+    picture, _ = draw_qc_picture(
+        plan,
         max_side=cfg.qc_thumbnail_px,
         title=f"{plan.task.slide_id}: {plan.n_tiles} tiles @ {plan.read.mpp_effective:.3f} um/px",
         pen_filter=cfg.filters.pen_filter,
     )
+    save_qc_pictures(incoming.path, picture, plan.tissue_mask)
 
 
 def finish_plan(incoming: ts.IncomingSlide, plan: SlidePlan, cfg: TileConfig, seconds: float) -> SlideOutcome:

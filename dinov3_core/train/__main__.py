@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dinov3_core.config import load_config
-from dinov3_core.errors import WsidinoError, exit_code
-from dinov3_core.procutil import die_with_parent
+from dinov3_core.procutil import rank_entry
 from dinov3_core.train.config import PretrainConfig
-from dinov3_core.train.pretrain import run_pretrain
+from dinov3_core.train.pretrain import PretrainResult, run_pretrain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,25 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun rank: do not outlive a SIGKILLed torchrun
-        die_with_parent()
     args = build_parser().parse_args(argv)
 
-    try:
+    def pretrain() -> PretrainResult:
         cfg = load_config(PretrainConfig, args.config, args.overrides, stage="pretrain")
-        result = run_pretrain(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
-    except WsidinoError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return exit_code(err)  # 2: bad input (the stage removes what it created), 1: stopped, output kept
-    if os.environ.get("RANK", "0") != "0":
-        return 0
-    print(
+        return run_pretrain(cfg, os.environ.get("MLFLOW_RUN_ID"))  # the stage runner's run (rank 0 joins it)
+
+    return rank_entry(pretrain, _report)
+
+
+def _report(result: PretrainResult) -> str:
+    return (
         f"pretrain: iterations {result.start_iteration}…{result.end_iteration - 1} of {result.total_iterations} "
         f"done, {result.images_per_second:.1f} images/s after a first step of {result.first_step_seconds:.1f} s; "
-        f"last checkpoint {result.last_checkpoint}",
-        flush=True,
+        f"last checkpoint {result.last_checkpoint}"
     )
-    return 0
 
 
 if __name__ == "__main__":
