@@ -7,13 +7,13 @@ Slides: the "demo" sample slides (six, one stain per slide, annotated; `--quick`
 drawn stain: a lab no training slide comes from. Training never sees it.
 
 Rows, side by side in one run, all at the same total iterations N (the cpu recipe's 1,000; `--quick`: 40) and the
-cpu recipe otherwise (dinov3_core/configs/pretrain/cpu.yaml, dinov3_core/configs/gram/cpu.yaml):
+cpu recipe otherwise (configs/pretrain/cpu.yaml, configs/gram/cpu.yaml):
 
 * init: the vit_test backbone at initialisation (what the cpu recipe starts from);
 * pretrain N, no stain augmentation (`crops.hed_p=0`, `crops.stain_norm_p=0`);
 * pretrain N, HED jitter (the cpu recipe as shipped: `hed_p=0.5`);
 * pretrain N, HED jitter + cohort re-targeting (`stain_norm_p=0.5`, as in the GPU recipes);
-* pretrain N − G, then gram G (G = 20 % of N, dinov3_core/configs/gram/cpu.yaml's rule), HED jitter in both.
+* pretrain N − G, then gram G (G = 20 % of N, configs/gram/cpu.yaml's rule), HED jitter in both.
 
 Each trained run goes through the real convert stage (`run_stage("convert")`) and every model through the real
 evaluate stage (`run_stage("evaluate")`, no baseline or champion, default protocol: slide-level cross-validation,
@@ -60,7 +60,7 @@ from dinov3_core.train.pretrain import run_pretrain
 from wsidino_dev.sample_slides import make_sample_slides
 
 HELDOUT = "tissue_heldout_stain"
-GRAM_SHARE = 0.2  # dinov3_core/configs/gram/cpu.yaml: the gram phase is 20 % of the pretraining iterations
+GRAM_SHARE = 0.2  # configs/gram/cpu.yaml: the gram phase is 20 % of the pretraining iterations
 NO_AUG = {"crops.hed_p": 0.0, "crops.stain_norm_p": 0.0}
 HED = {"crops.hed_p": 0.5, "crops.stain_norm_p": 0.0}
 HED_RETARGET = {"crops.hed_p": 0.5, "crops.stain_norm_p": 0.5}

@@ -36,7 +36,7 @@ VARIANTS = {  # name → (stain_norm_p, hed_p)
     "RandStainNA only": (1.0, 0.0),
     "both": (1.0, 1.0),
 }
-RECIPES = {  # the crops of the `cpu` recipe and of the GPU recipes (dinov3_core/configs/pretrain/*.yaml)
+RECIPES = {  # the crops of the `cpu` recipe and of the GPU recipes (configs/pretrain/*.yaml)
     "cpu": {"n_local_crops": 2, "global_size": 64, "local_size": 32},
     "gpu": {"n_local_crops": 8, "global_size": 224, "local_size": 96},
 }

@@ -9,7 +9,7 @@ Every training measurement is a real `python -m dinov3_core.train` run (1 proces
 the median iteration time from `training_metrics.json`, skipping the first two iterations (allocator
 warm-up). Models:
 
-* tiny: `dinov3_core/configs/pretrain/tiny.yaml` (vit_test, 2×64 + 2×32 px crops, 256 prototypes), global batch 16.
+* tiny: `configs/pretrain/tiny.yaml` (vit_test, 2×64 + 2×32 px crops, 256 prototypes), global batch 16.
 * vit_small: ViT-S/16 with the official 2×224 + 8×96 crops and 65536-prototype heads
   (`--quick`: 2×112 + 4×48 crops, 4096 prototypes). Global batch 4: 2 per process with 2 processes, the
   least per-rank KoLeo neighbour set.

@@ -1,7 +1,7 @@
 """`wsidino <stage>`: every stage runs alone from the command line.
 
 Options name the essentials; everything else is `key=value` overrides on the stage's typed config, on top of an
-optional `--config` (a YAML path or a name under dinov3_core/configs/<stage>/). Every stage goes through the same
+optional `--config` (a YAML path or a name under configs/<stage>/). Every stage goes through the same
 runner as the Prefect tasks (`dinov3_core.runner.run_stage`): same manifests and skip rule, same MLflow runs, and
 pretrain/gram run as a torchrun job through the same launcher (timeout, no orphans, the failing rank's own error).
 """
@@ -100,7 +100,7 @@ def add_stage_command(sub: Any, stage: Stage[Any]) -> argparse.ArgumentParser:
     p.stage = stage
     named = sorted(q.stem for q in (config_dir() / stage.name).glob("*.yaml"))
     p.add_argument(
-        "--config", help=f"YAML file, or a name under dinov3_core/configs/{stage.name}/ ({', '.join(named)})"
+        "--config", help=f"YAML file, or a name under configs/{stage.name}/ ({', '.join(named)})"
     )
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help=f"any config key of the stage, e.g. {stage.override_example}"

@@ -111,7 +111,7 @@ stages:
   (README: "On your own slides"). A stage whose manifest shows the same inputs and config is skipped, so the
   same command resumes after a failure and a rerun does nothing; training resumes from its last checkpoint.
 
-configs (dinov3_core/configs/pipeline/; hardware and run times: docs/hardware.md):
+configs (configs/pipeline/; hardware and run times: docs/hardware.md):
   cpu            the demo and smoke path (tiny ViT, minutes on a laptop; not a model to deploy)
   vits16-1gpu    continued pretraining of released ViT-S/16 weights on one GPU (24 GB or more)
   vitb16-1gpu    ViT-B/16 on one GPU (24 GB or more)      vitl16-1gpu   ViT-L/16 on one GPU (24 GB or more)
@@ -176,7 +176,7 @@ def add_chain_commands(sub: Any) -> None:
         "(required, unless the --config file sets it)",
     )
     pipeline.add_argument("--workdir", help="where every output goes (required, unless the --config file sets it)")
-    pipeline.add_argument("--config", help="a name under dinov3_core/configs/pipeline/ (default cpu) or a YAML path")
+    pipeline.add_argument("--config", help="a name under configs/pipeline/ (default cpu) or a YAML path")
     pipeline.add_argument(
         "--weights",
         help="released DINOv3 backbone to warm-start from: a .pth file, or a preset "
@@ -219,7 +219,7 @@ def add_chain_commands(sub: Any) -> None:
         epilog=RETRAIN_EPILOG,
     )
     retrain.add_argument(
-        "--config", help="YAML file, or a name under dinov3_core/configs/retrain/ (tiny: CPU-sized; vitb16)"
+        "--config", help="YAML file, or a name under configs/retrain/ (tiny: CPU-sized; vitb16)"
     )
     retrain.add_argument("--slides", help="the cohort's slides: directory, glob, or .txt/.csv list")
     retrain.add_argument("--root", help="where the tile store, cycles/ and features/ live")

@@ -61,16 +61,16 @@ def require(ok: bool, key: str, message: str) -> None:
 
 
 def packaged_config_dir() -> Path:
-    """The named configs that ship with wsidino: `dinov3_core/configs/`, package data found through
-    `importlib.resources`, so the same directory is read from a checkout, an editable install and an installed wheel."""
-    root = importlib.resources.files("dinov3_core") / "configs"
-    # A regular (unzipped) install: a directory on disk. The loaders below open files by path.
-    return Path(str(root))
+    """The named configs that ship with wsidino. Their home is the repository's top-level `configs/` (a checkout,
+    an editable install); a wheel carries them as package data, `dinov3_core/configs/` (setup.py copies them in),
+    found through `importlib.resources`."""
+    packaged = Path(str(importlib.resources.files("dinov3_core") / "configs"))  # an unzipped install: a directory
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "configs"
 
 
 def config_dir() -> Path:
     """The directory of named configs (`<dir>/<stage>/<name>.yaml`): `$WSIDINO_CONFIG_DIR` (a lab's own recipes),
-    else the packaged `dinov3_core/configs/` (`packaged_config_dir`). Every lookup of a named config goes through
+    else the packaged `configs/` (`packaged_config_dir`). Every lookup of a named config goes through
     here."""
     env = os.environ.get(CONFIG_DIR_ENV)
     return Path(env) if env else packaged_config_dir()
@@ -257,7 +257,7 @@ def load_config(
     *,
     stage: str | None = None,
 ) -> T:
-    """Build a typed config: schema defaults ← YAML (a path, or a name under `dinov3_core/configs/<stage>/`:
+    """Build a typed config: schema defaults ← YAML (a path, or a name under `configs/<stage>/`:
     `resolve_config_path`) ← overrides."""
     base = OmegaConf.structured(schema)
     path = resolve_config_path(stage or "", config) if config is not None else None

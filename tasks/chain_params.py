@@ -37,7 +37,7 @@ class PipelineParams(BaseModel):
     config: str = Field(
         "cpu",
         title="Pipeline config",
-        description="A name under dinov3_core/configs/pipeline/: cpu (demo and smoke runs), vits16-1gpu, vitb16-1gpu, "
+        description="A name under configs/pipeline/: cpu (demo and smoke runs), vits16-1gpu, vitb16-1gpu, "
         "vitl16-1gpu (one GPU), vitb16, vitl16 (8 GPUs; docs/hardware.md), or a YAML path.",
         json_schema_extra=ui(2),
     )
@@ -112,7 +112,7 @@ class RetrainParams(BaseModel):
     config: str = Field(
         "tiny",
         title="Retrain config",
-        description="A name under dinov3_core/configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
+        description="A name under configs/retrain/ (tiny: CPU-sized; vitb16: GPU host) or a YAML path.",
         json_schema_extra=ui(3),
     )
     overrides: list[Override] = overrides_field(

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = get_stage(args.stage)
     load_config(stage.schema(), args.config, args.overrides, stage=args.stage)  # fails early
     name = args.name or f"wsidino-{args.stage}"
-    # The pods resolve the named config and overrides themselves (dinov3_core/configs/ is in the image): nothing is
+    # The pods resolve the named config and overrides themselves (configs/ is in the image): nothing is
     # written here, and the manifest reads as the command it runs.
     job = TorchrunJob(
         module=stage.job_module,

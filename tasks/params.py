@@ -70,7 +70,7 @@ class StageOptions(BaseModel):
     config: str | None = optional_field(
         0,
         "Named config or YAML",
-        "A name under dinov3_core/configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
+        "A name under configs/<stage>/ (e.g. tiny, vitb16-continued, default) or a YAML path. "
         "Empty: the built-in defaults.",
     )
     overrides: list[Override] = overrides_field(

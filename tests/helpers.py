@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIST_SCRIPTS = REPO / "tests" / "dist_scripts"
 PRETRAIN_RUNS_SCRIPT = DIST_SCRIPTS / "pretrain_runs.py"
 
-# On top of dinov3_core/configs/pretrain/tiny.yaml: no lr warmup and no frozen last layer (every step moves every
+# On top of configs/pretrain/tiny.yaml: no lr warmup and no frozen last layer (every step moves every
 # weight), a global batch of 8, no MLflow. Modules add their own schedule (batch per process, stop, checkpoint periods).
 TINY_PRETRAIN: dict[str, Any] = {
     "tracking.enabled": False,

@@ -56,7 +56,7 @@ def test_help_names_required_options_and_stage_examples(stage: str, capsys: pyte
     # gram's --pretrain-dir may be left out when student.pretrained_weights names the start instead
     required = [o for o in options if (stage, o) != ("gram", "--pretrain-dir")]
     assert text.count("(required, unless the --config file sets it)") == len(required)
-    assert f"dinov3_core/configs/{stage}/ (" in text
+    assert f"configs/{stage}/ (" in text
 
 
 def test_a_bad_input_exit_leaves_nothing_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -138,13 +138,13 @@ REQUIRED_PRETRAIN = {"data.stores": ["t.zarr"], "output_dir": "run"}
 def test_named_configs_are_package_data_unless_the_environment_names_a_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shipped configs live in the package (a wheel carries them, tests/test_wheel.py); $WSIDINO_CONFIG_DIR
-    replaces them with a lab's own directory of `<stage>/<name>.yaml` files."""
+    """The shipped configs live at the repository's top level in a checkout (a wheel carries them as package data,
+    tests/test_wheel.py); $WSIDINO_CONFIG_DIR replaces them with a lab's own directory of `<stage>/<name>.yaml`."""
     import dinov3_core
     from dinov3_core.config import CONFIG_DIR_ENV, config_dir, packaged_config_dir, resolve_config_path
 
     monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
-    assert config_dir() == packaged_config_dir() == Path(dinov3_core.__file__).resolve().parent / "configs"
+    assert config_dir() == packaged_config_dir() == Path(dinov3_core.__file__).resolve().parents[1] / "configs"
     assert resolve_config_path("pretrain", "tiny") == packaged_config_dir() / "pretrain" / "tiny.yaml"
     (tmp_path / "tile").mkdir()
     (tmp_path / "tile" / "lab.yaml").write_text("tile_size: 256\n")

@@ -184,7 +184,7 @@ def test_deployment_params_are_complete_and_valid(deployments: dict[str, dict[st
     params = check_params(deployment, deployment["parameters"], f"deployment {name}")
     for stage, config in stage_configs(params):
         assert (packaged_config_dir() / stage / f"{config}.yaml").is_file(), (
-            f"{name}: no dinov3_core/configs/{stage}/{config}.yaml"
+            f"{name}: no configs/{stage}/{config}.yaml"
         )
 
 

@@ -1,5 +1,5 @@
 """The built wheel is complete: installed into a fresh venv, away from the checkout, its stages run and find their
-named configs (package data, `dinov3_core/configs/`) and the sample slides.
+named configs (package data, `configs/`) and the sample slides.
 
 The wheel is built offline from a copy of the sources (`pip wheel --no-deps --no-build-isolation --no-index`, with
 the setuptools of this venv) and installed with `--no-deps` into a new venv that has no pip and no access to the
@@ -24,7 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # What the wheel is built from (pyproject's packages and the files it names); the rest of the checkout stays out.
-SOURCES = ("pyproject.toml", "README.md", "dinov3_core", "flows", "tasks", "wsidino_dev")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "configs", "dinov3_core", "flows", "tasks", "wsidino_dev")
 # Variables that would point the installed code back at the checkout or at a running server.
 CLEARED_ENV = ("PYTHONPATH", "PYTHONHOME", "WSIDINO_CONFIG_DIR", "MLFLOW_TRACKING_URI", "PREFECT_API_URL")
 
@@ -171,7 +171,7 @@ def test_the_installed_wheel_runs_stages_with_its_packaged_configs(installed: tu
         "run",
         "--print-config",
     ]
-    assert "pretrain:\n  config: cpu\n" in ok(run(pipeline, work, env))  # configs/pipeline/cpu.yaml
+    assert "  pretrain:\n    config: cpu\n" in ok(run(pipeline, work, env))  # configs/pipeline/cpu.yaml
 
 
 def test_serve_from_a_wheel_says_it_needs_a_checkout(installed: tuple[Path, Path]) -> None:

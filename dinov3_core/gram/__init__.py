@@ -3,6 +3,6 @@
 
 * `teacher` — `find_eval_checkpoints`, `select_gram_teacher` (policies latest / iteration / best_dense),
   `load_gram_teacher` (eval teacher or released backbone; training checkpoints refused with the file to use);
-* `config` — `GramConfig` (= `PretrainConfig` + `pretrain_dir` + `gram`), named configs in dinov3_core/configs/gram/;
+* `config` — `GramConfig` (= `PretrainConfig` + `pretrain_dir` + `gram`), named configs in configs/gram/;
 * `anchoring` — `GramTrainer`, `run_gram(cfg) -> GramResult`; `python -m dinov3_core.gram` is the entry point.
 """

@@ -1,4 +1,4 @@
-"""Typed config of a whole-pipeline run (`load_pipeline_config`; named configs: dinov3_core/configs/pipeline/).
+"""Typed config of a whole-pipeline run (`load_pipeline_config`; named configs: configs/pipeline/).
 
     wsidino pipeline --slides /data/slides --workdir /runs/lab1 --config vitb16-1gpu --weights vitb16 \
         pretrain.train.stop_at=2000 --from convert --force export
@@ -77,7 +77,7 @@ class PipelineConfig(ChainConfig):
 
 
 def load_pipeline_config(config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> PipelineConfig:
-    """Schema defaults ← named config (dinov3_core/configs/pipeline/<name>.yaml) or YAML ← overrides (stage keys
+    """Schema defaults ← named config (configs/pipeline/<name>.yaml) or YAML ← overrides (stage keys
     routed).
 
     The tracking URI is resolved here (a fixed `tracking.uri` from then on), so every stage logs to the same

@@ -42,6 +42,8 @@ def where_everything_is(result: PipelineResult, experiment: str, seconds: float)
     status = ", ".join(f"{s} {o.status}" for s, o in result.outcomes.items())
     lines = [f"\nPipeline finished in {seconds:.0f} s: {status}.", ""]
     for name, path in result.paths.named().items():
+        if not path.exists():  # a stage left out (--to, gram_anchoring=false) or one that made nothing
+            continue
         contents = get_stage(name).place.contents
         outcome = result.outcomes.get(name)
         note = outcome.summary.note() if outcome is not None else ""

@@ -1,4 +1,4 @@
-"""Typed config of a retraining cycle (`load_retrain_config`; named configs under dinov3_core/configs/retrain/).
+"""Typed config of a retraining cycle (`load_retrain_config`; named configs under configs/retrain/).
 
     wsidino retrain --slides /data/slides --root /data/retrain --config tiny \
         trigger.min_new_slides=5 pretrain.train.stop_at=100
@@ -95,7 +95,7 @@ class RetrainConfig(ChainConfig):
 
 
 def load_retrain_config(config: str | None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> RetrainConfig:
-    """Schema defaults ← named config (dinov3_core/configs/retrain/<name>.yaml) or YAML ← overrides (stage keys
+    """Schema defaults ← named config (configs/retrain/<name>.yaml) or YAML ← overrides (stage keys
     routed)."""
     values = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
     own, extra = route_overrides(values)

@@ -84,7 +84,12 @@ STAGE: Stage[ExtractSummary] = Stage(
     summary_type=ExtractSummary,
     output=lambda c: c.output,
     output_is_dir=True,
-    place=Place("features.zarr", "cohort", "PCA pictures: features/<id>/pca.png"),
+    place=Place(
+        "features.zarr",
+        "cohort",
+        "PCA pictures: features/<id>/pca.png; per-slide .h5 (TRIDENT/CLAM) in features_h5/ with extract.format=both; "
+        "QuPath detections features/<id>/tiles.geojson with extract.qupath=true",
+    ),
     inputs=lambda c: {"tile_store": c.store, "model": c.model},
     outputs=lambda c: {"features": c.output},
     chain_values=_chain_values,

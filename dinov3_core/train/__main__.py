@@ -25,7 +25,7 @@ from dinov3_core.train.pretrain import PretrainResult, run_pretrain
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dinov3_core.train", description="DINOv3 pretraining stage")
-    parser.add_argument("--config", required=True, help="YAML file, or a name under dinov3_core/configs/pretrain/")
+    parser.add_argument("--config", required=True, help="YAML file, or a name under configs/pretrain/")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.stop_at=10")
     return parser
 

@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         if registration.retrain_params_file is not None:
             lines += [
                 "",
-                "Run a retraining cycle (CPU, dinov3_core/configs/retrain/tiny.yaml; cycles under "
+                "Run a retraining cycle (CPU, configs/retrain/tiny.yaml; cycles under "
                 f"{serve_dir / 'runs' / 'retrain'}"
                 "): the first trains; run it again after adding slides to the sample folder and it trains from the "
                 "champion; with nothing new it is skipped:",
