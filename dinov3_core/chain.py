@@ -224,6 +224,34 @@ def check_before_work(
         raise ConfigError(head + ":\n" + "\n".join(f"  {p}" for p in problems))
 
 
+HOUR, DAY = 3600.0, 86400.0
+
+
+def check_duration(configs: Mapping[str, Any], world_size: int, *, yes: bool, log: Callable[[str], None]) -> None:
+    """Say how long the training stages will take at least on this machine when it is more than an hour, and stop
+    a run that would take more than a day on a CPU unless `yes` (`--yes`): a GPU recipe started on the wrong box
+    is found before its first step, not after hours without one."""
+    found = [(name, d) for name, cfg in configs.items() if (d := _duration(name, cfg, world_size)) is not None]
+    total = sum(d.seconds for _, d in found)
+    if total < HOUR:
+        return
+    from dinov3_core.train.duration import human
+
+    said = "; ".join(f"{name} {d.describe()}" for name, d in found)
+    log(f"time estimate: {said}")
+    if total > DAY and any(d.device.startswith("CPU") for _, d in found) and not yes:
+        raise ConfigError(
+            f"the training stages would take {human(total)} or more on this machine's CPU ({said}); use a GPU "
+            "(the -1gpu configs, docs/hardware.md), shorten the run (pretrain.train.stop_at=…), or pass --yes "
+            "(yes=true) to run it anyway"
+        )
+
+
+def _duration(name: str, cfg: Any, world_size: int) -> Any:
+    stage = get_stage(name)
+    return stage.duration(cfg, world_size) if stage.duration is not None else None
+
+
 def cohort(tiling: Any) -> dict[str, str]:
     """The slides a tile config names, by the id the tile stage gives each (empty when its input names none: the
     tile stage says so)."""
@@ -245,6 +273,7 @@ __all__ = [
     "chain_config",
     "chain_paths",
     "check_before_work",
+    "check_duration",
     "cohort",
     "default_choices",
     "route_overrides",

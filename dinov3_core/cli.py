@@ -99,9 +99,7 @@ def add_stage_command(sub: Any, stage: Stage[Any]) -> argparse.ArgumentParser:
     p = sub.add_parser(stage.name, help=stage.help, description=stage.help)
     p.stage = stage
     named = sorted(q.stem for q in (config_dir() / stage.name).glob("*.yaml"))
-    p.add_argument(
-        "--config", help=f"YAML file, or a name under configs/{stage.name}/ ({', '.join(named)})"
-    )
+    p.add_argument("--config", help=f"YAML file, or a name under configs/{stage.name}/ ({', '.join(named)})")
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help=f"any config key of the stage, e.g. {stage.override_example}"
     )

@@ -103,6 +103,7 @@ PIPELINE_OPTIONS = {
     "start_at": "start_from",
     "stop_after": "stop_after",
     "force": "force",
+    "yes": "yes",
 }
 
 PIPELINE_EPILOG = """\
@@ -201,6 +202,12 @@ def add_chain_commands(sub: Any) -> None:
         help="print the resolved configuration as YAML and exit (use it as --config)",
     )
     pipeline.add_argument(
+        "--yes",
+        action="store_const",
+        const=True,
+        help="run even when the training would take more than a day on this machine's CPU (= yes=true)",
+    )
+    pipeline.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
@@ -218,9 +225,7 @@ def add_chain_commands(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=RETRAIN_EPILOG,
     )
-    retrain.add_argument(
-        "--config", help="YAML file, or a name under configs/retrain/ (tiny: CPU-sized; vitb16)"
-    )
+    retrain.add_argument("--config", help="YAML file, or a name under configs/retrain/ (tiny: CPU-sized; vitb16)")
     retrain.add_argument("--slides", help="the cohort's slides: directory, glob, or .txt/.csv list")
     retrain.add_argument("--root", help="where the tile store, cycles/ and features/ live")
     retrain.add_argument("--annotations", help="QuPath GeoJSON folder or CSV for the evaluation")

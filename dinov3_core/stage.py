@@ -200,6 +200,9 @@ class Stage(Generic[S]):
     check_input: Callable[[Any], None] | None = None
     # Checks before any work of a chain starts: problems with the keys as the stage itself names them.
     preflight: Callable[[Any, PreflightFacts], list[Problem]] | None = None
+    # How long the stage will take at least on this machine, for a world size (`train.duration.Duration`; None:
+    # unknown): a chain says it before a long run and asks before a very long one (`chain.check_duration`).
+    duration: Callable[[Any, int], Any] | None = None
     # MLflow logging after the work, for a stage whose run opens on a thread while it works (tile).
     log_after_work: Callable[[Any, Any], None] | None = None
     after_run: Callable[[Any, mf.StageManifest], None] | None = None  # with the stage's MLflow run still open

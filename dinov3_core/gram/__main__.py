@@ -25,9 +25,7 @@ from dinov3_core.procutil import rank_entry
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dinov3_core.gram", description="DINOv3 gram-anchoring stage")
     parser.add_argument("--pretrain-dir", default=None, help="pretraining output_dir to continue (sets pretrain_dir)")
-    parser.add_argument(
-        "--config", default=None, help="YAML file, or a name under configs/gram/ (default: schema)"
-    )
+    parser.add_argument("--config", default=None, help="YAML file, or a name under configs/gram/ (default: schema)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.stop_at=10")
     return parser
 

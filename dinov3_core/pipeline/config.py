@@ -47,6 +47,7 @@ class PipelineConfig(ChainConfig):
     start_at: str = "tile"  # `--from`: earlier stages are taken as they are on disk
     stop_after: str = "extract"  # `--to`
     force: list[str] = field(default_factory=list)  # rerun these even when their manifest is current
+    yes: bool = False  # `--yes`: run even when the training would take more than a day on this machine's CPU
     # champion: extract with the registry's @champion after evaluation (the candidate when it was promoted or
     # there is no champion yet); candidate: with this run's model.
     extract_model: Literal["champion", "candidate"] = "champion"

@@ -30,7 +30,7 @@ from typing import Any
 
 from dinov3_core import manifest as mf
 from dinov3_core import tracking
-from dinov3_core.chain import StageRunner, chain_config, chain_paths, check_before_work
+from dinov3_core.chain import StageRunner, chain_config, chain_paths, check_before_work, check_duration
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.pipeline.config import PipelineConfig, resolve_weights
@@ -157,6 +157,7 @@ def run_pipeline(
     # are matched to the slides and checked against them.
     tiling = configs.get("tile") or stage_config(cfg, "tile")
     check_before_work(configs, tiles, world, chain_keys=CHAIN_KEYS, tiling=tiling, log=log)
+    check_duration(configs, world, yes=cfg.yes, log=log)
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
     try:

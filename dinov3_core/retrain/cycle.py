@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from dinov3_core.chain import StageRunner, check_before_work
+from dinov3_core.chain import StageRunner, check_before_work, check_duration
 from dinov3_core.evaluate.summary import EvaluateSummary
 from dinov3_core.export.summary import WEIGHTS_SHA_TAG, ExportSummary
 from dinov3_core.extract.summary import ExtractSummary
@@ -147,6 +147,7 @@ class _Cycle:
                 built[name] = (hooks.config or _Cycle.build)(self, get_stage(name))
             tiles = self.layout.root / get_stage("tile").place.name
             check_before_work(built, tiles, self.world_size, when=f"on the snapshot's {self.snap.tiles} tiles")
+            check_duration(built, self.world_size, yes=True, log=self.log)  # scheduled: said, never asked
             self.training = built
         return self.training
 

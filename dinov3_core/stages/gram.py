@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dinov3_core.stage import ChainPaths, CliOption, Place, Stage, stores_input
-from dinov3_core.stages.pretrain import TRAINING_JOB
+from dinov3_core.stages.pretrain import TRAINING_JOB, training_duration
 from dinov3_core.train import preflight as training
 from dinov3_core.train.summary import TrainingSummary, run_outputs
 
@@ -16,6 +16,22 @@ def schema() -> type:
     from dinov3_core.gram.config import GramConfig
 
     return GramConfig
+
+
+def _duration(cfg: Any, world_size: int) -> Any:
+    """As pretrain's, with the frozen gram teacher's pass; the model is the pretraining run's (`inherit_model`),
+    known once that run wrote its config (None before)."""
+    if cfg.pretrain_dir and cfg.inherit_model:
+        if not (Path(cfg.pretrain_dir) / "config.yaml").is_file():
+            return None
+        from dinov3_core.config import ConfigError
+        from dinov3_core.gram.anchoring import prepare_config
+
+        try:
+            cfg = prepare_config(cfg)
+        except ConfigError:  # named by the stage when it runs
+            return None
+    return training_duration(cfg, world_size, extra_teacher_passes=1)
 
 
 def _inputs(cfg: Any) -> dict[str, str | None]:
@@ -47,6 +63,7 @@ STAGE: Stage[TrainingSummary] = Stage(
     chain_values=_chain_values,
     job_module="dinov3_core.gram",
     preflight=training.preflight,
+    duration=_duration,
     options=(
         CliOption(
             "--pretrain-dir", "pretrain_dir", "the pretraining run directory to continue (its eval/ holds the teachers)"

@@ -34,6 +34,13 @@ def schema() -> type:
     return PretrainConfig
 
 
+def training_duration(cfg: Any, world_size: int, extra_teacher_passes: int = 0) -> Any:
+    """The run's duration floor on this machine (`dinov3_core.train.duration`)."""
+    from dinov3_core.train.duration import estimate  # torch: imported when a chain asks, not with the stage list
+
+    return estimate(cfg, world_size, extra_teacher_passes)
+
+
 def _preflight(cfg: Any, facts: PreflightFacts) -> list[Problem]:
     """The training checks, and the warm-start file opened and its keys read before any stage runs: a file that is
     no backbone, or one of another architecture than `student.arch`, fails now and not inside the job."""
@@ -90,6 +97,7 @@ STAGE: Stage[TrainingSummary] = Stage(
     chain_values=_chain_values,
     job_module="dinov3_core.train",
     preflight=_preflight,
+    duration=training_duration,
     options=(
         CliOption("--store", "data.stores", "tile store (repeat for several); = data.stores", repeat=True),
         CliOption("--output-dir", "output_dir", "run directory (checkpoints, eval/, metrics); = output_dir"),
