@@ -143,7 +143,7 @@ def small_backbone(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--config", "vitb16-1gpu"], "continues released DINOv3 weights: give --weights"),
         (["--weights", "{backbone}", "--config", "vitb16-1gpu"], "do not fit the pretrain config"),
         (["--weights", "{file}"], "weights: {file}: cannot be read as a weights file"),  # opened before any stage
-        (["pretrain.train.stopat=3"], "did you mean 'train.stop_at'"),
+        (["pretrain.train.stopat=3"], "did you mean 'pretrain.train.stop_at'"),
         (["gram_anchorin=false"], "did you mean 'gram_anchoring'"),
         (["--to", "tile", "--from", "gram"], "comes after"),
     ],

@@ -22,6 +22,7 @@ from uuid import UUID
 import psutil
 import pytest
 
+from dinov3_core.stages import STAGE_NAMES
 from tests.browser import needs_chromium, page_text
 from tests.helpers import REPO, by_name, read_json, slide_list
 from tests.prefect_deploy import deploy, flow_logs, job_processes, retry, trigger, wait_final, worker
@@ -30,7 +31,7 @@ from wsidino_dev import faults
 from wsidino_dev.short_run import SHORT_EXPORT, SHORT_RUN
 
 __all__ = ["worker"]  # the module's process-worker fixture
-STAGES = ["tile", "pretrain", "gram", "convert", "export", "evaluate", "extract"]
+STAGES = list(STAGE_NAMES)  # every built-in stage runs in the pipeline
 
 
 def pipeline_parameters(slides: Path, workdir: Path, tracking: MlflowTracking) -> dict[str, Any]:

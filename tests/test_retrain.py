@@ -148,7 +148,7 @@ def test_retention_refuses_paths_outside_a_cycle(tmp_path: Path) -> None:
 def test_a_champion_of_another_architecture_is_named_before_training(tmp_path: Path) -> None:
     from dinov3_core.models.released import save_backbone
     from dinov3_core.models.vision_transformer import backbone_kwargs, build_backbone
-    from dinov3_core.retrain.cycle import check_architecture
+    from dinov3_core.retrain.warm_start import check_architecture
     from dinov3_core.train.config import PretrainConfig
 
     weights = save_backbone(build_backbone("vit_test"), tmp_path / "model" / "backbone.pth")
@@ -189,7 +189,7 @@ def _retrain(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> s
 def test_a_stage_key_typo_fails_before_anything_runs(tmp_path: Path) -> None:
     done = _retrain(tmp_path, "pretrain.train.stop_att=4", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}")
     assert done.returncode == 2, done.stderr
-    assert "pretrain (config cpu)" in done.stderr and "did you mean 'train.stop_at'" in done.stderr
+    assert "pretrain (config cpu)" in done.stderr and "did you mean 'pretrain.train.stop_at'" in done.stderr
     assert not (tmp_path / "root").exists()
 
 

@@ -21,16 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dinov3_core.chain import StageRunner, check_before_work, check_duration
 from dinov3_core.evaluate.summary import EvaluateSummary
-from dinov3_core.export.summary import WEIGHTS_SHA_TAG, ExportSummary
+from dinov3_core.export.summary import ExportSummary
 from dinov3_core.extract.summary import ExtractSummary
 from dinov3_core.retrain import registry, retention
 from dinov3_core.retrain import stage_configs as sc
-from dinov3_core.retrain.config import RetrainConfig, RetrainError
-from dinov3_core.retrain.cycle_run import cycle_mlflow_run, log_record, set_tags
+from dinov3_core.retrain.config import RetrainConfig
+from dinov3_core.retrain.cycle_run import cycle_mlflow_run, log_record, set_tags, summary_tags
 from dinov3_core.retrain.cycles import (
     CLI_ATTEMPT,
     CycleLayout,
@@ -40,7 +38,6 @@ from dinov3_core.retrain.cycles import (
     SnapshotSummary,
     StageRun,
     Trigger,
-    WarmStart,
     list_cycles,
     open_cycle,
     root_lock,
@@ -55,6 +52,7 @@ from dinov3_core.retrain.snapshot import (
     take_snapshot,
     write_snapshot,
 )
+from dinov3_core.retrain.warm_start import decide_warm_start
 from dinov3_core.runner import StageOutcome
 from dinov3_core.stages import Stage, get_stage
 from dinov3_core.tiling.summary import TileSummary
@@ -216,37 +214,10 @@ class _Cycle:
 
     def warm_start(self, pretrain: Any) -> str | None:
         """The weights this cycle starts from, recorded in the cycle (a resumed cycle keeps its choice)."""
-        if self.record.warm_start is not None:
-            return self.record.warm_start.path
-        mode, champion = self.cfg.warm_start, self.champion
-        if mode in ("auto", "champion") and champion is not None:
-            weights = champion.weights
-            if weights is None or not weights.is_file():
-                raise RetrainError(
-                    f"the champion ({self.cfg.register_name} v{champion.version}) has no backbone file on this "
-                    f"machine ({registry.WEIGHTS_TAG}={weights}); restore it, move @champion to a version whose "
-                    "files exist, or set warm_start=released|scratch"
-                )
-            champion.verified(weights, WEIGHTS_SHA_TAG)  # a replaced or damaged champion file is never trained on
-            check_architecture(weights, pretrain, champion.version, self.cfg.register_name)
-            choice = WarmStart("champion", str(weights), champion.version, champion.cycle)
-        elif mode == "champion":
-            raise RetrainError(f"warm_start=champion, but {self.cfg.register_name} has no @champion yet")
-        elif mode in ("auto", "released") and self.cfg.pretrained_weights:
-            if not Path(self.cfg.pretrained_weights).is_file():
-                raise RetrainError(f"pretrained_weights={self.cfg.pretrained_weights}: file not found")
-            choice = WarmStart("released", str(Path(self.cfg.pretrained_weights).resolve()))
-        else:
-            if pretrain.student.arch == "auto":
-                raise RetrainError(
-                    "nothing to warm-start from (no champion, no pretrained_weights) and student.arch=auto reads "
-                    "the architecture from those weights: set pretrain.student.arch (e.g. vitb16) or "
-                    "pretrained_weights"
-                )
-            choice = WarmStart("scratch")
-        self.record.warm_start = choice
-        self.save()
-        return choice.path
+        if self.record.warm_start is None:
+            self.record.warm_start = decide_warm_start(self.cfg, self.champion, pretrain)
+            self.save()
+        return self.record.warm_start.path
 
     @property
     def warm_source(self) -> str | None:
@@ -356,26 +327,6 @@ def registry_uri(cfg: RetrainConfig) -> str:
     return tracking.tracking_uri(cfg.tracking)
 
 
-def check_architecture(weights: Path, pretrain: Any, version: str, name: str) -> None:
-    """The champion must have the shape the pretrain config trains (checked on the constructor settings convert
-    wrote beside the backbone, so it fails here and not inside the training job)."""
-    from dinov3_core.train.model_config import structure_mismatch
-
-    arch_file = weights.parent / "config.yaml"
-    doc = (yaml.safe_load(arch_file.read_text()) if arch_file.is_file() else None) or {}
-    theirs = doc.get("backbone_kwargs") or {}
-    if pretrain.student.arch == "auto" or not theirs:
-        return  # auto reads the architecture from the champion itself
-    said = structure_mismatch(theirs, pretrain)
-    if said:
-        raise RetrainError(
-            f"the champion ({name} v{version}, {weights}) does not have the architecture the pretrain config "
-            f"trains (student.arch={pretrain.student.arch}: {said}, champion vs config). Set pretrain.student.arch "
-            "to the champion's (or auto) to continue from it, or warm_start=released|scratch to train the new "
-            "architecture from other weights; the evaluation then decides between them"
-        )
-
-
 def run_cycle(
     cfg: RetrainConfig,
     run: StageRunner,
@@ -417,44 +368,15 @@ def run_cycle(
                     c.retain()
                 c.record.finished_at = utc_now()
                 c.save()
-                set_tags(cfg, parent, _summary_tags(c.record))
+                set_tags(cfg, parent, summary_tags(c.record))
                 log_record(cfg, parent, c.record)
         except BaseException as err:
             c.record.status, c.record.error = "failed", f"{type(err).__name__}: {err}"[:2000]
             c.record.finished_at = utc_now()
             c.save()
-            set_tags(cfg, c.parent, {**_summary_tags(c.record), "wsidino.error": c.record.error})
+            set_tags(cfg, c.parent, {**summary_tags(c.record), "wsidino.error": c.record.error})
             raise
-    return CycleResult(c.record, message(c.record))
+    return CycleResult(c.record, c.record.summary_line())
 
 
-def _summary_tags(r: CycleRecord) -> dict[str, Any]:
-    d = r.decision
-    return {
-        "wsidino.cycle": r.id,
-        "wsidino.cycle_status": r.status,
-        "wsidino.trigger": r.trigger.reason if r.trigger else None,
-        "wsidino.snapshot": r.snapshot.hash if r.snapshot else None,
-        "wsidino.warm_start": r.warm_start.source if r.warm_start else None,
-        "wsidino.decision": d.reason if d else None,
-        "wsidino.evidence": d.evidence if d else None,
-        "wsidino.promoted": d.promoted if d and d.reason else None,
-    }
-
-
-def message(r: CycleRecord) -> str:
-    """The cycle in one line: the flow run's final message and the CLI's last line."""
-    reason = r.trigger.reason if r.trigger else None
-    if r.status == "skipped":
-        return f"cycle {r.id} skipped: {reason}"
-    if r.status != "trained":
-        return f"cycle {r.id} {r.status}: {r.error or ''}"
-    verdict = "promoted to @champion" if r.promoted else "not promoted"
-    d = r.decision or Decision()
-    return (
-        f"cycle {r.id} trained ({reason}; warm start: {r.warm_start.source if r.warm_start else None}); "
-        f"candidate v{d.candidate_version} {verdict}: {d.evidence or d.reason}"
-    )
-
-
-__all__ = ["CycleResult", "StageRunner", "check_architecture", "message", "run_cycle"]
+__all__ = ["CycleResult", "StageRunner", "run_cycle"]

@@ -57,4 +57,19 @@ def log_record(cfg: RetrainConfig, run_id: str | None, record: CycleRecord) -> N
             client.log_metric(run_id, key, float(value))
 
 
-__all__ = ["RETRAIN_TAG", "cycle_mlflow_run", "log_record", "set_tags"]
+def summary_tags(r: CycleRecord) -> dict[str, Any]:
+    """The cycle's outcome as tags of its MLflow run (what the runs table can filter on)."""
+    d = r.decision
+    return {
+        "wsidino.cycle": r.id,
+        "wsidino.cycle_status": r.status,
+        "wsidino.trigger": r.trigger.reason if r.trigger else None,
+        "wsidino.snapshot": r.snapshot.hash if r.snapshot else None,
+        "wsidino.warm_start": r.warm_start.source if r.warm_start else None,
+        "wsidino.decision": d.reason if d else None,
+        "wsidino.evidence": d.evidence if d else None,
+        "wsidino.promoted": d.promoted if d and d.reason else None,
+    }
+
+
+__all__ = ["RETRAIN_TAG", "cycle_mlflow_run", "log_record", "set_tags", "summary_tags"]

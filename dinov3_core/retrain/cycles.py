@@ -185,6 +185,20 @@ class CycleRecord:
     def save(self, layout: CycleLayout) -> Path:
         return write_text_atomic(layout.cycle_dir(self.id) / CYCLE_FILE, json.dumps(self.to_json(), indent=1) + "\n")
 
+    def summary_line(self) -> str:
+        """The cycle in one line: the flow run's final message and the CLI's last line."""
+        reason = self.trigger.reason if self.trigger else None
+        if self.status == "skipped":
+            return f"cycle {self.id} skipped: {reason}"
+        if self.status != "trained":
+            return f"cycle {self.id} {self.status}: {self.error or ''}"
+        verdict = "promoted to @champion" if self.promoted else "not promoted"
+        d = self.decision or Decision()
+        return (
+            f"cycle {self.id} trained ({reason}; warm start: {self.warm_start.source if self.warm_start else None}); "
+            f"candidate v{d.candidate_version} {verdict}: {d.evidence or d.reason}"
+        )
+
     @property
     def promoted(self) -> bool:
         return self.decision is not None and self.decision.promoted
