@@ -183,9 +183,7 @@ def test_deployment_params_are_complete_and_valid(deployments: dict[str, dict[st
     deployment = deployments[name]
     params = check_params(deployment, deployment["parameters"], f"deployment {name}")
     for stage, config in stage_configs(params):
-        assert (packaged_config_dir() / stage / f"{config}.yaml").is_file(), (
-            f"{name}: no configs/{stage}/{config}.yaml"
-        )
+        assert (packaged_config_dir() / stage / f"{config}.yaml").is_file(), f"{name}: no configs/{stage}/{config}.yaml"
 
 
 def test_gpu_deployments(deployments: dict[str, dict[str, Any]]) -> None:
