@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -189,6 +189,7 @@ def check_before_work(
     chain_keys: Mapping[str, str] | None = None,
     tiling: Any = None,
     log: Callable[[str], None] | None = None,
+    only: Collection[str] | None = None,
 ) -> None:
     """Every stage's checks before work (`Stage.preflight`: the batch and crops against the tiles, the annotations
     readable), all problems at once, each with the key as the user types it (`gram.train.global_batch_size` in a
@@ -205,6 +206,7 @@ def check_before_work(
         tiling: The chain's tile config: its slides are found and the stages' checks see them (the annotations
             matched to them) and how they will be cut.
         log: Where a check's findings that are not problems go (the classes' tile counts).
+        only: Report only problems of these keys (as the stage names them, prefixed).
 
     Raises:
         ConfigError: Naming every problem found.
@@ -217,6 +219,8 @@ def check_before_work(
             continue
         facts = PreflightFacts(tile_store, world_size, f"{name}." if prefix else "", slides, tiling, log)
         for p in stage.preflight(cfg, facts):
+            if only is not None and p.key not in only:
+                continue
             user_key = (chain_keys or {}).get(p.key, p.key)
             problems.append(Problem(user_key, p.message, p.fix.replace(p.key, user_key)))
     if problems:

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -132,8 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")  # a `key=value` word
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with `key=value` words accepted anywhere after the command (argparse takes one block of
+    positionals only: `--to tile a=1 --force x b=2` would refuse `b=2`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if not (OVERRIDE.match(word) and hasattr(args, "overrides"))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

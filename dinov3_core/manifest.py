@@ -17,8 +17,7 @@ mtime first, the content when they differ, always for model files) and wherever 
 An input produced by another stage is fingerprinted by that stage's manifest (`output_fingerprint`: the
 producer's config, inputs and output content), so a downstream stage reruns exactly when what it reads changed.
 Other inputs are fingerprinted from file sizes and content samples (no full hashing of multi-GB files the project
-did not write). `lineage` carries the MLflow run ids of every upstream stage: features trace back to the model,
-the training runs and the tile store.
+did not write). `lineage` carries the MLflow run ids of every upstream stage (features → model → training → tiles).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ every hint naming the key in the form that works when pasted back into the same 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +51,31 @@ def test_print_config_needs_no_paths_and_shows_every_stages_resolved_values(
     assert "slides: ???" in head and "workdir: ???" in head and "uri: null" in head
     assert "#   train:" in resolved and "#     stop_at: 100" in resolved  # pretrain's, resolved
     assert "# gram:" in resolved and "# extract:" not in resolved  # the stages the run covers
+
+
+def test_key_values_are_taken_anywhere_on_the_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from dinov3_core import cli
+
+    argv = ["pipeline", "--to", "tile", "pretrain.train.stop_at=3", "--force", "tile", "gram.train.stop_at=2"]
+    assert cli.main([*argv, "--print-config"]) == cli.EXIT_OK
+    printed = capsys.readouterr().out
+    assert "- train.stop_at=3" in printed and "- train.stop_at=2" in printed
+    with pytest.raises(SystemExit):  # anything else unknown is still refused
+        cli.main([*argv, "--bogus"])
+
+
+def test_the_warm_start_file_is_checked_even_when_pretraining_is_not_in_this_run(
+    sample_slides: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dinov3_core import cli
+    from tests.helpers import by_name
+
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    (slides / "tissue_40x.svs").symlink_to(by_name(sample_slides, "tissue_40x.svs"))
+    bad = tmp_path / "not_weights.pth"
+    bad.write_text("not a checkpoint")
+    argv = ["pipeline", "--slides", str(slides), "--workdir", str(tmp_path / "run"), "--to", "tile", "--weights"]
+    assert cli.main([*argv, str(bad)]) == cli.EXIT_USAGE
+    assert f"weights: {bad}: cannot be read as a weights file" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -157,6 +157,10 @@ def run_pipeline(
     # are matched to the slides and checked against them.
     tiling = configs.get("tile") or stage_config(cfg, "tile")
     check_before_work(configs, tiles, world, chain_keys=CHAIN_KEYS, tiling=tiling, log=log)
+    for key, user_key in CHAIN_KEYS.items():  # what the user gave a stage this run leaves out (--weights, --to tile)
+        name = key.partition(".")[0]
+        if name not in configs and getattr(cfg, user_key):
+            check_before_work({name: stage_config(cfg, name, weights)}, None, world, chain_keys=CHAIN_KEYS, only={key})
     check_duration(configs, world, yes=cfg.yes, log=log)
     workdir = Path(cfg.workdir).expanduser().resolve()
     created = not workdir.exists()
