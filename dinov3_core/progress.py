@@ -99,4 +99,39 @@ class Progress:
         self.lines = False
 
 
-__all__ = ["Progress"]
+class Phase:
+    """A named step of a stage in the log: a line when it starts, one when it ends (or fails) with the seconds it
+    took, and, through its loops, `tick(what)` lines at most every `every_s` seconds, so a step of minutes that
+    shows no bar still says it is alive.
+
+        with Phase("evaluate: tile probes", log=logger.info) as phase:
+            for role in models:
+                ...
+                phase.tick(f"{role} done")
+    """
+
+    def __init__(self, label: str, *, log: Callable[[str], None] | None = None, every_s: float = 10.0) -> None:
+        self.label, self.every_s = label, every_s
+        self.log = log or logger.info
+        self.start = self.last_line = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def __enter__(self) -> Phase:
+        self.start = self.last_line = time.monotonic()
+        self.log(f"{self.label}: started")
+        return self
+
+    def tick(self, what: str, *, always: bool = False) -> None:
+        """`what` is done; logged when `every_s` passed since the last line (or `always`: a step worth a line)."""
+        now = time.monotonic()
+        if always or now - self.last_line >= self.every_s:
+            self.last_line = now
+            self.log(f"{self.label}: {what} ({now - self.start:.1f} s)")
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.log(f"{self.label}: {'done in' if kind is None else 'failed after'} {self.elapsed():.1f} s")
+
+
+__all__ = ["Phase", "Progress"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +34,15 @@ def write_qupath_tiles(
     classes: list[str],
     labels: np.ndarray,
     measurements: dict[str, np.ndarray],
+    colours: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
     """Tiles as QuPath detections (File > Import objects, or drag the file onto the slide): one square per tile at
-    its level-0 coordinates, classified `classes[labels[i]]` (its colour from `PALETTE`), with `measurements`
-    (name → one value per tile) in QuPath's measurement list."""
+    its level-0 coordinates, classified `classes[labels[i]]` in its colour from `colours` (class → RGB: the lab's
+    annotations', so a prediction looks like the annotation of its class) or else from `PALETTE`, with
+    `measurements` (name → one value per tile) in QuPath's measurement list."""
     size = float(tile_level0)
+    given = colours or {}
+    rgb = [list(given.get(c) or PALETTE[k % len(PALETTE)])[:3] for k, c in enumerate(classes)]
     features = []
     for i, (x, y) in enumerate(np.asarray(coords, dtype=np.float64)):
         ring = [[x, y], [x + size, y], [x + size, y + size], [x, y + size], [x, y]]
@@ -48,7 +53,7 @@ def write_qupath_tiles(
                 "geometry": {"type": "Polygon", "coordinates": [ring]},
                 "properties": {
                     "objectType": "detection",
-                    "classification": {"name": classes[label], "color": list(PALETTE[label % len(PALETTE)])},
+                    "classification": {"name": classes[label], "color": rgb[label]},
                     "measurements": {name: round(float(values[i]), 6) for name, values in measurements.items()},
                 },
             }

@@ -12,6 +12,8 @@ on these labels, the second known to be worse.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from tests.helpers import by_name, eval_backbone, export_registered, tile_store
 
 ARCH = "vit_test"
 NAME = "wsidino-backbone-evaltest"
+DAB_RED = [200, 0, 0]  # the colour the "lab" gives Tumor (DAB+) in its annotations; Tumor (DAB-) has none
 
 
 def backbone(root: Path, colour_blind: bool) -> Path:
@@ -55,7 +58,11 @@ def dab_annotations(store: Path, out: Path) -> dict[str, int]:
             rows = np.flatnonzero(names[start : start + len(coords)] == cls)
             counts[cls] = counts.get(cls, 0) + len(rows)
             shapes[cls] = union_all([box(x, y, x + size, y + size) for x, y in coords[rows]])
-        (out / f"{slide_id}.geojson").write_text(json.dumps(class_collection(shapes)))
+        doc = class_collection(shapes)
+        for feature in doc["features"]:
+            if feature["properties"]["classification"]["name"] == "Tumor (DAB+)":
+                feature["properties"]["classification"]["color"] = DAB_RED
+        (out / f"{slide_id}.geojson").write_text(json.dumps(doc))
         start += len(coords)
     return counts
 
@@ -125,11 +132,38 @@ def test_worse_first_model_is_not_promoted_over_the_baseline(setup: dict[str, An
     assert out.manifest.summary["promoted"] is False
 
 
-def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None:
+def test_better_first_model_becomes_champion_once(
+    setup: dict[str, Any], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dinov3_core.evaluate import evaluation
+
     baseline = str(setup["worse"].parent / "backbone.pth")
     # Three slides: a permutation test reaches p = 1/8 at best, so alpha 0.125 (the default 0.025 needs 6 slides).
     gate = {"gate.alpha": 0.125}
-    out = evaluate(setup, "better", "eval-better", baseline=baseline, **gate)
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)  # every progress line is due: the loops' lines show
+    caplog.set_level(logging.INFO, logger="dinov3_core")
+    out = evaluate(setup, "better", "eval-better", baseline=baseline, progress=True, **gate)
+    # Every step of minutes says when it starts and ends, and its loops (models, folds) say where they are.
+    log = caplog.text
+    for phase in (
+        "labelling tiles from the annotations",
+        "candidate model: health, stain invariance, embedding",
+        "baseline model: health, stain invariance, embedding",
+        "tile probes of 2 model(s) on 3 slides",
+        "dense probe of 2 model(s)",
+        "pictures and QuPath predictions",
+        "gate, evaluation.json and MLflow",
+    ):
+        assert f"evaluate: {phase}: started" in log and re.search(rf"evaluate: {re.escape(phase)}: done in \d", log)
+    for step in (
+        "candidate model: health, stain invariance, embedding: stain invariance done (",
+        "evaluate: embedding baseline: ",
+        "tile probes of 2 model(s) on 3 slides: candidate: linear probe fold 3/3 (",
+        "tile probes of 2 model(s) on 3 slides: baseline: few-shot kNN fold 3/3 (",
+        "tile probes of 2 model(s) on 3 slides: paired comparisons (200 bootstrap resamples",
+        "dense probe of 2 model(s): baseline: ",
+    ):
+        assert step in log, step
     ev = EvaluationReport.from_json((setup["root"] / "eval-better" / "evaluation.json").read_text())
     split = ev.split
     assert split["folds"] == 3 and split["test_groups"] == ["tissue_20x", "tissue_40x", "tissue_generic"]
@@ -139,7 +173,8 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
     assert ev.evidence["p_value"] == 0.125 and ev.decision["applied"], ev.decision
     assert champion_version(setup) == version_of(setup["better"])
     assert out.manifest.summary["champion_model"] == str(setup["better"])
-    for picture in ("confusion_candidate.png", "embedding_candidate.png", "evaluation.md"):
+    pictures = ("confusion_candidate.png", "embedding_candidate.png", "embedding_candidate_by_slide.png")
+    for picture in (*pictures, "evaluation.md"):
         assert (setup["root"] / "eval-better" / picture).is_file()
     # The probe's out-of-fold predictions as QuPath detections, one file per annotated slide, read back with the
     # reader of QuPath exports: every annotated tile once, classified by its predicted class.
@@ -156,9 +191,25 @@ def test_better_first_model_becomes_champion_once(setup: dict[str, Any]) -> None
         [f["properties"]["measurements"]["correct"] for p in files for f in json.loads(p.read_text())["features"]]
     )
     assert correct > 0.5  # the better model's probe is right on most tiles (its balanced accuracy is > 0.5)
+    # A predicted class is drawn in its annotations' colour; a class annotated without one, in the palette's.
+    from dinov3_core.qupath import PALETTE
+
+    drawn = {
+        f["properties"]["classification"]["name"]: f["properties"]["classification"]["color"]
+        for p in files
+        for f in json.loads(p.read_text())["features"]
+    }
+    assert drawn == {"Tumor (DAB+)": DAB_RED, "Tumor (DAB-)": list(PALETTE[1])}
+    assert ev.labels["colours"] == {"Tumor (DAB+)": DAB_RED}
     from mlflow import MlflowClient
 
-    tags = MlflowClient(setup["uri"]).get_model_version(NAME, version_of(setup["better"])).tags
+    # The evaluate run holds the pictures (both embedding maps) and the QuPath predictions, one file per slide.
+    client = MlflowClient(setup["uri"])
+    logged = {a.path for a in client.list_artifacts(out.mlflow_run_id)}
+    assert set(pictures) <= logged and "qupath" in logged
+    qupath = {a.path for a in client.list_artifacts(out.mlflow_run_id, "qupath")}
+    assert qupath == {f"qupath/{f.name}" for f in files}
+    tags = client.get_model_version(NAME, version_of(setup["better"])).tags
     assert tags["wsidino.promotion"] == "promoted" and float(tags["wsidino.eval.linear.balanced_accuracy"]) > 0.5
     # A rerun skips (stage manifest); a forced rerun finds the candidate already champion and moves nothing.
     assert evaluate(setup, "better", "eval-better", baseline=baseline, **gate).status == "skipped"
@@ -234,10 +285,14 @@ def test_convert_picks_the_eval_checkpoint_with_the_best_knn(setup: dict[str, An
         load_config(ConvertConfig, None, {**values, "annotations": None})
 
 
-def test_patients_split_and_site_predictability(setup: dict[str, Any]) -> None:
+def test_patients_split_and_site_predictability(setup: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     root = setup["root"]
     (root / "sites.csv").write_text("slide_id,site\ntissue_40x,A\ntissue_20x,A\ntissue_generic,B\n")
+    caplog.set_level(logging.INFO, logger="dinov3_core")
     evaluate(setup, "better", "eval-sites", baseline=None, sites=str(root / "sites.csv"), **{"gate.promote": False})
+    assert "evaluate: site predictability: started" in caplog.text
+    assert "evaluate: site predictability: candidate done (" in caplog.text
+    assert re.search(r"evaluate: site predictability: done in \d", caplog.text)
     ev = EvaluationReport.from_json((root / "eval-sites" / "evaluation.json").read_text())
     assert 0.0 <= ev.site_predictability["candidate"] <= 1.0
     # The fold that tests tissue_generic (the only slide of site B) has no B slide to learn the site from.

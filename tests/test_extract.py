@@ -177,6 +177,22 @@ def test_progress_lines_count_rate_and_eta() -> None:
     assert calls == [(4, 10), (10, 10)]
 
 
+def test_a_phase_logs_its_start_its_end_and_its_loop_at_most_every_few_seconds() -> None:
+    from dinov3_core.progress import Phase
+
+    seen: list[str] = []
+    with Phase("evaluate: probes", log=seen.append, every_s=3600) as phase:
+        phase.tick("fold 1/2")  # not due: the last line was just now
+        phase.tick("candidate done", always=True)
+    assert seen[0] == "evaluate: probes: started" and len(seen) == 3
+    assert seen[1].startswith("evaluate: probes: candidate done (") and seen[2].startswith("evaluate: probes: done in ")
+    with pytest.raises(ValueError), Phase("evaluate: dense probe", log=seen.append, every_s=0) as phase:
+        phase.tick("fold 1/2")  # due at once
+        raise ValueError
+    assert seen[-2].startswith("evaluate: dense probe: fold 1/2 (")
+    assert seen[-1].startswith("evaluate: dense probe: failed after ")
+
+
 # ------------------------------------------------------------------ overlapped reading / writing, ORT session, keys
 
 

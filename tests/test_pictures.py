@@ -74,3 +74,26 @@ def test_loss_curve_title_names_the_run(tmp_path, name, monkeypatch):
     )
     assert M.plot_loss_curve(run / "training_metrics.json", tmp_path / "l.png", "pretrain", name) is not None
     assert titles[0].startswith(f"pretrain run {name or 'proj/pretrain'}:")
+
+
+def test_embedding_map_title_and_legend_fit_inside_the_picture(tmp_path):
+    """A long model description and long slide names: the title wraps and the legend sits beside the map, both
+    inside the saved picture (nothing cut off at its edges)."""
+    import matplotlib.pyplot as plt
+
+    from dinov3_core.evaluate.report import embedding_figure
+
+    rng = np.random.default_rng(0)
+    slides = np.repeat([f"hospital_{k}_scanner_with_a_long_name_{k}" for k in range(12)], 5)
+    title = "candidate (wsidino-backbone version 12, vit_base fine-tuned on the lab cohort): PCA of tile features"
+    fig = embedding_figure(rng.normal(size=(len(slides), 2)), slides, title, "slide")
+    fig.savefig(tmp_path / "e.png", dpi=110)
+    renderer = fig.canvas.get_renderer()
+    inside = fig.bbox
+    ax = fig.axes[0]
+    for artist in (ax.title, ax.get_legend()):
+        box = artist.get_window_extent(renderer)
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, artist
+    assert "\n" in ax.get_title()
+    assert len(ax.get_legend().get_texts()) == 12
+    plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import torch
 from dinov3_core.config import ConfigError
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models import build_backbone, save_backbone
+from dinov3_core.progress import eta
 from dinov3_core.tiling import store as ts
 from dinov3_core.train.checkpoint import CheckpointError
 from dinov3_core.train.config import PretrainConfig
@@ -103,7 +105,7 @@ def test_reference_run_writes_every_output(reference) -> None:
     assert (result.global_batch, result.micro_batch, result.accumulation_steps) == (8, 8, 1)
     assert (out / "config.yaml").is_file() and "vit_test" in (out / "config.yaml").read_text()
     log = (out / "logs" / "log.txt").read_text()
-    assert "it 7/20" in log
+    assert "it 7/20 (stops at 8) " in log
     # The threads the rank computes with, in its first line (benchmarks/deploy_vs_cli.py reads it from there).
     threads = reference["cfg"].train.num_threads or torch.get_num_threads()
     assert f" on cpu ({threads} torch threads): " in log
@@ -113,6 +115,11 @@ def test_reference_run_writes_every_output(reference) -> None:
     expected = {*LOSSES, *NORMS, "lr", "wd", "momentum", "teacher_temp", "images_per_s", "data_time"}
     assert expected | {"rss_mb", "max_rss_mb", "peak_memory_mb", "global_batch_size"} <= set(rows[0])
     assert all(r["skipped_step"] == 0 for r in rows)
+    # train.stop_at=8 of 20: each line's ETA is the iterations left before 8, at that line's iteration time
+    lines = {int(m[1]): m[0] for m in re.finditer(r"\bit (\d+)/20 .*", log)}
+    for r in rows:
+        assert f"it {r['iteration']}/20 (stops at 8) " in lines[r["iteration"]]
+        assert f"eta {eta((7 - r['iteration']) * r['iter_time'])} " in lines[r["iteration"]]
     assert rows[0]["teacher_temp"] == pytest.approx(0.04) and rows[7]["teacher_temp"] > rows[0]["teacher_temp"]
     assert rows[7]["momentum"] > rows[0]["momentum"] and rows[7]["lr"] < rows[0]["lr"]
 

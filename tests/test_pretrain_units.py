@@ -343,6 +343,17 @@ def test_a_training_log_line_has_count_rate_and_eta() -> None:
     assert "\r" not in line
 
 
+def test_the_eta_counts_to_stop_at_not_to_the_schedules_end() -> None:
+    """A 50-iteration run of a 1000-iteration schedule (train.stop_at=50) ends at 50: its ETA is 40 iterations."""
+    from dinov3_core.train.metrics import progress_line
+
+    record = {"iteration": 9, "lr": 1e-3, "images_per_s": 64.0, "iter_time": 0.5, "rss_mb": 100.0}
+    line = progress_line(record, 1000, 50)
+    assert line.startswith("it 9/1000 (stops at 50) ")
+    assert "eta 0:00:20" in line  # 40 iterations left at 0.5 s each
+    assert "(stops at" not in progress_line(record, 1000, 1000)  # stop_at at the schedule's end: no note
+
+
 def test_checkpoints_with_the_older_optimizer_layout_still_resume(tmp_path) -> None:
     """Checkpoints store the optimizer's param groups per parameter since pipeline parallelism (each stage has its
     own groups); one written with the earlier list of groups still loads, values and AdamW state intact."""

@@ -39,9 +39,16 @@ from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidat
 from dinov3_core.evaluate.scoring import dense_probe, probe_models, site_predictability
 from dinov3_core.files import write_text_atomic
 from dinov3_core.launch import TorchrunFailed
+from dinov3_core.progress import Phase, Progress
 from dinov3_core.tiling import store as ts
 
 logger = logging.getLogger(__name__)
+# A step of minutes says it is alive at least this often (its loops' lines; each step also logs its start and end).
+PROGRESS_EVERY_S = 10.0
+
+
+def _phase(label: str) -> Phase:
+    return Phase(f"evaluate: {label}", log=logger.info, every_s=PROGRESS_EVERY_S)
 
 
 @dataclass
@@ -158,15 +165,16 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     if baseline is not None:
         models.append(baseline)
 
-    idx, y, slides, label_info = labelled_tiles(
-        root,
-        ds,
-        cfg.annotations,
-        warnings,
-        min_overlap=cfg.min_overlap,
-        exclude_classes=cfg.exclude_classes,
-        max_tiles_per_slide=cfg.max_tiles_per_slide,
-    )
+    with _phase("labelling tiles from the annotations"):
+        idx, y, slides, label_info = labelled_tiles(
+            root,
+            ds,
+            cfg.annotations,
+            warnings,
+            min_overlap=cfg.min_overlap,
+            exclude_classes=cfg.exclude_classes,
+            max_tiles_per_slide=cfg.max_tiles_per_slide,
+        )
     groups = slides
     patients = _table(cfg.patients, "patients")
     if patients:
@@ -194,60 +202,73 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     dense: dict[str, tuple[D.DenseTokens, np.ndarray]] = {}
     for m in models:
         entry: dict[str, Any] = {**m.as_dict()}
-        evaluation.models[m.role] = entry
-        try:
-            precision = F.precision_of(m.path, cfg.precision)
-            fm = F.open_model(m.path, threads=cfg.num_threads, device=cfg.device, precision=precision)
-            entry["hash"], entry["backend"] = fm.hash, fm.backend
-            entry["health"] = F.health(fm, images)
-            s = cfg.stain
-            entry["health"]["stain_invariance"] = F.stain_invariance(
-                fm, stain_tiles, s.scale_sigma, s.shift_sigma, s.seed
-            )
-            if len(idx):
-                tokens = None
-                if want_dense:
-                    side = _grid_side(fm, images[0])
-                    if side is not None and side not in tokens_of:
-                        found = D.dense_tokens(
-                            root,
-                            ds,
-                            str(cfg.annotations),
-                            idx,
-                            side,
-                            cfg.probe.dense_tokens_per_tile,
-                            cfg.exclude_classes,
-                        )
-                        tokens_of[side] = found if (found.positions >= 0).any() else None
-                    tokens = tokens_of.get(side) if side is not None else None
-                positions = tokens.positions if tokens is not None else None
-                mkey = F.tokens_key(key, positions)
-                path = F.cache_path(cache, fm, mkey, precision)
-                if embed_job is not None and not path.is_file():
-                    if positions is None:
-                        embed_job(fm, path, idx)
-                    else:
-                        embed_job(fm, path, idx, tokens=positions)
-                raw = F.embed(
-                    fm,
-                    ds,
-                    idx,
-                    cache,
-                    mkey,
-                    cfg.batch_size,
-                    precision=precision,
-                    loader_threads=cfg.loader_threads,
-                    prefetch_batches=cfg.prefetch_batches,
-                    tokens=positions,
+        with _phase(f"{m.role} model: health, stain invariance, embedding") as phase:
+            evaluation.models[m.role] = entry
+            try:
+                precision = F.precision_of(m.path, cfg.precision)
+                fm = F.open_model(m.path, threads=cfg.num_threads, device=cfg.device, precision=precision)
+                entry["hash"], entry["backend"] = fm.hash, fm.backend
+                entry["health"] = F.health(fm, images)
+                phase.tick("health done", always=True)
+                s = cfg.stain
+                entry["health"]["stain_invariance"] = F.stain_invariance(
+                    fm, stain_tiles, s.scale_sigma, s.shift_sigma, s.seed
                 )
-                feats[m.role] = F.represent(raw, cfg.probe.features)
-                if tokens is not None:
-                    dense[m.role] = (tokens, raw["dense"])
-        except Exception as err:
-            if m.role == "candidate" or isinstance(err, TorchrunFailed):  # a job's failure is not the model's
-                raise
-            entry["error"] = f"{type(err).__name__}: {str(err)[:500]}"
-            warnings.append(f"{m.role} {m.path} could not be evaluated: {entry['error']}")
+                phase.tick("stain invariance done", always=True)
+                if len(idx):
+                    tokens = None
+                    if want_dense:
+                        side = _grid_side(fm, images[0])
+                        if side is not None and side not in tokens_of:
+                            found = D.dense_tokens(
+                                root,
+                                ds,
+                                str(cfg.annotations),
+                                idx,
+                                side,
+                                cfg.probe.dense_tokens_per_tile,
+                                cfg.exclude_classes,
+                            )
+                            tokens_of[side] = found if (found.positions >= 0).any() else None
+                        tokens = tokens_of.get(side) if side is not None else None
+                    positions = tokens.positions if tokens is not None else None
+                    mkey = F.tokens_key(key, positions)
+                    path = F.cache_path(cache, fm, mkey, precision)
+                    if embed_job is not None and not path.is_file():
+                        if positions is None:
+                            embed_job(fm, path, idx)
+                        else:
+                            embed_job(fm, path, idx, tokens=positions)
+                    bar = Progress(
+                        f"evaluate: embedding {m.role}",
+                        unit="tile",
+                        total=len(idx),
+                        enabled=cfg.progress,
+                        every_s=PROGRESS_EVERY_S,
+                        log=logger.info,
+                    )
+                    with bar:
+                        raw = F.embed(
+                            fm,
+                            ds,
+                            idx,
+                            cache,
+                            mkey,
+                            cfg.batch_size,
+                            bar.update,
+                            precision=precision,
+                            loader_threads=cfg.loader_threads,
+                            prefetch_batches=cfg.prefetch_batches,
+                            tokens=positions,
+                        )
+                    feats[m.role] = F.represent(raw, cfg.probe.features)
+                    if tokens is not None:
+                        dense[m.role] = (tokens, raw["dense"])
+            except Exception as err:
+                if m.role == "candidate" or isinstance(err, TorchrunFailed):  # a job's failure is not the model's
+                    raise
+                entry["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+                warnings.append(f"{m.role} {m.path} could not be evaluated: {entry['error']}")
         logger.info("evaluate: %s embedded (%s)", m.role, m.description)
 
     dims = {role: x.shape[1] for role, x in feats.items()}
@@ -260,7 +281,8 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     predictions: dict[str, dict[str, P.Predictions]] = {}
     if len(idx):
         unit = "patient" if patients else "slide"
-        probed = probe_models(cfg, feats, y, groups, unit)
+        with _phase(f"tile probes of {len(feats)} model(s) on {len(np.unique(groups))} {unit}s") as phase:
+            probed = probe_models(cfg, feats, y, groups, unit, phase.tick, lambda w: phase.tick(w, always=True))
         cv, predictions = probed.cv, probed.predictions
         evaluation.split = {**cv.as_dict(), "by": unit, "seed": cfg.probe.seed}
         evaluation.evidence = {"unit": unit, "test_groups": len(cv.test_groups), "folds": len(cv.folds)}
@@ -275,27 +297,36 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
         for role in feats:
             evaluation.models[role]["probes"] = probed.probes[role]
         evaluation.comparisons = probed.comparisons
-        dense_probe(cfg, dense, probed.design, cv, evaluation)
+        if dense:
+            with _phase(f"dense probe of {len(dense)} model(s)") as phase:
+                dense_probe(cfg, dense, probed.design, cv, evaluation, lambda w: phase.tick(w, always=True))
         sites = _table(cfg.sites, "sites")
         if sites:
-            evaluation.site_predictability = site_predictability(cfg, feats, slides, sites, cv, warnings)
+            with _phase("site predictability") as phase:
+                evaluation.site_predictability = site_predictability(
+                    cfg, feats, slides, sites, cv, warnings, lambda w: phase.tick(w, always=True)
+                )
         names = {role: str(evaluation.models[role].get("description") or "") for role in feats}
-        report.save_pictures(out, y, feats, predictions, names)
-        evaluation.qupath = report.qupath_predictions(out, ds, idx, y, predictions["candidate"]["linear"])
-    decision = G.decide(cfg, evaluation)
-    cand_metrics = report.flat_metrics(evaluation.models["candidate"])
-    decision = G.apply(cfg, decision, candidate.version, cand_metrics)
-    evaluation.decision = decision.as_dict()
-    evaluation.evidence = evaluation.decision["evidence"]  # the protocol's counts and what the gate made of them
-    evaluation.champion_model = (
-        str(candidate.path)
-        if (decision.applied or same)
-        else (str(champion.path) if champion is not None and champion.path.is_file() else None)
-    )
-    table = report.markdown(evaluation)
-    write_text_atomic(out / "evaluation.json", evaluation.to_json())
-    (out / "evaluation.md").write_text(table)
-    report.log_mlflow(cfg, evaluation, out)
+        with _phase("pictures and QuPath predictions"):
+            report.save_pictures(out, y, feats, predictions, names, slides)
+            evaluation.qupath = report.qupath_predictions(
+                out, ds, idx, y, predictions["candidate"]["linear"], label_info.get("colours")
+            )
+    with _phase("gate, evaluation.json and MLflow"):
+        decision = G.decide(cfg, evaluation)
+        cand_metrics = report.flat_metrics(evaluation.models["candidate"])
+        decision = G.apply(cfg, decision, candidate.version, cand_metrics)
+        evaluation.decision = decision.as_dict()
+        evaluation.evidence = evaluation.decision["evidence"]  # the protocol's counts and what the gate made of them
+        evaluation.champion_model = (
+            str(candidate.path)
+            if (decision.applied or same)
+            else (str(champion.path) if champion is not None and champion.path.is_file() else None)
+        )
+        table = report.markdown(evaluation)
+        write_text_atomic(out / "evaluation.json", evaluation.to_json())
+        (out / "evaluation.md").write_text(table)
+        report.log_mlflow(cfg, evaluation, out)
     return EvaluateResult(out, evaluation, decision, table, time.perf_counter() - start, warnings)
 
 

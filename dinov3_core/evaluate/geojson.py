@@ -12,7 +12,7 @@ import logging
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ class GeoJsonAnnotations:
     shapes: list[tuple[str, shapely.Geometry]]  # (class name, Polygon | MultiPolygon), valid, 2-D, non-empty
     skipped: dict[str, int]  # reason → features ignored
     repaired: int  # invalid polygons repaired with shapely.make_valid
+    # class name → the RGB its features carry (`classification.color`, the first seen): what QuPath draws it in
+    colours: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------- GeoJSON
@@ -93,6 +95,7 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
     geometries: list[dict[str, Any]] = []
     index: list[int] = []  # feature number of each kept geometry, for messages
     skipped: Counter[str] = Counter()
+    colours: dict[str, tuple[int, int, int]] = {}
     features = _features(doc, path)
     ticker = _Ticker(f"reading {path}", len(features))
     for i, feature in enumerate(features):
@@ -113,6 +116,8 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
         if name is None:
             skipped[NO_CLASSIFICATION] += 1
             continue
+        if name not in colours and (colour := _class_colour(feature)) is not None:
+            colours[name] = colour
         names.append(name)
         geometries.append(geometry)
         index.append(i)
@@ -131,7 +136,7 @@ def read_geojson(path: str | Path) -> GeoJsonAnnotations:
     if not skipped[EMPTY_GEOMETRY]:
         del skipped[EMPTY_GEOMETRY]
     kept = [(names[k], shapes[k]) for k in np.flatnonzero(~empty).tolist()]
-    return GeoJsonAnnotations(path, kept, dict(sorted(skipped.items())), repaired)
+    return GeoJsonAnnotations(path, kept, dict(sorted(skipped.items())), repaired, colours)
 
 
 class _Ticker:
@@ -246,6 +251,23 @@ def _class_name(feature: dict[str, Any], where: str) -> str | None:
     if not isinstance(name, str):
         raise MalformedAnnotations(f"{where}: classification name must be a string, got {name!r:.80}")
     return name
+
+
+def _class_colour(feature: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The class's RGB as QuPath exports it: `classification.color` [r, g, b] (0.2 and later) or a packed
+    `colorRGB` integer (older exports); None when absent or not a colour (a colour is a nicety, never an error)."""
+    classification = (feature.get("properties") or {}).get("classification")
+    if not isinstance(classification, dict):
+        return None
+    colour = classification.get("color", classification.get("colorRGB"))
+    if isinstance(colour, bool):
+        return None
+    if isinstance(colour, int):
+        return ((colour >> 16) & 255, (colour >> 8) & 255, colour & 255)
+    if isinstance(colour, list) and len(colour) >= 3 and all(isinstance(c, int | float) for c in colour[:3]):
+        rgb = tuple(int(min(255, max(0, round(c)))) for c in colour[:3])
+        return (rgb[0], rgb[1], rgb[2])
+    return None
 
 
 def _read_geometry(geometry: dict[str, Any], where: str) -> shapely.Geometry:

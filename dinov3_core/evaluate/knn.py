@@ -8,7 +8,7 @@ similarity pass against the union of all drawn tiles, then a batched top-k per s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -187,10 +187,11 @@ def knn_few_shot(
     k: int,
     temperature: float,
     device: str | torch.device | None = "cpu",
+    tick: Callable[[str], None] | None = None,
 ) -> dict[int, list[np.ndarray]]:
     """{shots: [draw: (N, K) pooled scores]} of the n-shot kNN: `folds` (train, test) row indices, `picks`
     {shots: [draw: [fold: positions within that fold's training rows]]}. Per fold one similarity pass against all
-    its drawn tiles, then one top-k per shot count over every draw."""
+    its drawn tiles, then one top-k per shot count over every draw; `tick(what)` as each fold is done."""
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
     u, y = _unit(x, dev), torch.as_tensor(np.asarray(codes, np.int64), device=dev)
     out = {n: [np.zeros((len(u), n_classes), np.float32) for _ in per_draw] for n, per_draw in picks.items()}
@@ -217,6 +218,8 @@ def knn_few_shot(
                 scores = _votes(top, train_pos, y, n_classes, temperature).cpu().numpy()
                 for j in range(len(c)):
                     out[n][j][rows.cpu().numpy()] = scores[j]
+        if tick is not None:
+            tick(f"few-shot kNN fold {f + 1}/{len(folds)}")
     return out
 
 

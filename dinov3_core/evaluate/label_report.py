@@ -52,6 +52,7 @@ class LabelReport:
     unknown: list[str] = field(default_factory=list)  # annotation files naming no slide of the store (warning)
     skipped_features: dict[str, int] = field(default_factory=dict)  # reason → GeoJSON features ignored
     repaired_features: int = 0  # invalid polygons repaired with shapely.make_valid
+    colours: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # class → RGB of its annotations
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -73,6 +74,7 @@ class LabelReport:
             "unknown": list(self.unknown),
             "skipped_features": dict(self.skipped_features),
             "repaired_features": self.repaired_features,
+            "colours": {name: list(self.colours[name]) for name in sorted(self.colours)},
             "warnings": list(self.warnings),
         }
 

@@ -168,6 +168,8 @@ def _label_geojson(
         found = read_geojson(files[sid])
         skipped.update(found.skipped)
         report.repaired_features += found.repaired
+        for name, colour in found.colours.items():  # one colour per class: the first slide's, as QuPath keeps one
+            report.colours.setdefault(name, colour)
         slide = read_slide(root, sid)
         _check_bounds(found, slide)
         labels = _label_by_polygons(slide, found.shapes, min_overlap)

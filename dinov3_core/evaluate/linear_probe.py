@@ -13,7 +13,7 @@ balanced accuracy on the validation tiles, ties to the smaller C, then a refit o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,12 +182,14 @@ def linear_probe_cv(
     cs: Sequence[float],
     device: str | torch.device | None = "cpu",
     tol: float = 1e-5,
+    tick: Callable[[str], None] | None = None,
 ) -> tuple[np.ndarray, list[float]]:
     """(N, K) float64 test-tile probabilities of every fold pooled (rows of no fold's test: 0), and the C each fold
-    chose. Every fold's training side needs two classes (the caller decides what a one-class fold predicts)."""
+    chose. Every fold's training side needs two classes (the caller decides what a one-class fold predicts).
+    `tick(what)`: called as each fold of the fold-by-fold path is done (progress of a long probe)."""
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
     if newton.fits_newton(x.shape[1], n_classes):  # narrow features: a few exact Newton steps per C (newton.py)
-        return _fit_newton(x, codes, n_classes, folds, [float(c) for c in cs], dev)
+        return _fit_newton(x, codes, n_classes, folds, [float(c) for c in cs], dev, tick)
     small = x.size * max(1, len(folds)) <= _SMALL
     xt = torch.as_tensor(np.asarray(x, np.float64 if small else np.float32), device=dev)
     xt = xt - _column_mean(xt).to(xt.dtype)  # a copy: `x` may share its memory
@@ -203,7 +205,13 @@ def linear_probe_cv(
 
 
 def _fit_newton(
-    x: np.ndarray, codes: np.ndarray, k: int, folds: Sequence[Fold], cs: list[float], dev: torch.device
+    x: np.ndarray,
+    codes: np.ndarray,
+    k: int,
+    folds: Sequence[Fold],
+    cs: list[float],
+    dev: torch.device,
+    tick: Callable[[str], None] | None = None,
 ) -> tuple[np.ndarray, list[float]]:
     """`linear_probe_cv` by Newton's method, fold by fold: the C path on the fit tiles (the training tiles less the
     validation ones), C by balanced accuracy on the validation tiles (ties to the smaller C), then the refit on all
@@ -213,7 +221,7 @@ def _fit_newton(
     scores = np.zeros((len(x), k), np.float64)
     chosen: list[float] = []
     middle = cs[len(cs) // 2]
-    for f in folds:
+    for i, f in enumerate(folds):
         train = torch.as_tensor(np.asarray(f.train, np.int64), device=dev)
         fit = np.setdiff1d(f.train, f.train[f.val]) if len(f.val) else np.asarray(f.train)
         fit_t = torch.as_tensor(fit.astype(np.int64), device=dev)
@@ -236,6 +244,8 @@ def _fit_newton(
             final = newton.fit(xt[train], y[train], k, [best_c], start=warm)[0]
         scores[f.test] = final.proba(xt[torch.as_tensor(np.asarray(f.test, np.int64), device=dev)]).cpu().numpy()
         chosen.append(best_c)
+        if tick is not None:
+            tick(f"linear probe fold {i + 1}/{len(folds)}")
     return scores, chosen
 
 

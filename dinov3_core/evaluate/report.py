@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,20 +171,61 @@ def plot_confusion(path: Path, y: np.ndarray, predicted: np.ndarray, classes: np
     return share
 
 
+TITLE_CHARACTERS = 48  # a title line's width at the embedding map's size and font
+LEGEND_ENTRIES = 20  # more slides than this: the legend names the first ones and counts the rest
+
+
+def embedding_figure(xy: np.ndarray, groups: np.ndarray, title: str, legend_title: str) -> Any:
+    """A 2-D map of tiles (`xy`) coloured by `groups` (their class, or their slide): the title wrapped to the
+    figure's width and the legend beside the map, both laid out inside the figure (constrained layout), so model
+    descriptions and slide names of any length stay readable. The caller saves and closes the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = np.unique(groups)
+    entries = min(len(names), LEGEND_ENTRIES) + (len(names) > LEGEND_ENTRIES)
+    columns = 1 if entries <= 10 else 2  # a second legend column rather than one taller than the map
+    height = max(4.2, 1.2 + 0.22 * math.ceil(entries / columns))
+    fig, ax = plt.subplots(figsize=(6.0 + 2.2 * (columns - 1), height), layout="constrained")
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    for k, name in enumerate(names):
+        sel = groups == name
+        text = str(name) if len(str(name)) <= 28 else str(name)[:27] + "…"  # one line per entry
+        ax.scatter(
+            xy[sel, 0], xy[sel, 1], s=8, alpha=0.7, color=cmap(k % cmap.N), label=text if k < LEGEND_ENTRIES else None
+        )
+    if len(names) > LEGEND_ENTRIES:
+        ax.scatter([], [], s=0, label=f"… {len(names) - LEGEND_ENTRIES} more")
+    ax.set_title("\n".join(textwrap.wrap(title, TITLE_CHARACTERS)) or title, fontsize=9)
+    ax.legend(
+        title=legend_title,
+        fontsize=7,
+        title_fontsize=7,
+        markerscale=2,
+        ncols=columns,
+        loc="upper left",
+        bbox_to_anchor=(1, 1),
+    )
+    ax.set_xlabel("PC 1", fontsize=8)
+    ax.set_ylabel("PC 2", fontsize=8)
+    return fig
+
+
 def save_pictures(
     out: Path,
     y: np.ndarray,
     feats: dict[str, np.ndarray],
     preds: dict[str, dict[str, P.Predictions]],
     names: dict[str, str] | None = None,
+    slides: np.ndarray | None = None,
 ) -> None:
     """Per model (`names`: role → what the model is, for the titles): the linear probe's row-normalised confusion
-    matrix (every labelled tile, each predicted by the fold that held its slide out), and a 2-D PCA map of all
-    labelled tiles coloured by class."""
+    matrix (every labelled tile, each predicted by the fold that held its slide out), a 2-D PCA map of all
+    labelled tiles coloured by class and, given their `slides`, the same map coloured by slide: tiles that cluster
+    by slide rather than by class show the features carry the stain or the site."""
     # deferred: importing scikit-learn is slow, paid only by the probes
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from sklearn.decomposition import PCA
 
@@ -194,21 +237,27 @@ def save_pictures(
         title = f"{model}\nlinear probe on held-out slides, rows normalised"
         plot_confusion(out / f"confusion_{role}.png", y, preds[role]["linear"].predicted, classes, title)
         xy = PCA(n_components=2, random_state=0).fit_transform(P.l2_normalise(x))
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        for k, c in enumerate(classes):
-            sel = y == c
-            ax.scatter(xy[sel, 0], xy[sel, 1], s=8, alpha=0.7, color=plt.get_cmap("tab10")(k % 10), label=f"{c}")
-        ax.set_title(f"{model}: PCA of tile features", fontsize=9)
-        ax.legend(fontsize=7, markerscale=2)
-        fig.tight_layout()
-        fig.savefig(out / f"embedding_{role}.png", dpi=110)
-        plt.close(fig)
+        maps = [("", y.astype(str), "class")]
+        if slides is not None:
+            maps.append(("_by_slide", np.asarray(slides).astype(str), "slide"))
+        for suffix, groups, legend in maps:
+            fig = embedding_figure(xy, groups, f"{model}: PCA of tile features, by {legend}", legend)
+            fig.savefig(out / f"embedding_{role}{suffix}.png", dpi=110)
+            plt.close(fig)
 
 
-def qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarray, pred: P.Predictions) -> str:
+def qupath_predictions(
+    out: Path,
+    ds: TileDataset,
+    idx: np.ndarray,
+    y: np.ndarray,
+    pred: P.Predictions,
+    colours: Mapping[str, Sequence[int]] | None = None,
+) -> str:
     """The candidate's linear-probe predictions on the annotated tiles, one GeoJSON per slide for QuPath: each tile a
     detection classified by its predicted class, with the confidence and the annotated class as measurements. Every
-    prediction comes from a probe fitted on other slides' tiles (the cross-validation folds), as the metrics do."""
+    prediction comes from a probe fitted on other slides' tiles (the cross-validation folds), as the metrics do.
+    `colours`: class → RGB of the lab's annotations, so a predicted class is drawn as its annotations are."""
     folder = out / "qupath"
     slide_of, row_of = ds.locate_many(idx)
     classes = [str(c) for c in pred.classes]
@@ -220,7 +269,8 @@ def qupath_predictions(out: Path, ds: TileDataset, idx: np.ndarray, y: np.ndarra
         size = float(ds.slide_attrs(int(s)).get("tile_size_level0") or ds.tile_size)
         measures = {"confidence": pred.scores[here, predicted[here]], "correct": predicted[here] == truth[here]}
         measures |= {f"p({c})": pred.scores[here, k] for k, c in enumerate(classes)}
-        write_qupath_tiles(folder / f"{ds.slide_ids[int(s)]}.geojson", coords, size, classes, predicted[here], measures)
+        target = folder / f"{ds.slide_ids[int(s)]}.geojson"
+        write_qupath_tiles(target, coords, size, classes, predicted[here], measures, colours)
     return str(folder)
 
 
@@ -244,6 +294,9 @@ def log_mlflow(cfg: EvaluateConfig, evaluation: EvaluationReport, out: Path) -> 
             tracking.log_metrics({f"{role}.{k}": v for k, v in flat_metrics(model).items() if np.isfinite(v)})
         for path in [*sorted(out.glob("*.png")), out / "evaluation.json", out / "evaluation.md"]:
             tracking.log_artifact(path)
+        # the predictions for QuPath, under the folder name they have on disk: download it and import each file
+        for path in sorted((out / "qupath").glob("*.geojson")):
+            tracking.log_artifact(path, artifact_path="qupath")
         # deferred: importing mlflow is slow (docs/benchmarks.md, tile stage), paid only when tracking
         import mlflow
 
@@ -258,6 +311,7 @@ def log_mlflow(cfg: EvaluateConfig, evaluation: EvaluationReport, out: Path) -> 
 
 
 __all__ = [
+    "embedding_figure",
     "flat_metrics",
     "log_mlflow",
     "markdown",

@@ -5,6 +5,7 @@ comparisons with the champion and the baseline. `evaluation.run_evaluate` and `b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,12 @@ from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
 
+Tick = Callable[[str], None]  # `Phase.tick`: a progress line, at most every few seconds
+
+
+def _no_tick(what: str) -> None:
+    pass
+
 
 def dense_probe(
     cfg: EvaluateConfig,
@@ -24,6 +31,7 @@ def dense_probe(
     design: S.Design,
     cv: P.CrossValidation,
     evaluation: EvaluationReport,
+    tick: Tick = _no_tick,
 ) -> None:
     """The dense probe of every model with labelled tokens, into `probes.dense`, and the paired candidate − other
     differences into the comparisons (only between models of one patch grid: the same tokens, so paired)."""
@@ -44,6 +52,7 @@ def dense_probe(
         entry.update(linear_c_per_fold=cs, counts=tokens.counts())
         evaluation.models[role].setdefault("probes", {})["dense"] = entry
         preds[role] = (d, p, tokens_design, tokens.side)
+        tick(f"{role}: {len(d.y)} tokens probed")
     if "candidate" not in preds:
         return
     d, mine, tokens_design, side = preds["candidate"]
@@ -71,16 +80,20 @@ def score_model(
     cv: P.CrossValidation,
     design: S.Design,
     draws: dict[int, list[list[np.ndarray]]],
+    tick: Tick = _no_tick,
 ) -> tuple[dict[str, Any], dict[str, P.Predictions]]:
     """kNN, linear probe and few-shot kNN of one model's features, each fold predicted by probes fitted on the
-    other folds: metrics (with CIs) of the pooled predictions, and the predictions (every labelled tile, once)."""
+    other folds: metrics (with CIs) of the pooled predictions, and the predictions (every labelled tile, once).
+    `tick(what)` after each probe and fold (progress lines)."""
     pc = cfg.probe
     classes = np.unique(y)
     codes = np.searchsorted(classes, y)
     folds = [C.Fold(f.train, np.searchsorted(f.train, f.val), f.test) for f in cv.folds]
     with C.torch_threads(cfg.num_threads):
         knn = C.knn_cv(x, codes, [f.test for f in cv.folds], len(classes), pc.knn_k, pc.knn_temperature, cfg.device)
-        linear, cs = C.linear_probe_cv(x, codes, len(classes), folds, pc.linear_c, cfg.device)
+        tick("kNN")
+        linear, cs = C.linear_probe_cv(x, codes, len(classes), folds, pc.linear_c, cfg.device, tick=tick)
+        tick("linear probe")
         shots = C.knn_few_shot(
             x,
             codes,
@@ -90,7 +103,9 @@ def score_model(
             pc.knn_k,
             pc.knn_temperature,
             cfg.device,
+            tick=tick,
         )
+    tick("few-shot kNN")
     few: dict[str, Any] = {}
     for n, per_draw in shots.items():  # one draw: the pooled predictions of every fold's n-shot kNN
         accs = [P.score(y, P.Predictions(classes, scores), P.balanced_accuracy) for scores in per_draw]
@@ -123,11 +138,18 @@ class Probed:
 
 
 def probe_models(
-    cfg: EvaluateConfig, feats: dict[str, np.ndarray], y: np.ndarray, groups: np.ndarray, unit: str = "slide"
+    cfg: EvaluateConfig,
+    feats: dict[str, np.ndarray],
+    y: np.ndarray,
+    groups: np.ndarray,
+    unit: str = "slide",
+    tick: Tick = _no_tick,
+    done: Tick = _no_tick,
 ) -> Probed:
     """The tile probes of every model (role → features of the same labelled tiles), and, when there is a
     `candidate`, its paired comparisons with the `champion` and `baseline` among them. The stage and
-    `benchmarks/gate_calibration.py` share it: what the benchmark calibrates is what the stage runs."""
+    `benchmarks/gate_calibration.py` share it: what the benchmark calibrates is what the stage runs. `tick(what)`
+    through each model's probes (throttled progress lines), `done(what)` once per model and for the comparisons."""
     pc = cfg.probe
     cv = P.cross_validate_by_group(y, groups, folds=pc.folds, seed=pc.seed)
     # Every tile is a test tile (of its own fold): the statistics are over all the groups.
@@ -135,8 +157,11 @@ def probe_models(
     draws = P.few_shot_draws_cv(y, cv, pc.few_shot, pc.few_shot_draws, pc.seed)
     probes, predictions = {}, {}
     for role, x in feats.items():
-        probes[role], predictions[role] = score_model(cfg, x, y, cv, design, draws)
-    return Probed(cv, design, probes, predictions, paired_comparisons(y, predictions, design))
+        probes[role], predictions[role] = score_model(cfg, x, y, cv, design, draws, lambda w, r=role: tick(f"{r}: {w}"))
+        done(f"{role}: kNN, linear probe, few-shot kNN and bootstrap intervals done")
+    comparisons = paired_comparisons(y, predictions, design)
+    done(f"paired comparisons ({pc.bootstrap} bootstrap resamples, permutation tests) done")
+    return Probed(cv, design, probes, predictions, comparisons)
 
 
 def paired_comparisons(y: np.ndarray, preds: dict[str, dict[str, P.Predictions]], design: S.Design) -> dict[str, Any]:
@@ -166,6 +191,7 @@ def site_predictability(
     sites: dict[str, str],
     cv: P.CrossValidation,
     warnings: list[str],
+    tick: Tick = _no_tick,
 ) -> dict[str, float]:
     """Balanced accuracy of a kNN predicting the site (scanner, hospital) on the same folds, pooled over the folds
     whose test sites are all among their training slides: lower is better."""
@@ -195,6 +221,7 @@ def site_predictability(
                 cfg.device,
             )
         out[role] = P.score(s[tested], P.Predictions(classes, scores[tested]), P.balanced_accuracy)
+        tick(f"{role} done")
     return out
 
 

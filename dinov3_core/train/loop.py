@@ -245,6 +245,7 @@ class Trainer:
             self.schedules,
             start_iteration=self.start_iteration,
             total_iterations=self.total_iterations,
+            end_iteration=self.stop_iteration,
             on_metrics=on_metrics,
         )
         with MemoryGuard(self.cfg, self.env, self.plan.budget_bytes) as memory:

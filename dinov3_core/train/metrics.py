@@ -158,18 +158,21 @@ def batch_fields(global_batch: int, micro_batch: int, accumulation_steps: int) -
     }
 
 
-def progress_line(record: Mapping[str, Any], total_iterations: int) -> str:
+def progress_line(record: Mapping[str, Any], total_iterations: int, end_iteration: int | None = None) -> str:
     """The log line of a `step_record`: losses, health signals, learning rate, throughput, data wait, RSS; and
-    the probe's scores on the lines that have them."""
+    the probe's scores on the lines that have them. `end_iteration`: where this run stops (`train.stop_at`) when
+    before the schedule's end; the ETA counts to it, since the schedule's remainder is not this run's."""
     probe = (
         f"  probe: effective rank {record['effective_rank']:.3f}, invariance {record.get('invariance', math.nan):.3f}"
         f" ({record.get('probe_seconds', math.nan):.1f}s)"
         if isinstance(record.get("effective_rank"), float)
         else ""
     )
-    left = max(0, total_iterations - record["iteration"] - 1) * float(record.get("iter_time") or 0.0)
+    end = min(total_iterations, end_iteration or total_iterations)
+    left = max(0, end - record["iteration"] - 1) * float(record.get("iter_time") or 0.0)
+    stops = f" (stops at {end})" if end < total_iterations else ""
     return (
-        f"it {record['iteration']}/{total_iterations}  loss {record.get('total_loss', math.nan):.4f} "
+        f"it {record['iteration']}/{total_iterations}{stops}  loss {record.get('total_loss', math.nan):.4f} "
         f"(dino g {record.get('dino_global_loss', math.nan):.4f} l {record.get('dino_local_loss', math.nan):.4f}, "
         f"ibot {record.get('ibot_loss', math.nan):.4f}, koleo {record.get('koleo_loss', math.nan):.4f}; "
         f"dino below ln K {record.get('dino_gap', math.nan):.3f}, agreement {record.get('agreement', math.nan):.3f})  "

@@ -30,10 +30,12 @@ class MetricsWindow:
         *,
         start_iteration: int,
         total_iterations: int,
+        end_iteration: int | None = None,
         on_metrics: OnMetrics | None,
     ) -> None:
         self.cfg, self.env, self.writer, self.schedules = cfg, env, writer, schedules
         self.start_iteration, self.total_iterations = start_iteration, total_iterations
+        self.end_iteration = end_iteration  # train.stop_at: the ETA counts to this run's end, not the schedule's
         self.on_metrics = on_metrics
         self.means = M.WindowMeans()
         self.first_step_seconds = 0.0  # compile warm-up, loader start-up: not throughput
@@ -63,7 +65,7 @@ class MetricsWindow:
         )
         self.writer.write(record)
         if self.env.is_main:
-            logger.info("%s", M.progress_line(record, self.total_iterations))
+            logger.info("%s", M.progress_line(record, self.total_iterations, self.end_iteration))
         self.report(record)
         return record
 
