@@ -35,7 +35,13 @@ from dinov3_core.evaluate import report
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
 from dinov3_core.evaluate.labels import label_tiles
-from dinov3_core.evaluate.models import ModelUnderTest, baseline_model, candidate_model, champion_model
+from dinov3_core.evaluate.models import (
+    ModelUnderTest,
+    baseline_model,
+    candidate_model,
+    champion_model,
+    check_same_file,
+)
 from dinov3_core.evaluate.scoring import dense_probe, probe_models, site_predictability
 from dinov3_core.files import write_text_atomic
 from dinov3_core.launch import TorchrunFailed
@@ -159,6 +165,8 @@ def run_evaluate(cfg: EvaluateConfig, embed_job: EmbedJob | None = None) -> Eval
     models: list[ModelUnderTest] = [candidate]
     champion = champion_model(cfg, cache, warnings)
     same = champion is not None and champion.version is not None and champion.version == candidate.version
+    if same and champion is not None and candidate.path.suffix == ".onnx":
+        check_same_file(candidate, champion, cfg)
     if champion is not None and not same:
         models.append(champion)
     baseline = baseline_model(cfg, candidate, cache, warnings)

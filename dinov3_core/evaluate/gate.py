@@ -36,6 +36,7 @@ from dinov3_core import tracking
 from dinov3_core.evaluate import statistics as S
 from dinov3_core.evaluate.config import EvaluateConfig
 from dinov3_core.evaluate.evaluation_json import EvaluationReport
+from dinov3_core.evaluate.summary import PROMOTION_TAG
 
 
 @dataclass
@@ -286,7 +287,7 @@ def apply(cfg: EvaluateConfig, decision: Decision, version: str | None, metrics:
         client.set_registered_model_alias(cfg.register_name, "champion", version)
         decision.applied = True
     status = "promoted" if decision.applied else ("champion" if decision.already_champion else "kept")
-    client.set_model_version_tag(cfg.register_name, version, "wsidino.promotion", status)
+    client.set_model_version_tag(cfg.register_name, version, PROMOTION_TAG, status)
     client.set_model_version_tag(cfg.register_name, version, "wsidino.promotion_reason", decision.reason[:5000])
     return decision
 

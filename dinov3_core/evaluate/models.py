@@ -18,10 +18,11 @@ from typing import Any
 
 import yaml
 
+from dinov3_core import checksums, tracking
 from dinov3_core import manifest as mf
-from dinov3_core import tracking
 from dinov3_core.evaluate.config import EvaluateConfig, EvaluateError
-from dinov3_core.export.summary import ExportSummary
+from dinov3_core.evaluate.summary import PROMOTION_TAG, set_by_gate
+from dinov3_core.export.summary import ONNX_SHA_TAG, ExportSummary
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,16 @@ def champion_model(cfg: EvaluateConfig, cache: Path, warnings: list[str]) -> Mod
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg.tracking))
     try:
-        number = str(client.get_model_version_by_alias(cfg.register_name, "champion").version)
+        registered = client.get_model_version_by_alias(cfg.register_name, "champion")
     except MlflowException:
         return None  # no registered model, or no champion yet: the first model's gate is the baseline
+    number, tags = str(registered.version), dict(registered.tags or {})
+    if not set_by_gate(tags):
+        warnings.append(
+            f"@champion of {cfg.register_name} is v{number}, which wsidino's gate never promoted (its "
+            f"{PROMOTION_TAG} tag is {tags.get(PROMOTION_TAG)!r}): the alias was moved by hand or by another tool; "
+            "the candidate is compared with it anyway (move @champion back to a promoted version to undo)"
+        )
     target = cache / f"champion-v{number}"
     onnx = sorted(target.rglob("*.onnx")) if target.is_dir() else []
     if not onnx:
@@ -101,7 +109,24 @@ def champion_model(cfg: EvaluateConfig, cache: Path, warnings: list[str]) -> Mod
     if not onnx:
         warnings.append(f"champion v{number} of {cfg.register_name} has no ONNX file in its artifacts")
         return ModelUnderTest("champion", Path("unavailable"), "no ONNX artifact", str(number))
+    registered_sha = tags.get(ONNX_SHA_TAG)
+    if registered_sha and checksums.sha256(onnx[0]) != registered_sha:  # never compare with a replaced file
+        warnings.append(
+            f"champion v{number} of {cfg.register_name}: its model file {onnx[0]} is not the registered one "
+            f"({ONNX_SHA_TAG} differs): it was replaced or damaged in the artifact store; it is left out"
+        )
+        return ModelUnderTest("champion", Path("unavailable"), "file differs from the registered one", str(number))
     return ModelUnderTest("champion", onnx[0], f"registry {cfg.register_name} v{number}", str(number))
+
+
+def check_same_file(candidate: ModelUnderTest, champion: ModelUnderTest, cfg: EvaluateConfig) -> None:
+    """The candidate is registered as the champion's version: its file must be that version's, byte for byte."""
+    if champion.path.is_file() and checksums.sha256(candidate.path) != checksums.sha256(champion.path):
+        raise EvaluateError(
+            f"{candidate.path} is registered as {cfg.register_name} v{candidate.version} (@champion) but is not "
+            f"that version's file ({champion.path} differs): it was replaced or damaged since the export; export "
+            "it again (wsidino export --force) before evaluating"
+        )
 
 
 def _weights_of(model: Path) -> Path | None:

@@ -1,11 +1,20 @@
-"""What the evaluate stage's manifest keeps of a run (`EvaluateSummary`): the gate's decision, and the model
-`@champion` points at afterwards (the model a chain extracts with)."""
+"""What the evaluate stage records: its manifest's summary (`EvaluateSummary`: the gate's decision, and the model
+`@champion` points at afterwards, the model a chain extracts with) and the tag the gate puts on every version it
+judges (`PROMOTION_TAG`), by which evaluate and a retraining cycle tell a champion the gate promoted from an alias
+moved by hand."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dinov3_core.stage import Summary
+
+PROMOTION_TAG = "wsidino.promotion"  # promoted, champion (already) or kept: set by `gate.apply`
+
+
+def set_by_gate(tags: dict[str, str]) -> bool:
+    """A version the gate promoted (or found already champion): what @champion should point at."""
+    return tags.get(PROMOTION_TAG) in ("promoted", "champion")
 
 
 @dataclass
@@ -30,4 +39,4 @@ class EvaluateSummary(Summary):
         return self.evidence
 
 
-__all__ = ["EvaluateSummary"]
+__all__ = ["PROMOTION_TAG", "EvaluateSummary", "set_by_gate"]

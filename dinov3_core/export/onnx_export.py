@@ -31,7 +31,6 @@ from dinov3_core import tracking
 from dinov3_core.errors import WsidinoError
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.inference.backbone import BackboneFeatures, load_backbone
-from dinov3_core.inference.feature_model import file_hash
 from dinov3_core.inference.onnx_runtime import INPUT_NAME, ort_session
 
 __all__ = ["ExportConfig", "ExportError", "ExportResult", "run_export"]
@@ -213,9 +212,22 @@ EXPORT_KEY_TAG = "wsidino.export_key"
 
 
 def export_key(cfg: ExportConfig) -> str:
-    """What makes two exports the same model: the weights' content and the settings that change the graph."""
-    settings = (file_hash(cfg.weights), cfg.pooled, cfg.fp16, cfg.opset, cfg.max_side, cfg.external_data)
+    """What makes two exports the same model: the weights' values (not the file's bytes: a file saved again, or
+    repaired, with the same tensors is the same model) and the settings that change the graph."""
+    settings = (weights_hash(cfg.weights), cfg.pooled, cfg.fp16, cfg.opset, cfg.max_side, cfg.external_data)
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:20]
+
+
+def weights_hash(path: str | Path) -> str:
+    """SHA-256 of a backbone's tensors: each key, dtype, shape and values, in key order."""
+    from dinov3_core.models.released import read_backbone_state_dict
+
+    digest = hashlib.sha256()
+    for key, tensor in sorted(read_backbone_state_dict(Path(path)).items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def registered_version(client: Any, name: str, key: str) -> str | None:

@@ -85,6 +85,8 @@ class RetrainConfig(ChainConfig):
     # scratch: random init; auto: champion, else released weights when set, else scratch.
     warm_start: Literal["auto", "champion", "released", "scratch"] = "auto"
     pretrained_weights: str | None = None  # local released DINOv3 backbone .pth (never downloaded)
+    # Warm-start from @champion even when the gate never promoted it (the alias moved by hand): recorded, not advised.
+    trust_unvetted_champion: bool = False
     register_name: str = "wsidino-backbone"
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     length: LengthConfig = field(default_factory=LengthConfig)

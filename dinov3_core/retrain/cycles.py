@@ -94,6 +94,7 @@ class WarmStart:
     path: str | None = None
     version: str | None = None  # the champion's model version
     cycle: str | None = None  # the cycle that trained it
+    unvetted: bool = False  # a champion the gate never promoted, trusted by `trust_unvetted_champion`
 
 
 @dataclass

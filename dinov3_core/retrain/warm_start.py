@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from dinov3_core.evaluate.summary import PROMOTION_TAG, set_by_gate
 from dinov3_core.export.summary import WEIGHTS_SHA_TAG
 from dinov3_core.retrain import registry
 from dinov3_core.retrain.config import RetrainConfig, RetrainError
@@ -26,9 +27,17 @@ def decide_warm_start(cfg: RetrainConfig, champion: registry.Champion | None, pr
                 f"machine ({registry.WEIGHTS_TAG}={weights}); restore it, move @champion to a version whose "
                 "files exist, or set warm_start=released|scratch"
             )
+        if not set_by_gate(champion.tags) and not cfg.trust_unvetted_champion:
+            raise RetrainError(
+                f"@champion of {cfg.register_name} is v{champion.version}, which the evaluation gate never promoted "
+                f"({PROMOTION_TAG}={champion.tags.get(PROMOTION_TAG)!r}): the alias was moved by hand or by another "
+                "tool, and a cycle does not build on a model without evidence; move @champion back to a promoted "
+                "version, or set trust_unvetted_champion=true to warm-start from it anyway (recorded in the cycle)"
+            )
         champion.verified(weights, WEIGHTS_SHA_TAG)  # a replaced or damaged champion file is never trained on
         check_architecture(weights, pretrain, champion.version, cfg.register_name)
-        choice = WarmStart("champion", str(weights), champion.version, champion.cycle)
+        unvetted = not set_by_gate(champion.tags)
+        choice = WarmStart("champion", str(weights), champion.version, champion.cycle, unvetted=unvetted)
     elif mode == "champion":
         raise RetrainError(f"warm_start=champion, but {cfg.register_name} has no @champion yet")
     elif mode in ("auto", "released") and cfg.pretrained_weights:
