@@ -26,6 +26,7 @@ def tile(slide: Path, out: Path, uri: str, events: Path | None = None) -> subpro
     """`wsidino tile` as a user starts it, logging to `uri`; with `events`, held at the stage's start."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT)}
     if events is not None:
+        events.mkdir(parents=True, exist_ok=True)
         env |= {"WSIDINO_HOOKS": "tests.event_hooks:pause_at_stage_start", event_hooks.DIR_ENV: str(events)}
     else:
         env.pop("WSIDINO_HOOKS", None)
@@ -55,7 +56,10 @@ def running_run_of(uri: str, pid: int, timeout: float = 120.0) -> Any:
 def held(slide: Path, out: Path, uri: str, events: Path) -> tuple[subprocess.Popen[str], Any]:
     proc = tile(slide, out, uri, events)
     try:
-        event_hooks.wait_for(events / "stage-started")
+        deadline = time.monotonic() + event_hooks.WAIT_S
+        while not (events / "stage-started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the held stage never started"
+            time.sleep(0.05)
         return proc, running_run_of(uri, proc.pid)
     except BaseException:
         proc.kill()
