@@ -37,6 +37,9 @@ def tile(slide: Path, out: Path, uri: str, events: Path | None = None) -> subpro
 def runs_of(uri: str) -> list[Any]:
     from mlflow import MlflowClient
 
+    if not Path(uri.removeprefix("sqlite:///")).is_file():  # the stage creates it: a client here would race it
+        return []
+
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("wsidino")
     return [] if experiment is None else client.search_runs([experiment.experiment_id])
