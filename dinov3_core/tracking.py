@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dinov3_core import tracking_runs
 from dinov3_core.config_tree import flat_params
 from dinov3_core.tracking_store import artifact_location, ensure_store
 
@@ -91,13 +92,18 @@ def _start_run(
     if not resume:
         ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment, uri)
     parent = None if resume else parent_run_id
-    return mlflow.start_run(
+    # A torchrun rank joining the runner's run leaves the runner as its owner; a retry in this process takes it over.
+    owner = {} if resume and os.environ.get("MLFLOW_RUN_ID") == resume else tracking_runs.owner_tags()
+    run = mlflow.start_run(
         run_id=resume,
         run_name=None if resume else run_name,
         parent_run_id=parent or None,
-        tags=dict(tags or {}),
+        tags={**(tags or {}), **owner},
         log_system_metrics=system_metrics,
     )
+    if owner:
+        tracking_runs.opened(run.info.run_id, uri)
+    return run
 
 
 @contextlib.contextmanager
@@ -158,6 +164,7 @@ def pending_stage_run(
     if not cfg.enabled:
         yield PendingRun()
         return
+    tracking_runs.install_sigterm()  # here, in the main thread: a background opener may not install it
     # Not imported yet: nobody opened a run, and importing it here would cost what the background saves.
     mlflow = sys.modules.get("mlflow")
     active = mlflow.active_run() if mlflow is not None else None
@@ -187,12 +194,20 @@ def pending_stage_run(
     except BaseException:
         with contextlib.suppress(Exception):  # the stage's own error is the one to report
             pending.wait()
-        if _mlflow().active_run() is not None:
-            _mlflow().end_run(status="FAILED")
+        _end_active("FAILED")
         raise
     else:
         pending.wait()
-        _mlflow().end_run(status="FINISHED")
+        _end_active("FINISHED")
+
+
+def _end_active(status: str) -> None:
+    """End the active run with `status`, unless the SIGTERM handler already ended it KILLED."""
+    active = _mlflow().active_run()
+    if active is not None:
+        run_id = active.info.run_id
+        _mlflow().end_run(status="KILLED" if tracking_runs.was_killed(run_id) else status)
+        tracking_runs.closed(run_id)
 
 
 def _mlflow() -> Any:
@@ -207,10 +222,12 @@ def terminated_after(client: Any, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        client.set_terminated(run_id, status="FAILED")
+        client.set_terminated(run_id, status="KILLED" if tracking_runs.was_killed(run_id) else "FAILED")
         raise
     else:
         client.set_terminated(run_id, status="FINISHED")
+    finally:
+        tracking_runs.closed(run_id)
 
 
 def run_ui_url(cfg: TrackingConfig, run_id: str | None) -> str | None:
@@ -229,11 +246,14 @@ def ui_url(uri: str | None, run_id: str | None) -> str | None:
         experiment = MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id
     except Exception:  # a link is a convenience: never fail a stage for it
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?{ML_WORKFLOW}"
 
 
-# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, token usage); this one says "model
-# training", so it opens on the runs table.
+# MLflow 3.17's UI decides GenAI view (traces overview, runs filed under "Evaluations") or runs table from the
+# browser's workflow type, not from the experiment: `?workflowType=` in the address, else the browser's saved choice,
+# else GenAI (docs/orchestration.md#mlflow). Our links carry it; `dinov3_core.mlflow_app` serves the UI with it as
+# the default. The experiment kind tag says the same to MLflow versions that read it.
+ML_WORKFLOW = "workflowType=machine_learning"
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
@@ -251,11 +271,11 @@ def ensure_experiment(name: str, uri: str) -> str:
                 name, artifact_location=artifact_location(uri), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
             )
     selected = mlflow.set_experiment(name)
+    client = mlflow.MlflowClient(tracking_uri=uri)
     if EXPERIMENT_KIND_TAG not in selected.tags:  # created before wsidino set it, or by someone else
         with contextlib.suppress(mlflow.exceptions.MlflowException):
-            mlflow.MlflowClient(tracking_uri=uri).set_experiment_tag(
-                selected.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
-            )
+            client.set_experiment_tag(selected.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    tracking_runs.reap_dead(client, selected.experiment_id)  # runs a killed process left RUNNING, before ours opens
     return selected.experiment_id
 
 
@@ -282,10 +302,15 @@ def parent_run(
     if run_id is None and find:
         found = client.search_runs([experiment], filter_string=find, max_results=1)
         run_id = found[0].info.run_id if found else None
+    tracking_runs.install_sigterm()
+    owner = tracking_runs.owner_tags()
     if run_id:
         client.update_run(run_id, status="RUNNING")
+        for key, value in owner.items():
+            client.set_tag(run_id, key, value)
     else:
-        run_id = client.create_run(experiment, run_name=run_name, tags=dict(tags)).info.run_id
+        run_id = client.create_run(experiment, run_name=run_name, tags={**tags, **owner}).info.run_id
+    tracking_runs.opened(run_id, uri)
     with terminated_after(client, run_id):
         yield run_id
 

@@ -48,6 +48,14 @@ def shards_from_two_workers(event: str, **fields: Any) -> None:
         time.sleep(0.01)
 
 
+def pause_at_stage_start(event: str, **fields: Any) -> None:
+    """Signal that a stage has started (its MLflow run opens beside it), then hold it there (the test kills it)."""
+    if event != "stage.start":
+        return
+    (_dir() / "stage-started").touch()
+    time.sleep(WAIT_S)
+
+
 def pause_after_first_shard(event: str, **fields: Any) -> None:
     """Signal that a shard is on disk, then hold the worker there (the test kills the run mid-write)."""
     if event != "tile.shard_written":

@@ -87,6 +87,13 @@ def test_pooled_fp16_external_data_and_mlflow_registration(converted, tmp_path) 
     client = MlflowClient(tracking_uri=uri)
     version = client.get_model_version_by_alias("wsidino-backbone", "candidate")
     assert str(version.version) == result.model_version
+    # The version's page, beside MLflow's own "Promote model" and alias buttons, says which one moves @champion.
+    card = (result.path.parent / "MODEL_CARD.md").read_text()
+    for text in (card, version.description):
+        promotion = text.split("## Promotion", 1)[1].split("\n## ", 1)[0]
+        assert "moved only by wsidino's evaluate gate" in promotion and "evidence line" in promotion
+        assert "by hand in the MLflow UI" in promotion and "bypasses that evaluation" in promotion
+        assert "To roll back" in promotion and "set_registered_model_alias" in promotion
     run = client.get_run(version.run_id)
     assert run.info.status == "FINISHED" and float(run.data.metrics["max_abs_error"]) < 1e-4
 

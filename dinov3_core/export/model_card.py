@@ -30,6 +30,23 @@ INTENDED_USE = """## Intended use and limits
   evaluation below is on the lab's own annotations, with slides kept apart between probe training and test.
 """
 
+# Beside our gate the MLflow UI offers its own "Promote model" and alias buttons; this section says which one
+# counts. It comes before the long sections so the registry's copy of the card (cut to its limit) keeps it.
+PROMOTION = """## Promotion
+- `@champion` is moved only by wsidino's evaluate gate. It compares this version with the champion (or, for the
+  registry's first model, the baseline) on held-out slides and records its decision in one evidence line, e.g.
+  `gate: <metric> candidate − champion <difference> [95 % CI …], p = … (paired permutation, <n> slides, α …):
+  promoted to @champion`, in the Evaluation section below, in the evaluate run's `wsidino.promotion_reason` tag and
+  in its evaluation.md.
+- Moving `@champion` by hand in the MLflow UI ("Promote model", the aliases editor) bypasses that evaluation: the
+  registry then serves a model no gate has passed.
+- To roll back, point `@champion` at an earlier version the gate promoted (its evaluate run is tagged
+  `wsidino.promotion=promoted`) and record why on that version:
+  `MlflowClient(uri).set_registered_model_alias(name, "champion", version)` and
+  `set_model_version_tag(name, version, "wsidino.rollback", "<why>")`. The next evaluate run sees the alias
+  changed and evaluates the next candidate against the restored champion.
+"""
+
 
 def _yaml(path: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
@@ -134,6 +151,7 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
         [
             *head,
             "",
+            PROMOTION,
             *_training_section(training_record(weights)),
             EVALUATION_HEADING,
             "",
@@ -189,6 +207,7 @@ __all__ = [
     "DESCRIPTION_LIMIT",
     "HF_CARD",
     "HF_DIR",
+    "PROMOTION",
     "add_evaluation",
     "describe_version",
     "registry_description",
