@@ -49,4 +49,4 @@ def test_the_pipeline_prints_its_experiment_page(tmp_path: Path) -> None:
     uri = sqlite_uri(tmp_path)
     assert experiment_page(uri, "wsidino") == ""
     experiment = MlflowClient(tracking_uri=uri).create_experiment("wsidino")
-    assert experiment_page(uri, "wsidino") == f"#/experiments/{experiment}/runs"
+    assert experiment_page(uri, "wsidino") == f"#/experiments/{experiment}/runs?workflowType=machine_learning"

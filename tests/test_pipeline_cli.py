@@ -91,7 +91,7 @@ def test_one_command_runs_every_stage_inside_the_workdir_and_a_rerun_skips_all(
     manifests = {rel: read_json(work / rel) for rel in MANIFESTS}
     assert {m["status"] for m in manifests.values()} == {"complete"}
     out = first.stdout
-    assert "Pipeline finished" in out and "mlflow ui --backend-store-uri sqlite:///" in out
+    assert "Pipeline finished" in out and "mlflow ui --app-name wsidino --backend-store-uri sqlite:///" in out
     assert "#/experiments/" in out  # the printed link opens the experiment, not the UI's landing tab
     assert (work / "model" / "MODEL_CARD.md").is_file()
 

@@ -34,7 +34,7 @@ def experiment_page(uri: str, experiment: str) -> str:
         found = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
     except Exception:
         found = None
-    return f"#/experiments/{found.experiment_id}/runs" if found is not None else ""
+    return f"#/experiments/{found.experiment_id}/runs?workflowType=machine_learning" if found is not None else ""
 
 
 def where_everything_is(result: PipelineResult, experiment: str, seconds: float) -> str:
@@ -54,7 +54,8 @@ def where_everything_is(result: PipelineResult, experiment: str, seconds: float)
         lines += [
             "",
             "Open the MLflow UI:",
-            f"  {_mlflow_command()} ui --backend-store-uri {uri} --port 5000   → http://127.0.0.1:5000/{page}",
+            f"  {_mlflow_command()} ui --app-name wsidino --backend-store-uri {uri} --port 5000   "
+            f"→ http://127.0.0.1:5000/{page}",
         ]
     elif uri.startswith(("http://", "https://")):
         lines += ["", f"MLflow UI: {uri.rstrip('/')}/{experiment_page(uri, experiment)}"]

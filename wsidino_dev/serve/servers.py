@@ -106,6 +106,8 @@ def start_mlflow_server(
         "-m",
         "mlflow",
         "server",
+        "--app-name",  # dinov3_core/mlflow_app.py: our experiments open on the runs table, not MLflow 3's GenAI view
+        "wsidino",
         "--backend-store-uri",
         f"sqlite:///{serve_dir / 'mlflow.db'}",
         "--artifacts-destination",
