@@ -92,6 +92,14 @@ def test_a_resume_under_another_schedule_or_batch_is_refused_naming_the_keys(
     assert "global batch 8 → 4" in message and "optim.lr 0.001 → 0.002" in message
     assert "optim.epochs 4 → 5" in message and "new output_dir" in message
 
+    # A checkpoint written before meta.json recorded its schedule is compared with its run's config.yaml.
+    newest = run_copy / "ckpt" / "3"
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "schedule"}))
+    checksums.write_checksums(newest)
+    with pytest.raises(WsidinoError, match=r"another schedule or batch than this config: optim\.epochs 4 → 5"):
+        resume(**{"optim.epochs": 5})
+
     with pytest.raises(WsidinoError, match=r"is at iteration 3, past train\.stop_at=2"):
         resume(**{"train.stop_at": 2})
     assert json.loads((run_copy / "ckpt" / "3" / "meta.json").read_text())["iteration"] == 3  # nothing written
