@@ -60,7 +60,7 @@ def chain(root: Path, model_bytes: int, *, records: bool) -> list[tuple[Path | N
     def done(stage: str, path: Path, outputs: dict[str, Path], inputs: dict[str, Path]) -> Path:
         m = mf.StageManifest(stage=stage, status="complete", config_hash="h", inputs=mf.fingerprint_inputs(inputs))
         m.outputs = {k: str(v) for k, v in outputs.items()}
-        m.artifacts = mf.record_artifacts(m.outputs) if records else {}
+        m.artifacts = checksums.record_artifacts(m.outputs) if records else {}
         m.output_fingerprint = mf.completion_fingerprint(m)
         mf.write_manifest(path, m)
         return path

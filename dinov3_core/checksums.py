@@ -111,18 +111,35 @@ def has_checksums(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / CHECKSUMS).is_file()
 
 
+def _read_checksums(root: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the checksums document, None) or (None, why there is none to check against)."""
+    path = root / CHECKSUMS
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"{path} is missing"
+    except (OSError, ValueError) as err:
+        return None, f"{path} is unreadable ({err})"
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+        return None, f'{path} is not a checksums file (no "files" object)'
+    return doc, None
+
+
+def unverifiable(directory: str | os.PathLike[str]) -> str | None:
+    """Why `directory` cannot be verified (its checksums file is missing or unreadable); None: it can be."""
+    return _read_checksums(Path(directory))[1]
+
+
 def check_directory(directory: str | os.PathLike[str], *, full: bool = False) -> list[str]:
     """What differs from `checksums.json` (empty: every recorded file is intact). `full`: read every file; else
-    only the files whose size or mtime changed. A directory without the file has nothing to check."""
+    only the files whose size or mtime changed. A directory without a readable checksums file is reported as such:
+    damage there could not be seen, so it never counts as intact."""
     root = Path(directory)
-    try:
-        doc = json.loads((root / CHECKSUMS).read_text())
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError) as err:
-        return [f"{root / CHECKSUMS} is unreadable ({err})"]
+    doc, missing = _read_checksums(root)
+    if doc is None:
+        return [str(missing)]
     problems = []
-    for name, rec in doc.get("files", {}).items():
+    for name, rec in doc["files"].items():
         p = root / name
         if not p.is_file():
             problems.append(f"{p} is missing")
@@ -135,14 +152,53 @@ def check_directory(directory: str | os.PathLike[str], *, full: bool = False) ->
     return problems
 
 
+# ------------------------------------------------------------------------------- a stage's outputs (its manifest)
+
+
+def record_artifacts(outputs: Mapping[str, str | os.PathLike[str]]) -> dict[str, dict[str, Any]]:
+    """Content records of a stage's outputs: every file's SHA-256, every checkpoint directory's checksums file
+    (other directories, tile and feature stores, are fingerprinted by their own manifests)."""
+    records: dict[str, dict[str, Any]] = {}
+    for name, path in outputs.items():
+        p = Path(path)
+        if p.is_file():
+            records[name] = file_record(p)
+        elif p.is_dir() and has_checksums(p):
+            records[name] = {"path": str(p.resolve()), "checksums": file_record(p / CHECKSUMS)}
+    return records
+
+
+def check_artifacts(
+    records: Mapping[str, Mapping[str, Any]], *, within: str | os.PathLike[str] | None = None, full: bool = False
+) -> list[str]:
+    """What is no longer as recorded (empty: all intact), for every record (or those at or under `within`)."""
+    root = Path(within).resolve() if within is not None else None
+    problems: list[str] = []
+    for record in records.values():
+        path = Path(record["path"])
+        if root is not None and path != root and root not in path.parents:
+            continue
+        if "checksums" in record:  # a checkpoint directory: its checksums file, then the files it lists
+            said = check_file(record["checksums"], full=True)
+            problems += [said] if said else check_directory(path, full=full)
+        else:
+            said = check_file(record, full=True if full else None)
+            if said:
+                problems.append(said)
+    return problems
+
+
 __all__ = [
     "CHECKSUMS",
     "MODEL_SUFFIXES",
+    "check_artifacts",
     "check_directory",
     "check_file",
     "crc32c",
     "file_record",
     "has_checksums",
+    "record_artifacts",
     "sha256",
+    "unverifiable",
     "write_checksums",
 ]

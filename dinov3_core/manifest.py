@@ -13,6 +13,8 @@ the recorded outputs exist and are what was written: `artifacts` keeps the SHA-2
 checksums file of every checkpoint directory (`dinov3_core.checksums`), checked on every skip decision (size and
 mtime first, the content when they differ, always for model files) and wherever another stage reads them
 (`fingerprint`): a damaged output makes its stage run again, saying why, and a replaced input is refused.
+A training stage's checkpoint records outlive the next run's `running` manifest (`checkpoints`), so a resume can
+tell a checkpoint whose checksums file was rewritten (`checkpoint_records`).
 
 An input produced by another stage is fingerprinted by that stage's manifest (`output_fingerprint`: the
 producer's config, inputs and output content), so a downstream stage reruns exactly when what it reads changed.
@@ -30,11 +32,12 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from dinov3_core import checksums, locks
+from dinov3_core import locks
+from dinov3_core.checksums import check_artifacts
 from dinov3_core.errors import WsidinoError
 from dinov3_core.files import write_text_atomic
 
@@ -63,6 +66,9 @@ class StageManifest:
     inputs: dict[str, dict[str, str]]  # name → {"path", "fingerprint"}
     outputs: dict[str, str] = field(default_factory=dict)  # name → path
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)  # output name → its content record
+    # Checkpoint directories' records from the last complete run, kept while a later run is running or failed: the
+    # runner rewrites the manifest before training starts, and the resume checks the checkpoint it picks against them.
+    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # resolved directory → its checksums record
     output_fingerprint: str | None = None  # set on completion; what downstream stages record as our fingerprint
     mlflow_run_id: str | None = None
     lineage: dict[str, str] = field(default_factory=dict)  # upstream stage → its MLflow run id
@@ -104,8 +110,21 @@ def read_manifest(path: str | os.PathLike[str]) -> StageManifest | None:
 
 
 def write_manifest(path: str | os.PathLike[str], manifest: StageManifest) -> Path:
-    """Write atomically (temporary name, then rename): a reader never sees half a manifest."""
+    """Write atomically (temporary name, then rename): a reader never sees half a manifest. A manifest that is not
+    complete keeps the checkpoint records of the one it replaces (`checkpoints`)."""
+    if manifest.status != "complete" and not manifest.checkpoints:
+        manifest = replace(manifest, checkpoints=checkpoint_records(path))
     return write_text_atomic(path, manifest.to_json())
+
+
+def checkpoint_records(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Resolved checkpoint directory → the record of its checksums file, from the manifest at `path` ({} without
+    one): what the last complete run of that stage wrote, for a resume to compare the checkpoint's own file with."""
+    found = read_manifest(path)
+    if found is None:
+        return {}
+    written = {r["path"]: r["checksums"] for r in found.artifacts.values() if "checksums" in r}
+    return {**found.checkpoints, **written}
 
 
 @contextlib.contextmanager
@@ -276,42 +295,6 @@ def lineage_of(paths: Iterable[str | os.PathLike[str] | None]) -> dict[str, str]
     return lineage
 
 
-# ------------------------------------------------------------------------------------------------- artifacts
-
-
-def record_artifacts(outputs: Mapping[str, str | os.PathLike[str]]) -> dict[str, dict[str, Any]]:
-    """Content records of a stage's outputs: every file's SHA-256, every checkpoint directory's checksums file
-    (other directories, tile and feature stores, are fingerprinted by their own manifests)."""
-    records: dict[str, dict[str, Any]] = {}
-    for name, path in outputs.items():
-        p = Path(path)
-        if p.is_file():
-            records[name] = checksums.file_record(p)
-        elif p.is_dir() and checksums.has_checksums(p):
-            records[name] = {"path": str(p.resolve()), "checksums": checksums.file_record(p / checksums.CHECKSUMS)}
-    return records
-
-
-def check_artifacts(
-    records: Mapping[str, Mapping[str, Any]], *, within: str | os.PathLike[str] | None = None, full: bool = False
-) -> list[str]:
-    """What is no longer as recorded (empty: all intact), for every record (or those at or under `within`)."""
-    root = Path(within).resolve() if within is not None else None
-    problems: list[str] = []
-    for record in records.values():
-        path = Path(record["path"])
-        if root is not None and path != root and root not in path.parents:
-            continue
-        if "checksums" in record:  # a checkpoint directory: its checksums file, then the files it lists
-            said = checksums.check_file(record["checksums"], full=True)
-            problems += [said] if said else checksums.check_directory(path, full=full)
-        else:
-            said = checksums.check_file(record, full=True if full else None)
-            if said:
-                problems.append(said)
-    return problems
-
-
 # -------------------------------------------------------------------------------------------------- decision
 
 
@@ -384,8 +367,8 @@ __all__ = [
     "ManifestError",
     "StageManifest",
     "StateInput",
-    "check_artifacts",
     "check_up_to_date",
+    "checkpoint_records",
     "completion_fingerprint",
     "fingerprint",
     "fingerprint_inputs",
@@ -395,6 +378,5 @@ __all__ = [
     "output_lock",
     "producer_manifest",
     "read_manifest",
-    "record_artifacts",
     "write_manifest",
 ]

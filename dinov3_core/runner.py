@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from dinov3_core import events, tracking
+from dinov3_core import checksums, events, tracking
 from dinov3_core import manifest as mf
 from dinov3_core.config import describe_changes
 from dinov3_core.config_tree import flat_params, to_yaml
@@ -213,7 +213,7 @@ def manifest_guard(spec: Stage[Any], cfg: Any, inputs: dict[str, dict[str, str]]
                 m.status, m.error = "failed", f"outputs missing after the run: {', '.join(missing)}"
                 mf.write_manifest(path, m)
                 raise OutputsMissing(f"{spec.name}: {m.error} (see {path})")
-            m.artifacts = mf.record_artifacts(m.outputs)  # what a skip decision and the next stage check
+            m.artifacts = checksums.record_artifacts(m.outputs)  # what a skip decision and the next stage check
             m.status, m.finished_at = "complete", mf.now()
             m.output_fingerprint = mf.completion_fingerprint(m)
             mf.write_manifest(path, m)

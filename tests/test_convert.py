@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from dinov3_core import checksums
 from dinov3_core.config import load_config
 from dinov3_core.convert.config import ConvertConfig
 from dinov3_core.convert.convert import find_checkpoint, run_convert
@@ -86,6 +87,9 @@ def test_bad_inputs_give_clear_errors(tmp_path) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(WsidinoError, match="cannot be verified"):  # no checksums.json: damage could not be seen
+        run_convert(cfg(input=bad, output_dir=tmp_path / "o"))
+    checksums.write_checksums(bad)  # intact as written, unreadable as a checkpoint
     with pytest.raises(WsidinoError, match="unreadable"):
         run_convert(cfg(input=bad, output_dir=tmp_path / "o"))
     with pytest.raises(WsidinoError, match="which"):

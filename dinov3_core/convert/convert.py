@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dinov3_core import checksums, tracking
+from dinov3_core import tracking
 from dinov3_core.config import load_config
 from dinov3_core.config_tree import to_yaml
 from dinov3_core.convert.config import ConvertConfig
@@ -48,7 +48,13 @@ from dinov3_core.models.adaptation import LORA_KEY, merge_lora_state_dict
 from dinov3_core.models.state_dict_check import check_backbone_state_dict
 from dinov3_core.train import config as C
 from dinov3_core.train import model_config as MC
-from dinov3_core.train.checkpoint import CKPT_DIR, complete_checkpoints, latest_intact_checkpoint, read_meta
+from dinov3_core.train.checkpoint import (
+    CKPT_DIR,
+    complete_checkpoints,
+    latest_intact_checkpoint,
+    read_meta,
+    verify_checkpoint,
+)
 
 __all__ = ["ConvertConfig", "ConvertError", "ConvertResult", "find_checkpoint", "read_dcp_backbone", "run_convert"]
 
@@ -99,15 +105,22 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     if not p.exists():
         raise ConvertError(f"convert input {p} does not exist; give a pretrain output dir or its ckpt/<iteration>/")
     if (p / ".metadata").is_file():
-        damaged = checksums.check_directory(p, full=True)
-        if damaged:
-            raise ConvertError(f"convert input {p} is damaged ({'; '.join(damaged)}); convert an intact checkpoint")
+        verdict, problems = verify_checkpoint(p)  # its files, and its checksums file against the stage manifest
+        if verdict:
+            trusted = " (or write its checksums, dinov3_core.checksums.write_checksums, if you know it is intact)"
+            hint = trusted if verdict == "cannot be verified" else ""
+            raise ConvertError(
+                f"convert input {p} {verdict} ({'; '.join(problems)}); convert an intact checkpoint{hint}"
+            )
         return p
     for root in (p / CKPT_DIR, p):
         if root.is_dir() and complete_checkpoints(root):
             found = latest_intact_checkpoint(root)  # a damaged latest one is named in a warning and skipped
             if found is None:
-                raise ConvertError(f"every checkpoint under {root} is damaged (see the warnings); nothing to convert")
+                raise ConvertError(
+                    f"every checkpoint under {root} is damaged or cannot be verified (see the warnings); nothing to "
+                    "convert"
+                )
             return found
     raise ConvertError(
         f"convert input {p} is neither a DCP checkpoint (no .metadata) nor a pretrain output dir with a complete "

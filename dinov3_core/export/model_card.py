@@ -107,13 +107,23 @@ def training_record(weights: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _training_section(runs: list[dict[str, Any]]) -> list[str]:
+def _training_section(runs: list[dict[str, Any]], source: dict[str, Any]) -> list[str]:
+    """`source`: what convert recorded of the checkpoint it exported (its config.yaml): the newest run's row counts
+    the iterations of that checkpoint, which may be an older one than the run's last (a damaged one skipped)."""
     if not runs:
         return ["## Training", "", "Not trained by wsidino (no convert manifest beside the weights).", ""]
+    exported = source.get("iteration")
+    if exported is not None:
+        runs[0] = {**runs[0], "trained": int(exported) + 1}
     first = runs[-1]
     data = next((r["data"] for r in runs if r["data"]["slides"]), {"slides": {}, "stores": [], "tiling": {}})
     slides = data["slides"]
     lines = ["## Training", "", f"- Base weights: `{first['start']}`"]
+    if exported is not None:
+        lines.append(
+            f"- Exported: the {source.get('which', 'teacher')} of iteration {exported} (`{source.get('checkpoint')}`), "
+            f"{int(exported) + 1} iterations trained"
+        )
     tiling = ", ".join(f"{k} {v}" for k, v in data["tiling"].items() if v is not None)
     lines.append(
         f"- Data: {len(slides)} slide(s), {sum(slides.values())} tiles ({tiling}) from "
@@ -152,7 +162,7 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
             *head,
             "",
             PROMOTION,
-            *_training_section(training_record(weights)),
+            *_training_section(training_record(weights), arch.get("source") or {}),
             EVALUATION_HEADING,
             "",
             "Not evaluated yet (the evaluate stage fills this in).",

@@ -206,6 +206,11 @@ class GramTrainer(Trainer):
 
     def _start_from_pretraining(self, pretrain_dir: Path) -> None:
         latest = ckpt.latest_intact_checkpoint(pretrain_dir / ckpt.CKPT_DIR)  # a damaged one is named and skipped
+        if latest is None and ckpt.complete_checkpoints(pretrain_dir / ckpt.CKPT_DIR):
+            raise WsidinoError(
+                f"no checkpoint in {pretrain_dir / ckpt.CKPT_DIR} is intact (the damaged or unverifiable ones are "
+                "named in the warnings): rerun that pretraining, or point pretrain_dir at another run"
+            )
         if latest is None:
             raise WsidinoError(
                 f"no training checkpoint in {pretrain_dir / ckpt.CKPT_DIR}: pretrain_dir must be a pretraining "

@@ -6,8 +6,9 @@ Training checkpoint layout (DCP, docs/reference/dinov3.md#checkpoints): `.metada
 into `ckpt/.tmp-<it>/`; after a barrier rank 0 renames it to `ckpt/<it>/`, so an integer-named directory is
 always complete (a crash leaves only a `.tmp-*` directory, removed at the next start). DCP reshards on load,
 so a run resumes on another number of ranks. Rank 0 also writes `checksums.json` (CRC-32C of every file,
-`dinov3_core.checksums`) before the rename: a resume checks the checkpoint in full and falls back to the newest
-intact one, naming the damaged one (`latest_intact_checkpoint`), so flipped bytes are never trained on.
+`dinov3_core.checksums`) before the rename: a resume checks the checkpoint in full (and its checksums file against
+the stage manifest's record of it) and falls back to the newest intact one, naming the damaged or unverifiable one
+(`latest_intact_checkpoint`), so flipped bytes are never trained on.
 
 Randomness needs no generator state: every draw is seeded from (seed, iteration / stream position, rank),
 see `pipeline`. `train_state.rng` records that seed; the sampler state records the stream position.
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dinov3_core import checksums
+from dinov3_core import checksums, manifest
 from dinov3_core.errors import WsidinoError
 from dinov3_core.models.adaptation import has_lora, lora_scalings, merge_lora_state_dict
 from dinov3_core.train.distributed import DistEnv, barrier, gather_pp_state
@@ -75,14 +76,30 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def verify_checkpoint(path: Path) -> tuple[str, list[str]]:
+    """("", []) when `path` is intact; else ("is damaged" or "cannot be verified", what is wrong). Its files are read
+    in full against its `checksums.json`, and that file against the record the run's stage manifest keeps of it
+    (when it has one): a checksums file rewritten to match a tampered shard is caught there. A checkpoint without a
+    readable checksums file cannot be verified, and is never taken for intact."""
+    missing = checksums.unverifiable(path)
+    if missing:
+        return "cannot be verified", [missing]
+    record = manifest.checkpoint_records(path.parent.parent / manifest.MANIFEST_NAME).get(str(path.resolve()))
+    said = checksums.check_file(record, full=True) if record is not None else None
+    if said:
+        return "is damaged", [f"{said} (the stage manifest's record of it)"]
+    damaged = checksums.check_directory(path, full=True)
+    return ("is damaged", damaged) if damaged else ("", [])
+
+
 def latest_intact_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint whose files match its checksums (read in full); a damaged one is skipped
-    with a warning naming it and what differs. None: no intact checkpoint (a fresh start)."""
+    """The newest complete checkpoint that `verify_checkpoint` finds intact; a damaged or unverifiable one is
+    skipped with a warning naming it and what is wrong. None: no intact checkpoint."""
     for _, path in reversed(complete_checkpoints(root)):
-        damaged = checksums.check_directory(path, full=True)
-        if not damaged:
+        verdict, problems = verify_checkpoint(path)
+        if not verdict:
             return path
-        logger.warning("checkpoint %s is damaged (%s); falling back to an older one", path, "; ".join(damaged))
+        logger.warning("checkpoint %s %s (%s); falling back to an older one", path, verdict, "; ".join(problems))
     return None
 
 

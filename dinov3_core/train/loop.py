@@ -31,7 +31,6 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import health_probe as HP
 from dinov3_core.train import metrics as M
-from dinov3_core.train import model_config as MC
 from dinov3_core.train.batch_plan import (
     RunPlan,
     check_batch,
@@ -57,6 +56,7 @@ from dinov3_core.train.step import ENTROPY, forward_backward
 from dinov3_core.train.step_batches import TORCH_STREAM, StepBatch, augment_step, derive_seed
 from dinov3_core.train.trainer_setup import (
     build_step_loader,
+    checkpoint_meta,
     checkpoint_to_resume,
     describe_start,
     load_training_state,
@@ -112,7 +112,7 @@ class Trainer:
         self.run_plan = RunPlan.of(self.plan, cfg)
         self.rank_batch = self.plan.rank_batch
 
-        latest = checkpoint_to_resume(cfg, self.ckpt_root, self.layout)
+        latest = checkpoint_to_resume(cfg, self.ckpt_root, self.layout, self.global_batch, self.stop_iteration)
         self.model.student, self.model.teacher = parallelize(
             self.model.student,
             self.model.teacher,
@@ -218,16 +218,7 @@ class Trainer:
         return {"iteration": iteration, "sampler": sampler.to_dict(), "rng": {"seed": self.cfg.train.seed}}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {
-            "arch": self.arch,
-            "global_batch": self.global_batch,
-            "micro_batch": self.micro_batch,
-            "accumulation_steps": self.accumulation_steps,
-            "run_plan": self.run_plan.to_dict(),
-            "memory_replans": self.memory_replans,
-            "config_hash": core_config.config_hash(self.cfg),
-            "adaptation": MC.adaptation_meta(self.cfg),  # student.lora / freeze_blocks: convert and resume read it
-        }
+        return checkpoint_meta(self)
 
     # -------------------------------------------------------------------------------------------- loop
 

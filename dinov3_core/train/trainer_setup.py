@@ -1,10 +1,11 @@
 """The set-up steps `Trainer.__init__` runs, one function each, so the trainer reads as their order alone.
 
 Each step checks its own input and raises with the fix before anything is written: `open_tiles` (tile stores,
-slide selection), `checkpoint_to_resume` (existing checkpoints must be wanted and fit the model), then
-`load_training_state` (model, optimizer and sampler position from a checkpoint, keeping this config's param-group
-multipliers) and `build_step_loader` (sampler, iBOT masks and the step-batch DataLoader, starting where the run left
-off). The batch plan has its own module (`batch_plan`).
+slide selection), `checkpoint_to_resume` (existing checkpoints must be wanted, intact, and fit the model and the
+schedule), then `load_training_state` (model, optimizer and sampler position from a checkpoint, keeping this
+config's param-group multipliers) and `build_step_loader` (sampler, iBOT masks and the step-batch DataLoader,
+starting where the run left off). The batch plan has its own module (`batch_plan`); what a checkpoint's meta.json
+records, `checkpoint_meta`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dinov3_core.train import checkpoint as ckpt
 from dinov3_core.train import config as C
 from dinov3_core.train import model_config as MC
 from dinov3_core.train.distributed import DistEnv, cpu_has_bf16_matmul
+from dinov3_core.train.resume_check import check_schedule, schedule_record
 from dinov3_core.train.sampler import LevelMix, SamplerState, StepSampler
 from dinov3_core.train.ssl_model import SSLMetaArch
 from dinov3_core.train.step_batches import StepTileSource, build_loader
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_step_loader",
+    "checkpoint_meta",
     "checkpoint_to_resume",
     "describe_start",
     "load_training_state",
@@ -105,18 +108,46 @@ def uses_bf16(cfg: C.PretrainConfig, env: DistEnv) -> bool:
     return bf16
 
 
-def checkpoint_to_resume(cfg: C.PretrainConfig, ckpt_root: Path, model: SSLMetaArch) -> Path | None:
-    """The latest intact checkpoint under `ckpt_root` (a damaged one is skipped, named in a warning), checked
-    against `model`; None for a fresh run."""
-    latest = ckpt.latest_intact_checkpoint(ckpt_root)
-    if latest is not None and not cfg.checkpointing.resume:
+def checkpoint_to_resume(
+    cfg: C.PretrainConfig, ckpt_root: Path, model: ckpt.ModelLayout, global_batch: int, stop_iteration: int
+) -> Path | None:
+    """The latest intact checkpoint under `ckpt_root` (a damaged or unverifiable one is skipped, named in a warning),
+    checked against `model` and against this run's schedule, batch and stop (`resume_check`); None for a fresh run.
+    Checkpoints none of which is intact are refused: a fresh start would write over them."""
+    found = ckpt.complete_checkpoints(ckpt_root)
+    if found and not cfg.checkpointing.resume:
         raise WsidinoError(
             f"{ckpt_root} already holds checkpoints but checkpointing.resume=false: choose a new "
             "output_dir (nothing was changed)"
         )
-    if latest is not None:
-        ckpt.check_compatible(latest, model)
+    if not found:
+        return None
+    latest = ckpt.latest_intact_checkpoint(ckpt_root)
+    if latest is None:
+        raise WsidinoError(
+            f"no checkpoint under {ckpt_root} can be resumed: {', '.join(p.name for _, p in found)} are damaged or "
+            "cannot be verified (see the warnings). Nothing was changed. Restore one from a copy, write its checksums "
+            f"if you know it is intact (dinov3_core.checksums.write_checksums), or move {ckpt_root} away to start over"
+        )
+    ckpt.check_compatible(latest, model)
+    check_schedule(latest, cfg, global_batch, stop_iteration)
     return latest
+
+
+def checkpoint_meta(trainer: Any) -> dict[str, Any]:
+    """What a checkpoint's meta.json records of the trainer's run, for people and tools: convert reads the
+    architecture and adaptation, a resume the batch plan and the schedule it must match (`resume_check`)."""
+    return {
+        "arch": trainer.arch,
+        "global_batch": trainer.global_batch,
+        "micro_batch": trainer.micro_batch,
+        "accumulation_steps": trainer.accumulation_steps,
+        "run_plan": trainer.run_plan.to_dict(),
+        "memory_replans": trainer.memory_replans,
+        "config_hash": core_config.config_hash(trainer.cfg),
+        "schedule": schedule_record(trainer.cfg, trainer.global_batch),
+        "adaptation": MC.adaptation_meta(trainer.cfg),  # student.lora / freeze_blocks
+    }
 
 
 def load_training_state(
