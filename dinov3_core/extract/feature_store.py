@@ -7,7 +7,7 @@ resolved config and a distributed job's result go beside it (`pictures_dir`: fea
 
 A slide is written under `.incoming/<id>/` and renamed into `slides/` by `commit_slide` once every row is there, so
 a slide under `slides/` with `complete: true` is whole; anything under `.incoming/` is debris of a stopped run. Its
-`.h5` and QuPath GeoJSON are written under `.incoming/.exports/<id>/` and renamed into place only after that commit,
+`.h5` and QuPath GeoJSON are written under `.incoming/.<id>.exports/` and renamed into place only after that commit,
 so a failed or killed run never leaves an export that looks complete for a slide that is not; a rerun writes the
 exports a committed slide lacks from the store (`finish_exports`).
 """
@@ -32,7 +32,6 @@ from dinov3_core.tiling import store as ts
 
 ATTRS_KEY = "wsidino_features"
 INCOMING = ".incoming"
-EXPORTS = ".exports"  # under INCOMING; no slide id starts with "." (discovery.safe_slide_id), so none is called so
 FORMAT = {"format": "wsidino-features", "version": 1}
 
 
@@ -82,7 +81,7 @@ def write_geojson(path: Path, cls_all: np.ndarray, coords: np.ndarray, tile_leve
 def finish_exports(cfg: Any, out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: int) -> list[Path]:
     """The exports a committed slide lacks (asked for after it was extracted, or a run stopped between its commit
     and their renames), written from the feature store; what a stopped run staged is not trusted and removed."""
-    shutil.rmtree(out / INCOMING / EXPORTS / slide_id, ignore_errors=True)
+    shutil.rmtree(staged_exports(out, slide_id), ignore_errors=True)
     written = []
     for name, final in export_targets(cfg, out, slide_id).items():
         if final.is_file():
@@ -143,6 +142,13 @@ def init_output(out: Path, store: str) -> None:
 
 def staging(out: Path, slide_id: str) -> Path:
     return out / INCOMING / slide_id
+
+
+def staged_exports(out: Path, slide_id: str) -> Path:
+    """Where a slide's .h5 and GeoJSON wait for its commit: `.incoming/.<id>.exports`, a folder of its own (no
+    slide id starts with ".", see discovery.safe_slide_id, so it never meets a slide's staging group), so ranks
+    committing other slides never share or remove it."""
+    return out / INCOMING / f".{slide_id}.exports"
 
 
 class SlideArrays:
@@ -328,7 +334,7 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
     }
     # Exports are staged beside the slide's group and renamed into place after its commit; every fallible step
     # (writing, making their folders) comes before the commit, so what follows it is renames only.
-    exports = out / INCOMING / EXPORTS / slide_id
+    exports = staged_exports(out, slide_id)
     shutil.rmtree(exports, ignore_errors=True)
     exports.mkdir(parents=True)
     targets = export_targets(cfg, out, slide_id)
@@ -355,7 +361,6 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
 
 __all__ = [
     "ATTRS_KEY",
-    "EXPORTS",
     "FORMAT",
     "INCOMING",
     "SlideArrays",
@@ -368,6 +373,7 @@ __all__ = [
     "is_extracted",
     "pca_rgb",
     "pictures_dir",
+    "staged_exports",
     "staging",
     "write_geojson",
     "write_pca_png",

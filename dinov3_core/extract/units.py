@@ -19,12 +19,12 @@ from dinov3_core import events
 from dinov3_core.errors import disk_full, is_disk_full
 from dinov3_core.extract.config import ExtractConfig
 from dinov3_core.extract.feature_store import (
-    EXPORTS,
     SlideArrays,
     commit_slide,
     finish_exports,
     init_output,
     is_extracted,
+    staged_exports,
     staging,
 )
 from dinov3_core.extract.plan import WorkUnit, plan_work, split_slides
@@ -115,7 +115,7 @@ class UnitWriter:
             self.writer.discard()  # nothing may still be writing into the staging directory
             if unit.whole:  # a range of a split slide: the job fails, and the next run redoes the whole slide
                 shutil.rmtree(incoming, ignore_errors=True)
-                shutil.rmtree(incoming.parent / EXPORTS / incoming.name, ignore_errors=True)
+                shutil.rmtree(staged_exports(self.out, incoming.name), ignore_errors=True)
             if is_disk_full(err):
                 raise disk_full(err, incoming, self._needed(unit)) from None
             raise
