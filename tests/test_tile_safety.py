@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from dinov3_core.cli import main as cli_main
-from dinov3_core.tiling import report
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.discovery import (
     MAX_ID_BYTES,
@@ -273,29 +272,6 @@ def test_unreadable_files_and_folders_are_failed_rows_naming_them(sample_slides,
 
 
 # ---------------------------------------------------------------------------------------------------- duplicates
-
-
-def test_a_byte_identical_copy_is_tiled_once_and_reported_as_duplicate(sample_slides, tmp_path):
-    folder = tmp_path / "in"
-    folder.mkdir()
-    original = by_name(sample_slides, "tissue_20x.svs")
-    shutil.copy(original, folder / "b.svs")
-    store = tmp_path / "tiles.zarr"
-    assert run_tile(tile_config(folder, store, **SMALL)).counts["ok"] == 1  # only b so far
-    shutil.copy(original, folder / "a.svs")  # now a copy that sorts first
-    code = cli_main(tile_argv(folder, store))
-
-    assert code == 0  # a duplicate is not a failure
-    manifest = entries(store)
-    assert manifest["a"]["status"] == "ok"
-    dup = manifest["b"]
-    assert dup["status"] == "duplicate" and dup["duplicate_of"] == "a" and dup["tile_count"] == 0
-    assert str(folder / "b.svs") in dup["note"] and str(folder / "a.svs") in dup["note"]
-    assert ts.complete_slide_ids(store) == ["a"]  # b's tiles from the first run are gone: the tissue is in once
-    result = run_tile(tile_config(folder, store, **SMALL))
-    assert result.counts == {"ok": 0, "failed": 0, "skipped": 1} and result.duplicates == 1
-    summary = report.format_summary(result)
-    assert "duplicate" in summary and f"byte-identical to {folder / 'a.svs'}" in summary
 
 
 def test_the_files_of_one_dicom_folder_are_one_slide(tmp_path):

@@ -35,6 +35,7 @@ import yaml
 from dinov3_core import tracking
 from dinov3_core.config_tree import to_dict
 from dinov3_core.data.tile_dataset import TileDataset
+from dinov3_core.errors import disk_full, is_disk_full
 from dinov3_core.extract.config import ExtractConfig
 from dinov3_core.extract.feature_store import (
     ATTRS_KEY,
@@ -181,6 +182,10 @@ def run_extract(
                 tracking.log_metrics(
                     {"tiles": tiles, "tiles_per_s": tiles / max(seconds, 1e-9), "ranks": team.world_size}
                 )
+    except OSError as err:  # a full disk outside a slide's own writes (the run record, a skipped slide's exports)
+        if is_disk_full(err):
+            raise disk_full(err, cfg.output) from None
+        raise
     finally:
         torch.set_num_threads(torch_threads)
     result = ExtractResult(

@@ -6,7 +6,10 @@ created, …); rows are the tile store's rows (same order as its coords). The st
 resolved config and a distributed job's result go beside it (`pictures_dir`: features.zarr → `features/`).
 
 A slide is written under `.incoming/<id>/` and renamed into `slides/` by `commit_slide` once every row is there, so
-a slide under `slides/` with `complete: true` is whole; anything under `.incoming/` is debris of a stopped run.
+a slide under `slides/` with `complete: true` is whole; anything under `.incoming/` is debris of a stopped run. Its
+`.h5` and QuPath GeoJSON are written under `.incoming/.<id>.exports/` and renamed into place only after that commit,
+so a failed or killed run never leaves an export that looks complete for a slide that is not; a rerun writes the
+exports a committed slide lacks from the store (`finish_exports`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,45 @@ def export_h5(out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: i
     return path
 
 
+def export_targets(cfg: Any, out: Path, slide_id: str) -> dict[str, Path]:
+    """A slide's exports the config asks for: name under its staging folder → final path."""
+    targets = {}
+    if getattr(cfg, "format", "zarr") == "both":
+        targets[f"{slide_id}.h5"] = h5_dir(out) / f"{slide_id}.h5"
+    if getattr(cfg, "qupath", False):
+        targets["tiles.geojson"] = pictures_dir(out) / slide_id / "tiles.geojson"
+    return targets
+
+
+def write_geojson(path: Path, cls_all: np.ndarray, coords: np.ndarray, tile_level0: float, clusters: int) -> None:
+    """The slide's tiles for QuPath: each a detection classified by its k-means cluster, PC1-3 as measurements."""
+    rgb, _ = pca_rgb(cls_all)
+    labels = cluster_tiles(cls_all, clusters)
+    classes = [f"cluster {i + 1}" for i in range(int(labels.max()) + 1)]
+    measures = {f"PC{k + 1} (0-1 in slide)": rgb[:, k] for k in range(3)}
+    write_qupath_tiles(path, coords, tile_level0, classes, labels, {**measures, "cluster": labels + 1})
+
+
+def finish_exports(cfg: Any, out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: int) -> list[Path]:
+    """The exports a committed slide lacks (asked for after it was extracted, or a run stopped between its commit
+    and their renames), written from the feature store; what a stopped run staged is not trusted and removed."""
+    shutil.rmtree(staged_exports(out, slide_id), ignore_errors=True)
+    written = []
+    for name, final in export_targets(cfg, out, slide_id).items():
+        if final.is_file():
+            continue
+        if name.endswith(".h5"):
+            written.append(export_h5(out, slide_id, tile_attrs, tile_size))
+            continue
+        group = zarr.open_group(str(out / "slides" / slide_id), mode="r")
+        tile_level0 = float(tile_attrs.get("tile_size_level0") or tile_size)
+        write_geojson(
+            final, np.asarray(group["cls"][:]), np.asarray(group["coords"][:]), tile_level0, cfg.qupath_clusters
+        )
+        written.append(final)
+    return written
+
+
 def is_extracted(
     out: Path, slide_id: str, model_hash: str, source_fingerprint: str | None, precision: str, mpp: float | None = None
 ) -> bool:
@@ -100,6 +142,13 @@ def init_output(out: Path, store: str) -> None:
 
 def staging(out: Path, slide_id: str) -> Path:
     return out / INCOMING / slide_id
+
+
+def staged_exports(out: Path, slide_id: str) -> Path:
+    """Where a slide's .h5 and GeoJSON wait for its commit: `.incoming/.<id>.exports`, a folder of its own (no
+    slide id starts with ".", see discovery.safe_slide_id, so it never meets a slide's staging group), so ranks
+    committing other slides never share or remove it."""
+    return out / INCOMING / f".{slide_id}.exports"
 
 
 class SlideArrays:
@@ -283,27 +332,29 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         "created": ts.utc_now(),
         "complete": True,
     }
-    if getattr(cfg, "format", "zarr") == "both":  # before the commit: a committed slide always has its .h5
-        about = {"model_path": str(model.path.resolve()), "model_hash": model.hash, "precision": cfg.precision}
-        write_h5(h5_dir(out) / f"{slide_id}.h5", slide_id, cls_all, coords, tile_attrs, int(ds.tile_size), about)
-    if getattr(cfg, "qupath", False):
-        rgb, _ = pca_rgb(cls_all)
-        labels = cluster_tiles(cls_all, cfg.qupath_clusters)
-        classes = [f"cluster {i + 1}" for i in range(int(labels.max()) + 1)]
-        measures = {
-            "PC1 (0-1 in slide)": rgb[:, 0],
-            "PC2 (0-1 in slide)": rgb[:, 1],
-            "PC3 (0-1 in slide)": rgb[:, 2],
-            "cluster": labels + 1,
-        }
-        tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
-        write_qupath_tiles(
-            pictures_dir(out) / slide_id / "tiles.geojson", coords, tile_level0, classes, labels, measures
-        )
+    # Exports are staged beside the slide's group and renamed into place after its commit; every fallible step
+    # (writing, making their folders) comes before the commit, so what follows it is renames only.
+    exports = staged_exports(out, slide_id)
+    shutil.rmtree(exports, ignore_errors=True)
+    exports.mkdir(parents=True)
+    targets = export_targets(cfg, out, slide_id)
+    for name in targets:
+        if name.endswith(".h5"):
+            about = {"model_path": str(model.path.resolve()), "model_hash": model.hash, "precision": cfg.precision}
+            write_h5(exports / name, slide_id, cls_all, coords, tile_attrs, int(ds.tile_size), about)
+        else:
+            tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
+            write_geojson(exports / name, cls_all, coords, tile_level0, cfg.qupath_clusters)
+    for target in targets.values():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)  # an earlier model's export must not pass for this commit's
     final = out / "slides" / slide_id
     if final.exists():
         shutil.rmtree(final)  # extracted with another model: replaced
     os.replace(incoming, final)
+    for name, target in targets.items():
+        os.replace(exports / name, target)
+    shutil.rmtree(exports, ignore_errors=True)
     if cfg.pca_map:
         os.replace(staged, picture)
 
@@ -316,10 +367,14 @@ __all__ = [
     "check_output",
     "commit_slide",
     "export_h5",
+    "export_targets",
+    "finish_exports",
     "init_output",
     "is_extracted",
     "pca_rgb",
     "pictures_dir",
+    "staged_exports",
     "staging",
+    "write_geojson",
     "write_pca_png",
 ]

@@ -16,14 +16,15 @@ import torch
 import zarr
 
 from dinov3_core import events
+from dinov3_core.errors import disk_full, is_disk_full
 from dinov3_core.extract.config import ExtractConfig
-from dinov3_core.extract.exports import h5_dir
 from dinov3_core.extract.feature_store import (
     SlideArrays,
     commit_slide,
-    export_h5,
+    finish_exports,
     init_output,
     is_extracted,
+    staged_exports,
     staging,
 )
 from dinov3_core.extract.plan import WorkUnit, plan_work, split_slides
@@ -98,6 +99,8 @@ class UnitWriter:
     ) -> None:
         self.cfg, self.ds, self.model, self.out, self.bar = cfg, ds, model, out, bar
         self.batches, self.writer, self.rank = batches, writer, rank
+        self.width: int | None = None  # the features' width and patch tokens a row, once the model has run
+        self.tokens = 0
 
     def __call__(self, unit: WorkUnit) -> None:
         incoming = staging(self.out, self.ds.slide_ids[unit.slide])
@@ -108,11 +111,22 @@ class UnitWriter:
             self._write(unit, incoming)
             if unit.whole:
                 commit_slide(self.cfg, self.ds, unit.slide, self.model, self.out)
-        except BaseException:
+        except BaseException as err:
             self.writer.discard()  # nothing may still be writing into the staging directory
             if unit.whole:  # a range of a split slide: the job fails, and the next run redoes the whole slide
                 shutil.rmtree(incoming, ignore_errors=True)
+                shutil.rmtree(staged_exports(self.out, incoming.name), ignore_errors=True)
+            if is_disk_full(err):
+                raise disk_full(err, incoming, self._needed(unit)) from None
             raise
+
+    def _needed(self, unit: WorkUnit) -> int | None:
+        """Bytes the unit's rows take uncompressed (cls and mean_patch, the .h5's copy, patch tokens): what a full
+        disk must make room for; None before the model gave the features' width."""
+        if self.width is None:
+            return None
+        per_row = self.width * 4 * (2 + (self.cfg.format == "both") + self.tokens) + 16  # + the .h5's coords
+        return unit.size * per_row
 
     def _write(self, unit: WorkUnit, incoming: Path) -> None:
         cfg, model, slide_id = self.cfg, self.model, self.ds.slide_ids[unit.slide]
@@ -134,6 +148,7 @@ class UnitWriter:
                     f"({type(err).__name__}: {str(err)[:300]}); the tile size must be a multiple of the model's "
                     f"patch size"
                 ) from None
+            self.width, self.tokens = int(cls.shape[1]), int(patch.shape[1]) if patch is not None else 0
             if arrays is None:
                 p = patch.shape[1] if patch is not None else 0
                 arrays = SlideArrays.create(
@@ -179,10 +194,8 @@ def plan_ranks(
     plan = plan_work({s: int(ds.tile_counts[s]) for s in todo}, team.world_size, align)
     stage_split_slides(cfg, ds, model, out, split_slides(plan), offsets)
     skipped = [s for s in mine if s not in todo]
-    if cfg.format == "both":  # extracted before .h5 files were asked for: written from the store
-        for s in skipped:
-            if not (h5_dir(out) / f"{ds.slide_ids[s]}.h5").is_file():
-                export_h5(out, ds.slide_ids[s], ds.slide_attrs(s), int(ds.tile_size))
+    for s in skipped:  # exports asked for after the slide was extracted, or left unrenamed by a stopped run
+        finish_exports(cfg, out, ds.slide_ids[s], ds.slide_attrs(s), int(ds.tile_size))
     return plan, skipped
 
 

@@ -4,7 +4,8 @@ Inputs name slides as a directory (searched recursively), a glob, one file, or a
 stems made safe and unique (`slide_id_for`); a slide is up to date when the store holds it complete from the same
 file content and the same tiling parameters. `find_repeats` recognises inputs that hold no slide of their own: a
 byte-identical copy of another input, or one more file of a DICOM slide, so that the same tissue is tiled once
-(and cannot land in both a training and a test split). Used by the tile engine and by the stage manifest's input
+(and cannot land in both a training and a test split); of copies, the one the store already holds keeps its id, so
+an id once in the store never moves to a copy added later. Used by the tile engine and by the stage manifest's input
 fingerprint of listed slides.
 """
 
@@ -15,7 +16,7 @@ import hashlib
 import os
 import unicodedata
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,10 +164,18 @@ class Repeat:
     why: str
 
 
-def find_repeats(tasks: Sequence[SlideTask]) -> tuple[list[SlideTask], list[Repeat]]:
+def find_repeats(
+    tasks: Sequence[SlideTask],
+    held: Callable[[SlideTask], bool] | None = None,
+    notes: dict[str, str] | None = None,
+) -> tuple[list[SlideTask], list[Repeat]]:
     """The tasks to tile, and the inputs they already cover: the further files of a DICOM slide (every `.dcm`
     file of one folder is one slide, opened from the first in path order), then byte-identical copies (same size,
-    same SHA-256; the first in path order is kept). Files that cannot be read stay tasks: their rows say why."""
+    same SHA-256). Of copies, the one kept is the first in path order that the store already `held` (under its id,
+    from this content), else the first in path order: an id once in the store never moves to a copy added later.
+    Copies the store already holds under ids of their own all stay tasks (they are up to date; nothing is removed),
+    each with an entry in `notes` (id → note) naming the others. Files that cannot be read stay tasks: their rows
+    say why."""
     order = sorted(tasks, key=lambda t: str(t.path))
     openers = dicom_openers(t.path for t in tasks)
     opener_task = {t.path: t for t in tasks if t.path in openers.values()}
@@ -188,18 +197,50 @@ def find_repeats(tasks: Sequence[SlideTask]) -> tuple[list[SlideTask], list[Repe
             candidates[fingerprint].append(task)
     copies: set[str] = set()
     for alike in candidates.values():
-        first_of: dict[str, SlideTask] = {}
+        by_digest: dict[str, list[SlideTask]] = defaultdict(list)
         for task in alike if len(alike) > 1 else ():
             digest = _content_digest(task.path)
-            if digest is None:
-                continue
-            first = first_of.setdefault(digest, task)
-            if first is not task:
-                why = f"{task.path}: byte-identical to {first.path} (slide {first.slide_id}); tiled once"
-                repeats.append(Repeat(task, first, why))
-                copies.add(task.slide_id)
+            if digest is not None:
+                by_digest[digest].append(task)
+        for same in by_digest.values():
+            stored = [t for t in same if held is not None and _holds(held, t)]
+            first = (stored or same)[0]
+            for task in same:
+                if task in stored:
+                    if len(stored) > 1 and notes is not None:
+                        others = ", ".join(str(t.path) for t in stored if t is not task)
+                        notes[task.slide_id] = (
+                            f"{task.path}: byte-identical to {others}, already in the store under its own id; "
+                            "kept under both (an id in the store never moves): remove one file and re-tile into a "
+                            "new store to hold the tissue once"
+                        )
+                    continue
+                if task is not first:
+                    why = f"{task.path}: byte-identical to {first.path} (slide {first.slide_id}); tiled once"
+                    repeats.append(Repeat(task, first, why))
+                    copies.add(task.slide_id)
     kept_ids = {t.slide_id for t in kept} - copies
     return [t for t in tasks if t.slide_id in kept_ids], repeats
+
+
+def _holds(held: Callable[[SlideTask], bool], task: SlideTask) -> bool:
+    try:
+        return held(task)
+    except (OSError, ValueError, KeyError):  # an unreadable store entry holds nothing we can keep
+        return False
+
+
+def holds_content(root: Path, task: SlideTask) -> bool:
+    """True when the store holds `task`'s id complete, tiled from the file content `task.path` has now (the
+    tiling parameters may differ: a re-tiling keeps the id)."""
+    if task.slide_id not in ts.complete_slide_ids(root):
+        return False
+    attrs = ts.read_slide_attrs(root, task.slide_id)
+    size, fingerprint = file_fingerprint(task.path)
+    return bool(attrs.get("complete")) and (attrs.get("source_size"), attrs.get("source_fingerprint")) == (
+        size,
+        fingerprint,
+    )
 
 
 def _fingerprint(path: Path) -> tuple[int, str] | None:

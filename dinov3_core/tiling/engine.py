@@ -19,7 +19,14 @@ from pathlib import Path
 from dinov3_core.config import save_config
 from dinov3_core.tiling import store as ts
 from dinov3_core.tiling.config import TileConfig
-from dinov3_core.tiling.discovery import Repeat, assign_slide_ids, discover_slides, find_repeats, is_up_to_date
+from dinov3_core.tiling.discovery import (
+    Repeat,
+    assign_slide_ids,
+    discover_slides,
+    find_repeats,
+    holds_content,
+    is_up_to_date,
+)
 from dinov3_core.tiling.engine_pool import run_pool
 from dinov3_core.tiling.groups import RunGroups, collect_groups, remote_job
 from dinov3_core.tiling.plan import SlideTask
@@ -95,7 +102,10 @@ def run_tile(
     """
     start = time.perf_counter()
     root, inputs, overrides = prepare_store(cfg)
-    tasks, repeats = find_repeats(inputs)
+    notes: dict[str, str] = {}  # copies the store already holds under two ids: both stay, their rows say so
+    tasks, repeats = find_repeats(inputs, held=lambda task: holds_content(root, task), notes=notes)
+    for note in notes.values():
+        log.warning("%s", note)
     with ts.store_lock(root):
         ts.clear_incoming(root)
         save_config(cfg, root / "config.yaml")
@@ -109,6 +119,7 @@ def run_tile(
             try:
                 if is_up_to_date(root, task, cfg, overrides):
                     outcomes[task.slide_id] = skipped_outcome(root, task)
+                    outcomes[task.slide_id].note = notes.get(task.slide_id)
                     if on_slide is not None:
                         on_slide(outcomes[task.slide_id])
                     continue
@@ -140,8 +151,10 @@ def run_tile(
 
 
 def _duplicate(root: Path, repeat: Repeat) -> SlideOutcome:
-    """The row of an input another input covers. Tiles an earlier run stored under its own id are removed (the same
-    tissue twice in the store would let it land in both a training and a test split); its row says so."""
+    """The row of an input another input covers. A copy the store holds from this content is never one
+    (`find_repeats` keeps it), so tiles stored under its id are from content the file no longer has: they are
+    removed, as a changed slide's are replaced (the same tissue twice in the store would let it land in both a
+    training and a test split); its row says so."""
     outcome = duplicate_outcome(repeat)
     if repeat.task.slide_id in ts.complete_slide_ids(root):
         ts.remove_slide(root, repeat.task.slide_id)
