@@ -27,6 +27,9 @@ import google_crc32c
 CHECKSUMS = "checksums.json"
 _CHUNK = 1 << 22  # 4 MiB reads
 MODEL_SUFFIXES = (".pth", ".pt", ".onnx", ".safetensors", ".data")  # always fully hashed when checked
+# Files this small are hashed on every check: a record (evaluation.json) edited at the same size with its mtime put
+# back is found, at the cost of reading a few kB.
+ALWAYS_HASHED_BYTES = 1 << 20
 
 
 _SEEN: dict[tuple[Any, ...], str] = {}  # this process's digests, by file identity and change time
@@ -71,8 +74,8 @@ def file_record(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_file(record: Mapping[str, Any], *, full: bool | None = None) -> str | None:
-    """Why the file no longer is the one recorded (None: it is). `full` None: always for model files, else only
-    when size or mtime changed."""
+    """Why the file no longer is the one recorded (None: it is). `full` None: always for model files and small
+    files (`ALWAYS_HASHED_BYTES`), else only when size or mtime changed."""
     p = Path(record["path"])
     if not p.is_file():
         return f"{p} is missing"
@@ -80,7 +83,7 @@ def check_file(record: Mapping[str, Any], *, full: bool | None = None) -> str | 
     if size != record["size"]:
         return f"{p} has {size} bytes, {record['size']} were written"
     if full is None:
-        full = p.suffix in MODEL_SUFFIXES
+        full = p.suffix in MODEL_SUFFIXES or size <= ALWAYS_HASHED_BYTES
     if not full and mtime == record["mtime_ns"]:
         return None
     if sha256(p) != record["sha256"]:
@@ -189,6 +192,7 @@ def check_artifacts(
 
 
 __all__ = [
+    "ALWAYS_HASHED_BYTES",
     "CHECKSUMS",
     "MODEL_SUFFIXES",
     "check_artifacts",

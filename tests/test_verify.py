@@ -120,3 +120,17 @@ def test_a_registered_champion_file_that_is_not_the_registered_one_is_refused(tm
     flip_bytes(onnx, 8)
     with pytest.raises(RetrainError, match=rf"{onnx} is not the file champion v3 was registered with"):
         champion.verified(onnx, ONNX_SHA_TAG)
+
+
+def test_a_small_record_edited_at_the_same_size_with_its_mtime_put_back_is_found(tmp_path: Path) -> None:
+    """evaluation.json (a decision record) edited in place, same size, mtime restored: the skip rule hashes it."""
+    record = tmp_path / "evaluation.json"
+    record.write_text('{"promoted": false, "reason": "not better than the champion"}\n')
+    (written,) = checksums.record_artifacts({"evaluation": record}).values()
+    assert checksums.check_file(written) is None
+    text = record.read_text().replace("false", "true ")  # same size
+    st = record.stat()
+    record.write_text(text)
+    os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert record.stat().st_size == written["size"] and record.stat().st_mtime_ns == written["mtime_ns"]
+    assert "its content differs from what was written" in (checksums.check_file(written) or "")
