@@ -15,30 +15,34 @@ from dinov3_core.launch.training import LaunchSettings
 from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
 
-BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes above."
+BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes (not drawn in the forms: `_variant_schema`)."
 CLUSTER_SECTIONS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings}  # backend → its own form section
 
 
 def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
-    """The JSON schema of one backend's launch model, as the server validates a run's payload with it:
+    """The JSON schema of one backend's launch model, as the forms draw it and the server validates a run's payload:
 
-    - a cluster backend's `backend` is required there (pydantic gives each model its own tag as default), so a
-      payload without one matches the local model alone, as it always meant local (the form too shows the variant
-      its value matches);
+    - `backend` is not among its `properties`: both Prefect UIs draw a property with one constant value as a greyed
+      input ("Backend is a const"), and they pick the variant a value shows by the property names it shares with
+      each (the cluster section, `slurm` or `kubernetes`, tells them apart), switching by the selector above. A
+      payload may still name it (`patternProperties`, which the forms do not draw): only with this variant's value;
+    - a cluster backend's section carries its defaults in the schema, so a form switched to that backend sends it:
+      a payload without `backend` means the backend whose section it holds, else local (`_from_single_model`);
     - the other backends' sections may be present (`{"backend": "local", "slurm": {...}}`: the single launch
       model's complete payloads), so the server passes them on to `_from_single_model`, which drops them when they
-      only restate the defaults and names them otherwise; unknown keys are still refused. The form draws only
-      `properties`: these sections do not appear in it;
-    - its `backend` is offered as the one value it can have.
+      only restate the defaults and names them otherwise; unknown keys are still refused.
     """
     others = [section for section in CLUSTER_SECTIONS if section != backend]
 
     def extra(schema: dict[str, Any]) -> None:
-        if backend != "local":
-            schema["required"] = sorted({*schema.get("required", []), "backend"})
-        schema["patternProperties"] = {f"^({'|'.join(others)})$": {"type": "object"}}
-        # The tag as a one-choice list: the form draws a `const` alone as a text box one could type another into.
-        schema["properties"]["backend"]["enum"] = [backend]
+        del schema["properties"]["backend"]
+        if backend in CLUSTER_SECTIONS:
+            defaults = CLUSTER_SECTIONS[backend]().model_dump(mode="json", exclude_none=True)
+            schema["properties"][backend]["default"] = defaults
+        schema["patternProperties"] = {
+            "^backend$": {"enum": [backend]},
+            f"^({'|'.join(others)})$": {"type": "object"},
+        }
 
     return extra
 
@@ -92,12 +96,14 @@ class KubernetesLaunch(_ClusterLaunch):
 
 
 def _from_single_model(value: Any) -> Any:
-    """A launch payload → the union's shape: no `backend` means local (as it always did); the section of a backend
-    not chosen, which payloads of the single launch model (one `slurm` and one `kubernetes` section always
-    present) carried, is dropped when it only restates its defaults and is an error naming it otherwise."""
+    """A launch payload → the union's shape: no `backend` means the backend whose section it holds (what the forms
+    send: they do not show `backend`), else local (as it always did); the section of a backend not chosen, which
+    payloads of the single launch model (one `slurm` and one `kubernetes` section always present) carried, is
+    dropped when it only restates its defaults and is an error naming it otherwise."""
     if not isinstance(value, dict):
         return value
-    value = {"backend": "local", **value}
+    sections = [key for key in CLUSTER_SECTIONS if key in value]
+    value = {"backend": sections[0] if len(sections) == 1 else "local", **value}
     for key, section in CLUSTER_SECTIONS.items():
         if key not in value or key == value["backend"]:
             continue
@@ -118,8 +124,9 @@ def _from_single_model(value: Any) -> Any:
 
 class _AnyOf:
     """The union's variants as `anyOf` (pydantic writes `oneOf`): Prefect's V1 UI draws only an `anyOf` as a
-    variant selector (a `oneOf` becomes a JSON editor there), the V2 UI either. The same payloads validate: the
-    variants exclude each other by their `backend` constant."""
+    variant selector (a `oneOf` becomes a JSON editor there), the V2 UI either. The same payloads validate: one
+    naming its `backend` matches that variant alone, one without matches each whose section it holds, which
+    `_from_single_model` resolves the same way."""
 
     def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
         schema = dict(handler(core_schema))

@@ -27,7 +27,7 @@ from flows.pipeline import pipeline_flow
 from flows.pretrain import pretrain_flow
 from flows.retrain import retrain_flow
 from flows.tile import tile_flow
-from tasks.launch_params import LAUNCH, LocalLaunch, SlurmLaunch
+from tasks.launch_params import LAUNCH, KubernetesLaunch, LocalLaunch, SlurmLaunch
 from tests.helpers import REPO
 
 FLOWS = {
@@ -105,9 +105,18 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
     assert sorted(launch["discriminator"]["mapping"]) == ["kubernetes", "local", "slurm"]
     sections = {name: set(definitions[name]["properties"]) & {"slurm", "kubernetes"} for name in variants}
     assert sections == {"LocalLaunch": set(), "SlurmLaunch": {"slurm"}, "KubernetesLaunch": {"kubernetes"}}
-    for name in variants:  # one constant tag each, what the form's selector switches on, offered as its one choice
-        backend = definitions[name]["properties"]["backend"]
-        assert [backend["const"]] == [backend["default"]] == backend["enum"] and backend["type"] == "string"
+    for name, tag in zip(variants, ["local", "slurm", "kubernetes"], strict=True):
+        # No `backend` property: the forms would draw it as a greyed "Backend is a const" input. A payload may still
+        # name it, with its variant's tag alone; a cluster section comes with its defaults, so a form sends it.
+        assert "backend" not in definitions[name]["properties"] and "backend" not in definitions[name].get(
+            "required", []
+        )
+        assert definitions[name]["patternProperties"]["^backend$"] == {"enum": [tag]}
+        if tag != "local":
+            assert (
+                definitions[name]["properties"][tag]["default"]
+                == LAUNCH.validate_python({"backend": tag}).model_dump(mode="json", exclude_none=True)[tag]
+            )
     # On a CPU run the form shows the torchrun settings and nothing of a cluster.
     local = definitions["LocalLaunch"]["properties"]
     assert sorted(local, key=lambda k: local[k]["position"]) == [
@@ -118,7 +127,6 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
         "timeout_hours",
         "retries",
         "gpu_slots",
-        "backend",
     ]
 
 
@@ -184,6 +192,32 @@ OLD_K8S_DEFAULTS = {
     "data_path": "/data",
     "node_selector": {"nvidia.com/gpu.present": "true"},
 }
+
+
+def variant_defaults(definitions: dict[str, Any], name: str) -> dict[str, Any]:
+    """What a form switched to a launch variant sends: each drawn property's schema default (no `backend`)."""
+    properties = definitions[name]["properties"]
+    return {key: prop["default"] for key, prop in properties.items() if "default" in prop}
+
+
+def shared_keys(definitions: dict[str, Any], name: str, value: dict[str, Any]) -> int:
+    return len(set(value) & set(definitions[name]["properties"]))
+
+
+def test_what_a_form_sends_for_each_backend_runs_on_that_backend() -> None:
+    """Both Prefect UIs send the chosen variant's drawn fields, and show a value under the variant whose property
+    names it shares most of (the first of equals): the cluster section decides, as it does for the flow."""
+    schema = schema_of("pipeline")
+    definitions = schema["definitions"]
+    variants = {"local": LocalLaunch, "slurm": SlurmLaunch, "kubernetes": KubernetesLaunch}
+    names = {"local": "LocalLaunch", "slurm": "SlurmLaunch", "kubernetes": "KubernetesLaunch"}
+    for tag, kind in variants.items():
+        sent = variant_defaults(definitions, names[tag])
+        assert "backend" not in sent and (tag == "local") == ("slurm" not in sent and "kubernetes" not in sent)
+        assert validate(pipeline_payload(sent), schema) == []  # the server creates the run
+        assert type(pipeline_flow.validate_parameters(pipeline_payload(sent))["params"].launch) is kind
+        counts = [shared_keys(definitions, name, sent) for name in names.values()]
+        assert counts.index(max(counts)) == list(names).index(tag), (tag, counts)  # the form shows it back
 
 
 def test_old_launch_payloads_still_run_when_the_unused_sections_are_defaults() -> None:
