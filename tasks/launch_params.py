@@ -5,15 +5,30 @@ launch model (both cluster sections always present) are still read (`_from_singl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, GetJsonSchemaHandler, TypeAdapter, model_validator
 
 from dinov3_core.forms import ui
-from dinov3_core.launch.training import LaunchSettings
+from dinov3_core.launch.training import MAX_PROCESSES, PROCESSES_DESCRIPTION, LaunchSettings, local_gpu_count
 from tasks.launch_k8s import KubernetesSettings
 from tasks.launch_slurm import SlurmSettings
+
+CPU_PROCESSES = 2  # a CPU host's default: the demo's (`make demo`: --nproc-per-node 2), gloo ranks sharing its cores
+
+
+def default_processes(gpus: int | None = None, cores: int | None = None) -> int:
+    """The Local launch's default processes per node, for the host the form is built on (where `prefect deploy`
+    runs, or the flow run's host for a payload without it): one per GPU on a GPU host, else `CPU_PROCESSES` on a
+    CPU host with that many cores, else 1."""
+    gpus = local_gpu_count() if gpus is None else gpus
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if gpus:
+        return min(gpus, MAX_PROCESSES)
+    return CPU_PROCESSES if cores >= CPU_PROCESSES else 1
+
 
 BACKEND_DESCRIPTION = "Set by the choice of Local, SLURM or Kubernetes (not drawn in the forms: `_variant_schema`)."
 CLUSTER_SECTIONS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings}  # backend → its own form section
@@ -48,9 +63,20 @@ def _variant_schema(backend: str) -> Callable[[dict[str, Any]], None]:
 
 
 class LocalLaunch(LaunchSettings):
-    """torchrun on the worker's host (GPU slots of `gpu_slots` held while it runs)."""
+    """torchrun on the worker's host: its CPU cores, or on a GPU host one process per GPU (holding slots of
+    `gpu_slots` while it runs)."""
 
     model_config = ConfigDict(extra="forbid", title="Local (this host)", json_schema_extra=_variant_schema("local"))
+
+    nproc_per_node: int = Field(
+        default_processes(),  # this host's, where the form's schema is made: `default_processes`
+        ge=1,
+        le=MAX_PROCESSES,
+        title="Processes per node",
+        description=f"{PROCESSES_DESCRIPTION} Default: one per GPU of the host the deployment was registered on, "
+        f"else {CPU_PROCESSES}.",
+        json_schema_extra=ui(0),
+    )
 
     backend: Literal["local"] = Field(
         "local", title="Backend", description=BACKEND_DESCRIPTION, json_schema_extra=ui(7)

@@ -27,7 +27,7 @@ from flows.pipeline import pipeline_flow
 from flows.pretrain import pretrain_flow
 from flows.retrain import retrain_flow
 from flows.tile import tile_flow
-from tasks.launch_params import LAUNCH, KubernetesLaunch, LocalLaunch, SlurmLaunch
+from tasks.launch_params import LAUNCH, KubernetesLaunch, LocalLaunch, SlurmLaunch, default_processes
 from tests.helpers import REPO
 
 FLOWS = {
@@ -265,3 +265,24 @@ def test_the_server_still_refuses_unknown_and_out_of_range_launch_keys() -> None
         assert validate(pipeline_payload(launch), schema), launch
         with pytest.raises(ParameterTypeError):
             pipeline_flow.validate_parameters(pipeline_payload(launch))
+
+
+def test_the_local_launchs_processes_follow_the_host() -> None:
+    """One process per GPU on a GPU host; on a CPU host the demo's 2 when it has the cores, else 1. The form (the
+    schema's default) and a payload that leaves it out agree."""
+    assert [default_processes(gpus=g, cores=c) for g, c in ((8, 2), (1, 64), (0, 16), (0, 2), (0, 1))] == [
+        8,
+        1,
+        2,
+        2,
+        1,
+    ]
+    assert default_processes(gpus=128, cores=2) == 64  # the form's bound
+    here = default_processes()
+    assert LocalLaunch().nproc_per_node == here == LAUNCH.validate_python({}).nproc_per_node
+    definitions = schema_of("pretrain")["definitions"]
+    assert definitions["LocalLaunch"]["properties"]["nproc_per_node"]["default"] == here
+    # A CPU box's form speaks of GPU slots only as what they do on a GPU host.
+    local = definitions["LocalLaunch"]
+    for text in [local["description"], *(p.get("description", "") for p in local["properties"].values())]:
+        assert "GPU" not in text or "GPU host" in text, text
