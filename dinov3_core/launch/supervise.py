@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -38,6 +38,33 @@ from dinov3_core.launch.job import (
     TorchrunJob,
     torchrun_argv,
 )
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _signals_stop_the_job() -> Iterator[list[int]]:
+    """While the job is started and supervised, SIGTERM and SIGINT only note themselves (the list yielded); the
+    supervising loop then stops the whole job. A handler that raised could do so between torchrun's start and the
+    `try` that stops it, or inside `Popen`, leaving torchrun (and the ranks it was starting) behind. On the way out
+    the previous handlers come back and a noted signal is delivered again, so the process then does what it would
+    have done (dies by it, or raises Prefect's TerminationSignal / KeyboardInterrupt). Main thread only (Python
+    runs handlers there); a signal the process ignores stays ignored."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if received:
+        signal.raise_signal(received[0])
 
 
 def run_torchrun(
@@ -79,71 +106,77 @@ def run_torchrun(
 
     log(f"torchrun: {shlex.join(argv)}")
     log(f"torchrun: every rank's output goes to {log_dir}")
-    # No start_new_session: torchrun must stay in our process group, which Prefect signals on cancellation.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-        bufsize=1,
-        env=env,
-    )
-    tracker = _JobProcesses(proc.pid, token)
-    reader: threading.Thread | None = None
     timed_out = False
-    try:  # from here on, whatever happens, the job's processes are stopped before this function is left
-        console: deque[str] = deque(maxlen=_CONSOLE_KEEP)
-        lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"torchrun-{proc.pid}", daemon=True)
-        reader.start()
-        deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
-        eof = False
-        exited_at: float | None = None
-        last_scan = 0.0
-        while True:
-            now = time.monotonic()
-            wait = poll_s if deadline is None else max(0.0, min(poll_s, deadline - now))
-            if eof:
-                time.sleep(wait)
-            else:
-                try:
-                    line = lines.get(timeout=wait)
-                except queue.Empty:
-                    pass
+    with _signals_stop_the_job() as received:  # before torchrun exists: no signal can come between start and stop
+        # Its own session (process group = torchrun's pid): a signal to the caller's group (Prefect's cancellation,
+        # Ctrl-C) reaches this process alone, which stops the job as a whole; torchrun is never caught by it while
+        # it is starting its ranks (it would die leaving the ones already started).
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+        )
+        tracker = _JobProcesses(proc.pid, token)
+        reader: threading.Thread | None = None
+        try:  # from here on, whatever happens, the job's processes are stopped before this function is left
+            console: deque[str] = deque(maxlen=_CONSOLE_KEEP)
+            lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+            reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"torchrun-{proc.pid}", daemon=True)
+            reader.start()
+            deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
+            eof = False
+            exited_at: float | None = None
+            last_scan = 0.0
+            while not received:
+                now = time.monotonic()
+                wait = poll_s if deadline is None else max(0.0, min(poll_s, deadline - now))
+                if eof:
+                    time.sleep(wait)
                 else:
-                    if line is None:
-                        eof = True
+                    try:
+                        line = lines.get(timeout=wait)
+                    except queue.Empty:
+                        pass
                     else:
-                        console.append(line)
-                        log(line)
-            now = time.monotonic()
-            if proc.poll() is not None:
-                exited_at = exited_at or now
-                if eof or now - exited_at > _EOF_WAIT_S:
-                    break
-            else:
-                if now - last_scan > _SCAN_INTERVAL_S:
-                    tracker.scan()
-                    last_scan = now
-                if deadline is not None and now >= deadline:
-                    timed_out = True
-                    break
-    finally:
-        # Runs on success too: a rank that outlived torchrun (or anything else carrying the token) is an orphan.
-        try:
-            stopped = tracker.stop_all(proc, grace_s)
-        except BaseException:  # interrupted again (a second Ctrl-C / TerminationSignal): no grace any more
-            tracker.kill_now(proc)
-            raise
-        if stopped:
-            _safe_log(log, f"torchrun: stopped {len(stopped)} process(es) of the job: pids {sorted(stopped)}")
-        if reader is not None:
-            reader.join(timeout=1.0)
-        if (reader is None or not reader.is_alive()) and proc.stdout is not None:
-            proc.stdout.close()
+                        if line is None:
+                            eof = True
+                        else:
+                            console.append(line)
+                            log(line)
+                now = time.monotonic()
+                if proc.poll() is not None:
+                    exited_at = exited_at or now
+                    if eof or now - exited_at > _EOF_WAIT_S:
+                        break
+                else:
+                    if now - last_scan > _SCAN_INTERVAL_S:
+                        tracker.scan()
+                        last_scan = now
+                    if deadline is not None and now >= deadline:
+                        timed_out = True
+                        break
+            if received:
+                _safe_log(log, f"torchrun: {signal.Signals(received[0]).name} received: stopping the job")
+        finally:
+            # Runs on success too: a rank that outlived torchrun (or anything else carrying the token) is an orphan.
+            try:
+                stopped = tracker.stop_all(proc, grace_s)
+            except BaseException:  # interrupted again (a second Ctrl-C / TerminationSignal): no grace any more
+                tracker.kill_now(proc)
+                raise
+            if stopped:
+                _safe_log(log, f"torchrun: stopped {len(stopped)} process(es) of the job: pids {sorted(stopped)}")
+            if reader is not None:
+                reader.join(timeout=1.0)
+            if (reader is None or not reader.is_alive()) and proc.stdout is not None:
+                proc.stdout.close()
 
     run_dir = new_run_dir(log_dir, runs_before)
     if timed_out:
@@ -274,15 +307,14 @@ class _JobProcesses:
             time.sleep(0.1)
         if proc.poll() is None:
             self.scan()
+            _signal_popen(proc, signal.SIGKILL)  # first: once torchrun is gone it cannot start another rank
+        # A process in D state (hung driver call) survives SIGKILL: nothing more can be done from here.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
         leftovers = self._alive() + self._token_holders()
         for p in leftovers:
             signalled.add(p.pid)
             _signal(p, signal.SIGKILL)
-        if proc.poll() is None:
-            _signal_popen(proc, signal.SIGKILL)
-        # A process in D state (hung driver call) survives SIGKILL: nothing more can be done from here.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
         _wait_gone(leftovers, timeout=5.0)
         return signalled
 
@@ -301,8 +333,12 @@ def _signal(p: psutil.Process, sig: int) -> None:
 
 
 def _signal_popen(proc: subprocess.Popen[str], sig: int) -> None:
+    """`sig` to torchrun's whole process group (its session: `run_torchrun`), torchrun included."""
     with contextlib.suppress(OSError):
-        proc.send_signal(sig)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+    with contextlib.suppress(OSError):
+        proc.send_signal(sig)  # torchrun alone, should its group be gone
 
 
 def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> None:
