@@ -19,7 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.prefect_deploy import deploy, job_processes, wait_final, worker
 from tests.test_launch import DRIVER, MARK, REPO, _assert_all_gone, _marked
+
+__all__ = ["worker"]  # the module's process-worker fixture
 
 TRIES = 5
 
@@ -73,3 +76,39 @@ def test_a_sigterm_during_the_launch_leaves_no_process_of_the_job(tmp_path: Path
                 driver.wait()
             for p in _marked(marker):
                 p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prefect_cancels_a_flow_run_while_its_torchrun_job_starts(
+    worker: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """Prefect's own cancellation (the worker's SIGTERM to the flow run's process group) as the ranks start: the
+    run ends Cancelled and no process of the job is left."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    deploy("tests/dist_scripts/hang_flow.py:hang_flow", "hang-test")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    run = run_deployment(
+        "hang/hang-test",
+        parameters={"pid_dir": str(pid_dir), "log_dir": str(tmp_path / "logs")},
+        timeout=0,
+        as_subflow=False,
+    )
+    deadline = time.monotonic() + 180
+    while not job_processes(str(pid_dir)):  # torchrun is up (its command line names the pid directory)
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    procs = job_processes(str(pid_dir))
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+    final = wait_final(run.id, timeout=120)
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    assert final.state.is_cancelled(), (final.state, logs[-20:])
+    _gone, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive and not job_processes(str(pid_dir)), [(p.pid, p.cmdline()) for p in alive]
