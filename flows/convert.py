@@ -6,11 +6,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import ConvertParams
 from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="convert")
+@fails_in_one_line
 def convert_flow(params: ConvertParams) -> dict[str, Any]:
     """Extract the teacher backbone of a training checkpoint (no optimizer state, no duplicates).
 

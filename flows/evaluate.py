@@ -6,11 +6,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import EvaluateParams
 from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="evaluate")
+@fails_in_one_line
 def evaluate_flow(params: EvaluateParams) -> dict[str, Any]:
     """Score the candidate, the registry's champion and a baseline on the same labelled tiles and slide split;
     promote the candidate to `@champion` only when it is measurably better (the decision and its reason are in

@@ -6,11 +6,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import ExportParams
 from tasks.stage_task import load_stage_config, run_stage_task
 
 
 @flow(name="export")
+@fails_in_one_line
 def export_flow(params: ExportParams) -> dict[str, Any]:
     """Export to ONNX with dynamic batch and image size, compare with PyTorch, register the model with an alias.
 

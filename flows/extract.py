@@ -6,11 +6,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import ExtractParams
 from tasks.stage_task import load_stage_config, run_job_stage
 
 
 @flow(name="extract")
+@fails_in_one_line
 def extract_flow(params: ExtractParams) -> dict[str, Any]:
     """Extract features with an ONNX model (ONNX Runtime) or a backbone.pth (PyTorch); slides already extracted
     with the same model are skipped one by one. With `launch.nproc_per_node` > 1 (or several nodes) a torchrun job:

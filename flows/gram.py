@@ -11,11 +11,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import GramParams
 from tasks.stage_task import load_stage_config, run_job_stage, training_flow_result
 
 
 @flow(name="gram")
+@fails_in_one_line
 def gram_flow(params: GramParams) -> Any:
     """Continue a pretraining run with gram anchoring; the gram teacher is a teacher-only eval checkpoint of that
     run, chosen by the config's policy (or given) and recorded in gram_teacher_selection.json.

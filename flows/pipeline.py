@@ -24,11 +24,13 @@ from dinov3_core import tracking
 from dinov3_core.pipeline.config import load_pipeline_config
 from dinov3_core.pipeline.run import PipelineResult, run_pipeline
 from tasks.chain_params import PipelineParams
+from tasks.inputs import fails_in_one_line
 from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 
 
 @flow(name="pipeline")
+@fails_in_one_line
 def pipeline_flow(params: PipelineParams) -> Any:
     """Slides → tiles → pretraining → gram → backbone → ONNX → evaluation → features, one stage after another.
 

@@ -11,11 +11,13 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import PretrainParams
 from tasks.stage_task import load_stage_config, run_job_stage, training_flow_result
 
 
 @flow(name="pretrain")
+@fails_in_one_line
 def pretrain_flow(params: PretrainParams) -> Any:
     """Pretrain (or continue pretraining) DINOv3 on tile stores; skipped when the run is complete and unchanged.
 

@@ -21,12 +21,14 @@ from prefect.states import Completed
 from dinov3_core.retrain.config import load_retrain_config
 from dinov3_core.retrain.cycle import run_cycle
 from tasks.chain_params import RetrainParams
+from tasks.inputs import fails_in_one_line
 from tasks.retrain import cycle_markdown
 from tasks.stage_task import prefect_stage_runner
 from tasks.tracking import prefect_run_tags
 
 
 @flow(name="retrain")
+@fails_in_one_line
 def retrain_flow(params: RetrainParams) -> Any:
     """Tile new slides → train from the champion when the cohort grew → evaluate → promote only if better →
     extract with the champion → retention, in `<root>/cycles/<cycle-id>/`.

@@ -21,12 +21,14 @@ from typing import Any
 
 from prefect import flow
 
+from tasks.inputs import fails_in_one_line
 from tasks.params import DaskParams, TileParams
 from tasks.stage_task import load_stage_config, run_stage_task
 from tasks.tile_groups import DaskSlideGroups
 
 
 @flow(name="tile")
+@fails_in_one_line
 def tile_flow(params: TileParams) -> dict[str, Any]:
     """Tile whole-slide images into a zarr tile store and log the run to MLflow.
 

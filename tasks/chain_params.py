@@ -5,7 +5,8 @@ jobs, and each stage's key after its name (`pretrain.train.stop_at=100`), as `ws
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,6 +25,11 @@ class PipelineParams(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", title="Pipeline parameters")
+    INPUTS: ClassVar[dict[str, str]] = {
+        "slides": "your slides (a folder, a glob, a slide file or a .txt/.csv list)",
+        "weights": "a released DINOv3 .pth, a preset name (vitb16, ...) or empty",
+        "annotations": "your annotations, or empty",
+    }
 
     slides: str = required_field(
         0, "Slides", "A directory (searched recursively), a glob, a slide file, or a .txt/.csv list of slide paths."
@@ -75,6 +81,16 @@ class PipelineParams(BaseModel):
             raise ValueError(f"start_at={self.start_at} comes after stop_after={self.stop_after}")
         return self
 
+    def unused_inputs(self) -> set[str]:
+        """The inputs this run does not read (`tasks.inputs`): those of stages outside start_at..stop_after, and
+        `weights` when it names a preset rather than a file (resolved later, in weights_dir)."""
+        stages = STAGES.names[STAGES.names.index(self.start_at) : STAGES.names.index(self.stop_after) + 1]
+        unused = {name for name, stage in (("slides", "tile"), ("annotations", "evaluate")) if stage not in stages}
+        path_like = self.weights and (self.weights.endswith((".pth", ".pt", ".safetensors")) or os.sep in self.weights)
+        if "pretrain" not in stages or not path_like:
+            unused.add("weights")
+        return unused
+
     def config_values(self) -> dict[str, Any]:
         fields = {
             "slides": self.slides,
@@ -96,6 +112,10 @@ class RetrainParams(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", title="Retrain parameters")
+    INPUTS: ClassVar[dict[str, str]] = {
+        "slides": "your slides (a folder, a glob, or a .txt/.csv list)",
+        "annotations": "your annotations, or empty",
+    }
 
     slides: str = required_field(
         0, "Slides", "The cohort's slides (grows between runs): a directory, a glob, or a .txt/.csv list."

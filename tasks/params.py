@@ -6,13 +6,14 @@ every config field is declared once, in its stage's dataclass, and `dinov3_core.
 key against it (naming the closest valid key on a typo) and validates its values. So a bound can never differ
 between a form and the stage. Optional fields render as plain inputs, empty meaning None (`dinov3_core.forms`).
 The sections the forms share (config and overrides, MLflow, launch, force) are declared once, by the `*_field`
-functions below, each form placing them at its own positions.
+functions below, each form placing them at its own positions. Each form's `INPUTS` names its input paths (field →
+what to set it to): `tasks.inputs` checks that they exist before its flow runs anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -172,6 +173,7 @@ class TileParams(BaseModel):
     """Tile whole-slide images into a zarr tile store (µm/px-exact tiles, tissue mask, QC pictures)."""
 
     model_config = ConfigDict(extra="forbid", title="Tile stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {"input": "your slides (a folder, a glob, a slide file or a .txt/.csv list)"}
 
     input: str = required_field(
         0, "Slides", "A directory (searched recursively), a glob, one slide file, or a .txt/.csv list of slide paths."
@@ -205,6 +207,10 @@ class PretrainParams(BaseModel):
     """DINOv3 self-supervised (continued) pretraining on tile stores, as a torchrun job."""
 
     model_config = ConfigDict(extra="forbid", title="Pretrain stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {
+        "stores": "tile stores written by the tile stage",
+        "pretrained_weights": "a released DINOv3 .pth, or empty",
+    }
 
     stores: list[str] = required_field(0, "Tile stores", "Tile store directories (…/tiles.zarr).")
     output_dir: str = required_field(
@@ -233,6 +239,11 @@ class GramParams(BaseModel):
     """Gram anchoring: continue a pretraining run with a frozen gram teacher chosen from its eval checkpoints."""
 
     model_config = ConfigDict(extra="forbid", title="Gram stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {
+        "pretrain_dir": "a pretraining run directory",
+        "stores": "tile stores, or empty",
+        "teacher_path": "a teacher checkpoint, or empty",
+    }
 
     pretrain_dir: str = required_field(
         0, "Pretraining run", "The pretraining run directory to continue; its eval/ holds the gram-teacher candidates."
@@ -265,6 +276,7 @@ class ConvertParams(BaseModel):
     """DCP training checkpoint → backbone.pth with the released DINOv3 key layout (teacher backbone only)."""
 
     model_config = ConfigDict(extra="forbid", title="Convert stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {"input": "a pretrain or gram run directory, or its ckpt/<iteration>/"}
 
     input: str = required_field(
         0,
@@ -285,6 +297,7 @@ class ExportParams(BaseModel):
     """backbone.pth → ONNX (dynamic batch and image size), checked against PyTorch with ONNX Runtime, registered."""
 
     model_config = ConfigDict(extra="forbid", title="Export stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {"weights": "a backbone.pth (convert's output)"}
 
     weights: str = required_field(0, "Backbone weights", "backbone.pth (from convert) or a released backbone.")
     output: str = required_field(1, "ONNX file", "e.g. /models/lab/model.onnx")
@@ -303,6 +316,11 @@ class EvaluateParams(BaseModel):
     """Frozen-feature probes of the candidate, the registry's champion and a baseline; the @champion gate."""
 
     model_config = ConfigDict(extra="forbid", title="Evaluate stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {
+        "store": "a tile store written by the tile stage",
+        "candidate": "a model.onnx or backbone.pth",
+        "annotations": "your annotations, or empty",
+    }
 
     store: str = required_field(0, "Tile store", "Holds the annotated slides.")
     candidate: str = required_field(1, "Candidate model", "model.onnx (export) or backbone.pth (convert).")
@@ -338,6 +356,7 @@ class ExtractParams(BaseModel):
     """Features for every tile of a tile store, slide embeddings and PCA feature maps, into zarr."""
 
     model_config = ConfigDict(extra="forbid", title="Extract stage parameters")
+    INPUTS: ClassVar[dict[str, str]] = {"store": "a tile store written by the tile stage", "model": "a model file"}
 
     store: str = required_field(0, "Tile store")
     model: str = required_field(1, "Model", "model.onnx (ONNX Runtime) or backbone.pth (PyTorch).")

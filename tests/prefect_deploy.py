@@ -26,12 +26,16 @@ from tests.helpers import REPO
 POOL = "wsidino-test-cpu"
 
 
-def deploy(entrypoint: str, name: str) -> UUID:
-    """Register a deployment of this checkout's flow on the test pool (what `prefect deploy` does)."""
+def deploy(entrypoint: str, name: str, params: dict[str, Any] | None = None) -> UUID:
+    """Register a deployment of this checkout's flow on the test pool (what `prefect deploy` does), with `params`
+    as its default parameters when given."""
     from prefect import flow
 
     remote = flow.from_source(source=str(REPO), entrypoint=entrypoint)
-    return remote.deploy(name=name, work_pool_name=POOL, print_next_steps=False, ignore_warnings=True)
+    parameters = {"params": params} if params is not None else None
+    return remote.deploy(
+        name=name, work_pool_name=POOL, parameters=parameters, print_next_steps=False, ignore_warnings=True
+    )
 
 
 def wait_final(flow_run_id: UUID, timeout: float) -> Any:
@@ -48,12 +52,12 @@ def wait_final(flow_run_id: UUID, timeout: float) -> Any:
             time.sleep(1.0)
 
 
-def trigger(deployment: str, parameters: dict[str, Any], env: dict[str, str] | None = None) -> UUID:
+def trigger(deployment: str, parameters: dict[str, Any] | None, env: dict[str, str] | None = None) -> UUID:
+    """What the UI's Run does; `parameters` None: with the deployment's own defaults (Quick run)."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment(
-        deployment, parameters={"params": parameters}, job_variables={"env": env or {}}, timeout=0, as_subflow=False
-    )
+    given = {"params": parameters} if parameters is not None else None
+    run = run_deployment(deployment, parameters=given, job_variables={"env": env or {}}, timeout=0, as_subflow=False)
     return run.id
 
 

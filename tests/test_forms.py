@@ -27,7 +27,7 @@ from flows.pipeline import pipeline_flow
 from flows.pretrain import pretrain_flow
 from flows.retrain import retrain_flow
 from flows.tile import tile_flow
-from tasks.launch_params import LAUNCH, LocalLaunch, SlurmLaunch
+from tasks.launch_params import LAUNCH, KubernetesLaunch, LocalLaunch, SlurmLaunch, default_processes
 from tests.helpers import REPO
 
 FLOWS = {
@@ -105,9 +105,18 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
     assert sorted(launch["discriminator"]["mapping"]) == ["kubernetes", "local", "slurm"]
     sections = {name: set(definitions[name]["properties"]) & {"slurm", "kubernetes"} for name in variants}
     assert sections == {"LocalLaunch": set(), "SlurmLaunch": {"slurm"}, "KubernetesLaunch": {"kubernetes"}}
-    for name in variants:  # one constant tag each, what the form's selector switches on, offered as its one choice
-        backend = definitions[name]["properties"]["backend"]
-        assert [backend["const"]] == [backend["default"]] == backend["enum"] and backend["type"] == "string"
+    for name, tag in zip(variants, ["local", "slurm", "kubernetes"], strict=True):
+        # No `backend` property: the forms would draw it as a greyed "Backend is a const" input. A payload may still
+        # name it, with its variant's tag alone; a cluster section comes with its defaults, so a form sends it.
+        assert "backend" not in definitions[name]["properties"] and "backend" not in definitions[name].get(
+            "required", []
+        )
+        assert definitions[name]["patternProperties"]["^backend$"] == {"enum": [tag]}
+        if tag != "local":
+            assert (
+                definitions[name]["properties"][tag]["default"]
+                == LAUNCH.validate_python({"backend": tag}).model_dump(mode="json", exclude_none=True)[tag]
+            )
     # On a CPU run the form shows the torchrun settings and nothing of a cluster.
     local = definitions["LocalLaunch"]["properties"]
     assert sorted(local, key=lambda k: local[k]["position"]) == [
@@ -118,7 +127,6 @@ def test_the_launch_is_a_union_on_backend_with_only_the_chosen_backends_section(
         "timeout_hours",
         "retries",
         "gpu_slots",
-        "backend",
     ]
 
 
@@ -186,6 +194,32 @@ OLD_K8S_DEFAULTS = {
 }
 
 
+def variant_defaults(definitions: dict[str, Any], name: str) -> dict[str, Any]:
+    """What a form switched to a launch variant sends: each drawn property's schema default (no `backend`)."""
+    properties = definitions[name]["properties"]
+    return {key: prop["default"] for key, prop in properties.items() if "default" in prop}
+
+
+def shared_keys(definitions: dict[str, Any], name: str, value: dict[str, Any]) -> int:
+    return len(set(value) & set(definitions[name]["properties"]))
+
+
+def test_what_a_form_sends_for_each_backend_runs_on_that_backend() -> None:
+    """Both Prefect UIs send the chosen variant's drawn fields, and show a value under the variant whose property
+    names it shares most of (the first of equals): the cluster section decides, as it does for the flow."""
+    schema = schema_of("pipeline")
+    definitions = schema["definitions"]
+    variants = {"local": LocalLaunch, "slurm": SlurmLaunch, "kubernetes": KubernetesLaunch}
+    names = {"local": "LocalLaunch", "slurm": "SlurmLaunch", "kubernetes": "KubernetesLaunch"}
+    for tag, kind in variants.items():
+        sent = variant_defaults(definitions, names[tag])
+        assert "backend" not in sent and (tag == "local") == ("slurm" not in sent and "kubernetes" not in sent)
+        assert validate(pipeline_payload(sent), schema) == []  # the server creates the run
+        assert type(pipeline_flow.validate_parameters(pipeline_payload(sent))["params"].launch) is kind
+        counts = [shared_keys(definitions, name, sent) for name in names.values()]
+        assert counts.index(max(counts)) == list(names).index(tag), (tag, counts)  # the form shows it back
+
+
 def test_old_launch_payloads_still_run_when_the_unused_sections_are_defaults() -> None:
     schema = schema_of("pipeline")
     old_local = {"nproc_per_node": 2, "backend": "local", "slurm": OLD_SLURM_DEFAULTS, "kubernetes": OLD_K8S_DEFAULTS}
@@ -231,3 +265,24 @@ def test_the_server_still_refuses_unknown_and_out_of_range_launch_keys() -> None
         assert validate(pipeline_payload(launch), schema), launch
         with pytest.raises(ParameterTypeError):
             pipeline_flow.validate_parameters(pipeline_payload(launch))
+
+
+def test_the_local_launchs_processes_follow_the_host() -> None:
+    """One process per GPU on a GPU host; on a CPU host the demo's 2 when it has the cores, else 1. The form (the
+    schema's default) and a payload that leaves it out agree."""
+    assert [default_processes(gpus=g, cores=c) for g, c in ((8, 2), (1, 64), (0, 16), (0, 2), (0, 1))] == [
+        8,
+        1,
+        2,
+        2,
+        1,
+    ]
+    assert default_processes(gpus=128, cores=2) == 64  # the form's bound
+    here = default_processes()
+    assert LocalLaunch().nproc_per_node == here == LAUNCH.validate_python({}).nproc_per_node
+    definitions = schema_of("pretrain")["definitions"]
+    assert definitions["LocalLaunch"]["properties"]["nproc_per_node"]["default"] == here
+    # A CPU box's form speaks of GPU slots only as what they do on a GPU host.
+    local = definitions["LocalLaunch"]
+    for text in [local["description"], *(p.get("description", "") for p in local["properties"].values())]:
+        assert "GPU" not in text or "GPU host" in text, text

@@ -333,6 +333,7 @@ def test_prefect_flow_follows_the_run_and_ends_with_the_verdict(
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     from flows.pretrain import pretrain_flow
+    from tasks.launch_params import LocalLaunch
     from tasks.params import PretrainParams, StageOptions, TrackingParams
 
     inert = {**INERT, "evaluation.eval_period_iterations": 6, "train.global_batch_size": 8}
@@ -341,6 +342,7 @@ def test_prefect_flow_follows_the_run_and_ends_with_the_verdict(
         output_dir=str(tmp_path / "run"),
         tracking=TrackingParams(enabled=False),
         stage=StageOptions(config="tiny", overrides=[f"{k}={json.dumps(v)}" for k, v in inert.items()]),
+        launch=LocalLaunch(nproc_per_node=1),  # one process on any host (the form's default follows the host)
     )
     state = pretrain_flow(params, return_state=True)
     assert state.is_completed() and state.message.startswith("pretrain: not learning: by iteration 5")

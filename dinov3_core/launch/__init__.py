@@ -4,12 +4,14 @@ losing its output, its errors or its processes.
 Why not just ``subprocess.run(torchrun …)``:
 
 * **Cancellation.** Prefect's process worker cancels a flow run with ``os.killpg`` (SIGTERM, then SIGKILL) on the
-  flow run's process group. torchrun is started in that group (no ``start_new_session``) so it gets the SIGTERM and
-  forwards it to its ranks. The ranks themselves run in sessions of their own (torchrun's ``SubprocessHandler``
-  uses ``start_new_session=True``), so they only die with torchrun because they call
-  `dinov3_core.procutil.die_with_parent` (``PR_SET_PDEATHSIG``). torchrun gets the same protection from a tiny
-  ``exec`` wrapper, so it stops its ranks when the launching process is SIGKILLed on its own (OOM killer,
-  ``kill -9``).
+  flow run's process group. torchrun runs in a session of its own, so that signal never catches it half-way
+  through starting its ranks (it would die leaving the ones already started): the launcher stops the job as a
+  whole. Its start is inside the cleanup's ``try``; a SIGTERM/SIGINT left at its default action (a `wsidino`
+  command) only notes itself while the job runs and is delivered again once the job is stopped. The ranks run in sessions of their own too
+  (torchrun's ``SubprocessHandler`` uses ``start_new_session=True``), so they only die with torchrun because they
+  call `dinov3_core.procutil.die_with_parent` (``PR_SET_PDEATHSIG``). torchrun gets the same protection from a tiny
+  ``exec`` wrapper, so it stops its ranks when the launching process is killed without cleanup (SIGKILL to the
+  group, the OOM killer, ``kill -9``).
 * **Timeouts.** A sync Prefect task in a worker thread cannot be interrupted, and a blocking ``proc.wait()`` cannot
   be either: the job is polled, and on expiry it is stopped here (`TorchrunJob.timeout_s`).
 * **No orphans.** Whatever ends the wait — success, failure, timeout, an exception in the calling thread such as

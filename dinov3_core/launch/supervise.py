@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -38,6 +38,33 @@ from dinov3_core.launch.job import (
     TorchrunJob,
     torchrun_argv,
 )
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _signals_stop_the_job() -> Iterator[list[int]]:
+    """While the job is started and supervised, SIGTERM and SIGINT left at their default action (a `wsidino`
+    command's SIGTERM: the process would die at once, leaving the job to die later, if at all) only note themselves
+    (the list yielded), and the supervising loop stops the whole job; then the default comes back and the signal is
+    delivered again: the process dies by it, as it would have. A handler of the caller's stays in place (Prefect
+    acknowledges a cancellation only while its own SIGTERM handler is installed; Python's SIGINT handler raises
+    KeyboardInterrupt): its exception reaches `run_torchrun`'s `try`, which encloses torchrun's start. Main thread
+    only (Python runs handlers there)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    defaults = [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in defaults:
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for sig in defaults:
+            signal.signal(sig, signal.SIG_DFL)
+    if received:
+        signal.raise_signal(received[0])
 
 
 def run_torchrun(
@@ -79,72 +106,84 @@ def run_torchrun(
 
     log(f"torchrun: {shlex.join(argv)}")
     log(f"torchrun: every rank's output goes to {log_dir}")
-    # No start_new_session: torchrun must stay in our process group, which Prefect signals on cancellation.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-        bufsize=1,
-        env=env,
-    )
-    tracker = _JobProcesses(proc.pid, token)
-    reader: threading.Thread | None = None
     timed_out = False
-    try:  # from here on, whatever happens, the job's processes are stopped before this function is left
-        console: deque[str] = deque(maxlen=_CONSOLE_KEEP)
-        lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"torchrun-{proc.pid}", daemon=True)
-        reader.start()
-        deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
-        eof = False
-        exited_at: float | None = None
-        last_scan = 0.0
-        while True:
-            now = time.monotonic()
-            wait = poll_s if deadline is None else max(0.0, min(poll_s, deadline - now))
-            if eof:
-                time.sleep(wait)
+    with _signals_stop_the_job() as received:  # before torchrun exists: no signal can come between start and stop
+        tracker = _JobProcesses(None, token)
+        proc: subprocess.Popen[str] | None = None
+        reader: threading.Thread | None = None
+        try:  # from here on, whatever happens, the job's processes are stopped before this function is left
+            # Its own session (process group = torchrun's pid): a signal to the caller's group (Prefect's
+            # cancellation, Ctrl-C) reaches this process, which stops the job as a whole; torchrun is never caught
+            # by it while it is starting its ranks (it would die leaving the ones already started).
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                encoding="utf-8",
+                errors="replace",
+                bufsize=1,
+                env=env,
+                start_new_session=True,
+            )
+            tracker.root_pid = proc.pid
+            console: deque[str] = deque(maxlen=_CONSOLE_KEEP)
+            lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+            reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"torchrun-{proc.pid}", daemon=True)
+            reader.start()
+            deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
+            eof = False
+            exited_at: float | None = None
+            last_scan = 0.0
+            while not received:
+                now = time.monotonic()
+                wait = poll_s if deadline is None else max(0.0, min(poll_s, deadline - now))
+                if eof:
+                    time.sleep(wait)
+                else:
+                    try:
+                        line = lines.get(timeout=wait)
+                    except queue.Empty:
+                        pass
+                    else:
+                        if line is None:
+                            eof = True
+                        else:
+                            console.append(line)
+                            log(line)
+                now = time.monotonic()
+                if proc.poll() is not None:
+                    exited_at = exited_at or now
+                    if eof or now - exited_at > _EOF_WAIT_S:
+                        break
+                else:
+                    if now - last_scan > _SCAN_INTERVAL_S:
+                        tracker.scan()
+                        last_scan = now
+                    if deadline is not None and now >= deadline:
+                        timed_out = True
+                        break
+            if received:
+                _safe_log(log, f"torchrun: {signal.Signals(received[0]).name} received: stopping the job")
+        finally:
+            # Runs on success too: a rank that outlived torchrun (or anything else carrying the token) is an orphan.
+            if proc is None:  # Popen itself was interrupted (its exception goes on): torchrun may exist unseen
+                tracker.kill_now(None)
             else:
                 try:
-                    line = lines.get(timeout=wait)
-                except queue.Empty:
-                    pass
-                else:
-                    if line is None:
-                        eof = True
-                    else:
-                        console.append(line)
-                        log(line)
-            now = time.monotonic()
-            if proc.poll() is not None:
-                exited_at = exited_at or now
-                if eof or now - exited_at > _EOF_WAIT_S:
-                    break
-            else:
-                if now - last_scan > _SCAN_INTERVAL_S:
-                    tracker.scan()
-                    last_scan = now
-                if deadline is not None and now >= deadline:
-                    timed_out = True
-                    break
-    finally:
-        # Runs on success too: a rank that outlived torchrun (or anything else carrying the token) is an orphan.
-        try:
-            stopped = tracker.stop_all(proc, grace_s)
-        except BaseException:  # interrupted again (a second Ctrl-C / TerminationSignal): no grace any more
-            tracker.kill_now(proc)
-            raise
-        if stopped:
-            _safe_log(log, f"torchrun: stopped {len(stopped)} process(es) of the job: pids {sorted(stopped)}")
-        if reader is not None:
-            reader.join(timeout=1.0)
-        if (reader is None or not reader.is_alive()) and proc.stdout is not None:
-            proc.stdout.close()
+                    stopped = tracker.stop_all(proc, grace_s)
+                except BaseException:  # interrupted again (a second Ctrl-C / TerminationSignal): no grace any more
+                    tracker.kill_now(proc)
+                    raise
+                if stopped:
+                    _safe_log(log, f"torchrun: stopped {len(stopped)} process(es) of the job: pids {sorted(stopped)}")
+                if reader is not None:
+                    reader.join(timeout=1.0)
+                if (reader is None or not reader.is_alive()) and proc.stdout is not None:
+                    proc.stdout.close()
 
+    assert proc is not None  # otherwise Popen's exception has propagated
     run_dir = new_run_dir(log_dir, runs_before)
     if timed_out:
         raise TorchrunFailed(
@@ -205,13 +244,16 @@ def _safe_log(log: Callable[[str], None], message: str) -> None:
 class _JobProcesses:
     """Every process of one launch: torchrun's descendants as seen while it ran, plus token holders at the end."""
 
-    def __init__(self, root_pid: int, token: str) -> None:
-        self.root_pid = root_pid
+    def __init__(self, root_pid: int | None, token: str) -> None:
+        self.root_pid = root_pid  # torchrun's, once Popen has returned it
         self.token = token
         self.known: dict[int, psutil.Process] = {}
+        self.children_before = {p.pid for p in psutil.Process().children()}
 
     def scan(self) -> None:
         """Record torchrun's current descendants (ranks and their children) while the tree is still connected."""
+        if self.root_pid is None:
+            return
         try:
             children = psutil.Process(self.root_pid).children(recursive=True)
         except psutil.Error:
@@ -233,10 +275,17 @@ class _JobProcesses:
                 continue
         return found
 
-    def kill_now(self, proc: subprocess.Popen[str]) -> None:
-        """SIGKILL every known process of the job and torchrun, without a grace period."""
-        for p in [*self._alive(), *self._token_holders()]:
+    def kill_now(self, proc: subprocess.Popen[str] | None) -> None:
+        """SIGKILL every known process of the job and torchrun, without a grace period. Without `proc` (Popen was
+        interrupted) torchrun is whichever child this process started since, exec'd or not."""
+        started = (
+            [] if proc is not None else [p for p in psutil.Process().children() if p.pid not in self.children_before]
+        )
+        for p in [*started, *self._alive(), *self._token_holders()]:
             _signal(p, signal.SIGKILL)
+        _wait_gone(started, timeout=5.0)
+        if proc is None:
+            return
         if proc.poll() is None:
             _signal_popen(proc, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -274,15 +323,14 @@ class _JobProcesses:
             time.sleep(0.1)
         if proc.poll() is None:
             self.scan()
+            _signal_popen(proc, signal.SIGKILL)  # first: once torchrun is gone it cannot start another rank
+        # A process in D state (hung driver call) survives SIGKILL: nothing more can be done from here.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
         leftovers = self._alive() + self._token_holders()
         for p in leftovers:
             signalled.add(p.pid)
             _signal(p, signal.SIGKILL)
-        if proc.poll() is None:
-            _signal_popen(proc, signal.SIGKILL)
-        # A process in D state (hung driver call) survives SIGKILL: nothing more can be done from here.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
         _wait_gone(leftovers, timeout=5.0)
         return signalled
 
@@ -301,8 +349,12 @@ def _signal(p: psutil.Process, sig: int) -> None:
 
 
 def _signal_popen(proc: subprocess.Popen[str], sig: int) -> None:
+    """`sig` to torchrun's whole process group (its session: `run_torchrun`), torchrun included."""
     with contextlib.suppress(OSError):
-        proc.send_signal(sig)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+    with contextlib.suppress(OSError):
+        proc.send_signal(sig)  # torchrun alone, should its group be gone
 
 
 def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> None:

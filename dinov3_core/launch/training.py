@@ -10,9 +10,19 @@ loads it: ranks, retries and the stage manifest all see one config.
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import subprocess
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dinov3_core.forms import optional_field, ui
+
+MAX_PROCESSES = 64  # per node
+PROCESSES_DESCRIPTION = (
+    "torchrun processes per node: one per GPU on a GPU host; on a CPU host, processes sharing its cores."
+)
 
 
 class LaunchSettings(BaseModel):
@@ -23,9 +33,9 @@ class LaunchSettings(BaseModel):
     nproc_per_node: int = Field(
         1,
         ge=1,
-        le=64,
+        le=MAX_PROCESSES,
         title="Processes per node",
-        description="torchrun processes per node (one per GPU).",
+        description=PROCESSES_DESCRIPTION,
         json_schema_extra=ui(0),
     )
     nnodes: int = Field(
@@ -45,7 +55,7 @@ class LaunchSettings(BaseModel):
     cuda_visible_devices: str | None = optional_field(
         3,
         "CUDA_VISIBLE_DEVICES",
-        "GPUs this job may use, e.g. 0,1. Empty: the worker's own setting.",
+        "GPU hosts: the GPUs this job may use, e.g. 0,1. Empty: the worker's own setting (none on a CPU host).",
         pattern=r"^[0-9, ]*$|^(GPU|MIG)-[A-Za-z0-9\-/,]+$",
     )
     timeout_hours: float | None = optional_field(
@@ -67,8 +77,8 @@ class LaunchSettings(BaseModel):
     gpu_slots: str | None = optional_field(
         6,
         "GPU slot limit",
-        "Name of a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
-        "nproc_per_node slots while it runs. Empty: no limit.",
+        "GPU hosts: a Prefect global concurrency limit counting GPUs (e.g. gpu-slots); the job occupies "
+        "nproc_per_node slots while it runs, so jobs queue rather than share a GPU. Empty: no limit (a CPU host's).",
     )
 
     @property
@@ -82,4 +92,22 @@ class LaunchSettings(BaseModel):
         return self
 
 
-__all__ = ["LaunchSettings"]
+@functools.cache
+def local_gpu_count() -> int:
+    """NVIDIA GPUs this process may use: `nvidia-smi -L` (no torch: the launcher runs in thin processes), narrowed
+    by CUDA_VISIBLE_DEVICES when set; 0 without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    count = 0
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
+            count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.TimeoutExpired):
+            count = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+__all__ = ["MAX_PROCESSES", "LaunchSettings", "local_gpu_count"]

@@ -1,10 +1,11 @@
 """Stands in for a Prefect flow-run process that runs a torchrun job (run by tests/test_launch.py).
 
-    python -m tests.dist_scripts.launch_driver PID_DIR LOG_DIR
+    python -m tests.dist_scripts.launch_driver PID_DIR LOG_DIR [default]
 
 Calls `dinov3_core.launch.run_torchrun` in the main thread on 2 ranks of ``launch_worker hang PID_DIR``, which never
 end. Like Prefect's engine, SIGTERM raises an exception in the main thread (Prefect's ``TerminationSignal``), so
-`run_torchrun`'s cleanup runs; the test also sends SIGKILL, where no cleanup runs at all.
+`run_torchrun`'s cleanup runs; the test also sends SIGKILL, where no cleanup runs at all. With ``default`` SIGTERM
+keeps Python's default action, as in the `wsidino` commands: the process dies by it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    if sys.argv[3:] != ["default"]:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     pid_dir, log_dir = Path(sys.argv[1]), Path(sys.argv[2])
     job = TorchrunJob(
         module="tests.dist_scripts.launch_worker",

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from dinov3_core.launch.training import local_gpu_count as count_local_gpus
 from wsidino_dev.serve.children import REPO_ROOT, ServeError, child_env, prefect_cli
 
 PREFECT_FILE = REPO_ROOT / "deploy" / "prefect.yaml"
@@ -30,22 +29,6 @@ RETRAIN_FLOW = "retrain"
 
 
 POOL_ROLES = {GPU_POOL: "GPU hosts", SLURM_POOL: "SLURM submit hosts"}
-
-
-def count_local_gpus() -> int:
-    """NVIDIA GPUs this process may use: `nvidia-smi -L`, narrowed by CUDA_VISIBLE_DEVICES when set."""
-    smi = shutil.which("nvidia-smi")
-    count = 0
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
-            count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-        except (OSError, subprocess.TimeoutExpired):
-            count = 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = min(count, len([d for d in visible.split(",") if d.strip()]))
-    return count
 
 
 def ensure_work_pools(api_url: str, names: Sequence[str] = (CPU_POOL, GPU_POOL, SLURM_POOL)) -> list[str]:
