@@ -7,8 +7,9 @@ Why not just ``subprocess.run(torchrun …)``:
   flow run's process group. torchrun runs in a session of its own, so that signal never catches it half-way
   through starting its ranks (it would die leaving the ones already started): the launcher stops the job as a
   whole. Its start is inside the cleanup's ``try``; a SIGTERM/SIGINT left at its default action (a `wsidino`
-  command) only notes itself while the job runs and is delivered again once the job is stopped. The ranks run in sessions of their own too
-  (torchrun's ``SubprocessHandler`` uses ``start_new_session=True``), so they only die with torchrun because they
+  command) only notes itself while the job runs and is delivered again once the job is stopped. The ranks run in
+  sessions of their own too (torchrun's ``SubprocessHandler`` uses ``start_new_session=True``), so they only die
+  with torchrun because they
   call `dinov3_core.procutil.die_with_parent` (``PR_SET_PDEATHSIG``). torchrun gets the same protection from a tiny
   ``exec`` wrapper, so it stops its ranks when the launching process is killed without cleanup (SIGKILL to the
   group, the OOM killer, ``kill -9``).
