@@ -210,7 +210,7 @@ def test_cpu_pipeline_is_small_and_local(deployments: dict[str, dict[str, Any]])
         cfg.stages["pretrain"].config == "cpu" and cfg.stages["gram"].config == "cpu"
     )  # gram: 20 % of the cpu pretraining
     assert stage_config(cfg, "pretrain").train.device == stage_config(cfg, "gram").train.device == "cpu"
-    assert params.launch.nproc_per_node == 1 and params.launch.gpu_slots is None
+    assert params.launch.nproc_per_node == 2 and params.launch.gpu_slots is None  # as make demo runs it
     # Relative to the checkout (the worker's working directory); make serve replaces them with absolute paths.
     assert not Path(params.slides).is_absolute() and not Path(params.workdir).is_absolute()
 
