@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from dinov3_core import locks
 from dinov3_core.checksums import check_artifacts
-from dinov3_core.errors import WsidinoError
+from dinov3_core.errors import OutputBusy, WsidinoError
 from dinov3_core.files import write_text_atomic
 
 MANIFEST_NAME = "stage_manifest.json"
@@ -133,13 +133,13 @@ def output_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     a `flock` on `.<manifest name>.lock` beside the manifest.
 
     Raises:
-        ManifestError: Another process holds the lock (its pid and host are named).
+        OutputBusy: Another process holds the lock (its pid and host are named).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
 
-    def busy(holder: str) -> ManifestError:
-        return ManifestError(f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it")
+    def busy(holder: str) -> OutputBusy:
+        return OutputBusy(f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it")
 
     with locks.exclusive(p.with_name(f".{p.name}.lock"), busy):
         yield

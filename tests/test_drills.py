@@ -1,0 +1,81 @@
+"""Fault drills the audit did not reach (issue 50), each on real components: real `wsidino` processes, the sample
+slides (OpenSlide), real zarr stores, a real read-only or full file system (a tmpfs mounted for the test: we run as
+root). The promise each holds is in docs/reliability.md."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import event_hooks
+from tests.helpers import REPO, by_name, read_json
+from wsidino_dev.short_run import SHORT_RUN
+
+
+def wsidino(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """The console command as a user types it (its own MLflow store in the work directory), started, not awaited."""
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    command = [sys.executable, "-m", "dinov3_core.cli", *args]
+    return subprocess.Popen(
+        command, cwd=REPO, env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finished(proc: subprocess.Popen[str], timeout: float = 600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def messages(stderr: str) -> list[str]:
+    """What the command said on stderr, log lines aside."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("INFO ", "DEBUG "))]
+
+
+# ------------------------------------------------------------------------- 1. two pipelines into one workdir
+
+
+def test_two_pipelines_into_one_workdir_one_runs_the_other_refuses_naming_the_holder(
+    sample_slides: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    for name in ("tissue_20x.svs", "tissue_40x.svs"):
+        (slides / name).symlink_to(by_name(sample_slides, name))
+    workdir = tmp_path / "run"
+    args = ["pipeline", "--slides", str(slides), "--workdir", str(workdir), "--to", "tile", *SHORT_RUN]
+    events = event_hooks.arm(monkeypatch, "hold_at_stage_start", tmp_path / "events")
+    both = [wsidino(*args), wsidino(*args)]  # started together, into one (not yet existing) work directory
+    try:
+        deadline = time.monotonic() + 300
+        while not list(events.glob("stage-started-*")) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in both) or any(p.poll() is None for p in both), "both ended"
+            time.sleep(0.05)
+        (started,) = events.glob("stage-started-*")
+        holder = int(started.name.rsplit("-", 1)[1])
+        winner = next(p for p in both if p.pid == holder)
+        loser = next(p for p in both if p.pid != holder)
+        rc, _, err = finished(loser, timeout=120)  # refused while the winner still holds the tile stage
+        assert winner.poll() is None, "the winner ended before the other was refused"
+    finally:
+        (events / "release").touch()
+    assert rc != 0, err[-3000:]
+    said = messages(err)
+    assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"pid {holder}" in said[0] and str(workdir / "tiles.zarr") in said[0], said[0]
+    rc, out, err = finished(winner)
+    assert rc == 0, err[-3000:]
+    manifest = read_json(workdir / "tiles.zarr" / "stage_manifest.json")
+    assert manifest["status"] == "complete", manifest
+    assert manifest["summary"]["failed"] == 0 and manifest["summary"]["tiles_total"] > 0, manifest["summary"]
+
+    monkeypatch.delenv(event_hooks.HOOKS_ENV)
+    rc, out, err = finished(wsidino(*args))
+    assert rc == 0, err[-3000:]
+    assert "tile: up to date" in out + err, (out + err)[-3000:]
+    assert read_json(workdir / "tiles.zarr" / "stage_manifest.json") == manifest  # the rerun skipped: untouched
