@@ -4,10 +4,12 @@ root). The promise each holds is in docs/reliability.md."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,8 @@ def test_two_pipelines_into_one_workdir_one_runs_the_other_refuses_naming_the_ho
     try:
         deadline = time.monotonic() + 300
         while not list(events.glob("stage-started-*")) and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in both) or any(p.poll() is None for p in both), "both ended"
+            if all(p.poll() is not None for p in both):
+                pytest.fail(f"both ended before a stage started: {[finished(p)[2][-1500:] for p in both]}")
             time.sleep(0.05)
         (started,) = events.glob("stage-started-*")
         holder = int(started.name.rsplit("-", 1)[1])
@@ -79,3 +82,36 @@ def test_two_pipelines_into_one_workdir_one_runs_the_other_refuses_naming_the_ho
     assert rc == 0, err[-3000:]
     assert "tile: up to date" in out + err, (out + err)[-3000:]
     assert read_json(workdir / "tiles.zarr" / "stage_manifest.json") == manifest  # the rerun skipped: untouched
+
+
+# ---------------------------------------------------------------------------------- 2. a read-only output
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str = "64m", *, read_only: bool = False) -> Iterator[Path]:
+    """A real tmpfs mounted at `where` for the block (root may mount: the drills run as root); `read_only`: remounted
+    read-only, which binds root too (a chmod would not)."""
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+QUIET = ["progress=false", "tracking.enabled=false"]
+
+
+def test_extract_into_a_read_only_directory_is_one_line_naming_the_path(
+    stage_extract_store: Path, converted: Path, tmp_path: Path
+) -> None:
+    with tmpfs(tmp_path / "readonly", read_only=True) as readonly:
+        out = readonly / "features.zarr"
+        argv = ["extract", "--store", str(stage_extract_store), "--model", str(converted), "--output", str(out)]
+        rc, _, err = finished(wsidino(*argv, *QUIET), timeout=300)
+        assert not any(readonly.iterdir())  # nothing written, nothing half-made
+    said = messages(err)
+    assert rc != 0 and "Traceback" not in err, err[-3000:]
+    assert len(said) == 1 and str(readonly) in said[0], err[-3000:]
