@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests import event_hooks
-from tests.helpers import REPO, by_name, read_json
+from tests.helpers import REPO, by_name, read_json, tile_store
 from wsidino_dev.short_run import SHORT_RUN
 
 
@@ -115,3 +116,26 @@ def test_extract_into_a_read_only_directory_is_one_line_naming_the_path(
     said = messages(err)
     assert rc != 0 and "Traceback" not in err, err[-3000:]
     assert len(said) == 1 and str(readonly) in said[0], err[-3000:]
+
+
+# ------------------------------------------------------------------- 3. a level's group deleted from the store
+
+
+def test_a_level_deleted_by_hand_is_named_with_its_slide_and_what_to_do(
+    sample_slides: Any, converted: Path, tmp_path: Path
+) -> None:
+    from dinov3_core.tiling import store as ts
+
+    slide = by_name(sample_slides, "tissue_20x.svs")
+    store = tile_store([slide], tmp_path / "tiles.zarr", tile_size=64, mpp=[0.5, 1.0])
+    (slide_id,) = ts.complete_slide_ids(store)
+    level = ts.find_level(ts.read_slide_attrs(store, slide_id), 1.0)
+    assert level is not None and level.get("path"), level
+    shutil.rmtree(ts.slide_dir(store, slide_id) / level["path"])  # by hand: the slide's attributes still list it
+
+    out = tmp_path / "features.zarr"
+    argv = ["extract", "--store", str(store), "--model", str(converted), "--output", str(out), "mpp=1.0", *QUIET]
+    rc, _, err = finished(wsidino(*argv), timeout=300)
+    said = messages(err)
+    assert rc != 0 and "Traceback" not in err and len(said) == 1, err[-3000:]
+    assert repr(slide_id) in said[0] and "1 µm/px" in said[0] and "wsidino tile" in said[0], said[0]
