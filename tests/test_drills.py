@@ -139,3 +139,49 @@ def test_a_level_deleted_by_hand_is_named_with_its_slide_and_what_to_do(
     said = messages(err)
     assert rc != 0 and "Traceback" not in err and len(said) == 1, err[-3000:]
     assert repr(slide_id) in said[0] and "1 µm/px" in said[0] and "wsidino tile" in said[0], said[0]
+
+
+# ---------------------------------------------------------------------- 4. a tampered export of extract
+
+
+def same_content(path: Path, written: bytes, tmp_path: Path) -> bool:
+    """`path` holds what `written` held: the same bytes, or for an .h5 (HDF5 stamps its own times) the same
+    datasets."""
+    if path.suffix != ".h5":
+        return path.read_bytes() == written
+    import h5py
+    import numpy as np
+
+    first = tmp_path / "written.h5"
+    first.write_bytes(written)
+    with h5py.File(first, "r") as a, h5py.File(path, "r") as b:
+        names: list[str] = []
+        a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
+        return bool(names) and all(np.array_equal(a[n][()], b[n][()]) for n in names)
+
+
+@pytest.mark.parametrize("damaged", ["h5", "geojson"])
+def test_a_tampered_export_is_noticed_by_the_rerun_and_rewritten_from_the_features(
+    stage_extract_store: Path, converted: Path, tmp_path: Path, damaged: str
+) -> None:
+    from dinov3_core.extract.feature_store import h5_dir, pictures_dir
+
+    out = tmp_path / "features.zarr"
+    argv = ["extract", "--store", str(stage_extract_store), "--model", str(converted), "--output", str(out)]
+    words = ["format=both", "qupath=true", "qupath_clusters=2", "pca_map=false", *QUIET]
+    rc, _, err = finished(wsidino(*argv, *words), timeout=300)
+    assert rc == 0, err[-3000:]
+    slide_id = sorted(p.name for p in (out / "slides").iterdir())[0]
+    target = h5_dir(out) / f"{slide_id}.h5" if damaged == "h5" else pictures_dir(out) / slide_id / "tiles.geojson"
+    good = target.read_bytes()
+    tampered = bytearray(good)
+    tampered[len(good) // 2] ^= 0xFF  # edited in place, same size: only the content (and its mtime) tells
+    target.write_bytes(bytes(tampered))
+
+    rc, out_text, err = finished(wsidino(*argv, *words), timeout=300)
+    said = out_text + err
+    assert rc == 0, err[-3000:]
+    assert "content differs" in said and str(target) in said, said[-3000:]  # why it reran, and what it rewrote
+    assert same_content(target, good, tmp_path)  # rewritten from the stored features: what extract wrote at first
+    rc, out_text, err = finished(wsidino(*argv, *words), timeout=300)
+    assert rc == 0 and "up to date" in out_text + err, (out_text + err)[-3000:]  # and now it holds again
