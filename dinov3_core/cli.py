@@ -22,7 +22,7 @@ from typing import Any
 from dinov3_core.cli_chains import add_chain_commands
 from dinov3_core.cli_options import job_failed, launch_from, launch_options, tile_progress
 from dinov3_core.config import ConfigError, config_dir, load_config, parse_overrides
-from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WsidinoError, exit_code
+from dinov3_core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OutputBusy, WsidinoError, exit_code
 from dinov3_core.stages import STAGES, Stage, get_stage
 
 
@@ -162,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WsidinoError as err:
         print(f"wsidino {args.command}: {err}", file=sys.stderr)
         return exit_code(err)  # a run that stopped itself (RunStopped) kept its output: rerun to resume
+    except OutputBusy as err:  # another run is writing that output: nothing was touched, rerun once it is done
+        print(f"wsidino {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except ValueError as err:  # launch settings out of bounds (pydantic names the field)
         print(f"wsidino {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE

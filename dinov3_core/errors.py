@@ -13,6 +13,12 @@ class WsidinoError(Exception):
     """Bad input or a bad environment. The CLI prints the message (no traceback) and exits with code 2."""
 
 
+class OutputBusy(RuntimeError):
+    """Another run holds the output's lock. Deliberately not a `WsidinoError`: the rule "bad input: remove what this
+    run created" must never touch an output (or a work directory) that the holder is writing; the CLI prints it as
+    one line and exits EXIT_FAILED (wait, then rerun), and a Prefect task may retry it."""
+
+
 # Exit codes of the `wsidino` commands: done, a stage failed (rerun to resume), bad input (fix it first).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from dinov3_core import locks
 from dinov3_core.checksums import check_artifacts
-from dinov3_core.errors import WsidinoError
+from dinov3_core.errors import OutputBusy, WsidinoError, disk_full, is_disk_full
 from dinov3_core.files import write_text_atomic
 
 MANIFEST_NAME = "stage_manifest.json"
@@ -133,15 +133,27 @@ def output_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     a `flock` on `.<manifest name>.lock` beside the manifest.
 
     Raises:
-        ManifestError: Another process holds the lock (its pid and host are named).
+        OutputBusy: Another process holds the lock (its pid and host are named).
+        ManifestError: The output's folder cannot be created or written (a read-only disk, no permission).
     """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    lock = p.with_name(f".{p.name}.lock")
+    try:  # the first write of a run: a folder it cannot write is named here, before anything else happens
+        p.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full(err, p.parent) from None
+        where = err.filename if isinstance(err.filename, str) else p.parent
+        raise ManifestError(
+            f"{where}: cannot write there ({err.strerror or err}); choose an output on a writable file system, "
+            "or make it writable, then rerun"
+        ) from None
 
-    def busy(holder: str) -> ManifestError:
-        return ManifestError(f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it")
+    def busy(holder: str) -> OutputBusy:
+        return OutputBusy(f"{p.parent} is being written by {holder}; wait for that run to finish or cancel it")
 
-    with locks.exclusive(p.with_name(f".{p.name}.lock"), busy):
+    with locks.exclusive(lock, busy):
         yield
 
 

@@ -199,7 +199,8 @@ def manifest_guard(spec: Stage[Any], cfg: Any, inputs: dict[str, dict[str, str]]
     )
     created = _first_missing_dir(path.parent)  # removed again when the run stops on bad input
     try:
-        with mf.output_lock(path):  # one run per output: a second one fails at once, naming the holder
+        # One run per output: a second one fails at once naming the holder (OutputBusy, so nothing here is removed).
+        with mf.output_lock(path):
             mf.write_manifest(path, m)
             try:
                 yield m

@@ -90,3 +90,12 @@ def kill_rank_mid_slide(event: str, **fields: Any) -> None:
         return
     marker.touch()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_at_stage_start(event: str, **fields: Any) -> None:
+    """Signal that a stage has started (inside its output lock), then hold it until the test writes `release`:
+    a second run into the same output meets the lock while this one provably holds it."""
+    if event != "stage.start":
+        return
+    (_dir() / f"stage-started-{os.getpid()}").touch()
+    wait_for(_dir() / "release")

@@ -1,4 +1,4 @@
-"""Fault drills on checkpoints (issue 50; docs/orchestration.md, "Fault drills: checkpoints"): a checkpoint that
+"""Fault drills on checkpoints (issue 50; docs/reliability.md, "Fault drills: checkpoints"): a checkpoint that
 cannot be verified, one whose checksums file was rewritten to match a tampered shard, a resume under another schedule
 or batch, and what convert and the model card say about the iteration they exported. Real tiny training runs, real
 DCP checkpoints, real stage manifests written by the stage runner."""

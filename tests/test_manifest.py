@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from dinov3_core import manifest as mf
 from dinov3_core.config import ConfigError, load_config
+from dinov3_core.errors import OutputBusy
 from dinov3_core.export.config import ExportConfig
 from dinov3_core.launch.training import LaunchSettings
 from dinov3_core.pipeline.config import load_pipeline_config
@@ -181,7 +182,7 @@ def test_one_run_per_output(tmp_path: Path):
     busy = rf"{tmp_path} is being written by pid \d+ on .*cancel it"
     with (
         mf.output_lock(spec.manifest_path(cfg)),  # another run is exporting to the same file
-        pytest.raises(mf.ManifestError, match=busy),
+        pytest.raises(OutputBusy, match=busy),
         manifest_guard(spec, cfg, {}),
     ):
         pytest.fail("must not run")

@@ -234,6 +234,12 @@ def scan_store(store_index: int, root: Path, mpp: float | None = None) -> list[S
             if level is None:
                 raise ts.missing_level(root, slide_id, attrs, mpp, "mpp")
             sub, expected = level.get("path") or "", level.get("tile_count")
+            if sub and not (ts.slide_dir(root, slide_id) / sub).is_dir():  # listed in the attributes, gone on disk
+                raise ts.TileStoreError(
+                    f"slide {slide_id!r} in tile store {root} lacks its level at {mpp:g} µm/px "
+                    f"({ts.slide_dir(root, slide_id) / sub} is missing); delete the slide's folder and re-run "
+                    "`wsidino tile` to tile it again at every level"
+                )
         prefix = f"{sub}/" if sub else ""
         shape = array_shape(root, slide_id, f"{prefix}tiles")
         # A slide without tiles is skipped whatever its columns look like (it may have none at all).

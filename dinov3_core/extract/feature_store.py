@@ -14,6 +14,7 @@ exports a committed slide lacks from the store (`finish_exports`).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 import zarr
 from PIL import Image, ImageDraw
 
+from dinov3_core.checksums import sha256
 from dinov3_core.data.augment_config import IMAGENET_MEAN, IMAGENET_STD
 from dinov3_core.extract.exports import cluster_tiles, h5_dir, write_h5
 from dinov3_core.inference.feature_model import ExtractError
@@ -32,6 +34,8 @@ from dinov3_core.tiling import store as ts
 
 ATTRS_KEY = "wsidino_features"
 INCOMING = ".incoming"
+EXPORT_DIGESTS = "export_sha256"  # in a slide's attrs: each export's SHA-256 as extract wrote it
+log = logging.getLogger(__name__)
 FORMAT = {"format": "wsidino-features", "version": 1}
 
 
@@ -80,21 +84,29 @@ def write_geojson(path: Path, cls_all: np.ndarray, coords: np.ndarray, tile_leve
 
 def finish_exports(cfg: Any, out: Path, slide_id: str, tile_attrs: dict[str, Any], tile_size: int) -> list[Path]:
     """The exports a committed slide lacks (asked for after it was extracted, or a run stopped between its commit
-    and their renames), written from the feature store; what a stopped run staged is not trusted and removed."""
+    and their renames), or whose content is no longer what extract wrote (their SHA-256 is in the slide's attrs),
+    written from the feature store; what a stopped run staged is not trusted and removed."""
     shutil.rmtree(staged_exports(out, slide_id), ignore_errors=True)
+    group = zarr.open_group(str(out / "slides" / slide_id), mode="r+")
+    attrs = group.attrs.asdict().get(ATTRS_KEY, {})
+    recorded = attrs.get(EXPORT_DIGESTS, {})
     written = []
     for name, final in export_targets(cfg, out, slide_id).items():
         if final.is_file():
-            continue
+            if recorded.get(name) in (None, sha256(final)):  # intact (or from before digests were recorded)
+                continue
+            log.warning("%s: its content differs from what extract wrote; rewriting it from the stored features", final)
         if name.endswith(".h5"):
-            written.append(export_h5(out, slide_id, tile_attrs, tile_size))
-            continue
-        group = zarr.open_group(str(out / "slides" / slide_id), mode="r")
-        tile_level0 = float(tile_attrs.get("tile_size_level0") or tile_size)
-        write_geojson(
-            final, np.asarray(group["cls"][:]), np.asarray(group["coords"][:]), tile_level0, cfg.qupath_clusters
-        )
+            export_h5(out, slide_id, tile_attrs, tile_size)
+        else:
+            tile_level0 = float(tile_attrs.get("tile_size_level0") or tile_size)
+            write_geojson(
+                final, np.asarray(group["cls"][:]), np.asarray(group["coords"][:]), tile_level0, cfg.qupath_clusters
+            )
         written.append(final)
+        recorded = {**recorded, name: sha256(final)}
+    if written:
+        group.attrs[ATTRS_KEY] = {**attrs, EXPORT_DIGESTS: recorded}
     return written
 
 
@@ -345,6 +357,9 @@ def commit_slide(cfg: Any, ds: Any, s: int, model: Any, out: Path) -> None:
         else:
             tile_level0 = float(tile_attrs.get("tile_size_level0") or ds.tile_size)
             write_geojson(exports / name, cls_all, coords, tile_level0, cfg.qupath_clusters)
+    # What each export held when written: a later run rewrites one whose content differs (`finish_exports`).
+    digests = {name: sha256(exports / name) for name in targets}
+    group.attrs[ATTRS_KEY] = {**group.attrs[ATTRS_KEY], EXPORT_DIGESTS: digests}
     for target in targets.values():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)  # an earlier model's export must not pass for this commit's

@@ -60,6 +60,17 @@ def _check(cfg: ExtractConfig) -> None:
     check_output(Path(cfg.output))
 
 
+def _outputs(cfg: ExtractConfig) -> dict[str, Any]:
+    """The feature store and each committed slide's exports: their SHA-256 in the manifest makes a damaged export a
+    reason to rerun (which rewrites it from the stored features)."""
+    from dinov3_core.extract.feature_store import export_targets
+
+    out = Path(cfg.output)
+    slides = sorted(p.name for p in (out / "slides").iterdir() if p.is_dir()) if (out / "slides").is_dir() else []
+    exports = {f"{s}/{n}": str(p) for s in slides for n, p in export_targets(cfg, out, s).items() if p.is_file()}
+    return {"features": cfg.output, **exports}
+
+
 def _pictures(cfg: ExtractConfig) -> list[tuple[Path, str]]:
     from dinov3_core.extract.extract import pictures_dir
 
@@ -91,7 +102,7 @@ STAGE: Stage[ExtractSummary] = Stage(
         "QuPath detections features/<id>/tiles.geojson with extract.qupath=true",
     ),
     inputs=lambda c: {"tile_store": c.store, "model": c.model},
-    outputs=lambda c: {"features": c.output},
+    outputs=_outputs,
     chain_values=_chain_values,
     work=_work,
     job_module="dinov3_core.extract.job",
