@@ -163,9 +163,12 @@ def run_pipeline(
             check_before_work({name: stage_config(cfg, name, weights)}, None, world, chain_keys=CHAIN_KEYS, only={key})
     check_duration(configs, world, yes=cfg.yes, log=log)
     workdir = Path(cfg.workdir).expanduser().resolve()
-    created = not workdir.exists()
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
+    try:  # created by this run or not, decided by the one mkdir that wins (two runs may start at once)
+        workdir.parent.mkdir(parents=True, exist_ok=True)
+        workdir.mkdir()
+        created = True
+    except FileExistsError:
+        created = False
     except OSError as err:
         raise ConfigError(f"workdir {workdir}: cannot create it ({err.strerror}); choose another --workdir") from None
     log(f"pipeline: {' → '.join(s.name for s in stages)} on {cfg.slides} in {workdir}; MLflow {cfg.tracking.uri}")
