@@ -80,13 +80,15 @@ def _on_sigterm(previous: Any) -> Any:
 
 
 def install_sigterm() -> None:
-    """Install the SIGTERM handler once per process; only the main thread may, and a process that ignores SIGTERM
-    keeps ignoring it."""
+    """Install the SIGTERM handler once per process, only where SIGTERM has its default action (a `wsidino`
+    command): a process that ignores it keeps ignoring it, and one whose SIGTERM another handler owns keeps that
+    one (Prefect acknowledges a cancellation only while its own handler is installed; its flow runs' MLflow runs are
+    ended by their context managers, or as KILLED by the next run's sweep). Only the main thread may install it."""
     global _installed
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
+    if previous is not signal.SIG_DFL:
         return
     signal.signal(signal.SIGTERM, _on_sigterm(previous))
     _installed = True

@@ -175,6 +175,7 @@ def test_the_next_cycle_warm_starts_from_the_champion_and_the_features_follow_th
     assert two["id"] != one["id"] and two["number"] == 2
     # Warm start from cycle 1's champion, on the old and the new slides.
     assert two["warm_start"] == {
+        "unvetted": False,  # the gate promoted cycle 1's model
         "source": "champion",
         "path": str(root / "cycles" / one["id"] / "model" / "backbone.pth"),
         "version": "1",

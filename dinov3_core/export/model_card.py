@@ -173,8 +173,9 @@ def write_model_card(onnx: Path, weights: Path, export: dict[str, Any]) -> Path:
     return write_text_atomic(onnx.parent / CARD_FILE, text)
 
 
-def add_evaluation(candidate: Path, table: str, decision: str) -> Path | None:
-    """Replace the card's evaluation section with this evaluation (the card beside the candidate, if any)."""
+def add_evaluation(candidate: Path, table: str, decision: str, evidence: str | None = None) -> Path | None:
+    """Replace the card's evaluation section with this evaluation (the card beside the candidate, if any): the table,
+    the decision and the gate's evidence line."""
     card = candidate.parent / CARD_FILE
     if not card.is_file():
         return None
@@ -182,7 +183,8 @@ def add_evaluation(candidate: Path, table: str, decision: str) -> Path | None:
     before, _, rest = text.partition(EVALUATION_HEADING)
     after = rest[rest.index("## Intended use") :] if "## Intended use" in rest else INTENDED_USE
     body = table.replace("# Evaluation\n", "").strip()
-    text = f"{before}{EVALUATION_HEADING}\n\n{body}\n\nDecision: {decision}\n\n{after}"
+    said = f"Decision: {decision}\n\n" + (f"Evidence: {evidence}\n\n" if evidence else "")
+    text = f"{before}{EVALUATION_HEADING}\n\n{body}\n\n{said}{after}"
     if (card.parent / HF_DIR / HF_CARD).is_file():
         write_text_atomic(card.parent / HF_DIR / HF_CARD, text)
     return write_text_atomic(card, text)

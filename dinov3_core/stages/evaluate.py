@@ -89,7 +89,7 @@ def _work(cfg: Any, hooks: RunHooks) -> tuple[Any, EvaluateSummary]:
     d, cand = r.decision, r.report.models["candidate"]
     line = evidence_line(d)
     hooks.log(line)
-    card = add_evaluation(Path(cfg.candidate), r.table, line)  # the evidence line: what the decision rested on
+    card = add_evaluation(Path(cfg.candidate), r.table, d.reason, line)
     describe_version(cfg, cfg.register_name, cand.get("version"), card)
     primary = cfg.gate.primary_metric.split(".")
     value = cand.get("probes", {}).get(primary[0], {}).get(primary[1], {}).get("value")
