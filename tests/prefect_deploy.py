@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -83,6 +85,25 @@ def flow_logs(flow_run_id: UUID) -> str:
             messages += [log.message for log in page]
             if len(page) < 200:
                 return "\n".join(messages)
+
+
+def ui_page_text(path: str, serve_dir: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A page of the Prefect UI as a real browser renders it. The test server has no UI, so `make serve`'s Prefect
+    server (with its UI) is started on the same database for the page."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    from tests.browser import page_text
+    from wsidino_dev.serve.servers import start_prefect_server
+
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", str(PREFECT_API_DATABASE_CONNECTION_URL.value()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_prefect_server(serve_dir, port)
+    try:
+        return page_text(f"{server.url}{path}")
+    finally:
+        server.stop()
 
 
 def job_processes(marker: str) -> list[psutil.Process]:

@@ -7,13 +7,12 @@ selector, then the chosen backend's fields, and no greyed "Backend is a const" i
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.browser import needs_chromium, page_text
-from tests.prefect_deploy import POOL, deploy
+from tests.browser import needs_chromium
+from tests.prefect_deploy import POOL, deploy, ui_page_text
 
 
 @needs_chromium
@@ -24,23 +23,12 @@ def test_the_run_form_offers_the_backends_without_a_const_backend_field(
 ) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-    from wsidino_dev.serve.servers import start_prefect_server
 
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
     params = {"slides": "/slides", "workdir": "/runs/lab1", "launch": {"nproc_per_node": 2, "backend": "local"}}
     deployment_id = deploy("flows/pipeline.py:pipeline_flow", "pipeline-form", params)
-    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", str(PREFECT_API_DATABASE_CONNECTION_URL.value()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = start_prefect_server(tmp_path / "serve", port)
-    try:
-        text = page_text(f"{server.url}/v2/deployments/deployment/{deployment_id}/run")
-    finally:
-        server.stop()
+    text = ui_page_text(f"/v2/deployments/deployment/{deployment_id}/run", tmp_path / "serve", monkeypatch)
     launch = text[text.index("Training launch") :]
     assert "Local (this host) SLURM Kubernetes" in launch, text[:4000]
     assert "Processes per node" in launch and "Partition" not in launch, launch[:3000]  # the local variant's fields

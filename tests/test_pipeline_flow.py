@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ import psutil
 import pytest
 
 from dinov3_core.stages import STAGE_NAMES
-from tests.browser import needs_chromium, page_text
+from tests.browser import needs_chromium
 from tests.helpers import REPO, by_name, read_json, slide_list
-from tests.prefect_deploy import deploy, flow_logs, job_processes, retry, trigger, wait_final, worker
+from tests.prefect_deploy import deploy, flow_logs, job_processes, retry, trigger, ui_page_text, wait_final, worker
 from tests.prefect_fixtures import MlflowTracking
 from wsidino_dev import faults
 from wsidino_dev.short_run import SHORT_EXPORT, SHORT_RUN
@@ -260,21 +259,8 @@ def test_following_a_deployment_run_prints_its_states_and_each_log_line_once(
 def test_the_prefect_ui_shows_the_pipeline_run_and_its_stage_logs(
     deployed_pipeline_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The flow run's page, rendered by a real browser: its final state and the stages' log lines. The test
-    server has no UI, so `make serve`'s Prefect server (with its UI) is started on the same database."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-    from wsidino_dev.serve.servers import start_prefect_server
-
-    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", str(PREFECT_API_DATABASE_CONNECTION_URL.value()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = start_prefect_server(tmp_path / "serve", port)
-    try:
-        text = page_text(f"{server.url}/runs/flow-run/{deployed_pipeline_run['id']}")
-    finally:
-        server.stop()
+    """The flow run's page, rendered by a real browser: its final state and the stages' log lines."""
+    text = ui_page_text(f"/runs/flow-run/{deployed_pipeline_run['id']}", tmp_path / "serve", monkeypatch)
     assert "Completed" in text and "pipeline: stage 1/7: tile" in text, text[:3000]
 
 
